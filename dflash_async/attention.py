@@ -1,0 +1,137 @@
+"""The DFlash training attention rule, in two implementations that must agree.
+
+Query = slot k of block j, with anchor a_j in document d_j (docs/DFLASH.md section 2). Keys are the
+T context rows followed by the Q = A*B block slots.
+- context row p is visible iff doc(p) == d_j and p < a_j (STRICTLY: at inference the anchor's own
+  target hidden state does not exist yet);
+- block slot s is visible iff it belongs to block j (bidirectional inside the block);
+- nothing is visible to an invalid anchor slot (its output is 0, and its loss is excluded).
+
+`dense_rule_mask` spells the rule literally as a [Q, T+Q] boolean mask for SDPA: the reference,
+usable on CPU with autograd. `flex_block_mask` builds a flex_attention BlockMask for the same rule
+directly from fixed-shape tensors (no compile, no host sync, so it can live inside a CUDA graph):
+since documents are contiguous, the visible context of block j is the interval [start(d_j), a_j).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dflash_async.drafter import Attend
+
+try:  # flex_attention exists on every torch we support; keep the import local to this module
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None
+    flex_attention = None
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """First row of each row's document, [T] -> [T], sync-free (cummax of start indices)."""
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.where(is_start, rows, 0).cummax(0).values
+
+
+def dense_rule_mask(
+    doc_ids: torch.Tensor,  # [T]
+    anchors: torch.Tensor,  # [A]
+    valid: torch.Tensor,  # [A] bool
+    block_size: int,
+) -> torch.Tensor:
+    """The rule as a [Q, T+Q] boolean mask (True = visible). Memory O(Q*(T+Q)): CPU/tests only."""
+    T, A, B = doc_ids.shape[0], anchors.shape[0], block_size
+    rows = torch.arange(T, device=doc_ids.device)
+    anchor_doc = doc_ids[anchors]  # [A]
+    context = (doc_ids[None, :] == anchor_doc[:, None]) & (rows[None, :] < anchors[:, None])
+    own_block = torch.eye(A, dtype=torch.bool, device=doc_ids.device)  # block j sees block j
+    per_block = torch.cat([context, own_block.repeat_interleave(B, dim=1)], dim=1)  # [A, T+Q]
+    per_block = per_block & valid[:, None]
+    return per_block.repeat_interleave(B, dim=0)  # [Q, T+Q]
+
+
+def sdpa_attend(mask: torch.Tensor) -> Attend:
+    """SDPA with a boolean mask (True = attend). Fully masked rows come out as 0, not NaN."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+def _visible_intervals(
+    doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row: context interval [lo, hi) and own-block start in the KV index space."""
+    T = doc_ids.shape[0]
+    starts = document_starts(doc_ids)[anchors]  # [A]
+    hi = torch.where(valid, anchors, starts)  # empty interval for invalid slots
+    block_lo = T + torch.arange(anchors.shape[0], device=anchors.device) * block_size
+    block_lo = torch.where(valid, block_lo, -block_size)  # invalid: no block keys either
+    expand = lambda x: x.repeat_interleave(block_size)  # noqa: E731  [A] -> [Q]
+    return expand(starts), expand(hi), expand(block_lo)
+
+
+def flex_block_mask(
+    doc_ids: torch.Tensor,  # [T]
+    anchors: torch.Tensor,  # [A]
+    valid: torch.Tensor,  # [A] bool
+    block_size: int,
+    tile: int = 128,
+) -> BlockMask:
+    """BlockMask of the rule, from fixed-shape tensor ops only (no host sync, capturable).
+
+    Requires T and Q = A*B to be multiples of `tile`. A KV tile is "full" for a query tile when
+    every row of the query tile sees every key of the KV tile (no mask_mod needed there), and
+    "partial" when some row sees some key.
+    """
+    T, A, B = doc_ids.shape[0], anchors.shape[0], block_size
+    Q, S = A * B, doc_ids.shape[0] + A * B
+    if T % tile or Q % tile:
+        raise ValueError(f"flex attention needs T={T} and Q={Q} to be multiples of {tile}")
+    lo, hi, block_lo = _visible_intervals(doc_ids, anchors, valid, B)  # [Q] each
+    tile_lo = torch.arange(0, S, tile, device=doc_ids.device)  # [S/tile]
+    tile_hi = tile_lo + tile
+    lo, hi, block_lo = lo[:, None], hi[:, None], block_lo[:, None]
+    sees_some = ((lo < tile_hi) & (tile_lo < hi) & (lo < hi)) | (
+        (block_lo < tile_hi) & (tile_lo < block_lo + B)
+    )  # [Q, S/tile]
+    sees_all = (lo <= tile_lo) & (tile_hi <= hi)  # a B-slot block never covers a whole tile
+    any_row = sees_some.view(Q // tile, tile, -1).any(1)  # [Q/tile, S/tile]
+    full = sees_all.view(Q // tile, tile, -1).all(1)
+    partial = any_row & ~full
+
+    def mask_mod(b, h, q_idx, kv_idx):  # the same rule, per element, for partial tiles
+        q_lo, q_hi, q_block = lo[q_idx, 0], hi[q_idx, 0], block_lo[q_idx, 0]
+        in_context = (kv_idx >= q_lo) & (kv_idx < q_hi)
+        in_block = (kv_idx >= q_block) & (kv_idx < q_block + B)
+        return in_context | in_block
+
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=tile,
+        mask_mod=mask_mod,
+        seq_lengths=(Q, S),
+    )
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nq, nkv] bool -> (num_blocks [1,1,nq] int32, indices [1,1,nq,nkv] int32), set tiles first."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[None, None], order[None, None]
+
+
+def flex_attend(block_mask: BlockMask, flex_fn: Callable | None = None) -> Attend:
+    """flex_attention under `block_mask`; pass the compiled function on GPU (eager is slow)."""
+    fn = flex_fn or flex_attention
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return attend

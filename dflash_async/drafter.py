@@ -1,0 +1,188 @@
+"""The DFlash drafter: a few Qwen3 decoder layers that fill a block of B tokens in one pass.
+
+Inputs are the block stream (the target's embeddings of `[anchor, MASK, ..., MASK]`) and the
+target's hidden states of the context (docs/DFLASH.md section 1). In EVERY layer the keys and
+values are `[W_k C ; W_k h]`, `[W_v C ; W_v h]`: the fused target context C followed by the block
+stream h = input_layernorm(x). Queries come from the block only; C is never updated by the layers.
+
+The drafter owns no embedding and no lm_head: the caller embeds with the target's frozen
+`embed_tokens` and decodes with the target's frozen `lm_head`. Parameter names are exactly the
+servable checkpoint's (DFLASH.md section 7), so export is a dtype cast and nothing else.
+
+Attention is injected as a callable `attend(q, k, v) -> out` (see attention.py): the dense-mask
+SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_async.drafter_config import DrafterConfig
+
+# attend(q [1, H, Q, hd], k [1, Hkv, S, hd], v [1, Hkv, S, hd]) -> [1, H, Q, hd], S = T + Q.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in: autocast's when it is on (bf16 on GPU), else the tensor's own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in (at least) fp32, scale, cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(_at_least_fp32(x.dtype))
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-convention rotary tables for `positions` [N] -> cos, sin [N, head_dim] in `dtype`."""
+    math_dtype = _at_least_fp32(dtype)
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=math_dtype) / head_dim
+    inv_freq = 1.0 / theta**exponent  # [hd/2]
+    angles = positions.to(math_dtype)[:, None] * inv_freq[None, :]  # [N, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)  # [N, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., N, hd] by the tables [N, hd] (rotate_half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    """GQA attention whose keys/values are the fused context followed by the block stream."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hd,
+        )
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: RMSNorm | None) -> torch.Tensor:
+        """[N, d] -> [1, n_heads, N, hd], with the per-head norm (q_norm / k_norm) if given."""
+        y = proj(x).unflatten(-1, (-1, self.head_dim))  # [N, n, hd]
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(0, 1).unsqueeze(0)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [Q, d] block stream after input_layernorm
+        context: torch.Tensor,  # [T, d] fused target context C
+        block_rope: tuple[torch.Tensor, torch.Tensor],  # [Q, hd] each
+        context_rope: tuple[torch.Tensor, torch.Tensor],  # [T, hd] each
+        attend: Attend,
+    ) -> torch.Tensor:
+        q = apply_rope(self._heads(h, self.q_proj, self.q_norm), *block_rope)  # [1, H, Q, hd]
+        k_context = apply_rope(self._heads(context, self.k_proj, self.k_norm), *context_rope)
+        k_block = apply_rope(self._heads(h, self.k_proj, self.k_norm), *block_rope)
+        k = torch.cat([k_context, k_block], dim=2)  # [1, Hkv, T+Q, hd]
+        v = torch.cat(
+            [self._heads(context, self.v_proj, None), self._heads(h, self.v_proj, None)], 2
+        )
+        out = attend(q, k, v)  # [1, H, Q, hd]
+        return self.o_proj(out.squeeze(0).transpose(0, 1).flatten(1))  # [Q, d]
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer with KV injection of the target context."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(self, x, context, block_rope, context_rope, attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter. forward() returns norm(x) [Q, d]; the caller applies the lm_head."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Qwen3's initialisation: normal(0, 0.02) linears, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """C = hidden_norm(fc(concat of k target layers)): [T, k*d] -> [T, d]."""
+        features = features.to(compute_dtype(self.fc.weight))
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [Q, d] target embeddings of the block tokens
+        block_positions: torch.Tensor,  # [Q] RoPE positions (anchor position + slot)
+        features: torch.Tensor,  # [T, k*d] target hidden states of the context rows
+        context_positions: torch.Tensor,  # [T] RoPE positions within each document
+        attend: Attend,
+    ) -> torch.Tensor:
+        cfg = self.config
+        dtype = compute_dtype(self.fc.weight)
+        context = self.fuse(features)  # [T, d]
+        x = block_embeds.to(dtype)  # the residual stream runs in the compute dtype
+        block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        for layer in self.layers:
+            x = layer(x, context, block_rope, context_rope, attend)
+        return self.norm(x)

@@ -1,0 +1,116 @@
+"""The drafter's configuration, derived from the frozen target's Hugging Face config.
+
+The drafter shares the target's hidden size (its features and token embeddings live in that space),
+vocabulary (it decodes with the target's lm_head) and rope_theta. Heads, head_dim and the MLP width
+are copied from the target by default (docs/DFLASH.md section 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+# DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
+QWEN3_MASK_TOKEN_ID = 151669
+QWEN35_MASK_TOKEN_ID = 248070
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shapes of a DFlash drafter. Field names follow the servable config.json (DFLASH.md s.7)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad or not self.target_layer_ids:
+            raise ValueError(
+                f"target_layer_ids={list(self.target_layer_ids)} must be non-empty and within "
+                f"[0, {self.num_target_layers})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary")
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} must be at least 2")
+
+    @property
+    def num_features(self) -> int:
+        """k: how many target layers feed the drafter."""
+        return len(self.target_layer_ids)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """DFLASH.md s.1: k==1 -> [L//2]; else round(1 + i*(L-4)/(k-1)), Python's round (ties to even).
+
+    >>> default_target_layer_ids(36, 5)
+    (1, 9, 17, 25, 33)
+    >>> default_target_layer_ids(42, 5)
+    (1, 10, 20, 30, 39)
+    """
+    if num_features < 1:
+        raise ValueError(f"num_features={num_features} must be at least 1")
+    if num_features == 1:
+        return (num_target_layers // 2,)
+    step = (num_target_layers - 4) / (num_features - 1)
+    return tuple(round(1 + i * step) for i in range(num_features))
+
+
+def _text_config(target_config: Any) -> Any:
+    """Multimodal wrappers (Qwen3.5) keep the language model's fields in `text_config`."""
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def drafter_config_from_target(
+    target_config: Any,
+    *,
+    num_hidden_layers: int = 5,
+    num_features: int = 5,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    **overrides: Any,
+) -> DrafterConfig:
+    """Derive a drafter config from a target's HF config; `overrides` replace any field."""
+    cfg = _text_config(target_config)
+    num_target_layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    rope_theta = getattr(cfg, "rope_theta", None)
+    if rope_theta is None:  # transformers 5 keeps it in rope_parameters
+        rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if mask_token_id is None:
+        mask_token_id = QWEN35_MASK_TOKEN_ID if cfg.vocab_size > 200_000 else QWEN3_MASK_TOKEN_ID
+    config = DrafterConfig(
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(rope_theta),
+        vocab_size=cfg.vocab_size,
+        num_target_layers=num_target_layers,
+        target_layer_ids=tuple(
+            target_layer_ids or default_target_layer_ids(num_target_layers, num_features)
+        ),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+    )
+    return replace(config, **overrides) if overrides else config

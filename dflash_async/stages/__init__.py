@@ -1,0 +1,1 @@
+"""One small async function per pipeline stage: read, target, train, report, save."""
