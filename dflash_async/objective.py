@@ -9,8 +9,8 @@ For a batch in the fixed layout (packing.PackedBatch) and A anchors:
 
 Everything here is fixed-shape and sync-free: hyper-parameters are fixed when the objective is
 built, per-step inputs are tensors, no op reads device data on the host. The lm_head over the
-A*(B-1) trained slots x vocab is never materialised at once: CE runs in chunks under activation
-checkpointing (one chunk of logits alive at a time, recomputed in backward).
+A*(B-1) trained slots x vocab is never materialised at once: CE runs in chunks, and each chunk's
+gradient is made in the forward pass (one chunk of logits alive at a time, nothing recomputed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dflash_async.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
 from dflash_async.drafter import DFlashDrafter
@@ -74,8 +73,8 @@ def step_metrics(sums: StepSums) -> dict[str, torch.Tensor]:
     """loss, acc and the acceptance proxy tau_hat (DFLASH.md s.4), still on the device."""
     return {
         "loss": sums.ce_sum / sums.weight_sum.clamp_min(1e-12),
-        "acc": sums.correct / sums.supervised.clamp_min(1),
-        "tau_hat": 1 + sums.accepted / sums.blocks.clamp_min(1),
+        "acc": sums.correct.double() / sums.supervised.clamp_min(1).double(),
+        "tau_hat": 1 + sums.accepted.double() / sums.blocks.clamp_min(1).double(),
     }
 
 
@@ -139,8 +138,9 @@ class DFlashObjective(nn.Module):
         self.lm_head_weight = lm_head_weight.detach()
         self.flex_fn = flex_fn
         B = config.block_size
-        decay = torch.tensor([0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)])
-        self.register_buffer("decay", decay, persistent=False)  # [B]; slot 0 never trained
+        decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
+        # [B], on the step's device from the start (no host->device copy inside a captured step)
+        self.decay = torch.tensor(decay, dtype=torch.float64, device=self.lm_head_weight.device)
 
     def _attend(self, batch: PackedBatch, anchors: Anchors):
         B = self.config.block_size
@@ -161,7 +161,7 @@ class DFlashObjective(nn.Module):
         target = target.clamp(max=T - 1)
         same_doc = inside & (batch.doc_ids[target] == batch.doc_ids[a][:, None])
         supervised = valid[:, None] & same_doc & batch.loss_mask[target]
-        weights = supervised * self.decay.to(batch.features.device)  # decay[0] = 0
+        weights = supervised * self.decay  # decay[0] = 0: slot 0 never trained
         tokens = torch.where(slot == 0, batch.input_ids[a][:, None], self.config.mask_token_id)
         positions = batch.position_ids[a][:, None] + slot
         return tokens, positions, batch.input_ids[target], weights
@@ -182,16 +182,15 @@ class DFlashObjective(nn.Module):
         tokens, positions, labels, weights = self._blocks(batch, anchors)
         hidden = self._hidden(batch, anchors, tokens, positions)
         # slot 0 (the anchor) is never trained: decode slots 1..B-1 only
-        ce, correct_pred = chunked_cross_entropy(
+        w = weights[:, 1:].flatten()  # [A*(B-1)]
+        ce_sum, correct_pred = linear_weighted_cross_entropy(
             hidden[:, 1:].flatten(0, 1),
             self.lm_head_weight,
             labels[:, 1:].flatten(),
+            w,
             self.config.ce_chunk_size,
-        )  # [A*(B-1)] each
-        w = weights[:, 1:].flatten()
+        )
         trained = w > 0
-        # select, never multiply by 0: a non-finite CE at an untrained slot must not leak in
-        ce_sum = torch.where(trained, w * ce, 0.0).sum()
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
         accepted = hit.long().cumprod(dim=1).sum()  # a miss or an untrained slot ends the run
         return StepSums(
@@ -211,32 +210,73 @@ class DFlashObjective(nn.Module):
         return hidden @ self.lm_head_weight.to(hidden.dtype).T
 
 
-def _ce_chunk(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ lm_head_weight.to(hidden.dtype).T).float()  # [c, V]
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return ce, logits.argmax(-1) == labels
-
-
-def chunked_cross_entropy(
-    hidden: torch.Tensor,  # [N, d]
+def _chunk_ce_and_grad(
+    hidden: torch.Tensor,  # [c, d]
     lm_head_weight: torch.Tensor,  # [V, d]
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """sum(w*CE), argmax==label [c] and d sum(w*CE) / d hidden [c, d] for one chunk."""
+    logits = hidden @ lm_head_weight.to(hidden.dtype).T  # [c, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
+    trained = weights > 0
+    ce = F.cross_entropy(logits, labels, reduction="none")  # [c]
+    # select, never multiply by 0: a non-finite CE at an untrained slot must not leak in
+    ce_sum = torch.where(trained, weights * ce, 0.0).sum()
+    hit = logits.argmax(-1) == labels
+    if not need_grad:
+        return ce_sum, hit, None
+    # dCE/dlogits = softmax - onehot, scaled by w; the logits buffer is reused in place
+    grad_logits = logits.softmax(-1)
+    grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
+    grad_logits *= torch.where(trained, weights, 0.0).to(grad_logits.dtype)[:, None]
+    grad_hidden = grad_logits.to(hidden.dtype) @ lm_head_weight.to(hidden.dtype)  # [c, d]
+    return ce_sum, hit, grad_hidden
+
+
+class _LinearWeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ W^T, y_i), computed chunk by chunk; gradient made in forward.
+
+    The [N, V] logits never exist at once: each chunk's logits give its loss AND its gradient
+    with respect to `hidden` right away, so backward is one scale of a stored [N, d] tensor and
+    the lm_head matmul is not recomputed (what activation checkpointing would cost).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int):
+        need_grad = hidden.requires_grad
+        sums, hits, grads = [], [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            ce_sum, hit, grad = _chunk_ce_and_grad(
+                hidden[start:end], lm_head_weight, labels[start:end], weights[start:end], need_grad
+            )
+            sums.append(ce_sum)
+            hits.append(hit)
+            grads.append(grad)
+        if need_grad:
+            ctx.save_for_backward(torch.cat(grads))
+        hit = torch.cat(hits)
+        ctx.mark_non_differentiable(hit)
+        return torch.stack(sums).sum(), hit
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_hit):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_sum.to(grad_hidden.dtype), None, None, None, None
+
+
+def linear_weighted_cross_entropy(
+    hidden: torch.Tensor,  # [N, d]
+    lm_head_weight: torch.Tensor,  # [V, d], frozen
     labels: torch.Tensor,  # [N]
+    weights: torch.Tensor,  # [N], >= 0; positions with w == 0 are excluded by selection
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position CE [N] and argmax==label [N], one [chunk, V] block of logits at a time.
+    """(sum of w * CE, argmax == label [N]) with at most [chunk_size, V] logits alive at a time.
 
-    Each chunk runs under non-reentrant activation checkpointing: only `hidden` is saved, the
-    logits are recomputed in backward. The chunk count is static (N and chunk_size are fixed).
+    The chunk count is static (N and chunk_size are fixed per built objective). `lm_head_weight`
+    gets no gradient (the target is frozen).
     """
-    ces, hits = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            ce, hit = checkpoint(_ce_chunk, h, lm_head_weight, y, use_reentrant=False)
-        else:
-            ce, hit = _ce_chunk(h, lm_head_weight, y)
-        ces.append(ce)
-        hits.append(hit)
-    return torch.cat(ces), torch.cat(hits)
+    return _LinearWeightedCE.apply(hidden, lm_head_weight.detach(), labels, weights, chunk_size)

@@ -1,0 +1,225 @@
+"""`python -m dflash_async bench drafter`: time one drafter train step at a given shape.
+
+Random weights, a synthetic pack of equal-length documents with every token supervised, the
+target's embedding and lm_head as random frozen bf16 tensors. Reports step ms, TFLOP/s, MFU and
+peak memory, eager or replayed as CUDA graphs (step.py). Used for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from dflash_async.drafter import DFlashDrafter
+from dflash_async.drafter_config import DrafterConfig
+from dflash_async.metrics import drafter_step_flops, mfu
+from dflash_async.objective import DFlashObjective, ObjectiveConfig, default_gamma
+from dflash_async.optim import LrSchedule, build_optimizer
+from dflash_async.packing import PackedBatch
+from dflash_async.step import STATS, DrafterStep, copy_batch_, empty_batch
+
+
+def qwen3_8b_drafter_config(num_layers: int = 5, block_size: int = 16) -> DrafterConfig:
+    """The drafter shape for Qwen3-8B (d 4096, 32/8 heads, head_dim 128, ffn 12288)."""
+    return DrafterConfig(
+        hidden_size=4096,
+        num_hidden_layers=num_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        vocab_size=151936,
+        num_target_layers=36,
+        target_layer_ids=(1, 9, 17, 25, 33),
+        mask_token_id=151669,
+        block_size=block_size,
+    )
+
+
+def synthetic_pack(
+    config: DrafterConfig, *, token_budget: int, num_docs: int, device, seed: int = 0
+) -> PackedBatch:
+    """`num_docs` equal documents filling the budget, all tokens supervised, random features."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T, doc_len = token_budget, token_budget // num_docs
+    rows = torch.arange(T)
+    doc_ids = (rows // doc_len).clamp(max=num_docs - 1)
+    features = torch.randn(T, config.num_features * config.hidden_size, generator=g)
+    batch = PackedBatch(
+        input_ids=torch.randint(0, config.vocab_size, (T,), generator=g),
+        loss_mask=torch.ones(T, dtype=torch.bool),
+        doc_ids=doc_ids,
+        position_ids=rows - doc_ids * doc_len,
+        features=features.to(
+            torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        ),
+    )
+    return batch.to(device)
+
+
+def build_step(
+    config: DrafterConfig,
+    *,
+    token_budget: int,
+    num_anchors: int,
+    device: torch.device,
+    attention: str,
+    flex_fn=None,
+    ce_chunk_size: int = 2048,
+    seed: int = 0,
+) -> DrafterStep:
+    """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
+    torch.manual_seed(seed)
+    target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=target_dtype)
+    lm_head = torch.randn_like(embed) * 0.02
+    drafter = DFlashDrafter(config).to(device)
+    objective = DFlashObjective(
+        ObjectiveConfig(
+            block_size=config.block_size,
+            num_anchors=num_anchors,
+            mask_token_id=config.mask_token_id,
+            gamma=default_gamma(config.block_size),
+            ce_chunk_size=ce_chunk_size,
+            attention=attention,
+        ),
+        drafter,
+        embed,
+        lm_head,
+        flex_fn=flex_fn,
+    )
+    schedule = LrSchedule(peak_lr=6e-4, warmup_steps=10, total_steps=10_000, device=device)
+    optimizer = build_optimizer(drafter.parameters(), lr_tensor=schedule.lr, weight_decay=0.0)
+    batch = empty_batch(
+        token_budget, config.num_features * config.hidden_size, device, target_dtype
+    )
+    return DrafterStep(
+        objective, optimizer, schedule, batch=batch, num_anchors=num_anchors, grad_clip=1.0
+    )
+
+
+@dataclass
+class DrafterBench:
+    mode: str
+    step_ms: float
+    tflops: float
+    mfu: float
+    peak_mem_gib: float
+    loss: float
+
+
+def time_steps(step: DrafterStep, steps: int) -> float:
+    """Mean seconds per full step (phase A + B) over `steps` replays/launches."""
+    sync = torch.cuda.synchronize if step.device.type == "cuda" else (lambda *_: None)
+    sync()  # sync point: benchmark timing only
+    start = time.perf_counter()
+    for _ in range(steps):
+        step.phase_a()
+        step.phase_b()
+    sync()  # sync point: benchmark timing only
+    return (time.perf_counter() - start) / steps
+
+
+def bench_drafter(
+    config: DrafterConfig,
+    *,
+    token_budget: int,
+    num_anchors: int,
+    num_docs: int,
+    device: torch.device,
+    attention: str,
+    cuda_graph: bool,
+    steps: int = 10,
+    warmup: int = 3,
+    flex_fn=None,
+) -> DrafterBench:
+    step = build_step(
+        config,
+        token_budget=token_budget,
+        num_anchors=num_anchors,
+        device=device,
+        attention=attention,
+        flex_fn=flex_fn,
+    )
+    copy_batch_(
+        step.batch,
+        synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
+    )
+    if cuda_graph:
+        step.capture(warmup_steps=warmup)
+    else:
+        time_steps(step, warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = time_steps(step, steps)
+    stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: report only
+    flops = drafter_step_flops(
+        config,
+        token_budget=token_budget,
+        num_anchors=num_anchors,
+        visible_pairs=stats["visible_pairs"],
+    )
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return DrafterBench(
+        mode="graph" if cuda_graph else "eager",
+        step_ms=seconds * 1e3,
+        tflops=flops / seconds / 1e12,
+        mfu=mfu(flops, seconds),
+        peak_mem_gib=peak,
+        loss=stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
+    )
+
+
+SHAPES = {
+    "qwen3-8b": qwen3_8b_drafter_config,
+    "small": lambda: dataclasses.replace(
+        qwen3_8b_drafter_config(num_layers=2),
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=3072,
+        vocab_size=32000,
+        mask_token_id=31999,
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_async bench drafter")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--num-anchors", type=int, default=1024)
+    parser.add_argument("--num-docs", type=int, default=4)
+    parser.add_argument("--attention", choices=("flex", "sdpa"), default="flex")
+    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    flex_fn = None
+    if args.attention == "flex" and device.type == "cuda":
+        flex_fn = torch.compile(flex_attention, dynamic=False)
+    for mode in args.modes.split(","):
+        result = bench_drafter(
+            SHAPES[args.shape](),
+            token_budget=args.token_budget,
+            num_anchors=args.num_anchors,
+            num_docs=args.num_docs,
+            device=device,
+            attention=args.attention,
+            cuda_graph=mode == "graph",
+            steps=args.steps,
+            flex_fn=flex_fn,
+        )
+        print(json.dumps({"shape": args.shape, **vars(args), **asdict(result)}), flush=True)

@@ -1,0 +1,162 @@
+"""The drafter train step over static input buffers: eager, or replayed as two CUDA graphs.
+
+One optimizer step of M drafters (data parallel, each with its own pack):
+  phase A (per drafter): sample anchors, forward, backward of sum(w*CE) into one flat fp32 grad
+          buffer; the step's sums (StepSums) land in a static vector next to it;
+  reduce  (across drafters): sum the grad buffers and the sums vectors (no-op for M = 1);
+  phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance, zero grads.
+Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
+M packs' blocks (DFLASH.md s.4), and keeps all drafters' weights identical.
+
+Both phases have fixed shapes and no host syncs, so each is captured once as a CUDA graph
+(docs/GPU.md: in the replaying thread, after warm-up, one capture at a time) and replayed; eager
+mode runs the very same functions. Static buffers are never reallocated after construction.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+
+import torch
+
+from dflash_async.attention import document_starts
+from dflash_async.objective import DFlashObjective, StepSums, sample_anchors
+from dflash_async.optim import LrSchedule, clip_grad_norm_, flat_grad_buffer
+from dflash_async.packing import PackedBatch
+
+# Indices of the per-step statistics vector (fp32, on the drafter device).
+STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
+NUM_STATS = len(STATS)
+
+# One capture at a time in the whole process (docs/GPU.md: concurrent captures fail).
+CAPTURE_LOCK = threading.Lock()
+
+
+def empty_batch(
+    token_budget: int, feature_dim: int, device: torch.device, feature_dtype: torch.dtype
+) -> PackedBatch:
+    """Static inputs of the fixed layout, all padding."""
+    T = token_budget
+    return PackedBatch(
+        input_ids=torch.zeros(T, dtype=torch.int64, device=device),
+        loss_mask=torch.zeros(T, dtype=torch.bool, device=device),
+        doc_ids=torch.full((T,), -1, dtype=torch.int64, device=device),
+        position_ids=torch.zeros(T, dtype=torch.int64, device=device),
+        features=torch.zeros(T, feature_dim, dtype=feature_dtype, device=device),
+    )
+
+
+def copy_batch_(dst: PackedBatch, src: PackedBatch) -> None:
+    """Copy a pack into the static inputs (shapes must match the fixed layout exactly)."""
+    for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features"):
+        getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
+
+
+def visible_pairs(
+    doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Attended (query, key) pairs of the step, for FLOP accounting (0-d, on the device)."""
+    context = torch.where(valid, anchors - document_starts(doc_ids)[anchors], 0)  # [A]
+    return block_size * (context.sum() + valid.sum() * block_size)
+
+
+class DrafterStep:
+    """One drafter's step: static inputs, phase A / phase B, optional CUDA graphs.
+
+    Call from the drafter's own DeviceWorker thread only (graphs and streams are per thread).
+    """
+
+    def __init__(
+        self,
+        objective: DFlashObjective,
+        optimizer: torch.optim.Optimizer,
+        schedule: LrSchedule,
+        *,
+        batch: PackedBatch,
+        num_anchors: int,
+        grad_clip: float,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.objective = objective
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.batch = batch  # static inputs
+        self.num_anchors = num_anchors
+        self.block_size = objective.config.block_size
+        self.grad_clip = grad_clip
+        self.generator = generator
+        self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
+        self.flat_grad, _ = flat_grad_buffer(self.params)
+        device = self.flat_grad.device
+        self.stats = torch.zeros(NUM_STATS, dtype=torch.float32, device=device)
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat_grad.device
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            # no autocast weight cache: it does not survive graph capture/replay
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+        return nullcontext()
+
+    def _forward_backward(self) -> None:
+        batch = self.batch
+        anchors = sample_anchors(batch.loss_mask, batch.doc_ids, self.num_anchors, self.generator)
+        with self._autocast():
+            sums: StepSums = self.objective(batch, anchors)
+        sums.ce_sum.backward()
+        pairs = visible_pairs(batch.doc_ids, anchors.positions, anchors.valid, self.block_size)
+        self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
+
+    def _update(self) -> None:
+        # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
+        self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
+        self.grad_norm.copy_(clip_grad_norm_(self.params, self.grad_clip))
+        self.optimizer.step()
+        self.schedule.advance_()
+        self.flat_grad.zero_()
+
+    def phase_a(self) -> None:
+        """Forward + backward into flat_grad and stats (replay when captured)."""
+        if self.graphs is not None:
+            self.graphs[0].replay()
+        else:
+            self._forward_backward()
+
+    def phase_b(self) -> None:
+        """Normalise, clip, AdamW, advance the lr (replay when captured)."""
+        if self.graphs is not None:
+            self.graphs[1].replay()
+        else:
+            self._update()
+
+    def capture(self, warmup_steps: int = 2, error_mode: str = "thread_local") -> None:
+        """Warm up eagerly on the current static inputs, then capture both phases.
+
+        Warm-up steps are real optimizer steps (AdamW's state must exist before capture); the
+        caller accounts for them. Runs under the process-wide capture lock; any failure is fatal.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup_steps):
+                self._forward_backward()
+                self._update()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with CAPTURE_LOCK:
+            torch.cuda.synchronize(self.device)  # sync point: start-up only
+            if self.generator is not None:
+                graph_a.register_generator_state(self.generator)
+            with torch.cuda.graph(graph_a, capture_error_mode=error_mode):
+                self._forward_backward()
+            with torch.cuda.graph(graph_b, pool=graph_a.pool(), capture_error_mode=error_mode):
+                self._update()
+            torch.cuda.synchronize(self.device)  # sync point: start-up only
+        self.graphs = (graph_a, graph_b)

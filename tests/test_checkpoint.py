@@ -1,0 +1,311 @@
+"""checkpoint.py: the export is exactly the servable format (DFLASH.md s.7, s.6 bug 5), loads back
+identically, tolerates other tools' exports, and both writers are atomic."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from structlog.testing import capture_logs
+from torch import nn
+from transformers import Qwen3Config
+
+from dflash_async import checkpoint
+from dflash_async.checkpoint import (
+    expected_weight_shapes,
+    export_drafter,
+    load_drafter_export,
+    load_training_state,
+    save_training_state,
+)
+from dflash_async.drafter_config import DrafterConfig
+
+CONFIG = DrafterConfig(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    vocab_size=151936,
+    num_target_layers=36,
+    target_layer_ids=(1, 9, 17, 25, 33),
+    mask_token_id=151669,
+    block_size=16,
+)
+
+
+def _fake_drafter(config: DrafterConfig, seed: int = 0) -> nn.Module:
+    """A module whose parameters have exactly the drafter's names and shapes (fp32 masters)."""
+    torch.manual_seed(seed)
+    root = nn.Module()
+    for name, shape in expected_weight_shapes(config).items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.randn(shape)))
+    root.register_buffer("inv_freq", torch.ones(4), persistent=False)
+    return root
+
+
+def _siblings(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p != folder)
+
+
+def test_exported_config_has_every_servable_key_with_the_right_value(tmp_path: Path) -> None:
+    out = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "drafter")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    expected = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 48,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "vocab_size": 151936,
+        "num_hidden_layers": 2,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention", "full_attention"],
+        "block_size": 16,
+        "num_target_layers": 36,
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    assert cfg["dflash_config"]["mask_token_id"] == 151669
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert cfg["rope_parameters"]["rope_theta"] == 1_000_000.0
+    assert isinstance(cfg["max_position_embeddings"], int)
+
+
+def test_exported_weights_are_exactly_the_flat_names_in_bf16(tmp_path: Path) -> None:
+    out = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "drafter")
+    expected = expected_weight_shapes(CONFIG)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names == set(expected)  # no model. prefix, no embed_tokens, no lm_head, no buffers
+        for name in names:
+            t = f.get_tensor(name)
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == expected[name]
+    assert "layers.1.self_attn.k_norm.weight" in names and "fc.weight" in names
+    assert expected["fc.weight"] == (32, 5 * 32)
+
+
+def test_export_then_load_gives_identical_config_and_tensors(tmp_path: Path) -> None:
+    drafter = _fake_drafter(CONFIG)
+    config, tensors = load_drafter_export(export_drafter(drafter, CONFIG, tmp_path / "d"))
+    assert config == CONFIG
+    for name, p in drafter.named_parameters():
+        assert torch.equal(tensors[name], p.detach().to(torch.bfloat16))
+
+
+def test_qwen3_config_accepts_the_exported_config_json(tmp_path: Path) -> None:
+    out = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "d")
+    hf = Qwen3Config(**json.loads((out / "config.json").read_text()))
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim) == (32, 2, 16)
+    assert hf.layer_types == ["full_attention", "full_attention"]
+    assert hf.rope_parameters["rope_theta"] == 1_000_000.0
+    assert hf.dflash_config["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert (hf.block_size, hf.num_target_layers, hf.tie_word_embeddings) == (16, 36, False)
+
+
+def test_export_of_a_state_dict_equals_export_of_the_module(tmp_path: Path) -> None:
+    drafter = _fake_drafter(CONFIG)
+    state = {f"_orig_mod.{k}": v for k, v in drafter.state_dict().items()}  # a compiled module
+    _, from_state = load_drafter_export(export_drafter(state, CONFIG, tmp_path / "a"))
+    _, from_module = load_drafter_export(export_drafter(drafter, CONFIG, tmp_path / "b"))
+    assert all(torch.equal(from_state[k], from_module[k]) for k in from_module)
+
+
+def test_export_names_extra_and_missing_parameters(tmp_path: Path) -> None:
+    state = dict(_fake_drafter(CONFIG).state_dict())
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        export_drafter({**state, "lm_head.weight": torch.zeros(1)}, CONFIG, tmp_path / "d")
+    del state["norm.weight"]
+    with pytest.raises(ValueError, match=r"missing drafter tensors \['norm\.weight'\]"):
+        export_drafter(state, CONFIG, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def _write_foreign_export(folder: Path, tensors: dict[str, torch.Tensor], cfg: dict) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_load_drops_model_prefix_and_embed_and_lm_head_with_a_log_line(tmp_path: Path) -> None:
+    ours = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "ours")
+    _, expected = load_drafter_export(ours)
+    foreign = {f"model.{k}": v for k, v in expected.items()}
+    foreign["model.embed_tokens.weight"] = torch.zeros(8, 32, dtype=torch.bfloat16)
+    foreign["lm_head.weight"] = torch.zeros(8, 32, dtype=torch.bfloat16)
+    cfg = json.loads((ours / "config.json").read_text())
+    del cfg["block_size"], cfg["rope_theta"]  # z-lab style: block_size in dflash_config only
+    _write_foreign_export(tmp_path / "foreign", foreign, cfg)
+    with capture_logs() as logs:
+        config, tensors = load_drafter_export(tmp_path / "foreign")
+    assert config == CONFIG
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    dropped = [e for e in logs if e["event"] == "drafter_export_keys_dropped"]
+    assert dropped[0]["dropped"] == ["embed_tokens.weight", "lm_head.weight"]
+
+
+def test_load_names_missing_tensors_and_config_fields(tmp_path: Path) -> None:
+    ours = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "ours")
+    _, tensors = load_drafter_export(ours)
+    cfg = json.loads((ours / "config.json").read_text())
+    del tensors["layers.0.mlp.up_proj.weight"]
+    _write_foreign_export(tmp_path / "a", tensors, cfg)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.weight"):
+        load_drafter_export(tmp_path / "a")
+    del cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
+    _write_foreign_export(tmp_path / "b", tensors, cfg)
+    with pytest.raises(ValueError, match=r"num_target_layers.*dflash_config\.target_layer_ids"):
+        load_drafter_export(tmp_path / "b")
+
+
+def test_load_rejects_a_wrongly_shaped_tensor(tmp_path: Path) -> None:
+    ours = export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "ours")
+    _, tensors = load_drafter_export(ours)
+    tensors["fc.weight"] = tensors["fc.weight"][:, :64].contiguous()  # 2 target layers, not 5
+    _write_foreign_export(tmp_path / "bad", tensors, json.loads((ours / "config.json").read_text()))
+    with pytest.raises(ValueError, match=r"fc\.weight.*\(32, 64\), \(32, 160\)"):
+        load_drafter_export(tmp_path / "bad")
+
+
+def test_export_replaces_an_earlier_export_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    export_drafter(_fake_drafter(CONFIG, seed=0), CONFIG, out)
+    newer = _fake_drafter(CONFIG, seed=1)
+    export_drafter(newer, CONFIG, out)
+    _, tensors = load_drafter_export(out)
+    assert torch.equal(tensors["norm.weight"], newer.norm.weight.detach().to(torch.bfloat16))
+    assert _siblings(out) == []
+
+
+def test_failed_export_leaves_the_previous_export_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = export_drafter(_fake_drafter(CONFIG, seed=0), CONFIG, tmp_path / "drafter")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_drafter(_fake_drafter(CONFIG, seed=1), CONFIG, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _siblings(out) == []
+
+
+def test_export_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not an earlier checkpoint"):
+        export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "home")
+    assert (tmp_path / "home" / "notes.txt").read_text() == "keep me"
+
+
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Linear(6, 3)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 6, generator=g)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_resumed_training_state_continues_exactly(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    _train_step(model, opt, 0)
+    random.seed(3)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    path = save_training_state(
+        tmp_path / "state.pt",
+        drafter_state=model.state_dict(),
+        optimizer_state=opt.state_dict(),
+        step=1,
+        cursor={"epoch": 0, "pack": 17},
+        rng_state=rng,
+        settings_json=json.dumps({"train": {"lr": 6e-4}}),
+    )
+    state = load_training_state(path)
+    assert (state["step"], state["cursor"]) == (1, {"epoch": 0, "pack": 17})
+    assert json.loads(state["settings_json"]) == {"train": {"lr": 6e-4}}
+    assert torch.equal(state["rng_state"]["torch"], rng["torch"])
+    assert state["rng_state"]["python"] == rng["python"]
+    resumed, resumed_opt = _trained(1)  # different init: everything must come from the file
+    resumed.load_state_dict(state["drafter_state"])
+    resumed_opt.load_state_dict(state["optimizer_state"])
+    for step in (1, 2):
+        _train_step(model, opt, step)
+        _train_step(resumed, resumed_opt, step)
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def _save(path: Path, step: int) -> Path:
+    return save_training_state(
+        path,
+        drafter_state={"w": torch.full((2,), float(step))},
+        optimizer_state={},
+        step=step,
+        cursor={},
+        rng_state=None,
+        settings_json="{}",
+    )
+
+
+def test_failed_training_state_save_leaves_the_previous_file_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _save(tmp_path / "state.pt", 1)
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="No space"):
+        _save(path, 2)
+    assert load_training_state(path)["step"] == 1
+    assert _siblings(path) == []
+
+
+def test_training_state_rejects_bad_input_and_foreign_files(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="step=-1"):
+        _save(tmp_path / "s.pt", -1)
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a dflash_async training state"):
+        load_training_state(tmp_path / "other.pt")
+    with pytest.raises(FileNotFoundError, match=r"missing\.pt"):
+        load_training_state(tmp_path / "missing.pt")
+
+
+def test_the_real_drafter_has_exactly_the_servable_names_and_shapes(tmp_path: Path) -> None:
+    from dflash_async.drafter import DFlashDrafter
+
+    drafter = DFlashDrafter(CONFIG)
+    shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
+    assert shapes == expected_weight_shapes(CONFIG)
+    config, tensors = load_drafter_export(export_drafter(drafter, CONFIG, tmp_path / "d"))
+    assert config == CONFIG and tensors.keys() == shapes.keys()
