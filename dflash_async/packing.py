@@ -7,8 +7,11 @@ CUDA graph and replay it (docs/DESIGN.md, "The fixed drafter layout").
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -37,3 +40,156 @@ class PackedBatch:
                 for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features")
             }
         )
+
+
+# ---- the pack planner --------------------------------------------------------------------------
+#
+# plan_epoch is "sorted next-fit": shuffle, stable-sort by length (so equal lengths land in a
+# different order every epoch), then cut the sorted run into consecutive packs, each taking
+# samples while they fit the budget. A pack is left short by less than the length of the next
+# sample, about half a typical sample: ~1% of a 49152-token budget for chat data of median ~700
+# tokens (bench_packing measures it). Neighbours in sorted order have similar lengths, so the
+# target's right-padded 2-D batches of a pack waste little. The packs are then shuffled so steps
+# do not walk from short to long documents. Everything is numpy; 100k samples plan in ~10 ms.
+
+
+@dataclass(frozen=True, order=True)
+class PackCursor:
+    """Where a run stands: pack `index` of epoch `epoch`'s plan is the next one to process."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def next(self) -> PackCursor:
+        """The cursor after this pack (an index past the epoch's end rolls to the next epoch)."""
+        return PackCursor(self.epoch, self.index + 1)
+
+
+def _checked_lengths(lengths: np.ndarray, token_budget: int) -> np.ndarray:
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(
+            f"lengths must be a 1-D integer array, got {lengths.dtype} {lengths.shape}"
+        )
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1")
+    if len(lengths) and (lengths.min() < 1 or lengths.max() > token_budget):
+        bad = int(np.flatnonzero((lengths < 1) | (lengths > token_budget))[0])
+        raise ValueError(
+            f"sample {bad} has {int(lengths[bad])} tokens; every sample needs 1..token_budget"
+            f"={token_budget} tokens (lower data.max_len or raise train.token_budget)"
+        )
+    return lengths.astype(np.int64, copy=False)
+
+
+def plan_epoch(lengths: np.ndarray, token_budget: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Packs (arrays of sample indices) holding every sample exactly once, whole documents only.
+
+    Each pack's lengths sum to <= token_budget; inside a pack, indices ascend in length. The plan
+    is a pure function of (lengths, token_budget, seed, epoch).
+    """
+    lengths = _checked_lengths(lengths, token_budget)
+    rng = np.random.default_rng([seed, epoch])
+    shuffled = rng.permutation(len(lengths))
+    order = shuffled[np.argsort(lengths[shuffled], kind="stable")]  # ascending, ties shuffled
+    cumulative = np.cumsum(lengths[order])  # [n]
+    ends, filled = [], 0
+    while not ends or ends[-1] < len(order):
+        # First sample that would overflow this pack; >= 1 sample always fits (checked above).
+        end = int(np.searchsorted(cumulative, filled + token_budget, side="right"))
+        ends.append(end)
+        filled = int(cumulative[end - 1])
+    packs = np.split(order, ends[:-1]) if len(order) else []
+    return [packs[i] for i in rng.permutation(len(packs))]
+
+
+def iter_packs(
+    lengths: np.ndarray,
+    token_budget: int,
+    seed: int,
+    *,
+    start: PackCursor = PackCursor(),
+    epochs: int | None = None,
+) -> Iterator[tuple[PackCursor, np.ndarray]]:
+    """(cursor, pack) for every pack from `start` on, epoch after epoch (forever if epochs=None).
+
+    Resuming: save `cursor.next()` once a pack is consumed; `iter_packs(..., start=saved)` then
+    yields exactly the packs an uninterrupted run would have yielded next.
+    """
+    epoch, index = start.epoch, start.index
+    while epochs is None or epoch < epochs:
+        plan = plan_epoch(lengths, token_budget, seed, epoch)
+        if index > len(plan):
+            raise ValueError(f"{start} is past the {len(plan)} packs of epoch {epoch}")
+        for i in range(index, len(plan)):
+            yield PackCursor(epoch, i), plan[i]
+        epoch, index = epoch + 1, 0
+
+
+def target_batches(lengths_of_pack: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
+    """Split one pack into right-padded 2-D target batches: arrays of positions in the pack.
+
+    Rows are taken longest first; a batch holds as many rows as fit rows * (its longest row)
+    <= max_batch_tokens, so neighbouring lengths share a batch and padding stays small.
+    """
+    lengths = np.asarray(lengths_of_pack, dtype=np.int64)
+    if len(lengths) and lengths.max() > max_batch_tokens:
+        raise ValueError(
+            f"a sample of {int(lengths.max())} tokens exceeds max_batch_tokens={max_batch_tokens}"
+        )
+    order = np.argsort(-lengths, kind="stable")
+    batches, i = [], 0
+    while i < len(order):
+        rows = max_batch_tokens // int(lengths[order[i]])
+        batches.append(order[i : i + rows])
+        i += rows
+    return batches
+
+
+def pack_row_offsets(lengths: np.ndarray) -> np.ndarray:
+    """[n+1] int64: sample j of a pack occupies drafter rows row_offsets[j]:row_offsets[j+1]."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def layout_pack(
+    samples: Sequence[tuple[Any, Any]],
+    token_budget: int,
+    *,
+    features: torch.Tensor | None = None,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """The fixed drafter layout of one pack: documents contiguous in the given order, then padding.
+
+    `samples` are (input_ids, loss_mask) pairs (numpy arrays, tensors or lists). Without
+    `features` the batch carries an empty [T, 0] tensor; the target side fills features at the
+    rows `pack_row_offsets` gives.
+    """
+    ids = [np.asarray(s[0], dtype=np.int64) for s in samples]
+    masks = [np.asarray(s[1], dtype=bool) for s in samples]
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    if any(len(m) != len(x) for x, m in zip(ids, masks, strict=True)):
+        raise ValueError(f"input_ids and loss_mask lengths differ: {[len(m) for m in masks]}")
+    offsets = pack_row_offsets(lengths)
+    total = int(offsets[-1])
+    if total > token_budget:
+        raise ValueError(f"pack holds {total} tokens, more than token_budget={token_budget}")
+    if features is not None and features.shape[0] != token_budget:
+        raise ValueError(f"features has {features.shape[0]} rows, expected {token_budget}")
+    input_ids = np.full(token_budget, pad_id, dtype=np.int64)  # [T]
+    loss_mask = np.zeros(token_budget, dtype=bool)  # [T]
+    doc_ids = np.full(token_budget, -1, dtype=np.int64)  # [T]
+    position_ids = np.zeros(token_budget, dtype=np.int64)  # [T]
+    if total:
+        input_ids[:total] = np.concatenate(ids)
+        loss_mask[:total] = np.concatenate(masks)
+        doc_ids[:total] = np.repeat(np.arange(len(ids)), lengths)
+        position_ids[:total] = np.arange(total) - np.repeat(offsets[:-1], lengths)
+    return PackedBatch(
+        input_ids=torch.from_numpy(input_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        doc_ids=torch.from_numpy(doc_ids),
+        position_ids=torch.from_numpy(position_ids),
+        features=features if features is not None else torch.empty(token_budget, 0),
+    )

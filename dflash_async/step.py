@@ -135,13 +135,17 @@ class DrafterStep:
             self._update()
 
     def capture(self, warmup_steps: int = 2, error_mode: str = "thread_local") -> None:
-        """Warm up eagerly on the current static inputs, then capture both phases.
+        """Warm up eagerly on the current static inputs, capture both phases, undo the warm-up.
 
-        Warm-up steps are real optimizer steps (AdamW's state must exist before capture); the
-        caller accounts for them. Runs under the process-wide capture lock; any failure is fatal.
+        Warm-up steps are real optimizer steps (AdamW's state must exist before capture, and the
+        first calls compile and autotune); afterwards the weights, AdamW's state and the lr
+        schedule are put back as they were, so a captured run starts exactly where an eager one
+        does. Runs under the process-wide capture lock; any failure is fatal (docs/GPU.md).
         """
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        weights = [p.detach().clone() for p in self.params]
+        start_step = int(self.schedule.step.item())  # sync point: start-up only
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -160,3 +164,16 @@ class DrafterStep:
                 self._update()
             torch.cuda.synchronize(self.device)  # sync point: start-up only
         self.graphs = (graph_a, graph_b)
+        self._restore(weights, start_step)
+
+    @torch.no_grad()
+    def _restore(self, weights: list[torch.Tensor], step: int) -> None:
+        """Undo warm-up steps in place (graphs keep pointing at the same tensors)."""
+        for p, w in zip(self.params, weights, strict=True):
+            p.copy_(w)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+        self.schedule.set_step_(step)
+        self.flat_grad.zero_()

@@ -1,0 +1,173 @@
+"""Start-up: turn settings into the run's inputs and each worker's state.
+
+Everything here runs once, before the first step: resolving the target and data (the built-in
+tiny target and demo corpus when the paths are empty), the drafter config derived from the
+target's, the target's frozen embedding and lm_head read straight from its safetensors (no
+second copy of the target), and each drafter's step built inside its own worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from dflash_async.drafter import DFlashDrafter
+from dflash_async.drafter_config import DrafterConfig, drafter_config_from_target
+from dflash_async.objective import DFlashObjective, ObjectiveConfig
+from dflash_async.optim import LrSchedule, build_optimizer, warmup_steps_for
+from dflash_async.settings import Settings, SettingsError
+from dflash_async.step import DrafterStep, empty_batch
+from dflash_async.target import TargetError
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+LM_HEAD_NAMES = ("lm_head.weight",)
+
+
+def cache_dir() -> Path:
+    """Where the built-in tiny target and demo corpus are built once and reused."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "dflash_async"
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    target_path: str
+    data_path: str
+    builtin_target: bool
+    drafter_config: DrafterConfig
+
+
+def resolve_inputs(settings: Settings, log) -> RunInputs:
+    """Target folder, data path and drafter config (builds the tiny target/corpus if needed)."""
+    from dflash_async.regenerate import demo_corpus
+    from dflash_async.tiny import ensure_tiny_target
+
+    builtin = not settings.target.path
+    target_path = str(ensure_tiny_target(cache_dir())) if builtin else settings.target.path
+    data_path = settings.data.path
+    if not data_path:
+        data_path = str(demo_corpus(cache_dir(), target_path, n_train=512))
+        log.info("demo_corpus_ready", path=data_path, target=target_path)
+    config = drafter_config_for(settings, target_path, builtin)
+    return RunInputs(target_path, data_path, builtin, config)
+
+
+def drafter_config_for(settings: Settings, target_path: str, builtin: bool) -> DrafterConfig:
+    """The drafter's shapes from the target's config.json and the drafter/train settings."""
+    try:
+        target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot read the config of target {target_path!r}: {e}") from e
+    mask_token_id = settings.drafter.mask_token_id
+    if mask_token_id is None and builtin:
+        from dflash_async.target import load_target_tokenizer
+
+        mask_token_id = load_target_tokenizer(target_path).mask_token_id
+    try:
+        return drafter_config_from_target(
+            target_config,
+            num_hidden_layers=settings.drafter.num_layers,
+            num_features=settings.target.num_features,
+            block_size=settings.train.block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=settings.target.target_layer_ids,
+        )
+    except ValueError as e:  # the target cannot host this drafter: name the settings involved
+        raise SettingsError(
+            f"drafter for target {target_path!r}: {e} (see DFLASH_TARGET__NUM_FEATURES, "
+            "DFLASH_TARGET__TARGET_LAYER_IDS, DFLASH_DRAFTER__MASK_TOKEN_ID)"
+        ) from None
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def load_frozen_embeddings(
+    folder: str, *, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embed_tokens and lm_head weights [V, d] (the same tensor when tied)."""
+    files = _weight_files(Path(folder))
+
+    def read(names: tuple[str, ...]) -> torch.Tensor | None:
+        name = next((n for n in names if n in files), None)
+        if name is None:
+            return None
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = read(EMBED_NAMES)
+    if embed is None:
+        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
+    lm_head = read(LM_HEAD_NAMES)
+    return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor
+
+
+def build_drafter_step(
+    settings: Settings,
+    config: DrafterConfig,
+    target_path: str,
+    *,
+    device: torch.device,
+    total_steps: int,
+    flex_fn,
+) -> DrafterStep:
+    """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
+
+    Every drafter is seeded alike, so all start from identical weights. Call in its worker.
+    """
+    train = settings.train
+    torch.manual_seed(train.seed)
+    cuda = device.type == "cuda"
+    target_dtype = torch.bfloat16 if cuda else torch.float32
+    embed, lm_head = load_frozen_embeddings(target_path, device=device, dtype=target_dtype)
+    drafter = DFlashDrafter(config).to(device)
+    attention = train.attention if train.attention != "auto" else ("flex" if cuda else "sdpa")
+    objective = DFlashObjective(
+        ObjectiveConfig(
+            block_size=config.block_size,
+            num_anchors=train.num_anchors,
+            mask_token_id=config.mask_token_id,
+            gamma=train.gamma,
+            ce_chunk_size=train.ce_chunk_size,
+            attention=attention,
+        ),
+        drafter,
+        embed,
+        lm_head,
+        flex_fn=flex_fn,
+    )
+    schedule = LrSchedule(
+        peak_lr=train.lr,
+        warmup_steps=warmup_steps_for(total_steps, train.warmup_frac),
+        total_steps=total_steps,
+        device=device,
+    )
+    optimizer = build_optimizer(
+        drafter.parameters(), lr_tensor=schedule.lr, weight_decay=train.weight_decay
+    )
+    feature_dim = config.num_features * config.hidden_size
+    return DrafterStep(
+        objective,
+        optimizer,
+        schedule,
+        batch=empty_batch(train.token_budget, feature_dim, device, target_dtype),
+        num_anchors=train.num_anchors,
+        grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
+    )

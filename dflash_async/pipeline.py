@@ -1,0 +1,218 @@
+"""The whole run in one process: stages and channels wired in one task group.
+
+    read ──packs──> target workers ──slots (ring)──> drafter workers ──records──> report
+                                                            └──> save (every N steps, at the end)
+
+`run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
+topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
+everything and propagates; closing a channel is the end signal; SIGINT/SIGTERM stop after the
+current step, save, and exit 130/143.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import numpy as np
+import torch
+
+from dflash_async.build import RunInputs, build_drafter_step, resolve_inputs
+from dflash_async.channels import SlotRing, open_channel
+from dflash_async.data import DataOptions, TokenizedSamples, load_samples
+from dflash_async.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.metrics import drafter_step_flops
+from dflash_async.packing import PackCursor, plan_epoch
+from dflash_async.settings import Settings
+from dflash_async.stages.read import read_stage
+from dflash_async.stages.report import Throughput, report_stage
+from dflash_async.stages.save import save_stage
+from dflash_async.stages.target import load_runner, target_stage
+from dflash_async.stages.train import DrafterRunner, train_steps
+from dflash_async.target import load_target_tokenizer
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class LoopLag:
+    """Measures how late the event loop wakes a 1 ms sleeper: its responsiveness."""
+
+    def __init__(self) -> None:
+        self._max_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            self._max_s = max(self._max_s, time.perf_counter() - start - 0.001)
+
+    def read_max_ms(self) -> float:
+        value, self._max_s = self._max_s * 1e3, 0.0
+        return value
+
+
+@dataclass
+class Plan:
+    total_steps: int
+    epochs: int | None  # None: loop over the data until max_steps
+
+
+def plan_steps(settings: Settings, lengths: np.ndarray, num_drafters: int) -> Plan:
+    """How many optimizer steps the run makes (each consumes one pack per drafter)."""
+    train = settings.train
+    if train.max_steps:
+        return Plan(train.max_steps, None)
+    packs = len(plan_epoch(lengths, train.token_budget, train.seed, 0))
+    return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
+
+
+async def _watch_signals(stop: anyio.Event, received: list[int]) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            received.append(signum)
+            stop.set()
+
+
+def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
+    data = settings.data
+    options = DataOptions(
+        max_len=min(data.max_len, settings.train.token_budget),
+        enable_thinking=data.enable_thinking,
+        loss_turns=data.loss_turns,
+        too_long=data.too_long,
+        on_bad_record=data.on_bad_record,
+        cache_dir=data.cache_dir or None,
+        num_proc=data.num_proc,
+    )
+    tokenizer = load_target_tokenizer(inputs.target_path)
+    return load_samples(
+        inputs.data_path, tokenizer, options=options, block_size=settings.train.block_size, log=log
+    )
+
+
+async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:
+    """Build each drafter in its own thread; capture graphs one device at a time."""
+    cuda = workers[0].device.type == "cuda"
+    flex_fn = None
+    if cuda and settings.train.attention in ("auto", "flex"):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex_fn = torch.compile(flex_attention, dynamic=False)  # compiled at the first call
+    runners = []
+    for worker in workers:  # one at a time: compile and capture are not thread-safe
+        started = time.perf_counter()
+        step = await worker.run(
+            build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
+            device=worker.device, total_steps=total_steps, flex_fn=flex_fn,
+        )  # fmt: skip
+        if cuda and settings.train.cuda_graph:
+            await worker.run(step.capture)
+        log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
+                 startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
+        runners.append(DrafterRunner(worker, step))
+    return runners
+
+
+def _ring_device(drafter_devices: tuple[torch.device, ...]) -> torch.device:
+    """Slots live on the drafter GPU when there is one; else in (pinned) host memory."""
+    unique = set(drafter_devices)
+    only = next(iter(unique))
+    return only if len(unique) == 1 and only.type == "cuda" else torch.device("cpu")
+
+
+async def run(settings: Settings, log) -> int:
+    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
+    started = time.perf_counter()
+    output_dir = Path(settings.output_dir)
+    target_devices = parse_devices(
+        settings.pipeline.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"
+    )
+    drafter_devices = parse_devices(
+        settings.pipeline.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"
+    )
+    inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
+    samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
+    plan = plan_steps(settings, samples.lengths, len(drafter_devices))
+    cfg, train = inputs.drafter_config, settings.train
+    log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
+             total_steps=plan.total_steps, target_devices=[str(d) for d in target_devices],
+             drafter_devices=[str(d) for d in drafter_devices], drafter=cfg.__dict__)  # fmt: skip
+    async with AsyncExitStack() as stack:
+        open_worker = lambda d, name, grad: stack.enter_async_context(  # noqa: E731
+            open_device_worker(d, name, grad_enabled=grad)
+        )
+        target_workers: list[DeviceWorker] = [
+            await open_worker(d, f"target{i}", False) for i, d in enumerate(target_devices)
+        ]
+        drafter_workers: list[DeviceWorker] = [
+            await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)
+        ]
+        target_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
+        runners_t = [
+            await w.run(load_runner, inputs.target_path, device=w.device, dtype=target_dtype,
+                        layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
+                        max_batch_tokens=settings.pipeline.target_batch_tokens)
+            for w in target_workers
+        ]  # fmt: skip
+        drafters = await _start_drafters(settings, inputs, drafter_workers, plan.total_steps, log)
+        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
+        ring = SlotRing(
+            settings.pipeline.num_slots,
+            token_budget=train.token_budget,
+            feature_dim=cfg.num_features * cfg.hidden_size,
+            device=_ring_device(drafter_devices),
+            feature_dtype=target_dtype,
+        )
+        lag, stop, received = LoopLag(), anyio.Event(), []
+        throughput = Throughput(
+            ring, target_workers, drafter_workers, train.token_budget,
+            lambda pairs: drafter_step_flops(cfg, token_budget=train.token_budget,
+                                             num_anchors=train.num_anchors, visible_pairs=pairs),
+            lag,
+        )  # fmt: skip
+
+        async def produce() -> None:
+            send_packs, receive_packs = open_channel(2 * len(target_workers), "packs")
+            async with anyio.create_task_group() as producers:
+                producers.start_soon(
+                    lambda: read_stage(samples.lengths, token_budget=train.token_budget,
+                                       seed=train.seed, start=PackCursor(), epochs=plan.epochs,
+                                       send=send_packs)
+                )  # fmt: skip
+                for worker, runner in zip(target_workers, runners_t, strict=True):
+                    producers.start_soon(
+                        target_stage, worker, runner, samples, receive_packs.clone(), ring
+                    )
+                receive_packs.close()
+            ring.close()  # all producers done: the consumers drain the ring and stop
+
+        async def save_every(step: int) -> None:
+            if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
+                await save_stage(drafters[0], output_dir, step, log)
+
+        summary: dict = {}
+
+        async def report(receive) -> None:
+            summary.update(await report_stage(receive, throughput, log))
+
+        async with anyio.create_task_group() as background:
+            background.start_soon(lag.run)
+            background.start_soon(_watch_signals, stop, received)
+            background.start_soon(produce)
+            send_records, receive_records = open_channel(4, "records")
+            async with anyio.create_task_group() as foreground:
+                foreground.start_soon(report, receive_records)
+                steps_done = await train_steps(
+                    drafters, ring, send_records, first_step=0, last_step=plan.total_steps,
+                    stop=stop, on_step_end=save_every,
+                )  # fmt: skip
+            path = await save_stage(drafters[0], output_dir, steps_done, log)
+            background.cancel_scope.cancel()
+        log.info("train_completed", steps=steps_done, export=str(path),
+                 wall_s=round(time.perf_counter() - started, 2),
+                 **{k: summary[k] for k in ("loss", "acc", "tau_hat") if k in summary})  # fmt: skip
+    return EXIT_CODES[received[0]] if received else 0

@@ -1,0 +1,349 @@
+"""Regenerate the assistant turns of a prompt set with the target (`python -m dflash_async regenerate`).
+
+A drafter is trained to predict what ITS target would say, so the training answers should be the
+target's own (DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
+left-padded batches sorted by prompt length (less padding), and writes OpenAI-messages records.
+
+Multi-turn: EVERY assistant turn is regenerated, in order, each given the previously regenerated
+turns (round r generates the r-th turn of every conversation that has one), so a later turn never
+answers an earlier answer that the target did not write. A conversation ending with a user turn
+(or a tool result) gets a new assistant turn. Assistant turns carrying `tool_calls` are kept
+verbatim (the tool results that follow them answer those exact calls).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from dflash_async.target import load_target, load_target_tokenizer
+from dflash_async.tiny import TINY_SEED, demo_prompts
+
+_ROLES = ("system", "user", "assistant", "tool")
+_HASH_WHOLE_FILE_BELOW = 64 * 2**20  # bytes; bigger files are keyed by name, size and mtime
+_DEMO_CORPUS_VERSION = "1"  # bump when the demo corpus recipe changes
+
+
+def _checked_conversation(record: Any, where: str) -> dict[str, Any]:
+    """A deep copy of `record` ({"messages": [...], other keys kept}); ValueError naming `where`."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in _ROLES:
+            raise ValueError(f"{where}: messages[{i}] has role {role!r}, expected one of {_ROLES}")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where}: no user message to answer")
+    return copy.deepcopy(record)
+
+
+def _turns_to_generate(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices of the assistant turns to (re)generate: those after the first user turn, without
+    tool calls. Appends an empty assistant turn when the last turn is a user's or a tool's."""
+    if messages[-1]["role"] in ("user", "tool"):
+        messages.append({"role": "assistant", "content": ""})
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return [
+        i
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and not m.get("tool_calls") and i > first_user
+    ]
+
+
+def _generation_config(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    greedy: bool,
+    temperature: float,
+) -> GenerationConfig:
+    """The model's own generation config (eos ids, suppressed tokens...) with our overrides."""
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens = max_new_tokens
+    config.max_length = None
+    config.do_sample = not greedy
+    if greedy:  # unset the sampling knobs so transformers does not warn they are ignored
+        config.temperature = config.top_p = config.top_k = None
+    else:
+        config.temperature = temperature
+    if config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    return config
+
+
+def _eos_ids(config: GenerationConfig) -> set[int]:
+    eos = config.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or ())
+
+
+def _answer_text(new_ids: list[int], tokenizer: Any, eos_ids: set[int]) -> tuple[str, bool]:
+    """(decoded answer up to the first eos, whether it stopped at an eos rather than the limit)."""
+    stop = next((i for i, t in enumerate(new_ids) if t in eos_ids), None)
+    kept = new_ids if stop is None else new_ids[:stop]
+    return tokenizer.decode(kept, skip_special_tokens=True), stop is not None
+
+
+def _generate_batch(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    prompts: list[str],
+    config: GenerationConfig,
+) -> list[tuple[str, bool, int]]:
+    """Generate for one left-padded batch: (answer text, stopped at eos, new token count) each."""
+    device = next(model.parameters()).device
+    batch = tokenizer(
+        prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt"
+    )
+    input_ids = batch["input_ids"].to(device)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=batch["attention_mask"].to(device),
+            generation_config=config,
+        )
+    # Sync point: the generated ids come back to the host to be decoded.
+    new_ids = out[:, input_ids.shape[1] :].tolist()
+    eos_ids = _eos_ids(config)
+    results = []
+    for row in new_ids:
+        text, stopped = _answer_text(row, tokenizer, eos_ids)
+        count = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        results.append((text, stopped, count))
+    return results
+
+
+def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+def regenerate(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    conversations: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    seed: int = 0,
+    enable_thinking: bool = False,
+) -> list[dict[str, Any]]:
+    """The conversations with every assistant turn written by `model` (see the module docstring).
+
+    Returns new records ({"messages": [...]} plus the input's other keys), in input order. Greedy
+    by default; sampling is seeded (the global RNG state is restored afterwards). A turn that hit
+    `max_new_tokens` is kept as it is (truncated). Raises ValueError naming a malformed record.
+    """
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} and batch_size={batch_size} must be >= 1"
+        )
+    records = [_checked_conversation(c, f"conversation {i}") for i, c in enumerate(conversations)]
+    turns = [_turns_to_generate(r["messages"]) for r in records]
+    config = _generation_config(
+        model, tokenizer, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature
+    )
+    start, stats = time.perf_counter(), {"turns": 0, "new_tokens": 0, "truncated_turns": 0}
+    with nullcontext() if greedy else _seeded(seed, next(model.parameters()).device):
+        for round_ in range(max((len(t) for t in turns), default=0)):
+            jobs = [(r, t[round_]) for r, t in zip(records, turns, strict=True) if len(t) > round_]
+            _run_round(model, tokenizer, jobs, config, batch_size, enable_thinking, stats)
+    seconds = time.perf_counter() - start
+    structlog.get_logger().info(
+        "regenerate_completed",
+        conversations=len(records),
+        **stats,
+        seconds=round(seconds, 3),
+        new_tokens_per_s=round(stats["new_tokens"] / max(seconds, 1e-9), 1),
+    )
+    return records
+
+
+def _run_round(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    jobs: list[tuple[dict[str, Any], int]],
+    config: GenerationConfig,
+    batch_size: int,
+    enable_thinking: bool,
+    stats: dict[str, int],
+) -> None:
+    """Fill the assistant turn `index` of each (record, index), longest prompts first."""
+    prompts = [_render_prompt(tokenizer, r["messages"][:i], enable_thinking) for r, i in jobs]
+    order = sorted(range(len(jobs)), key=lambda j: -len(prompts[j]))  # similar lengths together
+    for lo in range(0, len(order), batch_size):
+        chunk = order[lo : lo + batch_size]
+        results = _generate_batch(model, tokenizer, [prompts[j] for j in chunk], config)
+        for j, (text, stopped, count) in zip(chunk, results, strict=True):
+            record, index = jobs[j]
+            record["messages"][index] = {"role": "assistant", "content": text}
+            stats["turns"] += 1
+            stats["new_tokens"] += count
+            stats["truncated_turns"] += not stopped
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed sampling without leaking the seed: the CPU (and this GPU's) RNG state is restored."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write one JSON object per line to `path` atomically (temporary file, then rename)."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return final
+
+
+def read_conversations(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Records from a .jsonl (one object a line), .json (a list) or .parquet file.
+
+    Raises ValueError naming the file and line of a malformed record.
+    """
+    source = Path(path)
+    if not source.is_file():
+        raise ValueError(f"{source}: no such file")
+    if source.suffix == ".parquet":
+        import pyarrow.parquet as pq  # only this format needs it
+
+        rows = pq.read_table(source).to_pylist()
+        return [_checked_conversation(r, f"{source} row {i}") for i, r in enumerate(rows)]
+    if source.suffix == ".json":
+        rows = json.loads(source.read_text(encoding="utf-8"))
+        return [_checked_conversation(r, f"{source} item {i}") for i, r in enumerate(rows)]
+    records = []
+    with source.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from e
+            records.append(_checked_conversation(record, f"{source}:{line_no}"))
+    return records
+
+
+def run_regenerate(
+    input_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    target_path: str | os.PathLike[str],
+    device: torch.device | str,
+    max_new_tokens: int,
+    batch_size: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    seed: int = 0,
+    enable_thinking: bool = False,
+    limit: int | None = None,
+) -> Path:
+    """The CLI's `regenerate`: read conversations, regenerate them with the target, write jsonl.
+
+    `limit` keeps only the first N conversations. Errors in the inputs are ValueError (TargetError
+    for the target folder): one line naming the file, for exit code 2.
+    """
+    conversations = read_conversations(input_path)[:limit]
+    model = load_target(target_path, device=torch.device(device))
+    tokenizer = load_target_tokenizer(target_path)
+    records = regenerate(
+        model,
+        tokenizer,
+        conversations,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        greedy=greedy,
+        temperature=temperature,
+        seed=seed,
+        enable_thinking=enable_thinking,
+    )
+    return write_jsonl(records, output_path)
+
+
+def _folder_digest(folder: Path) -> str:
+    """A content hash of a model folder (large files by name, size and mtime only)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.relative_to(folder)}:{stat.st_size}".encode())
+        if stat.st_size < _HASH_WHOLE_FILE_BELOW:
+            digest.update(file.read_bytes())
+        else:
+            digest.update(str(stat.st_mtime_ns).encode())
+    return digest.hexdigest()
+
+
+@contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    """Temporarily set torch's CPU intra-op threads (process-wide; restored on exit).
+
+    The tiny target's matmuls are [64, 128] x [128, 384]: with 2 threads on 2 busy cores each
+    one waits on the other and decoding ran 10x slower (1.1 ms vs 0.1 ms a matmul, measured).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def demo_corpus(
+    cache_dir: str | os.PathLike[str],
+    target_path: str | os.PathLike[str],
+    n_train: int,
+    *,
+    max_new_tokens: int = 64,
+    batch_size: int = 64,
+    seed: int = TINY_SEED,
+) -> Path:
+    """The built-in demo data: `n_train` demo prompts answered greedily by the target on the CPU.
+
+    Cached as `cache_dir/demo-corpus-<hash>.jsonl`, keyed by the target folder's content, the
+    prompts and the generation settings, so the demo drafter always learns its target's answers.
+    """
+    prompts = demo_prompts(n_train, seed, split="train")
+    key = hashlib.blake2b(digest_size=8)
+    for part in (_DEMO_CORPUS_VERSION, _folder_digest(Path(target_path)), json.dumps(prompts)):
+        key.update(part.encode())
+    key.update(f"{max_new_tokens}:{batch_size}".encode())
+    path = Path(cache_dir) / f"demo-corpus-{key.hexdigest()}.jsonl"
+    if path.is_file():
+        return path
+    model = load_target(target_path, device=torch.device("cpu"))
+    tokenizer = load_target_tokenizer(target_path)
+    with _intra_op_threads(1):
+        records = regenerate(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+    return write_jsonl(records, path)

@@ -1,0 +1,456 @@
+"""Every knob of a run, read from `DFLASH_*` environment variables and an optional preset file.
+
+Names: prefix `DFLASH_`, one group per section joined with `__` (`DFLASH_TRAIN__TOKEN_BUDGET`),
+top-level fields without a group (`DFLASH_OUTPUT_DIR`). `DFLASH_ENV_FILE=settings/x.env` loads a
+preset; real environment variables override it. Unset, the demo preset `settings/demo.env` of this
+repository is the default; `DFLASH_ENV_FILE=none` loads no file and leaves the recipe defaults
+(docs/DFLASH.md section 5).
+
+The sections are pydantic models and the root is a pydantic-settings `BaseSettings`, but the
+environment is mapped to fields here rather than by pydantic-settings' own sources: those read
+`os.environ` (so `load_settings` could not be pure) and silently ignore unknown names, while a
+misspelled `DFLASH_*` name must be an error. The mapping follows the same prefix and `__` rule.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from dotenv import dotenv_values  # a dependency of pydantic-settings
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+PREFIX = "DFLASH_"
+NESTING = "__"
+ENV_FILE_VAR = "DFLASH_ENV_FILE"
+NO_ENV_FILE = "none"
+# DFLASH.md s.4: the loss-weight decay gamma that goes with each published block size.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+class SettingsError(ValueError):
+    """Bad settings; `str(error)` is one line for the user (the CLI prints it and exits 2)."""
+
+
+def repo_root() -> Path:
+    """The repository holding this package: where `settings/` presets live."""
+    return Path(__file__).resolve().parent.parent
+
+
+def parse_device_list(value: Any) -> tuple[str, ...]:
+    """`"0,1,2"` / `"cpu"` / `"cuda:3"` -> `("cuda:0", "cuda:1", "cuda:2")` / `("cpu",)` / ...
+
+    Only the syntax is checked here; devices.parse_device checks that a device exists.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    devices = tuple(_canonical_device(str(item).strip().lower()) for item in items)
+    if not devices:
+        raise ValueError("needs at least one device, e.g. 0,1 or cpu")
+    duplicates = sorted({d for d in devices if devices.count(d) > 1})
+    if duplicates:
+        raise ValueError(f"lists {', '.join(duplicates)} more than once")
+    return devices
+
+
+def _canonical_device(item: str) -> str:
+    if item == "cpu":
+        return "cpu"
+    index = "0" if item == "cuda" else item.removeprefix("cuda:")
+    if not index.isdigit():
+        raise ValueError(f"{item!r} is not a device: use GPU indices such as 0,1,2 or cpu")
+    return f"cuda:{int(index)}"
+
+
+def _parse_int_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return tuple(int(part) for part in value.split(",") if part.strip())
+    return value
+
+
+class _Section(BaseModel):
+    """A settings group: frozen, no unknown fields, empty strings mean None for optional fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: None
+            if value == "" and key in cls.model_fields and cls.model_fields[key].default is None
+            else value
+            for key, value in data.items()
+        }
+
+
+class TargetSettings(_Section):
+    path: str = ""
+    """Local Hugging Face model folder of the frozen target; empty = the built-in tiny target."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Target weights and compute dtype; auto = bfloat16 on GPU, float32 on CPU."""
+    num_features: int = Field(5, ge=1)
+    """k: how many target layers feed the drafter."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """Comma list of target layers to capture; empty = derived from the layer count (DFLASH.md s.1)."""
+
+    _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_a_folder(cls, path: str) -> str:
+        if path and not Path(path).is_dir():
+            raise ValueError(f"the target folder {path} does not exist")
+        return path
+
+    @model_validator(mode="after")
+    def _ids_match_num_features(self) -> TargetSettings:
+        ids = self.target_layer_ids
+        if ids is not None and len(ids) != self.num_features:
+            raise ValueError(
+                f"DFLASH_TARGET__TARGET_LAYER_IDS={','.join(map(str, ids))} names {len(ids)} "
+                f"layers but DFLASH_TARGET__NUM_FEATURES={self.num_features}"
+            )
+        return self
+
+
+class DrafterSettings(_Section):
+    num_layers: int = Field(5, ge=1)
+    """Drafter transformer layers."""
+    mask_token_id: int | None = Field(None, ge=0)
+    """Token id used for the masked block positions; empty = the target family's default."""
+
+
+class DataSettings(_Section):
+    path: str = ""
+    """Conversations: a jsonl/parquet file, a glob or a folder; empty = the built-in corpus."""
+    max_len: int = Field(3072, ge=2)
+    """Longest sample in tokens (see too_long)."""
+    enable_thinking: bool = False
+    """Passed to the chat template (Qwen3 thinking blocks)."""
+    loss_turns: Literal["all", "last"] = "all"
+    """Which assistant turns are supervised."""
+    too_long: Literal["truncate", "drop"] = "truncate"
+    """What happens to a sample longer than max_len."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A malformed record stops the run (error, naming file and line) or is counted and skipped."""
+    cache_dir: str = ""
+    """Where tokenized data is cached; empty = no on-disk cache."""
+    num_proc: int = Field(1, ge=1)
+    """Processes used to tokenize the data set."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, path: str) -> str:
+        if path and not Path(path).exists() and not glob.glob(path):
+            raise ValueError(f"no file, folder or glob match for {path}")
+        return path
+
+
+class TrainSettings(_Section):
+    epochs: int = Field(6, ge=1)
+    """Passes over the data (used when max_steps is 0)."""
+    max_steps: int = Field(0, ge=0)
+    """Stop after this many optimizer steps; 0 = run the epochs."""
+    token_budget: int = Field(49152, ge=1)
+    """T: rows of every pack (real tokens + padding) given to one drafter per step."""
+    num_anchors: int = Field(2048, ge=1)
+    """A: anchors (blocks) sampled per pack."""
+    block_size: int = Field(16, ge=2)
+    """B: tokens per drafted block (the anchor + B-1 masked positions)."""
+    gamma: float | None = Field(None, gt=0, validate_default=True)
+    """Loss-weight decay exp(-(k-1)/gamma); empty = 7, 5, 4 for block sizes 16, 10, 8."""
+    lr: float = Field(6e-4, gt=0)
+    """Peak learning rate."""
+    warmup_frac: float = Field(0.04, ge=0, lt=1)
+    """Fraction of the steps spent in linear warmup before the cosine decay to 0."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global gradient norm; 0 = no clipping."""
+    seed: int = 42
+    """Seeds the drafter init, pack planning and anchor sampling."""
+    save_every: int = Field(1000, ge=0)
+    """Write a checkpoint every this many steps (and always at the end); 0 = only at the end."""
+    cuda_graph: bool = True
+    """Capture the drafter step as a CUDA graph (GPU only; ignored on CPU)."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
+    ce_chunk_size: int = Field(2048, ge=1)
+    """Block positions per cross-entropy chunk (bounds the logits held at once)."""
+
+    @field_validator("gamma")
+    @classmethod
+    def _derive_gamma(cls, gamma: float | None, info: ValidationInfo) -> float | None:
+        block_size = info.data.get("block_size")
+        if gamma is not None or block_size is None:  # block_size None: its own error is reported
+            return gamma
+        if block_size not in DEFAULT_GAMMA:
+            raise ValueError(
+                f"no default gamma for DFLASH_TRAIN__BLOCK_SIZE={block_size} (known: "
+                f"{', '.join(map(str, DEFAULT_GAMMA))}): set DFLASH_TRAIN__GAMMA"
+            )
+        return DEFAULT_GAMMA[block_size]
+
+    @model_validator(mode="after")
+    def _anchors_fit(self) -> TrainSettings:
+        if self.num_anchors > self.token_budget:
+            raise ValueError(
+                f"DFLASH_TRAIN__NUM_ANCHORS={self.num_anchors} exceeds "
+                f"DFLASH_TRAIN__TOKEN_BUDGET={self.token_budget}: anchors are distinct tokens"
+            )
+        return self
+
+
+class PipelineSettings(_Section):
+    target_devices: tuple[str, ...] = ("cpu",)
+    """Devices of the target workers: GPU indices like 0,1,2,3,4, or cpu."""
+    drafter_devices: tuple[str, ...] = ("cpu",)
+    """Devices of the drafter workers (may repeat target devices on small machines)."""
+    num_slots: int = Field(4, ge=1)
+    """Hidden-state slots in the ring between target and drafter workers (the backpressure)."""
+    target_batch_tokens: int = Field(16384, ge=1)
+    """Most tokens per target forward; a pack is split into forwards of whole documents."""
+
+    _split_devices = field_validator("target_devices", "drafter_devices", mode="before")(
+        parse_device_list
+    )
+
+
+class EvalSettings(_Section):
+    every: int = Field(0, ge=0)
+    """Measure acceptance length by decoding every this many steps; 0 = never."""
+    num_prompts: int = Field(16, ge=1)
+    """Prompts decoded per evaluation."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Tokens generated per prompt."""
+    prompts_path: str = ""
+    """A jsonl file of prompts; empty = held-out samples of the training data."""
+
+    @field_validator("prompts_path")
+    @classmethod
+    def _prompts_exist(cls, path: str) -> str:
+        if path and not Path(path).is_file():
+            raise ValueError(f"the prompts file {path} does not exist")
+        return path
+
+
+class LogSettings(_Section):
+    format: Literal["auto", "json", "console"] = "auto"
+    """JSON lines, a console renderer, or auto (console on a TTY, else JSON)."""
+    level: str = "info"
+    """Minimum level: debug, info, warning, error."""
+
+    @field_validator("level")
+    @classmethod
+    def _known_level(cls, level: str) -> str:
+        if level.upper() not in logging.getLevelNamesMapping():
+            raise ValueError(f"unknown level {level!r}: use debug, info, warning or error")
+        return level.lower()
+
+
+class Settings(BaseSettings):
+    """The whole run's settings. Build with `load_settings`; immutable."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX,
+        env_nested_delimiter=NESTING,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    output_dir: Path = Path("runs/dflash")
+    """Checkpoints and logs go here."""
+    env_file: str = NO_ENV_FILE
+    """The preset file loaded (DFLASH_ENV_FILE); none = no file."""
+    target: TargetSettings = TargetSettings()
+    drafter: DrafterSettings = DrafterSettings()
+    data: DataSettings = DataSettings()
+    train: TrainSettings = TrainSettings()
+    pipeline: PipelineSettings = PipelineSettings()
+    eval: EvalSettings = EvalSettings()
+    log: LogSettings = LogSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        *args: PydanticBaseSettingsSource,
+        **kwargs: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only explicit values: `load_settings` does the environment (see the module doc)."""
+        return (init_settings,)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_named(cls, output_dir: Path) -> Path:
+        if str(output_dir) in ("", "."):
+            raise ValueError("must name a folder for checkpoints and logs")
+        return output_dir
+
+    @model_validator(mode="after")
+    def _documents_fit(self) -> Settings:
+        max_len, budget = self.data.max_len, self.train.token_budget
+        if max_len > budget:
+            raise ValueError(
+                f"DFLASH_DATA__MAX_LEN={max_len} exceeds DFLASH_TRAIN__TOKEN_BUDGET={budget}: "
+                "a pack holds whole documents"
+            )
+        if max_len > self.pipeline.target_batch_tokens:
+            raise ValueError(
+                f"DFLASH_DATA__MAX_LEN={max_len} exceeds DFLASH_PIPELINE__TARGET_BATCH_TOKENS="
+                f"{self.pipeline.target_batch_tokens}: a target forward holds whole documents"
+            )
+        return self
+
+    def public_dict(self) -> dict[str, Any]:
+        """The effective settings as JSON-ready data, for `python -m dflash_async settings`.
+
+        The hook for secrets: none exist today; a future `SecretStr` field dumps masked.
+        """
+        return self.model_dump(mode="json")
+
+
+def setting_names() -> dict[str, tuple[str, ...]]:
+    """Every valid variable name -> its field path, e.g. DFLASH_TRAIN__LR -> ("train", "lr")."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name, field in Settings.model_fields.items():
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            for sub in section.model_fields:
+                names[f"{PREFIX}{name}{NESTING}{sub}".upper()] = (name, sub)
+        else:
+            names[f"{PREFIX}{name}".upper()] = (name,)
+    return names
+
+
+def setting_descriptions() -> dict[str, str]:
+    """Every valid variable name -> its one-line description (for `--help`)."""
+    descriptions = {}
+    for env_name, path in setting_names().items():
+        model: type[BaseModel] = Settings
+        for part in path[:-1]:
+            model = model.model_fields[part].annotation  # type: ignore[assignment]
+        descriptions[env_name] = model.model_fields[path[-1]].description or ""
+    return descriptions
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from `environ` (default: os.environ) and the preset it names. Pure given `environ`.
+
+    Raises SettingsError (one line naming the variable, value or file) for an unknown `DFLASH_*`
+    name, a value that does not parse or validate, or a missing env file.
+    """
+    if environ is None:
+        environ = os.environ
+    env_vars = {key.upper(): value for key, value in environ.items() if _is_ours(key)}
+    env_file = _resolve_env_file(env_vars.get(ENV_FILE_VAR))
+    file_vars = _read_env_file(env_file) if env_file else {}
+    origins = {name: str(env_file) for name in file_vars} | {name: "" for name in env_vars}
+    merged = file_vars | env_vars
+    _reject_unknown_names(merged, origins)
+    merged[ENV_FILE_VAR] = str(env_file) if env_file else NO_ENV_FILE
+    try:
+        return Settings(**_nest(merged))
+    except ValidationError as error:
+        raise SettingsError(_describe(error, merged, origins)) from None
+
+
+def _is_ours(name: str) -> bool:
+    return name.upper().startswith(PREFIX)
+
+
+def _resolve_env_file(value: str | None) -> Path | None:
+    """None (unset) -> the demo preset; "none"/"" -> no file; a relative path: cwd, then the repo."""
+    if value is None:
+        demo = repo_root() / "settings" / "demo.env"
+        if not demo.is_file():
+            raise SettingsError(
+                f"the default preset {demo} is missing: set {ENV_FILE_VAR} to a preset or to none"
+            )
+        return demo
+    if value.strip().lower() in (NO_ENV_FILE, ""):
+        return None
+    path = Path(value).expanduser()
+    for candidate in (path, repo_root() / path) if not path.is_absolute() else (path,):
+        if candidate.is_file():
+            return candidate
+    raise SettingsError(f"{ENV_FILE_VAR}={value}: no such file")
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    values = dotenv_values(path)
+    foreign = [key for key in values if not _is_ours(key)]
+    if foreign:
+        raise SettingsError(f"{path}: {foreign[0]} is not a {PREFIX}* variable")
+    if ENV_FILE_VAR in (key.upper() for key in values):
+        raise SettingsError(f"{path}: {ENV_FILE_VAR} cannot be set inside an env file")
+    return {key.upper(): value or "" for key, value in values.items()}
+
+
+def _reject_unknown_names(merged: Mapping[str, str], origins: Mapping[str, str]) -> None:
+    known = [*setting_names(), ENV_FILE_VAR]
+    for name in merged:
+        if name not in known:
+            where = f" (in {origins[name]})" if origins.get(name) else ""
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}?" if close else f"valid: {_name_summary(name, known)}"
+            raise SettingsError(f"{name} is not a setting{where}; {hint}")
+
+
+def _name_summary(name: str, known: list[str]) -> str:
+    """The names of the group `name` starts with, else the top-level names and groups."""
+    group = name.split(NESTING)[0] + NESTING
+    in_group = [k for k in known if k.startswith(group)]
+    if NESTING in name and in_group:
+        return ", ".join(in_group)
+    groups = dict.fromkeys(
+        k.split(NESTING)[0] + (NESTING + "*" if NESTING in k else "") for k in known
+    )
+    return ", ".join(groups)
+
+
+def _nest(merged: Mapping[str, str]) -> dict[str, Any]:
+    names = setting_names() | {ENV_FILE_VAR: ("env_file",)}
+    nested: dict[str, Any] = {}
+    for name, value in merged.items():
+        *sections, leaf = names[name]
+        target = nested
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[leaf] = value
+    return nested
+
+
+def _describe(error: ValidationError, merged: Mapping[str, str], origins: Mapping[str, str]) -> str:
+    """One line: `DFLASH_X__Y='value': what is wrong (in file)`, errors joined by '; '."""
+    env_names = {path: name for name, path in setting_names().items()}
+    parts = []
+    for item in error.errors(include_url=False):
+        message = item["msg"].removeprefix("Value error, ")
+        name = env_names.get(tuple(str(part) for part in item["loc"]))
+        if name is None:  # a check across fields: its message names the variables
+            parts.append(message)
+        elif name not in merged:  # a derived default failed (e.g. gamma for an odd block size)
+            parts.append(f"{name}: {message}")
+        else:
+            where = f" (in {origins[name]})" if origins.get(name) else ""
+            parts.append(f"{name}={merged[name]!r}: {message}{where}")
+    return "; ".join(parts)

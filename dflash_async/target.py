@@ -1,0 +1,336 @@
+"""The frozen target: loading it, capturing the layers the drafter needs, and nothing more.
+
+A target worker only needs the outputs of the `k` decoder layers in `target_layer_ids` (the output of
+layer i is HF `hidden_states[i+1]`). `TargetFeatures` registers a forward hook on each of those
+layers that copies its output into one preallocated `[B, S, k*d]` buffer, and the hook of the last
+needed layer raises a private `_EarlyExit`: the layers after it, the final norm and the lm_head never
+run (for Qwen3-8B with ids up to 33 of 36 layers that saves 3 layers and a 152k-wide lm_head).
+
+Why an exception and not a truncated layer list: raising leaves the model untouched (nothing to
+restore if anything fails half-way, no shared state to race on) and works for every architecture
+that calls its layers in order, whatever its forward does with `layer_types` or layer slicing;
+transformers resets its own per-call state in `finally` blocks, so unwinding through it is safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+
+
+class TargetError(ValueError):
+    """A target folder that cannot be used; the message is one line naming the path (CLI exit 2)."""
+
+
+class _EarlyExit(Exception):
+    """Raised by the hook of the last needed layer to stop the target forward right there."""
+
+
+def _checked_folder(path: str | os.PathLike[str]) -> Path:
+    """The target folder, or TargetError when it is missing, has no config.json or no weights."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise TargetError(f"target folder {str(folder)!r} does not exist (a local HF model folder)")
+    if not (folder / "config.json").is_file():
+        raise TargetError(f"target folder {str(folder)!r} has no config.json")
+    return folder
+
+
+def default_target_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on accelerators, fp32 on the CPU (CPU bf16 matmuls are slow and only used in tests)."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def load_target(
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """Load a local HF causal LM (never downloads), in eval mode with requires_grad False.
+
+    dtype None means bf16 on GPU and fp32 on CPU. Raises TargetError for a missing folder, a
+    folder without config.json or weights, or a config transformers cannot build a model from.
+    """
+    folder = _checked_folder(path)
+    device = torch.device(device)
+    if not any(next(folder.glob(p), None) for p in _WEIGHT_PATTERNS):
+        raise TargetError(f"target folder {str(folder)!r} has no weights (*.safetensors or *.bin)")
+    dtype = dtype or default_target_dtype(device)
+    # transformers needs `accelerate` for device_map; without it we load on the CPU and copy.
+    direct = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+    kwargs: dict[str, Any] = {"device_map": {"": device}} if direct else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype, **kwargs
+        )
+    except (OSError, ValueError, KeyError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"cannot load target {str(folder)!r}: {first_line}") from e
+    if not direct:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_target_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer stored in the target folder (local files only); TargetError if it is missing."""
+    folder = _checked_folder(path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot load the tokenizer of {str(folder)!r}: {e}") from e
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The decoder stack that owns `layers` (Qwen3/Llama `model.model`, Qwen3.5 `language_model`)."""
+    candidates: list[nn.Module] = []
+    if isinstance(model, PreTrainedModel):
+        candidates.append(model.get_decoder())
+    inner = getattr(model, "model", None)
+    candidates += [model, inner, getattr(inner, "language_model", None)]
+    for module in candidates:
+        if isinstance(getattr(module, "layers", None), nn.ModuleList):
+            return module
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers, in order (Qwen3, Qwen3-MoE, Llama, Qwen3-Next, Qwen3.5)."""
+    return text_model(model).layers
+
+
+def text_config(model: PreTrainedModel) -> PretrainedConfig:
+    """The language model's config (multimodal wrappers keep it in `text_config`)."""
+    return getattr(model.config, "text_config", None) or model.config
+
+
+def frozen_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens weight [V, d], lm_head weight [V, d]); tied embeddings give the same tensor."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    if embed.shape != head.shape:
+        raise TargetError(
+            f"embed_tokens {tuple(embed.shape)} and lm_head {tuple(head.shape)} differ"
+        )
+    return embed, head
+
+
+def _layer_output(output: Any) -> torch.Tensor:
+    """Decoder layers return the hidden states, or a tuple starting with them (older versions)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+class TargetFeatures:
+    """Captures the outputs of `layer_ids` and stops the forward after the last of them.
+
+    Lifecycle: the hooks are registered on construction and removed by `close()` (or on leaving
+    the `with` block). One instance per model; calls are not reentrant (one thread per device).
+    """
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
+        layers = decoder_layers(model)
+        ids = [int(i) for i in layer_ids]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < len(layers) for i in ids):
+            raise ValueError(
+                f"layer_ids={list(layer_ids)} must be distinct and within [0, {len(layers)})"
+            )
+        self.layer_ids = tuple(ids)
+        self.hidden_size = text_config(model).hidden_size
+        self._model = text_model(model)
+        self._out: torch.Tensor | None = None
+        last = max(ids)
+        self._handles = [
+            layers[i].register_forward_hook(partial(self._capture, slot=j, stop=i == last))
+            for j, i in enumerate(ids)
+        ]
+
+    def _capture(self, module: nn.Module, args: Any, output: Any, *, slot: int, stop: bool) -> None:
+        assert self._out is not None, "a captured layer ran outside TargetFeatures.__call__"
+        d = self.hidden_size
+        self._out[..., slot * d : (slot + 1) * d].copy_(_layer_output(output))
+        if stop:
+            raise _EarlyExit
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Features [B, S, k*d] for right-padded input_ids [B, S]; padding rows are zero."""
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and attention_mask "
+                f"{tuple(attention_mask.shape)} must both be [B, S]"
+            )
+        param = next(self._model.parameters())
+        batch, seq = input_ids.shape
+        out = torch.empty(
+            batch,
+            seq,
+            len(self.layer_ids) * self.hidden_size,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        self._out = out
+        try:
+            self._model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _EarlyExit:
+            pass
+        else:
+            raise RuntimeError(f"the forward ended without reaching layer {max(self.layer_ids)}")
+        finally:
+            self._out = None
+        return out.masked_fill_(~attention_mask.bool().unsqueeze(-1), 0)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> TargetFeatures:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def capture_features(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layer_ids: Sequence[int],
+) -> torch.Tensor:
+    """One-shot `TargetFeatures`: [B, S, k*d], layer outputs concatenated in `layer_ids` order.
+
+    Equals `model(..., output_hidden_states=True).hidden_states[i + 1]` for each id i, except for
+    the last layer (i = L-1), where HF reports the output after the final norm and we the raw one.
+    """
+    with TargetFeatures(model, layer_ids) as features:
+        return features(input_ids, attention_mask)
+
+
+# Fast kernels of hybrid (Gated DeltaNet) targets: (import name, distribution, what it speeds up).
+_FAST_KERNELS = (
+    ("fla", "flash-linear-attention", "the Gated DeltaNet layers (chunk_gated_delta_rule)"),
+    ("causal_conv1d", "causal-conv1d", "the short convolutions (causal_conv1d_fn)"),
+)
+
+
+def is_hybrid(model: nn.Module) -> bool:
+    """True for targets with linear-attention (Gated DeltaNet) layers: Qwen3-Next, Qwen3.5."""
+    layer_types = getattr(text_config(model), "layer_types", None) or ()
+    return "linear_attention" in layer_types or any(
+        type(m).__name__.endswith("GatedDeltaNet") for m in model.modules()
+    )
+
+
+def _kernel_importable(module: str) -> str | None:
+    """None when `module` imports, else why not. Only called for CUDA targets (see preflight)."""
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        importlib.import_module(module)
+    except (ImportError, RuntimeError, OSError) as e:  # fla raises RuntimeError without a driver
+        return f"import failed: {type(e).__name__}: {e}"
+    return None
+
+
+def preflight_lines(
+    *, hybrid: bool, device: torch.device, importable: Callable[[str], str | None]
+) -> list[str]:
+    """The report of `fast_kernel_preflight`, with the import check passed in (testable)."""
+    if not hybrid:
+        return []
+    if device.type != "cuda":
+        # Never import fla/causal_conv1d here: without a GPU (or with a CPU triton) they crash.
+        return [
+            f"{dist}: not used on {device.type}; {what} run the torch fallback"
+            for _, dist, what in _FAST_KERNELS
+        ]
+    lines = []
+    for module, dist, what in _FAST_KERNELS:
+        why = importable(module)
+        if why is None:
+            lines.append(f"{dist}: available for {what}")
+            continue
+        line = f"{dist}: {why}; {what} run the slow torch fallback (pip install '.[hybrid]')"
+        warnings.warn(line, RuntimeWarning, stacklevel=3)
+        lines.append(line)
+    return lines
+
+
+def fast_kernel_preflight(model: PreTrainedModel) -> list[str]:
+    """Which fast paths a hybrid target will use, one line per kernel; [] for a non-hybrid target.
+
+    Warns (RuntimeWarning) for each kernel a CUDA hybrid target lacks. On the CPU nothing is
+    imported: the torch fallback is the only path there.
+    """
+    device = next(model.parameters()).device
+    return preflight_lines(hybrid=is_hybrid(model), device=device, importable=_kernel_importable)
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `path`; on success it replaces `path` by renames.
+
+    On an exception the temporary folder is deleted and `path` is left as it was, so a reader
+    never sees a half-written folder where a good one was.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.chmod(0o755)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def random_target(
+    config: PretrainedConfig, seed: int, *, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A random-weight causal LM from transformers' own initialisation under `seed`.
+
+    The global RNG state is restored afterwards; the same config and seed give the same weights.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def save_random_target(
+    path: str | os.PathLike[str],
+    config: PretrainedConfig,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write `random_target(config, seed)` as an HF folder at `path` (atomic); returns the path."""
+    model = random_target(config, seed, dtype=dtype)
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp)
+    return Path(path)
