@@ -43,9 +43,13 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter [...]` (GPU step) or `bench packing` (CPU planner)."""
+    """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks) or `bench packing`."""
     if args.what == "drafter":
         from dflash_async.bench_drafter import main
+
+        main(args.rest)
+    elif args.what == "graphs":
+        from dflash_async.bench_graphs import main
 
         main(args.rest)
     else:
@@ -80,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("what", choices=("drafter", "packing"))
+    bench.add_argument("what", choices=("drafter", "graphs", "packing"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)

@@ -75,6 +75,7 @@ def build_step(
     flex_fn=None,
     ce_chunk_size: int = 2048,
     seed: int = 0,
+    compile: bool = False,
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -90,6 +91,7 @@ def build_step(
             gamma=default_gamma(config.block_size),
             ce_chunk_size=ce_chunk_size,
             attention=attention,
+            compile=compile,
         ),
         drafter,
         embed,
@@ -140,6 +142,9 @@ def bench_drafter(
     steps: int = 10,
     warmup: int = 3,
     flex_fn=None,
+    ce_chunk_size: int = 2048,
+    profile: bool = False,
+    compile: bool = False,
 ) -> DrafterBench:
     step = build_step(
         config,
@@ -148,6 +153,8 @@ def bench_drafter(
         device=device,
         attention=attention,
         flex_fn=flex_fn,
+        ce_chunk_size=ce_chunk_size,
+        compile=compile,
     )
     copy_batch_(
         step.batch,
@@ -160,6 +167,8 @@ def bench_drafter(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = time_steps(step, steps)
+    if profile:
+        print_profile(step)
     stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: report only
     flops = drafter_step_flops(
         config,
@@ -175,6 +184,17 @@ def bench_drafter(
         mfu=mfu(flops, seconds),
         peak_mem_gib=peak,
         loss=stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
+    )
+
+
+def print_profile(step: DrafterStep, steps: int = 3) -> None:
+    """Top CUDA kernels of a few steps, by total device time (where the step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_steps(step, steps)
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     )
 
 
@@ -203,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="eager,graph")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ce-chunk-size", type=int, default=2048)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels")
+    parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -221,5 +244,8 @@ def main(argv: list[str] | None = None) -> None:
             cuda_graph=mode == "graph",
             steps=args.steps,
             flex_fn=flex_fn,
+            ce_chunk_size=args.ce_chunk_size,
+            profile=args.profile,
+            compile=args.compile,
         )
         print(json.dumps({"shape": args.shape, **vars(args), **asdict(result)}), flush=True)

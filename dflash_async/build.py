@@ -125,12 +125,14 @@ def build_drafter_step(
     target_path: str,
     *,
     device: torch.device,
+    rank: int,
     total_steps: int,
     flex_fn,
 ) -> DrafterStep:
     """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
 
-    Every drafter is seeded alike, so all start from identical weights. Call in its worker.
+    Every drafter is seeded alike, so all start from identical weights; each draws its own
+    anchors (generator seeded by seed and rank). Call in its worker.
     """
     train = settings.train
     torch.manual_seed(train.seed)
@@ -147,6 +149,7 @@ def build_drafter_step(
             gamma=train.gamma,
             ce_chunk_size=train.ce_chunk_size,
             attention=attention,
+            compile=cuda and train.compile,
         ),
         drafter,
         embed,
@@ -170,4 +173,5 @@ def build_drafter_step(
         batch=empty_batch(train.token_budget, feature_dim, device, target_dtype),
         num_anchors=train.num_anchors,
         grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
+        generator=torch.Generator(device).manual_seed(train.seed * 1000 + rank),
     )

@@ -10,10 +10,11 @@ needs no `{% generation %}` markers, so it works with any template.
 Templates may render a turn differently once later turns exist: Qwen3 keeps an assistant turn's
 `<think>` block only after the last user query, so B is not always a prefix of `full`. Then turn
 i's end in `full` is found with a sentinel appended to its content, and B's generated characters
-are mapped into `full` by a character alignment (difflib) of that one turn: a character of `full`
-is supervised iff it aligns to a generated character. Text a template dropped (an earlier turn's
-reasoning) is simply not in the sequence. Anything that cannot be aligned raises ChatMaskError
-rather than guessing a mask.
+are mapped into that one turn of `full` by an alignment (a dropped block is found in linear time;
+anything else by difflib over lines, then characters): a character of `full` is supervised iff it
+aligns to a generated character. Text a template dropped (an earlier turn's reasoning) is simply
+not in the sequence. Tokens are supervised iff they contain a supervised character. Anything that
+cannot be aligned raises ChatMaskError rather than guessing a mask.
 """
 
 from __future__ import annotations

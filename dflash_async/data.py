@@ -25,6 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from glob import glob
 from pathlib import Path
@@ -279,14 +280,20 @@ def encode_all(
     bar = tqdm(total=len(records), unit="rec", desc="tokenizing", disable=not sys.stderr.isatty())
     with bar:
         if options.num_proc > 1 and len(chunks) > 2:
-            # spawn, not fork: the parent runs an event loop and device threads.
-            context = multiprocessing.get_context("spawn")
-            processes = min(options.num_proc, len(chunks))
-            init = (tokenizer, options)
-            with context.Pool(processes, initializer=_init_worker, initargs=init) as pool:
-                for results in pool.imap(_encode_chunk_in_worker, chunks):
+            # spawn, not fork: the parent runs an event loop and device threads. An executor,
+            # not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
+            pool = ProcessPoolExecutor(
+                max_workers=min(options.num_proc, len(chunks)),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(tokenizer, options),
+            )
+            try:
+                for results in pool.map(_encode_chunk_in_worker, chunks):
                     bar.update(len(results))
                     yield from results
+            finally:  # on a DataError mid-way, do not tokenize the rest first
+                pool.shutdown(cancel_futures=True)
         else:
             for chunk in chunks:
                 results = encode_chunk(chunk, tokenizer, options)

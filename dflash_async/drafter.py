@@ -96,23 +96,26 @@ class DraftAttention(nn.Module):
             y = norm(y)
         return y.transpose(0, 1).unsqueeze(0)
 
-    def forward(
+    def project(
         self,
         h: torch.Tensor,  # [Q, d] block stream after input_layernorm
         context: torch.Tensor,  # [T, d] fused target context C
         block_rope: tuple[torch.Tensor, torch.Tensor],  # [Q, hd] each
         context_rope: tuple[torch.Tensor, torch.Tensor],  # [T, hd] each
-        attend: Attend,
-    ) -> torch.Tensor:
-        q = apply_rope(self._heads(h, self.q_proj, self.q_norm), *block_rope)  # [1, H, Q, hd]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [1, H, Q, hd] from the block; k, v [1, Hkv, T+Q, hd] from context then block."""
+        q = apply_rope(self._heads(h, self.q_proj, self.q_norm), *block_rope)
         k_context = apply_rope(self._heads(context, self.k_proj, self.k_norm), *context_rope)
         k_block = apply_rope(self._heads(h, self.k_proj, self.k_norm), *block_rope)
-        k = torch.cat([k_context, k_block], dim=2)  # [1, Hkv, T+Q, hd]
+        k = torch.cat([k_context, k_block], dim=2)
         v = torch.cat(
             [self._heads(context, self.v_proj, None), self._heads(h, self.v_proj, None)], 2
         )
-        out = attend(q, k, v)  # [1, H, Q, hd]
-        return self.o_proj(out.squeeze(0).transpose(0, 1).flatten(1))  # [Q, d]
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[1, H, Q, hd] attention output -> [Q, d]."""
+        return self.o_proj(out.squeeze(0).transpose(0, 1).flatten(1))
 
 
 class DraftMLP(nn.Module):
@@ -137,9 +140,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
 
-    def forward(self, x, context, block_rope, context_rope, attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+def layer_attention_inputs(layer: DraftLayer, x, context, block_rope, context_rope):
+    """Everything of a layer before attention: norm, projections, q/k norms, RoPE."""
+    return layer.self_attn.project(layer.input_layernorm(x), context, block_rope, context_rope)
+
+
+def layer_attention_output(layer: DraftLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Everything of a layer after attention: o_proj, residuals, MLP."""
+    x = x + layer.self_attn.output(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -153,7 +163,21 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
+        # The per-layer pieces around attention; compile_layers() swaps in compiled versions.
+        self._attention_inputs = layer_attention_inputs
+        self._attention_output = layer_attention_output
         self.reset_parameters()
+
+    def compile_layers(self) -> None:
+        """torch.compile the elementwise-heavy pieces around attention (norms, RoPE, SwiGLU,
+        residuals) once for all layers: the layer module is an input, so one graph serves every
+        layer. GPU only (CPU inductor needs a C++ toolchain and buys nothing for tests)."""
+        self._attention_inputs = torch.compile(
+            layer_attention_inputs, dynamic=False, fullgraph=True
+        )
+        self._attention_output = torch.compile(
+            layer_attention_output, dynamic=False, fullgraph=True
+        )
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -184,5 +208,6 @@ class DFlashDrafter(nn.Module):
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
         for layer in self.layers:
-            x = layer(x, context, block_rope, context_rope, attend)
+            q, k, v = self._attention_inputs(layer, x, context, block_rope, context_rope)
+            x = self._attention_output(layer, x, attend(q, k, v))
         return self.norm(x)

@@ -40,8 +40,10 @@ class DrafterConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad or not self.target_layer_ids or len(set(self.target_layer_ids)) != len(
-            self.target_layer_ids
+        if (
+            bad
+            or not self.target_layer_ids
+            or len(set(self.target_layer_ids)) != len(self.target_layer_ids)
         ):
             raise ValueError(
                 f"target_layer_ids={list(self.target_layer_ids)} must be non-empty, distinct and within "

@@ -58,6 +58,17 @@ def configure_logging(fmt: LogFormat, level: str, stream: TextIO = sys.stdout) -
     root.setLevel(numeric_level)
     # Process-wide on purpose: warnings from any thread become `warning_issued` events.
     warnings.showwarning = _log_warning
+    _route_transformers_logs()
+
+
+def _route_transformers_logs() -> None:
+    """transformers keeps its own stderr handler and stops propagation: send its records to the
+    root handler like every other library's, and drop its progress bars (not log lines)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

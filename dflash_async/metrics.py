@@ -73,3 +73,27 @@ class RateWindow:
             return 0.0
         span = now - self._events[0][0]
         return sum(a for _, a in list(self._events)[1:]) / max(span, 1e-9)
+
+
+class BusyMeter:
+    """Device-busy seconds of one worker, from (start, end) CUDA event pairs of its jobs.
+
+    `collect()` adds the pairs whose end event completed (event.query(): no host sync) and
+    returns the running total. CPU workers use their host job time instead (add_seconds).
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque = deque()
+        self._seconds = 0.0
+
+    def add(self, start, end) -> None:
+        self._pending.append((start, end))
+
+    def add_seconds(self, seconds: float) -> None:
+        self._seconds += seconds
+
+    def collect(self) -> float:
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self._seconds += start.elapsed_time(end) / 1e3
+        return self._seconds

@@ -48,6 +48,7 @@ class ObjectiveConfig:
     ce_chunk_size: int = 2048  # trained slots per CE chunk: chunk x vocab fp32 logits alive at once
     attention: Literal["sdpa", "flex"] = "sdpa"
     flex_tile: int = 128  # flex BlockMask tile; T and A*B must be multiples of it
+    compile: bool = False  # torch.compile the CE elementwise work and the drafter layers (GPU)
 
 
 class Anchors(NamedTuple):
@@ -90,6 +91,8 @@ def sample_anchors(
     doc_ids: torch.Tensor,  # [T] int64, documents contiguous and ascending, -1 padding
     num_anchors: int,
     generator: torch.Generator | None = None,
+    *,
+    noise: torch.Tensor | None = None,
 ) -> Anchors:
     """Draw `num_anchors` anchors without replacement, spread over documents by candidate count.
 
@@ -101,13 +104,14 @@ def sample_anchors(
     """
     T, A, device = loss_mask.shape[0], num_anchors, loss_mask.device
     cand = anchor_candidates(loss_mask, doc_ids)
-    keys = torch.rand(T, generator=generator, device=device)
+    if noise is None:
+        noise = torch.rand(T + 1, generator=generator, device=device, dtype=torch.float64)
+    keys, offset = noise[:T], noise[T].to(torch.float64)
     by_key = keys.argsort()
     doc_key = torch.where(cand, doc_ids, T)[by_key]  # non-candidates sort last
     order = by_key[doc_key.argsort(stable=True)]  # candidates by (doc, random key), then the rest
     count = cand.sum()  # C, stays on the device
     slots = torch.arange(A, device=device, dtype=torch.float64)
-    offset = torch.rand((), generator=generator, device=device, dtype=torch.float64)
     spaced = ((slots + offset) * count / A).floor().long()  # C >= A: A distinct picks
     index = torch.where(count >= A, spaced, slots.long())  # C < A: take every candidate
     valid = index < count
@@ -136,7 +140,16 @@ class DFlashObjective(nn.Module):
         self.drafter = drafter
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
+        if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
+            # flex is fast (and sync-free) only compiled; compiled at the first call
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex_fn = torch.compile(flex_attention, dynamic=False)
         self.flex_fn = flex_fn
+        self.ce_elementwise = ce_and_grad_from_logits
+        if config.compile:
+            self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
+            drafter.compile_layers()
         B = config.block_size
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)
@@ -189,6 +202,7 @@ class DFlashObjective(nn.Module):
             labels[:, 1:].flatten(),
             w,
             self.config.ce_chunk_size,
+            self.ce_elementwise,
         )
         trained = w > 0
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
@@ -210,28 +224,42 @@ class DFlashObjective(nn.Module):
         return hidden @ self.lm_head_weight.to(hidden.dtype).T
 
 
+def ce_and_grad_from_logits(
+    logits: torch.Tensor,  # [c, V]
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum(w*CE) (in >= fp32), argmax==label [c], and d sum(w*CE) / d logits [c, V].
+
+    Pure elementwise + row reductions: compiled on GPU it reads the logits twice and writes the
+    gradient once (eager: ~8 passes over [c, V] fp32).
+    """
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = x.logsumexp(-1)  # [c]
+    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    trained = weights > 0
+    # select, never multiply by 0: a non-finite CE at an untrained slot must not leak in
+    w = torch.where(trained, weights, 0.0).to(x.dtype)
+    ce_sum = torch.where(trained, w * ce, 0.0).sum()
+    hit = x.argmax(-1) == labels
+    vocab = torch.arange(x.shape[1], device=x.device)
+    grad = ((x - lse[:, None]).exp() - (vocab[None, :] == labels[:, None]).to(x.dtype)) * w[:, None]
+    return ce_sum, hit, grad.to(logits.dtype)
+
+
 def _chunk_ce_and_grad(
     hidden: torch.Tensor,  # [c, d]
     lm_head_weight: torch.Tensor,  # [V, d]
     labels: torch.Tensor,  # [c]
     weights: torch.Tensor,  # [c]
     need_grad: bool,
+    elementwise,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """sum(w*CE), argmax==label [c] and d sum(w*CE) / d hidden [c, d] for one chunk."""
-    logits = hidden @ lm_head_weight.to(hidden.dtype).T  # [c, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
-    trained = weights > 0
-    ce = F.cross_entropy(logits, labels, reduction="none")  # [c]
-    # select, never multiply by 0: a non-finite CE at an untrained slot must not leak in
-    ce_sum = torch.where(trained, weights * ce, 0.0).sum()
-    hit = logits.argmax(-1) == labels
-    if not need_grad:
-        return ce_sum, hit, None
-    # dCE/dlogits = softmax - onehot, scaled by w; the logits buffer is reused in place
-    grad_logits = logits.softmax(-1)
-    grad_logits[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
-    grad_logits *= torch.where(trained, weights, 0.0).to(grad_logits.dtype)[:, None]
-    grad_hidden = grad_logits.to(hidden.dtype) @ lm_head_weight.to(hidden.dtype)  # [c, d]
+    weight = lm_head_weight.to(hidden.dtype)
+    logits = hidden @ weight.T  # [c, V]
+    ce_sum, hit, grad_logits = elementwise(logits, labels, weights)
+    grad_hidden = grad_logits @ weight if need_grad else None  # [c, d]
     return ce_sum, hit, grad_hidden
 
 
@@ -244,13 +272,18 @@ class _LinearWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int):
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, elementwise):
         need_grad = hidden.requires_grad
         sums, hits, grads = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             ce_sum, hit, grad = _chunk_ce_and_grad(
-                hidden[start:end], lm_head_weight, labels[start:end], weights[start:end], need_grad
+                hidden[start:end],
+                lm_head_weight,
+                labels[start:end],
+                weights[start:end],
+                need_grad,
+                elementwise,
             )
             sums.append(ce_sum)
             hits.append(hit)
@@ -264,7 +297,7 @@ class _LinearWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sum, _grad_hit):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_sum.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_sum.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def linear_weighted_cross_entropy(
@@ -273,10 +306,13 @@ def linear_weighted_cross_entropy(
     labels: torch.Tensor,  # [N]
     weights: torch.Tensor,  # [N], >= 0; positions with w == 0 are excluded by selection
     chunk_size: int,
+    elementwise=ce_and_grad_from_logits,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of w * CE, argmax == label [N]) with at most [chunk_size, V] logits alive at a time.
 
     The chunk count is static (N and chunk_size are fixed per built objective). `lm_head_weight`
     gets no gradient (the target is frozen).
     """
-    return _LinearWeightedCE.apply(hidden, lm_head_weight.detach(), labels, weights, chunk_size)
+    return _LinearWeightedCE.apply(
+        hidden, lm_head_weight.detach(), labels, weights, chunk_size, elementwise
+    )

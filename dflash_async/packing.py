@@ -60,6 +60,10 @@ class PackCursor:
     epoch: int = 0
     index: int = 0
 
+    def __post_init__(self) -> None:
+        if self.epoch < 0 or self.index < 0:
+            raise ValueError(f"{self} must have epoch >= 0 and index >= 0")
+
     def next(self) -> PackCursor:
         """The cursor after this pack (an index past the epoch's end rolls to the next epoch)."""
         return PackCursor(self.epoch, self.index + 1)
@@ -94,12 +98,12 @@ def plan_epoch(lengths: np.ndarray, token_budget: int, seed: int, epoch: int) ->
     order = shuffled[np.argsort(lengths[shuffled], kind="stable")]  # ascending, ties shuffled
     cumulative = np.cumsum(lengths[order])  # [n]
     ends, filled = [], 0
-    while not ends or ends[-1] < len(order):
+    while (ends[-1] if ends else 0) < len(order):
         # First sample that would overflow this pack; >= 1 sample always fits (checked above).
         end = int(np.searchsorted(cumulative, filled + token_budget, side="right"))
         ends.append(end)
         filled = int(cumulative[end - 1])
-    packs = np.split(order, ends[:-1]) if len(order) else []
+    packs = np.split(order, ends[:-1]) if ends else []
     return [packs[i] for i in rng.permutation(len(packs))]
 
 

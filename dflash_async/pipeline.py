@@ -103,11 +103,11 @@ async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[D
 
         flex_fn = torch.compile(flex_attention, dynamic=False)  # compiled at the first call
     runners = []
-    for worker in workers:  # one at a time: compile and capture are not thread-safe
+    for rank, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
-            device=worker.device, total_steps=total_steps, flex_fn=flex_fn,
+            device=worker.device, rank=rank, total_steps=total_steps, flex_fn=flex_fn,
         )  # fmt: skip
         if cuda and settings.train.cuda_graph:
             await worker.run(step.capture)
@@ -169,7 +169,10 @@ async def run(settings: Settings, log) -> int:
         )
         lag, stop, received = LoopLag(), anyio.Event(), []
         throughput = Throughput(
-            ring, target_workers, drafter_workers, train.token_budget,
+            ring,
+            [(w, r.meter) for w, r in zip(target_workers, runners_t, strict=True)],
+            [(r.worker, r.meter) for r in drafters],
+            train.token_budget,
             lambda pairs: drafter_step_flops(cfg, token_budget=train.token_budget,
                                              num_anchors=train.num_anchors, visible_pairs=pairs),
             lag,

@@ -189,6 +189,8 @@ class TrainSettings(_Section):
     """Write a checkpoint every this many steps (and always at the end); 0 = only at the end."""
     cuda_graph: bool = True
     """Capture the drafter step as a CUDA graph (GPU only; ignored on CPU)."""
+    compile: bool = True
+    """torch.compile the drafter's layers (norms, RoPE, SwiGLU) and the CE math (GPU only)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
     ce_chunk_size: int = Field(2048, ge=1)

@@ -85,7 +85,13 @@ class DrafterStep:
         self.num_anchors = num_anchors
         self.block_size = objective.config.block_size
         self.grad_clip = grad_clip
+        # Anchor noise is drawn eagerly into a static buffer before each phase A, outside any
+        # graph: eager and replayed steps then see the same anchors for the same seed, and the
+        # graphs hold no RNG state (docs/GPU.md: graph RNG failures poison the process).
         self.generator = generator
+        self.noise = torch.zeros(
+            batch.num_tokens + 1, dtype=torch.float64, device=batch.input_ids.device
+        )
         self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
         self.flat_grad, _ = flat_grad_buffer(self.params)
         device = self.flat_grad.device
@@ -105,7 +111,7 @@ class DrafterStep:
 
     def _forward_backward(self) -> None:
         batch = self.batch
-        anchors = sample_anchors(batch.loss_mask, batch.doc_ids, self.num_anchors, self.generator)
+        anchors = sample_anchors(batch.loss_mask, batch.doc_ids, self.num_anchors, noise=self.noise)
         with self._autocast():
             sums: StepSums = self.objective(batch, anchors)
         sums.ce_sum.backward()
@@ -122,6 +128,7 @@ class DrafterStep:
 
     def phase_a(self) -> None:
         """Forward + backward into flat_grad and stats (replay when captured)."""
+        self.noise.uniform_(generator=self.generator)  # eager, before the graph: see __init__
         if self.graphs is not None:
             self.graphs[0].replay()
         else:
@@ -156,8 +163,6 @@ class DrafterStep:
         graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with CAPTURE_LOCK:
             torch.cuda.synchronize(self.device)  # sync point: start-up only
-            if self.generator is not None:
-                graph_a.register_generator_state(self.generator)
             with torch.cuda.graph(graph_a, capture_error_mode=error_mode):
                 self._forward_backward()
             with torch.cuda.graph(graph_b, pool=graph_a.pool(), capture_error_mode=error_mode):

@@ -142,7 +142,8 @@ class TargetFeatures:
     """Captures the outputs of `layer_ids` and stops the forward after the last of them.
 
     Lifecycle: the hooks are registered on construction and removed by `close()` (or on leaving
-    the `with` block). One instance per model; calls are not reentrant (one thread per device).
+    the `with` block); outside `__call__` they do nothing, so the model can still be used as is.
+    One instance per model; calls are not reentrant (one thread per device).
     """
 
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
@@ -163,7 +164,8 @@ class TargetFeatures:
         ]
 
     def _capture(self, module: nn.Module, args: Any, output: Any, *, slot: int, stop: bool) -> None:
-        assert self._out is not None, "a captured layer ran outside TargetFeatures.__call__"
+        if self._out is None:  # the model is used for something else (e.g. decoding): let it run
+            return
         d = self.hidden_size
         self._out[..., slot * d : (slot + 1) * d].copy_(_layer_output(output))
         if stop:
@@ -179,14 +181,9 @@ class TargetFeatures:
             )
         param = next(self._model.parameters())
         batch, seq = input_ids.shape
-        out = torch.empty(
-            batch,
-            seq,
-            len(self.layer_ids) * self.hidden_size,
-            dtype=param.dtype,
-            device=param.device,
-        )
-        self._out = out
+        width = len(self.layer_ids) * self.hidden_size
+        out = torch.empty(batch, seq, width, dtype=param.dtype, device=param.device)  # [B, S, k*d]
+        self._out = out  # the hooks copy into it on the device: no CPU-GPU sync here
         try:
             self._model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _EarlyExit:

@@ -9,12 +9,14 @@ pipeline work without a download. Everything here is deterministic:
   config, seed and tokenizer, so changing any of them builds a new folder instead of reusing a
   stale one;
 - the prompts are templated from word lists (arithmetic, lists, copying, sorting, spelling...) and
-  split into train and held-out sets by a hash of their text, so the two never share a prompt.
+  split into train and held-out sets by a hash of their first question, so the two never share
+  a question.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import string
 from collections.abc import Callable
@@ -117,23 +119,33 @@ def _is_heldout(text: str) -> bool:
     return int.from_bytes(digest, "big") % HELDOUT_ONE_IN == 0
 
 
-def _conversation(rng: random.Random) -> dict[str, Any]:
+def _conversation(rng: random.Random, multi_turn: bool) -> dict[str, Any]:
     """One prompt in OpenAI messages form; assistant turns are empty (regenerate fills them)."""
     messages: list[dict[str, str]] = []
     if rng.random() < 0.2:
         messages.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
     messages.append({"role": "user", "content": rng.choice(_TASKS)(rng)})
     if rng.random() < 0.1:  # a few two-turn prompts exercise multi-turn regeneration
-        messages.append({"role": "assistant", "content": ""})
-        messages.append({"role": "user", "content": rng.choice(_TASKS)(rng)})
+        follow_up = rng.choice(_TASKS)(rng)  # drawn either way: same stream for both settings
+        if multi_turn:
+            messages.append({"role": "assistant", "content": ""})
+            messages.append({"role": "user", "content": follow_up})
     return {"messages": messages}
 
 
-def demo_prompts(n: int, seed: int = TINY_SEED, *, split: str = "train") -> list[dict[str, Any]]:
+def _first_question(record: dict[str, Any]) -> str:
+    return next(m["content"] for m in record["messages"] if m["role"] == "user")
+
+
+def demo_prompts(
+    n: int, seed: int = TINY_SEED, *, split: str = "train", multi_turn: bool = True
+) -> list[dict[str, Any]]:
     """`n` distinct synthetic prompts ({"messages": [...]}) from `split` ("train" or "heldout").
 
-    Deterministic in (n, seed, split); a prompt belongs to "heldout" iff the hash of its texts
-    says so, so the two splits never share a prompt and a longer list extends a shorter one.
+    Deterministic in the arguments, and a longer list extends a shorter one. A prompt is held out
+    iff the hash of its first user message says so, so the splits never share a first question,
+    whatever `multi_turn`. About 10% of the prompts have two user turns (with an empty assistant
+    turn between them) unless `multi_turn` is False (e.g. for evaluation).
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r} must be 'train' or 'heldout'")
@@ -145,14 +157,12 @@ def demo_prompts(n: int, seed: int = TINY_SEED, *, split: str = "train") -> list
     for _ in range(200 * n + 1000):
         if len(prompts) == n:
             return prompts
-        record = _conversation(rng)
-        text = "\n".join(m["content"] for m in record["messages"])
-        if text not in seen and _is_heldout(text) == (split == "heldout"):
+        record = _conversation(rng, multi_turn)
+        text = json.dumps(record["messages"])
+        if text not in seen and _is_heldout(_first_question(record)) == (split == "heldout"):
             seen.add(text)
             prompts.append(record)
-    if len(prompts) < n:
-        raise ValueError(f"only {len(prompts)} distinct {split} prompts exist, asked for n={n}")
-    return prompts
+    raise ValueError(f"only {len(prompts)} distinct {split} prompts exist, asked for n={n}")
 
 
 def _lexicon() -> list[str]:

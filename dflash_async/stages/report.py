@@ -16,7 +16,7 @@ import torch
 
 from dflash_async.channels import ReceiveChannel, SlotRing
 from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import RateWindow, mfu
+from dflash_async.metrics import BusyMeter, RateWindow, mfu
 from dflash_async.stages.train import StepRecord
 from dflash_async.step import STATS
 
@@ -26,8 +26,8 @@ class Throughput:
     """Everything the step line needs beyond the step's own numbers."""
 
     ring: SlotRing
-    target_workers: list[DeviceWorker]
-    drafter_workers: list[DeviceWorker]
+    target_workers: list[tuple[DeviceWorker, BusyMeter]]
+    drafter_workers: list[tuple[DeviceWorker, BusyMeter]]
     token_budget: int
     flops_of_pairs: Any  # visible_pairs -> drafter FLOPs of one drafter's step
     loop_lag: Any  # LoopLag: max loop lateness since the last read
@@ -37,12 +37,14 @@ class Throughput:
     _busy: dict[str, float] = field(default_factory=dict)
     _last: float = field(default_factory=time.perf_counter)
 
-    def busy_fraction(self, workers: list[DeviceWorker], now: float) -> float:
-        """Share of the wall time since the last step that the workers spent in jobs."""
+    def busy_fraction(self, workers: list[tuple[DeviceWorker, BusyMeter]], now: float) -> float:
+        """Share of the wall time since the last step that the workers' devices were busy with
+        their jobs (GPU: CUDA event timings of each job; CPU: host time inside jobs)."""
         span, total = max(now - self._last, 1e-9), 0.0
-        for w in workers:
-            total += w.busy_seconds - self._busy.get(w.name, 0.0)
-            self._busy[w.name] = w.busy_seconds
+        for worker, meter in workers:
+            busy = meter.collect() if worker.device.type == "cuda" else worker.busy_seconds
+            total += busy - self._busy.get(worker.name, 0.0)
+            self._busy[worker.name] = busy
         return min(1.0, total / (span * max(len(workers), 1)))
 
 
@@ -88,9 +90,9 @@ def step_fields(record: StepRecord, values: list[float], tp: Throughput, now: fl
     return fields
 
 
-def _memory_gib(workers: list[DeviceWorker]) -> float:
+def _memory_gib(workers: list[tuple[DeviceWorker, BusyMeter]]) -> float:
     """Peak reserved memory of the drafter GPUs (0 on CPU)."""
-    devices = {w.device for w in workers if w.device.type == "cuda"}
+    devices = {w.device for w, _ in workers if w.device.type == "cuda"}
     return max((torch.cuda.max_memory_reserved(d) / 2**30 for d in devices), default=0.0)
 
 
