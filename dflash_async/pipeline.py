@@ -28,6 +28,7 @@ from dflash_async.devices import DeviceWorker, open_device_worker, parse_devices
 from dflash_async.metrics import drafter_step_flops
 from dflash_async.packing import PackCursor, plan_epoch
 from dflash_async.settings import Settings
+from dflash_async.stages.evaluate import eval_stage
 from dflash_async.stages.read import read_stage
 from dflash_async.stages.report import Throughput, report_stage
 from dflash_async.stages.save import save_stage
@@ -117,6 +118,22 @@ async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[D
     return runners
 
 
+def _evaluator(settings, inputs: RunInputs, drafter, target_worker, output_dir: Path, log):
+    """`await evaluate(step)`: tau of the drafter now, or a no-op naming why it cannot run."""
+
+    async def evaluate(step: int) -> dict:
+        if not (inputs.builtin_target or settings.eval.prompts_path):
+            log.info("eval_skipped", step=step, reason="set DFLASH_EVAL__PROMPTS_PATH")
+            return {}
+        return await eval_stage(
+            drafter, target_worker, target_path=inputs.target_path,
+            prompts_path=settings.eval.prompts_path, num_prompts=settings.eval.num_prompts,
+            max_new_tokens=settings.eval.max_new_tokens, output_dir=output_dir, step=step, log=log,
+        )  # fmt: skip
+
+    return evaluate
+
+
 def _ring_device(drafter_devices: tuple[torch.device, ...]) -> torch.device:
     """Slots live on the drafter GPU when there is one; else in (pinned) host memory."""
     unique = set(drafter_devices)
@@ -193,9 +210,15 @@ async def run(settings: Settings, log) -> int:
                 receive_packs.close()
             ring.close()  # all producers done: the consumers drain the ring and stop
 
-        async def save_every(step: int) -> None:
+        evaluate = _evaluator(settings, inputs, drafters[0], target_workers[0], output_dir, log)
+        if settings.eval.at_start:
+            await evaluate(0)
+
+        async def between_steps(step: int) -> None:
             if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
                 await save_stage(drafters[0], output_dir, step, log)
+            if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
+                await evaluate(step)
 
         summary: dict = {}
 
@@ -211,11 +234,13 @@ async def run(settings: Settings, log) -> int:
                 foreground.start_soon(report, receive_records)
                 steps_done = await train_steps(
                     drafters, ring, send_records, first_step=0, last_step=plan.total_steps,
-                    stop=stop, on_step_end=save_every,
+                    stop=stop, on_step_end=between_steps,
                 )  # fmt: skip
             path = await save_stage(drafters[0], output_dir, steps_done, log)
             background.cancel_scope.cancel()
+        if settings.eval.at_end and not received:
+            summary["eval_tau"] = (await evaluate(steps_done)).get("tau")
         log.info("train_completed", steps=steps_done, export=str(path),
                  wall_s=round(time.perf_counter() - started, 2),
-                 **{k: summary[k] for k in ("loss", "acc", "tau_hat") if k in summary})  # fmt: skip
+                 **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
     return EXIT_CODES[received[0]] if received else 0

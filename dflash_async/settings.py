@@ -237,12 +237,17 @@ class PipelineSettings(_Section):
 class EvalSettings(_Section):
     every: int = Field(0, ge=0)
     """Measure acceptance length by decoding every this many steps; 0 = never."""
+    at_start: bool = False
+    """Also measure the untrained drafter before the first step (a baseline for tau)."""
+    at_end: bool = True
+    """Measure the final drafter after training."""
     num_prompts: int = Field(16, ge=1)
     """Prompts decoded per evaluation."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
     prompts_path: str = ""
-    """A jsonl file of prompts; empty = held-out samples of the training data."""
+    """A jsonl file of prompts; empty = the built-in held-out demo prompts (built-in target only;
+    with another target and no prompts file, evaluation is skipped with a log line)."""
 
     @field_validator("prompts_path")
     @classmethod
