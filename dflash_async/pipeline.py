@@ -190,9 +190,11 @@ async def run(settings: Settings, log) -> int:
             [(w, r.meter) for w, r in zip(target_workers, runners_t, strict=True)],
             [(r.worker, r.meter) for r in drafters],
             train.token_budget,
-            lambda pairs: drafter_step_flops(cfg, token_budget=train.token_budget,
-                                             num_anchors=train.num_anchors, visible_pairs=pairs),
-            lag,
+            step_flops=lambda pairs: drafter_step_flops(
+                cfg, token_budget=train.token_budget, num_anchors=train.num_anchors,
+                visible_pairs=pairs,
+            ),
+            loop_lag_ms=lag.read_max_ms,
         )  # fmt: skip
 
         async def produce() -> None:

@@ -1,4 +1,4 @@
-"""Report stage: one canonical `step` log line per optimizer step, one `train_completed` at the end.
+"""Report stage: one canonical `step` log line per optimizer step.
 
 The step's numbers come from a host vector that the drafter copied asynchronously; this stage
 polls its event (never blocking the loop or a worker), so the host reads them a step late and the
@@ -8,6 +8,7 @@ training step itself never waits for the host.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,32 +21,75 @@ from dflash_async.metrics import BusyMeter, RateWindow, mfu
 from dflash_async.stages.train import StepRecord
 from dflash_async.step import STATS
 
+Workers = list[tuple[DeviceWorker, BusyMeter]]
+
+
+def learning_fields(values: list[float]) -> dict[str, float]:
+    """loss, acc, tau_hat, lr, grad_norm from a step's report vector (STATS, lr, grad_norm)."""
+    stats = dict(zip(STATS, values[: len(STATS)], strict=True))
+    return {
+        "loss": stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
+        "acc": stats["correct"] / max(stats["supervised"], 1.0),
+        "tau_hat": 1 + stats["accepted"] / max(stats["blocks"], 1.0),
+        "lr": values[len(STATS)],
+        "grad_norm": values[len(STATS) + 1],
+    }
+
 
 @dataclass
 class Throughput:
-    """Everything the step line needs beyond the step's own numbers."""
+    """Where time and tokens go: rates, busy fractions, queue depth, MFU, memory, loop lag."""
 
     ring: SlotRing
-    target_workers: list[tuple[DeviceWorker, BusyMeter]]
-    drafter_workers: list[tuple[DeviceWorker, BusyMeter]]
+    target_workers: Workers
+    drafter_workers: Workers
     token_budget: int
-    flops_of_pairs: Any  # visible_pairs -> drafter FLOPs of one drafter's step
-    loop_lag: Any  # LoopLag: max loop lateness since the last read
+    step_flops: Callable[[float], float]  # visible (query, key) pairs -> one drafter's FLOPs
+    loop_lag_ms: Callable[[], float]  # max loop lateness since the last call
     started: float = field(default_factory=time.perf_counter)
     tokens: RateWindow = field(default_factory=RateWindow)
-    packs_published: RateWindow = field(default_factory=RateWindow)
     _busy: dict[str, float] = field(default_factory=dict)
     _last: float = field(default_factory=time.perf_counter)
 
-    def busy_fraction(self, workers: list[tuple[DeviceWorker, BusyMeter]], now: float) -> float:
-        """Share of the wall time since the last step that the workers' devices were busy with
-        their jobs (GPU: CUDA event timings of each job; CPU: host time inside jobs)."""
-        span, total = max(now - self._last, 1e-9), 0.0
+    def busy_fraction(self, workers: Workers, span: float) -> float:
+        """Share of `span` seconds that the workers' devices spent in their jobs (GPU: CUDA
+        event timings of each job; CPU: host time inside jobs)."""
+        total = 0.0
         for worker, meter in workers:
             busy = meter.collect() if worker.device.type == "cuda" else worker.busy_seconds
             total += busy - self._busy.get(worker.name, 0.0)
             self._busy[worker.name] = busy
         return min(1.0, total / (span * max(len(workers), 1)))
+
+    def fields(self, record: StepRecord, visible_pairs: float, now: float) -> dict[str, Any]:
+        """The throughput half of the step line; call once per step, in order."""
+        span, self._last = max(now - self._last, 1e-9), now
+        packs = len(record.slots_meta)
+        tokens = sum(m["tokens"] for m in record.slots_meta)
+        self.tokens.add(tokens, now)
+        ring = self.ring.statistics()
+        return {
+            "tokens": tokens,
+            "tokens_per_s": self.tokens.rate(now),
+            "padding_frac": 1 - tokens / (packs * self.token_budget),
+            # every drafter GPU's FLOPs (mean pairs per drafter) over the wall time of the step
+            "mfu": mfu(packs * self.step_flops(visible_pairs / packs), span * packs),
+            "target_busy": self.busy_fraction(self.target_workers, span),
+            "drafter_busy": self.busy_fraction(self.drafter_workers, span),
+            "slot_queue": ring.depth,
+            # supply: packs the targets published since the start, at this step's tokens/pack
+            "supply_tokens_per_s": ring.published / (now - self.started) * tokens / packs,
+            "demand_tokens_per_s": tokens / span,
+            "step_ms": span * 1e3,
+            "mem_gib": _peak_memory_gib(self.drafter_workers),
+            "loop_lag_ms": self.loop_lag_ms(),
+        }
+
+
+def _peak_memory_gib(workers: Workers) -> float:
+    """Peak reserved memory of the drafter GPUs (0 on CPU)."""
+    devices = {w.device for w, _ in workers if w.device.type == "cuda"}
+    return max((torch.cuda.max_memory_reserved(d) / 2**30 for d in devices), default=0.0)
 
 
 async def _wait(event: Any) -> None:
@@ -54,46 +98,8 @@ async def _wait(event: Any) -> None:
         await anyio.sleep(0.0005)
 
 
-def step_fields(record: StepRecord, values: list[float], tp: Throughput, now: float) -> dict:
-    stats = dict(zip(STATS, values[: len(STATS)], strict=True))
-    lr, grad_norm = values[len(STATS)], values[len(STATS) + 1]
-    tokens = sum(m["tokens"] for m in record.slots_meta)
-    step_s = max(now - tp._last, 1e-9)
-    tp.tokens.add(tokens, now)
-    ring = tp.ring.statistics()
-    n = len(record.slots_meta)
-    tokens_per_pack = tokens / max(n, 1)
-    tp.packs_published.add(ring.published, now)
-    fields = {
-        "step": record.step + 1,
-        "epoch": record.slots_meta[0]["cursor"].epoch,
-        "loss": stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
-        "acc": stats["correct"] / max(stats["supervised"], 1.0),
-        "tau_hat": 1 + stats["accepted"] / max(stats["blocks"], 1.0),
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "tokens": tokens,
-        "tokens_per_s": tp.tokens.rate(now),
-        "padding_frac": 1 - tokens / (n * tp.token_budget),
-        # sums over drafters: per-drafter FLOPs from the mean pairs, over all drafter GPUs
-        "mfu": mfu(n * tp.flops_of_pairs(stats["visible_pairs"] / n), step_s * n),
-        "target_busy": tp.busy_fraction(tp.target_workers, now),
-        "drafter_busy": tp.busy_fraction(tp.drafter_workers, now),
-        "slot_queue": ring.depth,
-        "supply_tokens_per_s": ring.published / max(now - tp.started, 1e-9) * tokens_per_pack,
-        "demand_tokens_per_s": tokens / step_s,
-        "step_ms": step_s * 1e3,
-        "mem_gib": _memory_gib(tp.drafter_workers),
-        "loop_lag_ms": tp.loop_lag.read_max_ms(),
-    }
-    tp._last = now
-    return fields
-
-
-def _memory_gib(workers: list[tuple[DeviceWorker, BusyMeter]]) -> float:
-    """Peak reserved memory of the drafter GPUs (0 on CPU)."""
-    devices = {w.device for w, _ in workers if w.device.type == "cuda"}
-    return max((torch.cuda.max_memory_reserved(d) / 2**30 for d in devices), default=0.0)
+def _rounded(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}
 
 
 async def report_stage(records: ReceiveChannel[StepRecord], tp: Throughput, log) -> dict:
@@ -103,10 +109,13 @@ async def report_stage(records: ReceiveChannel[StepRecord], tp: Throughput, log)
         async for record in records:
             await _wait(record.ready)
             values = record.report.tolist()  # the event completed: reading it does not sync
-            last = step_fields(record, values, tp, time.perf_counter())
-            log.info(
-                "step", **{k: round(v, 6) if isinstance(v, float) else v for k, v in last.items()}
-            )
+            last = {
+                "step": record.step + 1,
+                "epoch": record.slots_meta[0]["cursor"].epoch,
+                **learning_fields(values),
+                **tp.fields(record, values[STATS.index("visible_pairs")], time.perf_counter()),
+            }
+            log.info("step", **_rounded(last))
     finally:
         records.close()
     return last
