@@ -74,7 +74,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
     from dflash_async.evaluate import main
+    from dflash_async.log import configure_logging
 
+    configure_logging("auto", "info")
     return main(args.rest)
 
 
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--temperature", type=float, default=1.0)
     regen.add_argument("--limit", type=int, default=None)
     regen.set_defaults(fn=cmd_regenerate)
-    ev = sub.add_parser("eval", help=cmd_eval.__doc__)
+    # every option (even -h) goes to evaluate.main's own parser
+    ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
     return parser

@@ -1,53 +1,46 @@
-"""Acceptance length (tau) measured by greedy speculative decoding (docs/DFLASH.md section 8).
+"""Acceptance length (tau) of a drafter export over a prompt set (`python -m dflash_async eval`).
 
 Loss and accuracy can look excellent while a served drafter accepts ~1 token; decoding is the only
-honest measure. Batch 1, greedy, KV caches on both sides:
+honest measure. Every prompt is decoded twice, plainly and speculatively (speculative.py: greedy,
+batch 1, KV caches), each run timed; every speculative output is checked against the greedy one
+(LosslessError unless the first difference is a numerical tie, which is counted). The summary is
+tau, the histogram of accepted lengths, tokens/s of both decoders and the speedup.
 
-    prefill: the target runs the prompt (HF DynamicCache) and its captured layers become the
-             drafter's context; the target's next token is the first committed token.
-    loop:    the drafter fills [last committed token, MASK x (B-1)] at positions pos..pos+B-1,
-             seeing every committed token's features (all at positions < pos) and its own block;
-             the target verifies the block in one forward: t_i = its argmax after block token i.
-             accepted = leading drafts with d_{i+1} == t_i; commit t_0..t_accepted (the accepted
-             drafts ARE the target's tokens, t_accepted is the bonus token), record accepted+1,
-             crop the target cache to the committed tokens and append their features (block
-             rows 0..accepted) to the drafter's context cache.
-
-Every committed token is the target's own argmax given the committed prefix, so the output equals
-plain greedy decoding up to floating point: a verify pass over B tokens and a one-token step run
-different kernels, and where the target's top two logits are within rounding of each other the
-two runs may pick different tokens. `evaluate` checks every sample and raises LosslessError on a
-difference, unless the first difference is such a tie (greedy's runner-up, margin <= tolerance):
-those are counted (`numerical_ties`), since the rest of that sample legitimately differs.
-
-The last step may commit past `max_new_tokens`; its accepted length is recorded as drafted (it
-measures the drafter), the output is cut. Each step syncs the host once (the accept decision).
+Prompts are chat-templated with the generation prompt (trailing assistant turns dropped) and
+stopped by the target's generation config (eos, suppressed tokens): the greedy output is what
+`model.generate`, and so the regenerated training data, would produce.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
+import argparse
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from dflash_async.checkpoint import load_drafter_export
-from dflash_async.data import BadRecord, chat_messages
-from dflash_async.drafter import DFlashDrafter, apply_rope, rope_cos_sin
+from dflash_async.data import BadRecord, DataError, chat_messages, iter_raw_records, parse_record
+from dflash_async.drafter import DFlashDrafter
 from dflash_async.drafter_config import DrafterConfig
 from dflash_async.log import get_logger
+from dflash_async.regenerate import write_jsonl
+from dflash_async.speculative import (
+    GreedyResult,
+    LosslessError,
+    SpecResult,
+    check_lossless,
+    eos_set,
+    greedy_generate,
+    speculative_generate,
+    tie_tolerance_for,
+)
 from dflash_async.target import (
-    decoder_layers,
     frozen_embeddings,
     is_hybrid,
     load_target,
@@ -56,326 +49,13 @@ from dflash_async.target import (
 )
 from dflash_async.tiny import demo_prompts, ensure_tiny_target
 
-# Largest |logit(greedy) - logit(runner-up)| at which a divergence counts as a numerical tie.
-_TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.1}
-
-
-class LosslessError(RuntimeError):
-    """Speculative decoding produced a token that plain greedy decoding of the target did not."""
-
-
-@dataclass(frozen=True)
-class SpecResult:
-    tokens: list[int]  # new tokens (prompt excluded), cut after eos / max_new_tokens
-    accepted_lengths: list[int]  # accepted drafts + 1 per verify step, each in 1..B
-
-    @property
-    def tau(self) -> float | None:
-        """Mean committed tokens per verify step; None when no step ran (max_new_tokens=1)."""
-        steps = len(self.accepted_lengths)
-        return sum(self.accepted_lengths) / steps if steps else None
-
-
-@dataclass(frozen=True)
-class GreedyResult:
-    tokens: list[int]  # new tokens, cut after eos / max_new_tokens
-    runner_up: list[int]  # the target's second choice at each new token
-    margins: list[float]  # logit(token) - logit(runner_up), >= 0
-
-
-class BlockDrafter(Protocol):
-    """What the decode loop needs from a drafter (the real one below, or a test's oracle)."""
-
-    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed tokens' target features [n, k*d] at RoPE positions [n]."""
-
-    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        """Draft tokens [B-1] for the block slots 1..B-1 after the anchor."""
-
-
-class DFlashBlockDrafter:
-    """A DFlashDrafter with a per-layer KV cache of its (fused) context, for one sequence.
-
-    Context keys/values depend only on the committed features, so each is computed once when
-    its token is committed; a block pass then runs the drafter on the B block rows with an
-    `attend` that puts the cached context in front of the block's own keys (full visibility:
-    the context holds only positions < anchor). Lifecycle: one instance per decoded sequence.
-    """
-
-    def __init__(
-        self,
-        drafter: DFlashDrafter,
-        config: DrafterConfig,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        *,
-        max_context: int,
-    ) -> None:
-        self.drafter, self.config = drafter, config
-        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
-        weight = drafter.fc.weight
-        shape = (1, config.num_key_value_heads, max_context, config.head_dim)
-        self.keys = [weight.new_zeros(shape) for _ in drafter.layers]  # [1, Hkv, Tmax, hd]
-        self.values = [weight.new_zeros(shape) for _ in drafter.layers]
-        self.length = 0
-
-    @torch.no_grad()
-    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        end, hd = self.length + features.shape[0], self.config.head_dim
-        if end > self.keys[0].shape[2]:
-            raise ValueError(f"context of {end} tokens exceeds max_context={self.keys[0].shape[2]}")
-        device = self.keys[0].device  # the drafter's: it may sit on another GPU than the target
-        context = self.drafter.fuse(features.to(device))  # [n, d]
-        cos, sin = rope_cos_sin(positions.to(device), hd, self.config.rope_theta, context.dtype)
-        for layer, keys, values in zip(self.drafter.layers, self.keys, self.values, strict=True):
-            attn = layer.self_attn  # same math as DraftAttention's context keys/values
-            k = attn.k_norm(attn.k_proj(context).unflatten(-1, (-1, hd))).transpose(0, 1)
-            keys[0, :, self.length : end] = apply_rope(k, cos, sin)  # [Hkv, n, hd]
-            values[0, :, self.length : end] = (
-                attn.v_proj(context).unflatten(-1, (-1, hd)).transpose(0, 1)
-            )
-        self.length = end
-
-    def _cached_attend(self) -> tuple[Callable[..., torch.Tensor], Iterator[Any]]:
-        """An `attend` for one block pass: layer i's call prepends layer i's cached context."""
-        layers = iter(zip(self.keys, self.values, strict=True))
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            context_k, context_v = next(layers)  # the drafter calls attend once per layer, in order
-            k = torch.cat([context_k[:, :, : self.length], k], dim=2)  # [1, Hkv, T+B, hd]
-            v = torch.cat([context_v[:, :, : self.length], v], dim=2)
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-        return attend, layers
-
-    @torch.no_grad()
-    def block_logits(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        """Logits [B-1, V] of block slots 1..B-1 for the block [anchor, MASK x (B-1)]."""
-        cfg, embed, lm_head = self.config, self.embed_weight, self.lm_head_weight
-        block = torch.full((cfg.block_size,), cfg.mask_token_id, device=embed.device)
-        block[0] = anchor_token
-        block_embeds = embed[block].to(self.keys[0].device)  # [B, d]
-        positions = torch.arange(cfg.block_size, device=block_embeds.device) + anchor_position
-        no_features = block_embeds.new_zeros(0, cfg.num_features * cfg.hidden_size)
-        attend, unused = self._cached_attend()
-        hidden = self.drafter(block_embeds, positions, no_features, positions[:0], attend)
-        assert next(unused, None) is None, "the drafter skipped a layer's attention"
-        return hidden[1:].to(lm_head.device, lm_head.dtype) @ lm_head.T  # [B-1, V]
-
-    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        return self.block_logits(anchor_token, anchor_position).argmax(-1)  # [B-1]
-
-
-@contextmanager
-def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, Any]]:
-    """Forward hooks that keep the latest raw output of each layer in `layer_ids` (not the HF
-    final-norm'd last hidden state: the same features TargetFeatures gives the trainer)."""
-    outputs: dict[int, Any] = {}
-    layers = decoder_layers(target)
-
-    def keep(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            outputs[i] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    handles = [layers[i].register_forward_hook(keep(i)) for i in layer_ids]
-    try:
-        yield outputs
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _cache_kwarg(target: PreTrainedModel) -> str:
-    """transformers renamed `past_key_values` to `cache` during 5.x; accept both."""
-    return _cache_kwarg_of(type(target))
-
-
-@functools.cache
-def _cache_kwarg_of(model_class: type) -> str:
-    parameters = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions >= length. crop(-n) removes n in every 5.x (crop(0) differs)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def _suppressed(logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
-    return logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first index where a and b differ (the shorter one's length if one is a prefix of the
-    other); None if they are equal."""
-    differ = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if differ is None and len(a) != len(b):
-        return min(len(a), len(b))
-    return differ
-
-
-def _cut(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> list[int]:
-    """The generated tokens as plain greedy would return them: up to and including an eos."""
-    tokens = tokens[:max_new_tokens]
-    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return tokens if stop is None else tokens[: stop + 1]
-
-
-def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-
-
-def _suppress_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor | None:
-    return torch.tensor(sorted(ids), dtype=torch.long, device=device) if ids else None
-
-
-def _prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(device)  # [1, P]
-    if prompt.shape[1] == 0:
-        raise ValueError("prompt_ids is empty: decoding needs at least one prompt token")
-    return prompt
-
-
-@torch.no_grad()
-def greedy_generate(
-    target: PreTrainedModel,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None,
-    *,
-    suppress_token_ids: Sequence[int] = (),
-) -> GreedyResult:
-    """Plain greedy decoding with a KV cache, one token per target forward (the baseline)."""
-    device = next(target.parameters()).device
-    prompt, eos = _prompt_tensor(prompt_ids, device), _eos_set(eos_token_id)
-    suppress, cache_kw = _suppress_tensor(suppress_token_ids, device), _cache_kwarg(target)
-    cache = DynamicCache(config=target.config)
-    ids, tokens, runner_up, margins = prompt, [], [], []
-    while len(tokens) < max_new_tokens and not eos.intersection(tokens[-1:]):
-        out = target(input_ids=ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=1)
-        logits = _suppressed(out.logits[0, -1].float(), suppress)  # [V]
-        token = logits.argmax()
-        second = logits.index_fill(0, token[None], float("-inf")).argmax()
-        # Sync point: the next input token is needed on the host (one per generated token).
-        token_id, second_id, margin = torch.stack(
-            [token.double(), second.double(), logits[token] - logits[second]]
-        ).tolist()
-        tokens.append(int(token_id))
-        runner_up.append(int(second_id))
-        margins.append(margin)
-        ids = token.reshape(1, 1)
-    return GreedyResult(tokens, runner_up, margins)
-
-
-def _target_step(
-    target: PreTrainedModel,
-    outputs: dict[int, Any],
-    layer_ids: Sequence[int],
-    ids: torch.Tensor,  # [1, n]
-    cache: DynamicCache,
-    logits_to_keep: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One cached target forward -> (logits [m, V], features [n, k*d] of the n input tokens)."""
-    out = target(
-        input_ids=ids,
-        **{_cache_kwarg(target): cache},
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
-    features = torch.cat([outputs[i][0] for i in layer_ids], dim=-1)  # [n, k*d]
-    return out.logits[0].float(), features
-
-
-def _verify(
-    target: PreTrainedModel,
-    outputs: dict[int, Any],
-    layer_ids: Sequence[int],
-    cache: DynamicCache,
-    block: torch.Tensor,  # [1, B]: the anchor, then the B-1 drafts
-    suppress: torch.Tensor | None,
-) -> tuple[int, list[int], torch.Tensor]:
-    """The target's verdict on a block: (accepted drafts, the target's tokens t_0..t_accepted,
-    features [B, k*d] of the block rows). t_i is the target's argmax after block token i."""
-    logits, features = _target_step(target, outputs, layer_ids, block, cache, logits_to_keep=0)
-    verified = _suppressed(logits, suppress).argmax(-1)  # [B]
-    # Sync point: drafts and the target's tokens come to the host for the accept decision.
-    both = torch.cat([block[0, 1:], verified]).tolist()
-    drafted, target_tokens = both[: block.shape[1] - 1], both[block.shape[1] - 1 :]
-    accepted = _first_difference(drafted, target_tokens[:-1])
-    accepted = len(drafted) if accepted is None else accepted
-    return accepted, target_tokens[: accepted + 1], features
-
-
-@torch.no_grad()
-def speculative_decode(
-    target: PreTrainedModel,
-    drafter: BlockDrafter,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    *,
-    layer_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None,
-    suppress_token_ids: Sequence[int] = (),
-) -> SpecResult:
-    """Greedy speculative decoding of one prompt with any BlockDrafter (see the module doc)."""
-    device = next(target.parameters()).device
-    prompt, eos = _prompt_tensor(prompt_ids, device), _eos_set(eos_token_id)
-    suppress = _suppress_tensor(suppress_token_ids, device)
-    cache = DynamicCache(config=target.config)
-    with captured_layers(target, layer_ids) as outputs:
-        logits, features = _target_step(target, outputs, layer_ids, prompt, cache, logits_to_keep=1)
-        position = prompt.shape[1]  # of the newest committed token: the next anchor
-        drafter.extend_context(features, torch.arange(position, device=device))
-        # Sync point: the first new token (the first anchor) is needed on the host.
-        tokens = [int(_suppressed(logits[-1], suppress).argmax())]
-        accepted_lengths: list[int] = []
-        while len(tokens) < max_new_tokens and not eos.intersection(tokens):
-            drafts = drafter.draft(tokens[-1], position).to(device)  # [B-1]
-            block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]  # [1, B]
-            accepted, committed, features = _verify(
-                target, outputs, layer_ids, cache, block, suppress
-            )
-            tokens += committed
-            accepted_lengths.append(accepted + 1)
-            new_positions = torch.arange(position, position + accepted + 1, device=device)
-            _crop(cache, position + accepted + 1)  # keeps the anchor and the accepted drafts
-            drafter.extend_context(features[: accepted + 1], new_positions)
-            position += accepted + 1
-    return SpecResult(_cut(tokens, max_new_tokens, eos), accepted_lengths)
-
-
-def speculative_generate(
-    target: PreTrainedModel,
-    drafter: DFlashDrafter,
-    drafter_config: DrafterConfig,
-    embed_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    *,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None,
-    suppress_token_ids: Sequence[int] = (),
-) -> SpecResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter (batch 1, KV caches)."""
-    max_context = len(prompt_ids) + max_new_tokens + drafter_config.block_size
-    block_drafter = DFlashBlockDrafter(
-        drafter, drafter_config, embed_weight, lm_head_weight, max_context=max_context
-    )
-    return speculative_decode(
-        target,
-        block_drafter,
-        prompt_ids,
-        layer_ids=drafter_config.target_layer_ids,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        suppress_token_ids=suppress_token_ids,
-    )
+# --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
+_DTYPES = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
 
 
 def load_drafter(
@@ -405,25 +85,21 @@ def check_drafter_fits_target(config: DrafterConfig, target: PreTrainedModel) ->
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a jsonl file: {"messages": [...]} (OpenAI) or {"prompt": str} per line."""
+    """Records of a jsonl file: {"messages": [...]} (OpenAI) or {"prompt": str} per line.
+
+    DataError (a ValueError) naming the file and line of a missing file or a bad record.
+    """
     source, records = Path(path), []
     if not source.is_file():
-        raise ValueError(f"prompts file {str(source)!r} does not exist")
-    with source.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not (
-                isinstance(record.get("prompt"), str) or record.get("messages") is not None
-            ):
-                raise ValueError(
-                    f"{source}:{line_no}: expected {{'messages': [...]}} or {{'prompt': str}}"
-                )
-            records.append(record)
+        raise DataError(f"prompts file {str(source)!r} does not exist")
+    for where, raw in iter_raw_records(source):
+        try:
+            record = parse_record(raw)
+        except BadRecord as e:
+            raise DataError(f"{where}: {e}") from e
+        if not (isinstance(record.get("prompt"), str) or record.get("messages") is not None):
+            raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str}}")
+        records.append(record)
     return records
 
 
@@ -449,42 +125,6 @@ def prompt_token_ids(tokenizer: Any, record: dict[str, Any], *, enable_thinking:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # Sync point: timing must include queued GPU work
-
-
-def check_lossless(
-    index: int, greedy: GreedyResult, spec: SpecResult, tolerance: float
-) -> int | None:
-    """None if the outputs agree; the first differing position if it is a numerical tie; else
-    LosslessError naming the sample and the position."""
-    differ = _first_difference(greedy.tokens, spec.tokens)
-    if differ is None:
-        return None
-    if differ < min(len(greedy.tokens), len(spec.tokens)):
-        tie = (
-            spec.tokens[differ] == greedy.runner_up[differ] and greedy.margins[differ] <= tolerance
-        )
-        if tie:
-            return differ
-        margin = f"greedy margin {greedy.margins[differ]:.3g}"
-    else:
-        margin = f"lengths {len(greedy.tokens)} vs {len(spec.tokens)}"
-    raise LosslessError(
-        f"sample {index}: speculative output differs from greedy at new token {differ} "
-        f"({spec.tokens[differ : differ + 4]} vs {greedy.tokens[differ : differ + 4]}, {margin})"
-    )
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    _synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    _synchronize(device)
-    return result, time.perf_counter() - start
-
-
 def stop_rules(target: PreTrainedModel, tokenizer: Any) -> tuple[frozenset[int], tuple[int, ...]]:
     """(eos ids, suppressed ids) of the target's generation config: its greedy output is what
     `model.generate` (and so the regenerated training data) would produce."""
@@ -493,7 +133,20 @@ def stop_rules(target: PreTrainedModel, tokenizer: Any) -> tuple[frozenset[int],
     if eos is None:
         eos = tokenizer.eos_token_id
     suppress = tuple(getattr(generation, "suppress_tokens", None) or ())
-    return _eos_set(eos), suppress
+    return eos_set(eos), suppress
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # Sync point: timing must include queued GPU work
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    _synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    _synchronize(device)
+    return result, time.perf_counter() - start
 
 
 def _eval_sample(
@@ -564,7 +217,7 @@ def evaluate(
     """Decode every record greedily, plainly and speculatively; summarize() plus "samples".
 
     Raises LosslessError if a sample's speculative output is not the greedy one (numerical ties
-    aside, see the module doc; tie_tolerance None = by the target's dtype). `warmup` decodes a
+    aside, see speculative.py; tie_tolerance None = by the target's dtype). `warmup` decodes a
     few tokens of the first prompt untimed first (CUDA context, kernel selection, allocator).
     """
     if max_new_tokens < 1 or not records:
@@ -575,8 +228,7 @@ def evaluate(
     embed, lm_head = frozen_embeddings(target)
     eos, suppress = stop_rules(target, tokenizer)
     device = embed.device
-    if tie_tolerance is None:
-        tie_tolerance = _TIE_TOLERANCE.get(embed.dtype, 0.5)
+    tolerance = tie_tolerance_for(embed.dtype) if tie_tolerance is None else tie_tolerance
 
     def greedy(prompt: list[int], n: int = max_new_tokens) -> GreedyResult:
         return greedy_generate(target, prompt, n, eos, suppress_token_ids=suppress)
@@ -597,20 +249,15 @@ def evaluate(
         greedy(prompts[0], min(max_new_tokens, 2 * drafter_config.block_size))
         speculative(prompts[0], min(max_new_tokens, 2 * drafter_config.block_size))
     samples = [
-        _eval_sample(i, p, greedy, speculative, device=device, tie_tolerance=tie_tolerance)
+        _eval_sample(i, p, greedy, speculative, device=device, tie_tolerance=tolerance)
         for i, p in enumerate(prompts)
     ]
     return summarize(samples, drafter_config.block_size) | {"samples": samples}
 
 
 def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Per-sample results as JSON lines."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for sample in samples:
-            f.write(json.dumps(sample) + "\n")
-    return path
+    """Per-sample results as JSON lines, written atomically."""
+    return write_jsonl(samples, path)
 
 
 @contextmanager
@@ -624,6 +271,20 @@ def _cpu_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _load_fitting_drafter(
+    drafter_dir: str | Path, target: PreTrainedModel, device: torch.device
+) -> tuple[DFlashDrafter, DrafterConfig]:
+    """load_drafter on `device` in the target's dtype; DataError (one line, naming the folder) if
+    the export is missing, unreadable or built for another target."""
+    dtype = frozen_embeddings(target)[0].dtype
+    try:
+        drafter, config = load_drafter(drafter_dir, device=device, dtype=dtype)
+        check_drafter_fits_target(config, target)
+    except (OSError, ValueError) as e:
+        raise DataError(f"drafter export {str(drafter_dir)!r}: {e}") from e
+    return drafter, config
 
 
 def run_eval(
@@ -640,17 +301,16 @@ def run_eval(
     dtype: torch.dtype | None = None,
     enable_thinking: bool = False,
 ) -> dict[str, Any]:
-    """`python -m dflash_async eval`: load the target (empty path = the built-in tiny one, kept
-    under cache_dir) and a drafter export, decode `num_prompts` prompts (from prompts_path, or
-    the tiny demo's held-out prompts), log one `eval_completed` event, return the report."""
+    """Load the target (empty path = the built-in tiny one, kept under cache_dir) and a drafter
+    export, decode `num_prompts` prompts (from prompts_path, or the tiny demo's held-out
+    prompts), log one `eval_completed` event, return the report. Bad inputs raise one-line
+    ValueErrors: TargetError (target folder), DataError (drafter export, prompts file)."""
     log = log or get_logger(__name__)
     device = torch.device(device)
     folder = Path(target_path) if target_path else ensure_tiny_target(Path(cache_dir))
     target = load_target(folder, device=device, dtype=dtype)
     tokenizer = load_target_tokenizer(folder)
-    drafter, config = load_drafter(
-        drafter_dir, device=device, dtype=frozen_embeddings(target)[0].dtype
-    )
+    drafter, config = _load_fitting_drafter(drafter_dir, target, device)
     if prompts_path:
         records = read_prompts(prompts_path)[:num_prompts]
     else:
@@ -665,3 +325,54 @@ def run_eval(
     summary = {k: v for k, v in report.items() if k != "samples"}
     log.info("eval_completed", target=str(folder), drafter=str(drafter_dir), **summary)
     return report
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse then exits 2 naming the option and the value)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `python -m dflash_async eval` (see main)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_async eval",
+        description="Acceptance length (tau) of a drafter export by greedy speculative decoding.",
+    )
+    parser.add_argument("--target", default="", help="local HF model folder; empty = tiny demo")
+    parser.add_argument("--drafter", required=True, help="drafter export folder")
+    parser.add_argument(
+        "--prompts", default="", help="jsonl of {messages} or {prompt}; empty = demo held-out"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    parser.add_argument("--num-prompts", type=_positive_int, default=16)
+    parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_async eval ...`: print the summary as one JSON line and return 0.
+
+    A lossless-check failure is logged (`eval_failed`) and returns 1. Bad paths raise TargetError
+    or DataError (one line; the CLI exits 2); the built-in tiny target is kept in build.cache_dir().
+    """
+    from dflash_async.build import cache_dir  # lazy: it imports the whole training step
+
+    args = build_parser().parse_args(argv)
+    log = get_logger(__name__)
+    try:
+        report = run_eval(
+            args.target or None, args.drafter, args.prompts or None,
+            device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+            log=log, cache_dir=cache_dir(), results_path=args.results or None,
+            dtype=_DTYPES[args.dtype],
+        )  # fmt: skip
+    except LosslessError as e:
+        log.error("eval_failed", reason="lossless_check", error=str(e))
+        return 1
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}), flush=True)
+    return 0

@@ -14,29 +14,33 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import randomize_
+from conftest import TinySpec, randomize_, tiny_config, tiny_drafter, tiny_target_weights
 from structlog.testing import capture_logs
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint import export_drafter
+from dflash_async.data import DataError
 from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import DrafterConfig, drafter_config_from_target
+from dflash_async.drafter_config import drafter_config_from_target
 from dflash_async.evaluate import (
+    check_drafter_fits_target,
+    evaluate,
+    load_drafter,
+    main,
+    prompt_token_ids,
+    run_eval,
+)
+from dflash_async.speculative import (
     DFlashBlockDrafter,
     GreedyResult,
     LosslessError,
     SpecResult,
-    check_drafter_fits_target,
     check_lossless,
-    evaluate,
     greedy_generate,
-    load_drafter,
-    prompt_token_ids,
-    run_eval,
     speculative_decode,
     speculative_generate,
 )
-from dflash_async.target import capture_features, frozen_embeddings, random_target
+from dflash_async.target import TargetError, capture_features, frozen_embeddings, random_target
 from dflash_async.tiny import ensure_tiny_target, tiny_tokenizer
 
 VOCAB = 96
@@ -114,27 +118,10 @@ class OracleDrafter:
 def test_cached_block_logits_equal_a_full_recompute():
     """The drafter's context KV cache (filled in chunks) gives the logits of one uncached pass
     over every context row: the block sees all committed context and all of its slots."""
-    cfg = DrafterConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        rms_norm_eps=1e-6,
-        rope_theta=1000.0,
-        vocab_size=50,
-        num_target_layers=6,
-        target_layer_ids=(1, 4),
-        mask_token_id=49,
-        block_size=5,
-    )
-    drafter = DFlashDrafter(cfg).double()
-    randomize_(drafter, 3)
-    gen = torch.Generator().manual_seed(4)
-    embed = torch.randn(50, 32, generator=gen, dtype=torch.float64)
-    lm_head = torch.randn(50, 32, generator=gen, dtype=torch.float64)
-    features = torch.randn(13, 64, generator=gen, dtype=torch.float64)
+    cfg = tiny_config(TinySpec(vocab_size=50, block_size=5))  # mask 49, 2 features of d=32
+    drafter = tiny_drafter(cfg, seed=3)
+    embed, lm_head = tiny_target_weights(cfg, seed=4)
+    features = torch.randn(13, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     cached = DFlashBlockDrafter(drafter, cfg, embed, lm_head, max_context=20)
     for rows in (slice(0, 6), slice(6, 7), slice(7, 13)):
         cached.extend_context(features[rows], torch.arange(13)[rows])
@@ -308,23 +295,28 @@ def test_a_drafter_built_for_another_target_is_refused(target):
         check_drafter_fits_target(other, target)
 
 
-def test_export_then_load_then_eval(tmp_path: Path):
-    """The servable export is what eval loads: same weights (bf16), and a full run_eval."""
-    folder = ensure_tiny_target(tmp_path / "cache")
-    target_config = Qwen3Config.from_pretrained(folder)
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory) -> tuple[Path, Path, DFlashDrafter]:
+    """(tiny target folder, export folder, the exported drafter): a random 1-layer B=4 drafter."""
+    root = tmp_path_factory.mktemp("tiny_export")
+    folder = ensure_tiny_target(root / "cache")
     cfg = drafter_config_from_target(
-        target_config,
+        Qwen3Config.from_pretrained(folder),
         num_hidden_layers=1,
         num_features=2,
         block_size=4,
         mask_token_id=tiny_tokenizer().mask_token_id,
     )
     drafter = DFlashDrafter(cfg)
-    export_drafter(drafter, cfg, tmp_path / "export")
-    loaded, loaded_cfg = load_drafter(
-        tmp_path / "export", device=torch.device("cpu"), dtype=torch.float32
-    )
-    assert loaded_cfg == cfg
+    export_drafter(drafter, cfg, root / "export")
+    return folder, root / "export", drafter
+
+
+def test_export_then_load_then_eval(tiny_export, tmp_path: Path):
+    """The servable export is what eval loads: same weights (bf16), and a full run_eval."""
+    folder, export, drafter = tiny_export
+    loaded, loaded_cfg = load_drafter(export, device=torch.device("cpu"), dtype=torch.float32)
+    assert loaded_cfg == drafter.config
     for name, value in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value.bfloat16().float())
 
@@ -334,7 +326,7 @@ def test_export_then_load_then_eval(tmp_path: Path):
     with capture_logs() as events:
         report = run_eval(
             folder,
-            tmp_path / "export",
+            export,
             prompts_path,
             device="cpu",
             max_new_tokens=12,
@@ -346,6 +338,60 @@ def test_export_then_load_then_eval(tmp_path: Path):
     assert [json.loads(line)["index"] for line in lines] == [0, 1]
     completed = [e for e in events if e["event"] == "eval_completed"]
     assert len(completed) == 1 and completed[0]["tau"] == report["tau"]
+
+
+def test_eval_command_prints_the_summary_as_one_json_line(tiny_export, tmp_path: Path, capsys):
+    """`eval` on the demo held-out prompts: exit 0, one JSON line with tau, the histogram, both
+    decoders' tokens/s and the speedup; per-sample results in --results."""
+    folder, export, _ = tiny_export
+    argv = ["--target", str(folder), "--drafter", str(export), "--device", "cpu"]
+    argv += ["--max-new-tokens", "8", "--num-prompts", "2", "--results", str(tmp_path / "r.jsonl")]
+    with capture_logs():
+        assert main(argv) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    summary = json.loads(line)
+    assert summary["num_samples"] == 2 and summary["block_size"] == 4 and summary["tau"] >= 1.0
+    assert list(summary["accepted_length_histogram"]) == ["1", "2", "3", "4"]
+    assert summary["plain_tokens_per_s"] > 0 and summary["speculative_tokens_per_s"] > 0
+    assert summary["speedup"] > 0 and "samples" not in summary
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "match"),
+    [
+        ("--drafter", "missing", DataError, "drafter export .*missing.*not found"),
+        ("--prompts", "missing.jsonl", DataError, "prompts file .*missing.jsonl.* does not exist"),
+        ("--target", "missing", TargetError, "target folder .*missing.* does not exist"),
+    ],
+)
+def test_eval_command_names_a_bad_path_in_one_line(
+    tiny_export, tmp_path, option, value, error, match
+):
+    folder, export, _ = tiny_export
+    paths = {"--target": str(folder), "--drafter": str(export), "--prompts": ""}
+    paths[option] = str(tmp_path / value)
+    argv = [arg for option_value in paths.items() for arg in option_value] + ["--device", "cpu"]
+    with pytest.raises(error, match=match) as caught:
+        main(argv)
+    assert "\n" not in str(caught.value)
+
+
+def test_eval_command_logs_a_lossless_failure_and_returns_1(tiny_export, monkeypatch, capsys):
+    """A speculative decoder that emits the wrong first token: logged as eval_failed, exit 1."""
+    folder, export, _ = tiny_export
+
+    def wrong_first_token(*args, **kwargs) -> SpecResult:
+        right = speculative_generate(*args, **kwargs)
+        return SpecResult([right.tokens[0] + 1, *right.tokens[1:]], right.accepted_lengths)
+
+    monkeypatch.setattr("dflash_async.evaluate.speculative_generate", wrong_first_token)
+    argv = ["--target", str(folder), "--drafter", str(export), "--device", "cpu"]
+    with capture_logs() as events:
+        assert main([*argv, "--max-new-tokens", "4", "--num-prompts", "1"]) == 1
+    (failed,) = [e for e in events if e["event"] == "eval_failed"]
+    assert "sample 0" in failed["error"] and "new token 0" in failed["error"]
+    assert capsys.readouterr().out == ""
 
 
 def _qwen3_8b_shaped_target(device: torch.device):
