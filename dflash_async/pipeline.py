@@ -31,8 +31,8 @@ from dflash_async.settings import Settings
 from dflash_async.stages.evaluate import eval_stage
 from dflash_async.stages.read import read_stage
 from dflash_async.stages.report import Throughput, report_stage
-from dflash_async.stages.save import save_stage
-from dflash_async.stages.target import load_runner, target_stage
+from dflash_async.stages.save import export_path, save_stage
+from dflash_async.stages.target import TargetRunner, load_runner, target_stage
 from dflash_async.stages.train import DrafterRunner, train_steps
 from dflash_async.target import load_target_tokenizer
 
@@ -134,115 +134,145 @@ def _evaluator(settings, inputs: RunInputs, drafter, target_worker, output_dir: 
     return evaluate
 
 
-def _ring_device(drafter_devices: tuple[torch.device, ...]) -> torch.device:
-    """Slots live on the drafter GPU when there is one; else in (pinned) host memory."""
+def _slot_ring(settings: Settings, config, drafter_devices, feature_dtype) -> SlotRing:
+    """The hidden-state slots: on the drafter GPU when there is one, else in (pinned) host memory."""
     unique = set(drafter_devices)
     only = next(iter(unique))
-    return only if len(unique) == 1 and only.type == "cuda" else torch.device("cpu")
+    device = only if len(unique) == 1 and only.type == "cuda" else torch.device("cpu")
+    return SlotRing(
+        settings.pipeline.num_slots,
+        token_budget=settings.train.token_budget,
+        feature_dim=config.num_features * config.hidden_size,
+        device=device,
+        feature_dtype=feature_dtype,
+    )
+
+
+@dataclass
+class Workers:
+    """The started worker threads and the state each holds."""
+
+    targets: list[DeviceWorker]
+    target_runners: list[TargetRunner]
+    drafters: list[DrafterRunner]
+    feature_dtype: torch.dtype
+
+
+def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
+    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have."""
+    pipe = settings.pipeline
+    return (
+        parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
+        parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
+    )
+
+
+async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, plan: Plan, log):
+    """One thread per worker device; targets loaded, drafters built (and captured) in them."""
+    pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
+    target_devices, drafter_devices = _devices(settings)
+    open_worker = lambda device, name, grad: stack.enter_async_context(  # noqa: E731
+        open_device_worker(device, name, grad_enabled=grad)
+    )
+    targets = [await open_worker(d, f"target{i}", False) for i, d in enumerate(target_devices)]
+    drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)]
+    feature_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
+    runners = [
+        await w.run(load_runner, inputs.target_path, device=w.device, dtype=feature_dtype,
+                    layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
+                    max_batch_tokens=pipe.target_batch_tokens)
+        for w in targets
+    ]  # fmt: skip
+    steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
+    return Workers(targets, runners, steps, feature_dtype)
+
+
+def _throughput(settings: Settings, config, workers: Workers, ring: SlotRing, lag: LoopLag):
+    train = settings.train
+    return Throughput(
+        ring,
+        [(w, r.meter) for w, r in zip(workers.targets, workers.target_runners, strict=True)],
+        [(r.worker, r.meter) for r in workers.drafters],
+        train.token_budget,
+        step_flops=lambda pairs: drafter_step_flops(
+            config, token_budget=train.token_budget, num_anchors=train.num_anchors,
+            visible_pairs=pairs,
+        ),
+        loop_lag_ms=lag.read_max_ms,
+    )  # fmt: skip
+
+
+async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRing) -> None:
+    """read -> packs channel -> every target worker -> ring; closes the ring when all are done."""
+    train = settings.train
+    send_packs, receive_packs = open_channel(2 * len(workers.targets), "packs")
+    async with anyio.create_task_group() as producers:
+        producers.start_soon(
+            lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
+                               start=PackCursor(), epochs=plan.epochs, send=send_packs)
+        )  # fmt: skip
+        for worker, runner in zip(workers.targets, workers.target_runners, strict=True):
+            producers.start_soon(target_stage, worker, runner, samples, receive_packs.clone(), ring)
+        receive_packs.close()
+    ring.close()  # all producers done: the consumers drain the ring and stop
 
 
 async def run(settings: Settings, log) -> int:
     """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
     started = time.perf_counter()
-    output_dir = Path(settings.output_dir)
-    target_devices = parse_devices(
-        settings.pipeline.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"
-    )
-    drafter_devices = parse_devices(
-        settings.pipeline.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"
-    )
+    _, drafter_devices = _devices(settings)  # fail fast, before any loading
     inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
-    plan = plan_steps(settings, samples.lengths, len(drafter_devices))
-    cfg, train = inputs.drafter_config, settings.train
+    plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
+    cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
-             total_steps=plan.total_steps, target_devices=[str(d) for d in target_devices],
-             drafter_devices=[str(d) for d in drafter_devices], drafter=cfg.__dict__)  # fmt: skip
+             total_steps=plan.total_steps, drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        open_worker = lambda d, name, grad: stack.enter_async_context(  # noqa: E731
-            open_device_worker(d, name, grad_enabled=grad)
-        )
-        target_workers: list[DeviceWorker] = [
-            await open_worker(d, f"target{i}", False) for i, d in enumerate(target_devices)
-        ]
-        drafter_workers: list[DeviceWorker] = [
-            await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)
-        ]
-        target_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
-        runners_t = [
-            await w.run(load_runner, inputs.target_path, device=w.device, dtype=target_dtype,
-                        layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
-                        max_batch_tokens=settings.pipeline.target_batch_tokens)
-            for w in target_workers
-        ]  # fmt: skip
-        drafters = await _start_drafters(settings, inputs, drafter_workers, plan.total_steps, log)
+        workers = await _start_workers(stack, settings, inputs, plan, log)
         log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
-        ring = SlotRing(
-            settings.pipeline.num_slots,
-            token_budget=train.token_budget,
-            feature_dim=cfg.num_features * cfg.hidden_size,
-            device=_ring_device(drafter_devices),
-            feature_dtype=target_dtype,
+        ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
+        evaluate = _evaluator(
+            settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
         )
-        lag, stop, received = LoopLag(), anyio.Event(), []
-        throughput = Throughput(
-            ring,
-            [(w, r.meter) for w, r in zip(target_workers, runners_t, strict=True)],
-            [(r.worker, r.meter) for r in drafters],
-            train.token_budget,
-            step_flops=lambda pairs: drafter_step_flops(
-                cfg, token_budget=train.token_budget, num_anchors=train.num_anchors,
-                visible_pairs=pairs,
-            ),
-            loop_lag_ms=lag.read_max_ms,
-        )  # fmt: skip
-
-        async def produce() -> None:
-            send_packs, receive_packs = open_channel(2 * len(target_workers), "packs")
-            async with anyio.create_task_group() as producers:
-                producers.start_soon(
-                    lambda: read_stage(samples.lengths, token_budget=train.token_budget,
-                                       seed=train.seed, start=PackCursor(), epochs=plan.epochs,
-                                       send=send_packs)
-                )  # fmt: skip
-                for worker, runner in zip(target_workers, runners_t, strict=True):
-                    producers.start_soon(
-                        target_stage, worker, runner, samples, receive_packs.clone(), ring
-                    )
-                receive_packs.close()
-            ring.close()  # all producers done: the consumers drain the ring and stop
-
-        evaluate = _evaluator(settings, inputs, drafters[0], target_workers[0], output_dir, log)
         if settings.eval.at_start:
             await evaluate(0)
+        steps, signals, summary = await _train(
+            settings, samples, plan, workers, ring, evaluate, log
+        )
+        if settings.eval.at_end and not signals:
+            summary["eval_tau"] = (await evaluate(steps)).get("tau")
+    log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
+             wall_s=round(time.perf_counter() - started, 2),
+             **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
+    return EXIT_CODES[signals[0]] if signals else 0
 
-        async def between_steps(step: int) -> None:
-            if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
-                await save_stage(drafters[0], output_dir, step, log)
-            if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
-                await evaluate(step)
 
-        summary: dict = {}
+async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log):
+    """The stage topology in data-flow order; returns (steps done, signals received, summary)."""
+    train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
+    lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
+    throughput = _throughput(settings, first.step.objective.drafter.config, workers, ring, lag)
+    send_records, receive_records = open_channel(4, "records")
 
-        async def report(receive) -> None:
-            summary.update(await report_stage(receive, throughput, log))
+    async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
+        if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
+            await save_stage(first, output_dir, step, log)
+        if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
+            await evaluate(step)
 
-        async with anyio.create_task_group() as background:
-            background.start_soon(lag.run)
-            background.start_soon(_watch_signals, stop, received)
-            background.start_soon(produce)
-            send_records, receive_records = open_channel(4, "records")
-            async with anyio.create_task_group() as foreground:
-                foreground.start_soon(report, receive_records)
-                steps_done = await train_steps(
-                    drafters, ring, send_records, first_step=0, last_step=plan.total_steps,
-                    stop=stop, on_step_end=between_steps,
-                )  # fmt: skip
-            path = await save_stage(drafters[0], output_dir, steps_done, log)
-            background.cancel_scope.cancel()
-        if settings.eval.at_end and not received:
-            summary["eval_tau"] = (await evaluate(steps_done)).get("tau")
-        log.info("train_completed", steps=steps_done, export=str(path),
-                 wall_s=round(time.perf_counter() - started, 2),
-                 **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
-    return EXIT_CODES[received[0]] if received else 0
+    async def report() -> None:
+        summary.update(await report_stage(receive_records, throughput, log))
+
+    async with anyio.create_task_group() as background:
+        background.start_soon(lag.run)
+        background.start_soon(_watch_signals, stop, signals)
+        background.start_soon(_produce, settings, samples, plan, workers, ring)
+        async with anyio.create_task_group() as foreground:
+            foreground.start_soon(report)
+            steps = await train_steps(
+                workers.drafters, ring, send_records, first_step=0,
+                last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
+            )  # fmt: skip
+        await save_stage(first, output_dir, steps, log)  # the final export, also after a signal
+        background.cancel_scope.cancel()
+    return steps, signals, summary
