@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from transformers import PreTrainedModel
 
 from dflash_async.checkpoint import load_drafter_export
 from dflash_async.data import BadRecord, DataError, chat_messages, iter_raw_records, parse_record
+from dflash_async.devices import cpu_threads
 from dflash_async.drafter import DFlashDrafter
 from dflash_async.drafter_config import DrafterConfig
 from dflash_async.log import get_logger
@@ -260,19 +260,6 @@ def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return write_jsonl(samples, path)
 
 
-@contextmanager
-def _cpu_threads(n: int | None) -> Iterator[None]:
-    """Temporarily set torch's intra-op threads (process-wide; restored). Decoding a tiny target
-    on the CPU runs [1, 128]-row matmuls: 2 threads on 2 busy cores ran 20x slower than 1."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _load_fitting_drafter(
     drafter_dir: str | Path, target: PreTrainedModel, device: torch.device
 ) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -315,7 +302,7 @@ def run_eval(
         records = read_prompts(prompts_path)[:num_prompts]
     else:
         records = demo_prompts(num_prompts, split="heldout")
-    with _cpu_threads(1 if device.type == "cpu" else None):
+    with cpu_threads(1 if device.type == "cpu" else None):
         report = evaluate(
             target, tokenizer, drafter, config, records,
             max_new_tokens=max_new_tokens, enable_thinking=enable_thinking,

@@ -12,6 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from dflash_async.drafter_config import DrafterConfig
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
@@ -73,6 +75,16 @@ class RateWindow:
             return 0.0
         span = now - self._events[0][0]
         return sum(a for _, a in list(self._events)[1:]) / max(span, 1e-9)
+
+
+def timing_event(device) -> torch.cuda.Event | None:
+    """A CUDA event recorded now on the calling thread's stream, able to time (None on CPU,
+    where jobs run synchronously). Recording never blocks the host."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class BusyMeter:

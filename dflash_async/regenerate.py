@@ -28,6 +28,7 @@ import structlog
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from dflash_async.devices import cpu_threads
 from dflash_async.target import load_target, load_target_tokenizer
 from dflash_async.tiny import TINY_SEED, demo_prompts
 
@@ -309,21 +310,6 @@ def _folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-@contextmanager
-def _intra_op_threads(n: int) -> Iterator[None]:
-    """Temporarily set torch's CPU intra-op threads (process-wide; restored on exit).
-
-    The tiny target's matmuls are [64, 128] x [128, 384]: with 2 threads on 2 busy cores each
-    one waits on the other and decoding ran 10x slower (1.1 ms vs 0.1 ms a matmul, measured).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def demo_corpus(
     cache_dir: str | os.PathLike[str],
     target_path: str | os.PathLike[str],
@@ -350,7 +336,7 @@ def demo_corpus(
         return path
     model = load_target(target_path, device=torch.device("cpu"))
     tokenizer = load_target_tokenizer(target_path)
-    with _intra_op_threads(1):
+    with cpu_threads(1):
         records = regenerate(
             model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
         )

@@ -18,7 +18,7 @@ import torch
 from dflash_async.channels import ReceiveChannel, SlotRing, allocate_packed_batch
 from dflash_async.data import TokenizedSamples
 from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import BusyMeter
+from dflash_async.metrics import BusyMeter, timing_event
 from dflash_async.packing import PackedBatch, layout_pack, pack_row_offsets, target_batches
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target import TargetFeatures, load_target
@@ -83,7 +83,7 @@ def fill_slot(
     """Write one pack (layout + target features) into `slot_batch`; returns the written event
     (CUDA) or None (CPU: everything already happened)."""
     staging, device = runner.staging, runner.device
-    started = _timing_event(device)
+    started = timing_event(device)
     docs = [samples.sample(int(i)) for i in pack.indices]
     layout = layout_pack(docs, staging.num_tokens)
     for name in FIELDS[:-1]:
@@ -100,19 +100,10 @@ def fill_slot(
     staging.features[total:].zero_()  # padding rows must be finite: masked keys still multiply V
     for name in FIELDS:
         getattr(slot_batch, name).copy_(getattr(staging, name), non_blocking=True)
-    written = _timing_event(device)  # on this thread's stream: after every write to the slot
+    written = timing_event(device)  # on this thread's stream: after every write to the slot
     if written is not None:
         runner.meter.add(started, written)
     return written
-
-
-def _timing_event(device: torch.device) -> torch.cuda.Event | None:
-    """A recorded CUDA event that can time (None on CPU, where jobs run synchronously)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 async def target_stage(

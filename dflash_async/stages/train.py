@@ -16,7 +16,7 @@ import torch
 
 from dflash_async.channels import SendChannel, SlotRing
 from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import BusyMeter
+from dflash_async.metrics import BusyMeter, timing_event
 from dflash_async.optim import all_reduce_sum
 from dflash_async.step import NUM_STATS, DrafterStep, copy_batch_
 
@@ -37,9 +37,9 @@ class DrafterRunner:
         """Phase A on a slot; returns the event after which the slot may be overwritten."""
         if isinstance(ready, torch.cuda.Event):
             torch.cuda.current_stream().wait_event(ready)  # GPU-side wait, no host sync
-        self._started = _record_event(self.step.device)
+        self._started = timing_event(self.step.device)
         copy_batch_(self.step.batch, slot_batch)
-        copied = _record_event(self.step.device)
+        copied = timing_event(self.step.device)
         self.step.phase_a()
         return copied
 
@@ -51,18 +51,10 @@ class DrafterRunner:
         values = torch.cat([self.step.stats, lr.view(1), self.step.grad_norm.view(1)])
         report = torch.empty(REPORT_FIELDS, pin_memory=self.step.device.type == "cuda")
         report.copy_(values, non_blocking=True)
-        done = _record_event(self.step.device)
+        done = timing_event(self.step.device)
         if done is not None:
             self.meter.add(self._started, done)
         return report, done
-
-
-def _record_event(device: torch.device) -> torch.cuda.Event | None:
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def reduce_across(runners: list[DrafterRunner]) -> None:
