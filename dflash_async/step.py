@@ -16,12 +16,13 @@ mode runs the very same functions. Static buffers are never reallocated after co
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 
 from dflash_async.attention import document_starts
-from dflash_async.objective import DFlashObjective, StepSums, sample_anchors
+from dflash_async.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.optim import LrSchedule, clip_grad_norm_, flat_grad_buffer
 from dflash_async.packing import PackedBatch
 
@@ -77,6 +78,7 @@ class DrafterStep:
         num_anchors: int,
         grad_clip: float,
         generator: torch.Generator | None = None,
+        anchor_sampler: Callable[[PackedBatch], Anchors] | None = None,
     ) -> None:
         self.objective = objective
         self.optimizer = optimizer
@@ -89,6 +91,9 @@ class DrafterStep:
         # graph: eager and replayed steps then see the same anchors for the same seed, and the
         # graphs hold no RNG state (docs/GPU.md: graph RNG failures poison the process).
         self.generator = generator
+        # None: sample from the noise buffer. Tests inject fixed anchors (M drafters' update must
+        # equal one drafter's on the same blocks); a sampler must be sync-free to be captured.
+        self.anchor_sampler = anchor_sampler
         self.noise = torch.zeros(
             batch.num_tokens + 1, dtype=torch.float64, device=batch.input_ids.device
         )
@@ -109,9 +114,17 @@ class DrafterStep:
             return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         return nullcontext()
 
+    def _anchors(self) -> Anchors:
+        """This step's anchors: the injected sampler's, else drawn from the noise buffer."""
+        if self.anchor_sampler is not None:
+            return self.anchor_sampler(self.batch)
+        return sample_anchors(
+            self.batch.loss_mask, self.batch.doc_ids, self.num_anchors, noise=self.noise
+        )
+
     def _forward_backward(self) -> None:
         batch = self.batch
-        anchors = sample_anchors(batch.loss_mask, batch.doc_ids, self.num_anchors, noise=self.noise)
+        anchors = self._anchors()
         with self._autocast():
             sums: StepSums = self.objective(batch, anchors)
         sums.ce_sum.backward()
