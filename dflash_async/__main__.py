@@ -7,11 +7,16 @@ import argparse
 import json
 import sys
 
-from dflash_async.data import DataError
 from dflash_async.settings import Settings, SettingsError, load_settings
-from dflash_async.target import TargetError
 
-USER_ERRORS = (SettingsError, DataError, TargetError)
+
+def _is_user_error(error: BaseException) -> bool:
+    """Bad settings or inputs (exit 2). Imported here, not at the top: target.py loads
+    transformers (~3 s), which a bad-settings exit should not wait for."""
+    from dflash_async.data import DataError
+    from dflash_async.target import TargetError
+
+    return isinstance(error, SettingsError | DataError | TargetError)
 
 
 def _settings_and_logging() -> Settings:
@@ -55,7 +60,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from dflash_async.bench_packing import bench_packing
 
-        print(json.dumps(bench_packing()))
+        parser = argparse.ArgumentParser(prog="python -m dflash_async bench packing")
+        parser.add_argument("--samples", type=int, default=100_000)
+        parser.add_argument("--token-budget", type=int, default=49152)
+        parser.add_argument("--max-len", type=int, default=3072)
+        options = parser.parse_args(args.rest)
+        result = bench_packing(options.samples, options.token_budget, options.max_len)
+        print(json.dumps(result))
     return 0
 
 
@@ -122,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as error:
         leaf = _first_leaf(error)
-        if isinstance(leaf, USER_ERRORS):
+        if _is_user_error(leaf):
             print(f"error: {leaf}", file=sys.stderr)
             return 2
         if isinstance(leaf, KeyboardInterrupt):
             return 130
-        import logging  # internal failure: exit 1 with the traceback in the log
+        from dflash_async.log import get_logger  # internal failure: exit 1, traceback in the log
 
-        logging.getLogger("dflash_async").error("run_failed", exc_info=leaf)
+        get_logger("dflash_async").error("run_failed", exc_info=leaf)
         return 1
 
 

@@ -26,12 +26,13 @@ LogFormat = Literal["auto", "json", "console"]
 HANDLER_NAME = "dflash_async"
 
 
-def configure_logging(fmt: LogFormat, level: str, stream: TextIO = sys.stdout) -> None:
+def configure_logging(fmt: LogFormat, level: str, stream: TextIO | None = None) -> None:
     """Route structlog, stdlib logging and warnings to `stream` as JSON lines or console text.
 
     `fmt="auto"` picks the console renderer when `stream` is a TTY, else JSON. Idempotent: a
     second call replaces the handler the first one installed (other handlers are kept).
     """
+    stream = stream or sys.stdout  # read at call time: pytest and others swap sys.stdout
     numeric_level = _numeric_level(level)
     renderer = _renderer(_resolve_format(fmt, stream), stream)
     shared = _shared_processors()

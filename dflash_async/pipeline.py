@@ -23,7 +23,7 @@ import torch
 
 from dflash_async.build import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.channels import SlotRing, open_channel
-from dflash_async.data import DataOptions, TokenizedSamples, load_samples
+from dflash_async.data import DataError, DataOptions, TokenizedSamples, load_samples
 from dflash_async.devices import DeviceWorker, open_device_worker, parse_devices
 from dflash_async.metrics import drafter_step_flops
 from dflash_async.packing import PackCursor, plan_epoch
@@ -90,9 +90,16 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
         num_proc=data.num_proc,
     )
     tokenizer = load_target_tokenizer(inputs.target_path)
-    return load_samples(
+    samples = load_samples(
         inputs.data_path, tokenizer, options=options, block_size=settings.train.block_size, log=log
     )
+    vocab = inputs.drafter_config.vocab_size
+    if len(samples.tokens) and int(samples.tokens.max()) >= vocab:  # would index past the embedding
+        raise DataError(
+            f"{inputs.data_path}: token id {int(samples.tokens.max())} is outside the target's "
+            f"vocabulary ({vocab} ids)"
+        )
+    return samples
 
 
 async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:

@@ -60,7 +60,8 @@ def parse_device_list(value: Any) -> tuple[str, ...]:
     devices = tuple(_canonical_device(str(item).strip().lower()) for item in items)
     if not devices:
         raise ValueError("needs at least one device, e.g. 0,1 or cpu")
-    duplicates = sorted({d for d in devices if devices.count(d) > 1})
+    # a GPU appears once per list; cpu may repeat (each entry is one more CPU worker thread)
+    duplicates = sorted({d for d in devices if devices.count(d) > 1 and d != "cpu"})
     if duplicates:
         raise ValueError(f"lists {', '.join(duplicates)} more than once")
     return devices
