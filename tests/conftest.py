@@ -186,3 +186,14 @@ def make_objective(
         attention=attention,
     )
     return DFlashObjective(objective_config, drafter, embed, lm_head)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """Every async test runs on plain asyncio and on uvloop (the loop `run` uses)."""
+    return request.param

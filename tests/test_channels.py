@@ -18,16 +18,6 @@ pytestmark = pytest.mark.timeout(30)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    return request.param
-
-
 @dataclass
 class FakeEvent:
     """Stands in for a torch.cuda.Event: `query()` is true once `done` is set."""

@@ -22,16 +22,6 @@ from dflash_async.log import HANDLER_NAME, bound_context, configure_logging, get
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    return request.param
-
-
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True

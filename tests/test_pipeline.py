@@ -48,16 +48,6 @@ STEP_FIELDS = (  # docs/DESIGN.md "Logs": every `step` event carries these
 )  # fmt: skip
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
-    return request.param
-
-
 @pytest.fixture(autouse=True)
 def one_thread() -> Any:
     """Tiny tensors on 2 busy cores: OpenMP spin-waits cost more than they save."""
