@@ -14,6 +14,9 @@ from typing import Any
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN35_MASK_TOKEN_ID = 248070
 
+# DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
 
 @dataclass(frozen=True)
 class DrafterConfig:

@@ -25,10 +25,8 @@ from torch import nn
 
 from dflash_async.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
 from dflash_async.drafter import DFlashDrafter
+from dflash_async.drafter_config import DEFAULT_GAMMA
 from dflash_async.packing import PackedBatch
-
-# DFLASH.md s.4: the decay of the loss weight along the block, per block size.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_gamma(block_size: int) -> float:

@@ -34,12 +34,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from dflash_async.drafter_config import DEFAULT_GAMMA
+
 PREFIX = "DFLASH_"
 NESTING = "__"
 ENV_FILE_VAR = "DFLASH_ENV_FILE"
 NO_ENV_FILE = "none"
-# DFLASH.md s.4: the loss-weight decay gamma that goes with each published block size.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 class SettingsError(ValueError):
