@@ -117,9 +117,11 @@ async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[D
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
             device=worker.device, rank=rank, total_steps=total_steps, flex_fn=flex_fn,
         )  # fmt: skip
+        timings = {}  # warmup_s includes compiling and autotuning (the first calls)
         if cuda and settings.train.cuda_graph:
-            await worker.run(step.capture)
+            timings = await worker.run(step.capture)
         log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
+                 **{k: round(v, 2) for k, v in timings.items()},
                  startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
         runners.append(DrafterRunner(worker, step))
     return runners

@@ -16,6 +16,7 @@ mode runs the very same functions. Static buffers are never reallocated after co
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -154,18 +155,20 @@ class DrafterStep:
         else:
             self._update()
 
-    def capture(self, warmup_steps: int = 2, error_mode: str = "thread_local") -> None:
+    def capture(self, warmup_steps: int = 2, error_mode: str = "thread_local") -> dict[str, float]:
         """Warm up eagerly on the current static inputs, capture both phases, undo the warm-up.
 
         Warm-up steps are real optimizer steps (AdamW's state must exist before capture, and the
         first calls compile and autotune); afterwards the weights, AdamW's state and the lr
         schedule are put back as they were, so a captured run starts exactly where an eager one
         does. Runs under the process-wide capture lock; any failure is fatal (docs/GPU.md).
+        Returns the seconds spent warming up (compiling, autotuning) and capturing.
         """
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         weights = [p.detach().clone() for p in self.params]
         start_step = int(self.schedule.step.item())  # sync point: start-up only
+        started = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -176,6 +179,7 @@ class DrafterStep:
         graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with CAPTURE_LOCK:
             torch.cuda.synchronize(self.device)  # sync point: start-up only
+            warmed = time.perf_counter()
             with torch.cuda.graph(graph_a, capture_error_mode=error_mode):
                 self._forward_backward()
             with torch.cuda.graph(graph_b, pool=graph_a.pool(), capture_error_mode=error_mode):
@@ -183,6 +187,7 @@ class DrafterStep:
             torch.cuda.synchronize(self.device)  # sync point: start-up only
         self.graphs = (graph_a, graph_b)
         self._restore(weights, start_step)
+        return {"warmup_s": warmed - started, "capture_s": time.perf_counter() - warmed}
 
     @torch.no_grad()
     def _restore(self, weights: list[torch.Tensor], step: int) -> None:
