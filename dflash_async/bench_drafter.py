@@ -14,15 +14,13 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_async.drafter import DFlashDrafter
 from dflash_async.drafter_config import DrafterConfig
 from dflash_async.metrics import drafter_step_flops, mfu
 from dflash_async.objective import DFlashObjective, ObjectiveConfig, default_gamma
-from dflash_async.optim import LrSchedule, build_optimizer
 from dflash_async.packing import PackedBatch
-from dflash_async.step import STATS, DrafterStep, copy_batch_, empty_batch
+from dflash_async.step import STATS, DrafterStep
 
 
 def qwen3_8b_drafter_config(num_layers: int = 5, block_size: int = 16) -> DrafterConfig:
@@ -98,13 +96,8 @@ def build_step(
         lm_head,
         flex_fn=flex_fn,
     )
-    schedule = LrSchedule(peak_lr=6e-4, warmup_steps=10, total_steps=10_000, device=device)
-    optimizer = build_optimizer(drafter.parameters(), lr_tensor=schedule.lr, weight_decay=0.0)
-    batch = empty_batch(
-        token_budget, config.num_features * config.hidden_size, device, target_dtype
-    )
-    return DrafterStep(
-        objective, optimizer, schedule, batch=batch, num_anchors=num_anchors, grad_clip=1.0
+    return DrafterStep.build(
+        objective, token_budget=token_budget, peak_lr=6e-4, warmup_steps=10, total_steps=10_000
     )
 
 
@@ -156,8 +149,7 @@ def bench_drafter(
         ce_chunk_size=ce_chunk_size,
         compile=compile,
     )
-    copy_batch_(
-        step.batch,
+    step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
     )
     if cuda_graph:
@@ -230,9 +222,6 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    flex_fn = None
-    if args.attention == "flex" and device.type == "cuda":
-        flex_fn = torch.compile(flex_attention, dynamic=False)
     for mode in args.modes.split(","):
         result = bench_drafter(
             SHAPES[args.shape](),
@@ -243,7 +232,6 @@ def main(argv: list[str] | None = None) -> None:
             attention=args.attention,
             cuda_graph=mode == "graph",
             steps=args.steps,
-            flex_fn=flex_fn,
             ce_chunk_size=args.ce_chunk_size,
             profile=args.profile,
             compile=args.compile,

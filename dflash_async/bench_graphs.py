@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_async.bench_drafter import SHAPES, build_step, synthetic_pack
 from dflash_async.optim import lr_at
-from dflash_async.step import STATS, DrafterStep, copy_batch_
+from dflash_async.step import STATS, DrafterStep
 
 
 def _step(
@@ -37,7 +37,7 @@ def _step(
         attention="flex", flex_fn=flex_fn, seed=seed, compile=compile,
     )  # fmt: skip
     pack = synthetic_pack(config, token_budget=token_budget, num_docs=4, device=device, seed=seed)
-    copy_batch_(step.batch, pack)
+    step.batch.copy_(pack)
     step.generator = torch.Generator(device).manual_seed(1234)
     return step
 

@@ -20,9 +20,9 @@ from transformers import AutoConfig
 from dflash_async.drafter import DFlashDrafter
 from dflash_async.drafter_config import DrafterConfig, drafter_config_from_target
 from dflash_async.objective import DFlashObjective, ObjectiveConfig
-from dflash_async.optim import LrSchedule, build_optimizer, warmup_steps_for
+from dflash_async.optim import warmup_steps_for
 from dflash_async.settings import Settings, SettingsError
-from dflash_async.step import DrafterStep, empty_batch
+from dflash_async.step import DrafterStep
 from dflash_async.target import TargetError
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
@@ -127,7 +127,7 @@ def build_drafter_step(
     device: torch.device,
     rank: int,
     total_steps: int,
-    flex_fn,
+    compile: bool,
 ) -> DrafterStep:
     """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
 
@@ -149,29 +149,19 @@ def build_drafter_step(
             gamma=train.gamma,
             ce_chunk_size=train.ce_chunk_size,
             attention=attention,
-            compile=cuda and train.compile,
+            compile=compile,
         ),
         drafter,
         embed,
         lm_head,
-        flex_fn=flex_fn,
     )
-    schedule = LrSchedule(
+    return DrafterStep.build(
+        objective,
+        token_budget=train.token_budget,
         peak_lr=train.lr,
         warmup_steps=warmup_steps_for(total_steps, train.warmup_frac),
         total_steps=total_steps,
-        device=device,
-    )
-    optimizer = build_optimizer(
-        drafter.parameters(), lr_tensor=schedule.lr, weight_decay=train.weight_decay
-    )
-    feature_dim = config.num_features * config.hidden_size
-    return DrafterStep(
-        objective,
-        optimizer,
-        schedule,
-        batch=empty_batch(train.token_budget, feature_dim, device, target_dtype),
-        num_anchors=train.num_anchors,
+        weight_decay=train.weight_decay,
         grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
         generator=torch.Generator(device).manual_seed(train.seed * 1000 + rank),
     )

@@ -173,31 +173,6 @@ class SlotRingStatistics:
     receive_wait_s: float = 0.0  # consumers waiting for a full slot: starvation
 
 
-def allocate_packed_batch(
-    token_budget: int,
-    feature_dim: int,
-    *,
-    device: torch.device,
-    feature_dtype: torch.dtype = torch.bfloat16,
-    pin_memory: bool = False,
-) -> PackedBatch:
-    """An empty PackedBatch in the fixed layout, every row padding (doc_id -1, no loss)."""
-    kw: dict[str, Any] = {"device": device, "pin_memory": pin_memory}
-    return PackedBatch(
-        input_ids=torch.zeros(token_budget, dtype=torch.int64, **kw),  # [T]
-        loss_mask=torch.zeros(token_budget, dtype=torch.bool, **kw),  # [T]
-        doc_ids=torch.full((token_budget,), -1, dtype=torch.int64, **kw),  # [T]
-        position_ids=torch.zeros(token_budget, dtype=torch.int64, **kw),  # [T]
-        # Not zeroed: producers overwrite the real rows; ~2 GB per slot for Qwen3-8B.
-        features=torch.empty(token_budget, feature_dim, dtype=feature_dtype, **kw),  # [T, k*d]
-    )
-
-
-def _batch_bytes(batch: PackedBatch) -> int:
-    tensors = (batch.input_ids, batch.loss_mask, batch.doc_ids, batch.position_ids, batch.features)
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class SlotRing:
     """N preallocated slots cycling free -> filled (producer) -> full -> copied (consumer) -> free.
 
@@ -230,8 +205,8 @@ class SlotRing:
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         self.slots = tuple(
-            Slot(i, allocate_packed_batch(token_budget, feature_dim, device=device,
-                                          feature_dtype=feature_dtype, pin_memory=pin_memory))
+            Slot(i, PackedBatch.empty(token_budget, feature_dim, device=device,
+                                      feature_dtype=feature_dtype, pin_memory=pin_memory))
             for i in range(num_slots)
         )  # fmt: skip
         self.device = device
@@ -242,7 +217,7 @@ class SlotRing:
         self._releasing: list[tuple[Slot, Completion]] = []
         self._closed = False
         self._changed = anyio.Event()
-        self._stats = SlotRingStatistics(name, num_slots, _batch_bytes(self.slots[0].batch))
+        self._stats = SlotRingStatistics(name, num_slots, self.slots[0].batch.nbytes)
 
     async def acquire_free(self) -> Slot:
         """A free slot (its `meta` cleared). Waits while none is free; raises

@@ -29,17 +29,50 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] int64, restarts at 0 in every document
     features: torch.Tensor  # [T, k*d] target hidden states of the layers in target_layer_ids
 
+    FIELDS = ("input_ids", "loss_mask", "doc_ids", "position_ids", "features")
+
+    @classmethod
+    def empty(
+        cls,
+        token_budget: int,
+        feature_dim: int,
+        *,
+        device: torch.device,
+        feature_dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> PackedBatch:
+        """A batch of the fixed layout with every row padding (features zero: masked keys still
+        multiply their values, so padding must be finite)."""
+        kw: dict = {"device": device, "pin_memory": pin_memory}
+        T = token_budget
+        return cls(
+            input_ids=torch.zeros(T, dtype=torch.int64, **kw),
+            loss_mask=torch.zeros(T, dtype=torch.bool, **kw),
+            doc_ids=torch.full((T,), -1, dtype=torch.int64, **kw),
+            position_ids=torch.zeros(T, dtype=torch.int64, **kw),
+            features=torch.zeros(T, feature_dim, dtype=feature_dtype, **kw),
+        )
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        return PackedBatch(
-            **{
-                name: getattr(self, name).to(device, non_blocking=non_blocking)
-                for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features")
-            }
-        )
+        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in self.tensors()))
+
+    def copy_(self, src: PackedBatch, *, with_features: bool = True) -> None:
+        """Copy `src` into these tensors in place (same fixed shapes), asynchronously where it
+        can be: on the calling thread's stream of the source's device for device copies."""
+        names = self.FIELDS if with_features else self.FIELDS[:-1]
+        for name in names:
+            getattr(self, name).copy_(getattr(src, name), non_blocking=True)
 
 
 # ---- the pack planner --------------------------------------------------------------------------

@@ -105,17 +105,13 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
 async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:
     """Build each drafter in its own thread; capture graphs one device at a time."""
     cuda = workers[0].device.type == "cuda"
-    flex_fn = None
-    if cuda and settings.train.attention in ("auto", "flex"):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex_fn = torch.compile(flex_attention, dynamic=False)  # compiled at the first call
     runners = []
     for rank, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
-            device=worker.device, rank=rank, total_steps=total_steps, flex_fn=flex_fn,
+            device=worker.device, rank=rank, total_steps=total_steps,
+            compile=cuda and settings.train.compile,
         )  # fmt: skip
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
         if cuda and settings.train.cuda_graph:

@@ -24,7 +24,7 @@ import torch
 
 from dflash_async.attention import document_starts
 from dflash_async.objective import Anchors, DFlashObjective, StepSums, sample_anchors
-from dflash_async.optim import LrSchedule, clip_grad_norm_, flat_grad_buffer
+from dflash_async.optim import LrSchedule, build_optimizer, clip_grad_norm_, flat_grad_buffer
 from dflash_async.packing import PackedBatch
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
@@ -33,26 +33,6 @@ NUM_STATS = len(STATS)
 
 # One capture at a time in the whole process (docs/GPU.md: concurrent captures fail).
 CAPTURE_LOCK = threading.Lock()
-
-
-def empty_batch(
-    token_budget: int, feature_dim: int, device: torch.device, feature_dtype: torch.dtype
-) -> PackedBatch:
-    """Static inputs of the fixed layout, all padding."""
-    T = token_budget
-    return PackedBatch(
-        input_ids=torch.zeros(T, dtype=torch.int64, device=device),
-        loss_mask=torch.zeros(T, dtype=torch.bool, device=device),
-        doc_ids=torch.full((T,), -1, dtype=torch.int64, device=device),
-        position_ids=torch.zeros(T, dtype=torch.int64, device=device),
-        features=torch.zeros(T, feature_dim, dtype=feature_dtype, device=device),
-    )
-
-
-def copy_batch_(dst: PackedBatch, src: PackedBatch) -> None:
-    """Copy a pack into the static inputs (shapes must match the fixed layout exactly)."""
-    for name in ("input_ids", "loss_mask", "doc_ids", "position_ids", "features"):
-        getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
 
 
 def visible_pairs(
@@ -104,6 +84,41 @@ class DrafterStep:
         self.stats = torch.zeros(NUM_STATS, dtype=torch.float32, device=device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        objective: DFlashObjective,
+        *,
+        token_budget: int,
+        peak_lr: float,
+        warmup_steps: int,
+        total_steps: int,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> DrafterStep:
+        """The step around an objective: lr schedule in a device tensor, AdamW reading it, and
+        all-padding static inputs on the objective's device in the target's dtype."""
+        weight = objective.lm_head_weight
+        schedule = LrSchedule(
+            peak_lr=peak_lr,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            device=weight.device,
+        )
+        drafter = objective.drafter
+        optimizer = build_optimizer(
+            drafter.parameters(), lr_tensor=schedule.lr, weight_decay=weight_decay
+        )
+        feature_dim = drafter.config.num_features * drafter.config.hidden_size
+        batch = PackedBatch.empty(
+            token_budget, feature_dim, device=weight.device, feature_dtype=weight.dtype
+        )
+        return cls(
+            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
+            num_anchors=objective.config.num_anchors,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:

@@ -8,7 +8,6 @@ import torch
 
 from dflash_async.bench_drafter import SHAPES, build_step, synthetic_pack
 from dflash_async.objective import sample_anchors
-from dflash_async.step import copy_batch_
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +40,7 @@ def test_flex_path_matches_sdpa_reference_in_bf16():
     pack = synthetic_pack(config, token_budget=4096, num_docs=4, device=device)
     pack.loss_mask[100:300] = False  # some unsupervised spans, so candidates are not everything
     for step in (sdpa, flex):
-        copy_batch_(step.batch, pack)
+        step.batch.copy_(pack)
     anchors = sample_anchors(
         pack.loss_mask, pack.doc_ids, 256, torch.Generator(device).manual_seed(0)
     )
@@ -62,7 +61,7 @@ def test_whole_step_captures_with_strict_capture_mode_and_replays_finite():
     step = build_step(
         config, token_budget=4096, num_anchors=256, device=device, attention="flex", flex_fn=flex_fn
     )
-    copy_batch_(step.batch, synthetic_pack(config, token_budget=4096, num_docs=4, device=device))
+    step.batch.copy_(synthetic_pack(config, token_budget=4096, num_docs=4, device=device))
     step.capture(warmup_steps=2, error_mode="global")  # strictest: any sync or unsafe call fails
     for _ in range(3):
         step.phase_a()

@@ -35,7 +35,7 @@ from dflash_async.packing import PackedBatch, layout_pack
 from dflash_async.settings import Settings, load_settings
 from dflash_async.stages import target as target_stage
 from dflash_async.stages.train import DrafterRunner, reduce_across
-from dflash_async.step import STATS, DrafterStep, copy_batch_, empty_batch
+from dflash_async.step import STATS, DrafterStep
 from dflash_async.target import load_target_tokenizer
 from dflash_async.tiny import ensure_tiny_target
 
@@ -208,7 +208,7 @@ def make_step(rows: int, num_anchors: int, sampler: FixedAnchors) -> DrafterStep
     schedule = LrSchedule(peak_lr=LR, warmup_steps=1, total_steps=10, device="cpu")
     optimizer = build_optimizer(drafter.parameters(), lr_tensor=schedule.lr, weight_decay=0.01)
     width = config.num_features * config.hidden_size
-    batch = empty_batch(rows, width, torch.device("cpu"), torch.float32)
+    batch = PackedBatch.empty(rows, width, device=torch.device("cpu"), feature_dtype=torch.float32)
     return DrafterStep(
         objective, optimizer, schedule, batch=batch, num_anchors=num_anchors,
         grad_clip=0.5, anchor_sampler=sampler,
@@ -256,7 +256,7 @@ def test_two_drafters_update_equals_one_drafter_on_both_packs_blocks() -> None:
         anchors = [sample_anchors(p.loss_mask, p.doc_ids, NUM_ANCHORS, gen) for p in packs]
         assert all(bool(a.valid.all()) for a in anchors)
         for s, sampler, pack, a in zip(pair, pair_samplers, packs, anchors, strict=True):
-            copy_batch_(s.batch, pack)
+            s.batch.copy_(pack)
             sampler.anchors = a
             s.phase_a()
         local_weight_sums = [s.stats[STATS.index("weight_sum")].item() for s in pair]
@@ -264,7 +264,7 @@ def test_two_drafters_update_equals_one_drafter_on_both_packs_blocks() -> None:
         reduce_across(runners)
         # one pack: A's documents then B's (doc ids continue), B's anchors shifted by A's tokens
         both = laid_out(docs_a + docs_b, torch.cat([feats_a, feats_b]), 2 * PACK_ROWS)
-        copy_batch_(single.batch, both)
+        single.batch.copy_(both)
         shift = feats_a.shape[0]
         single_sampler.anchors = Anchors(
             torch.cat([anchors[0].positions, anchors[1].positions + shift]),

@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_async.channels import ReceiveChannel, SlotRing, allocate_packed_batch
+from dflash_async.channels import ReceiveChannel, SlotRing
 from dflash_async.data import TokenizedSamples
 from dflash_async.devices import DeviceWorker
 from dflash_async.metrics import BusyMeter, timing_event
 from dflash_async.packing import PackedBatch, layout_pack, pack_row_offsets, target_batches
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target import TargetFeatures, load_target
-
-FIELDS = ("input_ids", "loss_mask", "doc_ids", "position_ids", "features")
 
 
 @dataclass
@@ -55,7 +53,7 @@ def load_runner(
     features = TargetFeatures(model, layer_ids)
     dim = len(layer_ids) * features.hidden_size
     feature_dtype = next(model.parameters()).dtype
-    staging = allocate_packed_batch(token_budget, dim, device=device, feature_dtype=feature_dtype)
+    staging = PackedBatch.empty(token_budget, dim, device=device, feature_dtype=feature_dtype)
     return TargetRunner(model, features, staging, max_batch_tokens)
 
 
@@ -86,8 +84,7 @@ def fill_slot(
     started = timing_event(device)
     docs = [samples.sample(int(i)) for i in pack.indices]
     layout = layout_pack(docs, staging.num_tokens)
-    for name in FIELDS[:-1]:
-        getattr(staging, name).copy_(getattr(layout, name), non_blocking=True)
+    staging.copy_(layout, with_features=False)  # host -> target device
     ids = [d[0] for d in docs]
     offsets = pack_row_offsets(np.array([len(x) for x in ids]))
     total = int(offsets[-1])
@@ -98,8 +95,7 @@ def fill_slot(
         picked = feats.flatten(0, 1).index_select(0, src.to(device))
         staging.features.index_copy_(0, dst.to(device), picked.to(staging.features.dtype))
     staging.features[total:].zero_()  # padding rows must be finite: masked keys still multiply V
-    for name in FIELDS:
-        getattr(slot_batch, name).copy_(getattr(staging, name), non_blocking=True)
+    slot_batch.copy_(staging)  # one copy of the whole pack into the slot
     written = timing_event(device)  # on this thread's stream: after every write to the slot
     if written is not None:
         runner.meter.add(started, written)

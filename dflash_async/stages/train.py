@@ -18,7 +18,7 @@ from dflash_async.channels import SendChannel, SlotRing
 from dflash_async.devices import DeviceWorker
 from dflash_async.metrics import BusyMeter, timing_event
 from dflash_async.optim import all_reduce_sum
-from dflash_async.step import NUM_STATS, DrafterStep, copy_batch_
+from dflash_async.step import NUM_STATS, DrafterStep
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2
@@ -38,7 +38,7 @@ class DrafterRunner:
         if isinstance(ready, torch.cuda.Event):
             torch.cuda.current_stream().wait_event(ready)  # GPU-side wait, no host sync
         self._started = timing_event(self.step.device)
-        copy_batch_(self.step.batch, slot_batch)
+        self.step.batch.copy_(slot_batch)
         copied = timing_event(self.step.device)
         self.step.phase_a()
         return copied
