@@ -45,11 +45,6 @@ def drafter_step_flops(
     return float(layers + fc + lm_head)
 
 
-def target_forward_flops(num_params_run: float, tokens: float) -> float:
-    """Dense-equivalent forward FLOPs of the target layers actually run (2 per param per token)."""
-    return 2.0 * num_params_run * tokens
-
-
 def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK_FLOPS) -> float:
     return flops / max(seconds, 1e-12) / peak
 

@@ -64,9 +64,6 @@ class StepSums(NamedTuple):
     accepted: torch.Tensor  # sum over valid blocks of the accepted-prefix length
     blocks: torch.Tensor  # valid blocks
 
-    def __add__(self, other: StepSums) -> StepSums:  # type: ignore[override]
-        return StepSums(*(a + b for a, b in zip(self, other, strict=True)))
-
 
 def step_metrics(sums: StepSums) -> dict[str, torch.Tensor]:
     """loss, acc and the acceptance proxy tau_hat (DFLASH.md s.4), still on the device."""
