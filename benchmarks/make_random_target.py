@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_async.tiny import tiny_tokenizer
+from dflash_async.target.tiny import tiny_tokenizer
 
 
 def qwen3_8b_config() -> Qwen3Config:

@@ -13,8 +13,8 @@ from dflash_async.settings import Settings, SettingsError, load_settings
 def _is_user_error(error: BaseException) -> bool:
     """Bad settings or inputs (exit 2). Imported here, not at the top: target.py loads
     transformers (~3 s), which a bad-settings exit should not wait for."""
-    from dflash_async.data import DataError
-    from dflash_async.target import TargetError
+    from dflash_async.data.samples import DataError
+    from dflash_async.target.loading import TargetError
 
     return isinstance(error, SettingsError | DataError | TargetError)
 
@@ -32,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import anyio
 
     from dflash_async.log import get_logger
-    from dflash_async.pipeline import run
+    from dflash_async.pipeline.run import run
 
     settings = _settings_and_logging()
     log = get_logger("dflash_async")
@@ -50,15 +50,15 @@ def cmd_settings(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks) or `bench packing`."""
     if args.what == "drafter":
-        from dflash_async.bench_drafter import main
+        from dflash_async.bench.drafter_bench import main
 
         main(args.rest)
     elif args.what == "graphs":
-        from dflash_async.bench_graphs import main
+        from dflash_async.bench.graph_bench import main
 
         main(args.rest)
     else:
-        from dflash_async.bench_packing import bench_packing
+        from dflash_async.bench.packing_bench import bench_packing
 
         parser = argparse.ArgumentParser(prog="python -m dflash_async bench packing")
         parser.add_argument("--samples", type=int, default=100_000)
@@ -72,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Regenerate the assistant turns of a jsonl of conversations with the target."""
-    from dflash_async.regenerate import run_regenerate
+    from dflash_async.eval.regenerate import run_regenerate
 
     path = run_regenerate(
         args.input, args.output, args.target, args.device, args.max_new_tokens, args.batch_size,
@@ -84,7 +84,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
-    from dflash_async.evaluate import main
+    from dflash_async.eval.harness import main
     from dflash_async.log import configure_logging
 
     configure_logging("auto", "info")

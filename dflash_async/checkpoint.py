@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash_async.drafter_config import DrafterConfig
 from dflash_async.log import get_logger
+from dflash_async.model.drafter_config import DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -34,7 +34,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from dflash_async.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.drafter_config import DEFAULT_GAMMA
 
 PREFIX = "DFLASH_"
 NESTING = "__"

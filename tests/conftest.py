@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash_async.drafter_config import DrafterConfig, default_target_layer_ids
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.drafter_config import DrafterConfig, default_target_layer_ids
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -92,7 +92,7 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
 def tiny_drafter(
     config: DrafterConfig, seed: int, dtype: torch.dtype = torch.float64, device: str = "cpu"
 ) -> torch.nn.Module:
-    from dflash_async.drafter import DFlashDrafter  # lazy: anchor tests run without it
+    from dflash_async.model.drafter import DFlashDrafter  # lazy: anchor tests run without it
 
     drafter = DFlashDrafter(config).to(device=device, dtype=dtype)
     randomize_(drafter, seed)
@@ -152,7 +152,7 @@ def tiny_batch(
 
 def make_anchors(positions: Sequence[int], num_anchors: int, device: str = "cpu"):
     """Anchors with the valid positions sorted first, then invalid slots at position 0."""
-    from dflash_async.objective import Anchors  # lazy: reference-only tests run without it
+    from dflash_async.model.objective import Anchors  # lazy: reference-only tests run without it
 
     valid = sorted(set(positions))
     if len(valid) > num_anchors:
@@ -175,7 +175,7 @@ def make_objective(
     ce_chunk_size: int = 2048,
     attention: str = "sdpa",
 ):
-    from dflash_async.objective import DFlashObjective, ObjectiveConfig
+    from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
 
     objective_config = ObjectiveConfig(
         block_size=config.block_size,

@@ -1,6 +1,6 @@
 """An independent, deliberately slow reference of the DFlash training objective (docs/DFLASH.md s.1-4).
 
-Written from the doc alone and sharing no code with `dflash_async.drafter` / `dflash_async.objective`:
+Written from the doc alone and sharing no code with `dflash_async.model.drafter` / `dflash_async.model.objective`:
 plain Python loops over blocks, layers and heads, float64 throughout, and NO attention masks at all.
 For every valid anchor the visible keys are listed explicitly (context rows of the same document
 strictly before the anchor, then the block's own B slots) and attention runs over exactly that list,
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.drafter_config import DrafterConfig
 
 Params = Mapping[str, torch.Tensor]
 

@@ -10,7 +10,7 @@ import torch
 from conftest import doc_loss_mask
 from reference_dflash import candidate_anchors
 
-from dflash_async.objective import Anchors, sample_anchors
+from dflash_async.model.objective import Anchors, sample_anchors
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from dflash_async.channels import Slot, SlotRing, open_channel
-from dflash_async.devices import open_device_worker
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.pipeline.channels import Slot, SlotRing, open_channel
+from dflash_async.pipeline.devices import open_device_worker
 
 pytestmark = pytest.mark.timeout(30)
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
-from dflash_async.chat import ChatMaskError, assistant_char_mask, encode_chat, token_mask
+from dflash_async.data.chat import ChatMaskError, assistant_char_mask, encode_chat, token_mask
 
 S, U = "<|im_start|>", "<|im_end|>"
 

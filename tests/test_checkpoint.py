@@ -23,7 +23,7 @@ from dflash_async.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from dflash_async.drafter_config import DrafterConfig
+from dflash_async.model.drafter_config import DrafterConfig
 
 CONFIG = DrafterConfig(
     hidden_size=32,
@@ -302,7 +302,7 @@ def test_training_state_rejects_bad_input_and_foreign_files(tmp_path: Path) -> N
 
 
 def test_the_real_drafter_has_exactly_the_servable_names_and_shapes(tmp_path: Path) -> None:
-    from dflash_async.drafter import DFlashDrafter
+    from dflash_async.model.drafter import DFlashDrafter
 
     drafter = DFlashDrafter(CONFIG)
     shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}

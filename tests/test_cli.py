@@ -23,8 +23,8 @@ from dotenv import dotenv_values
 
 from dflash_async.__main__ import build_parser, main
 from dflash_async.settings import DEFAULT_GAMMA, TrainSettings, repo_root
-from dflash_async.target import load_target_tokenizer
-from dflash_async.tiny import ensure_tiny_target
+from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(120)
 PROCESS_DEADLINE_S = 90  # a process here ends in ~5-15 s (imports included); past this it hangs
@@ -33,7 +33,7 @@ COMMANDS = ("run", "settings", "bench", "regenerate", "eval")
 # The CLI's own main() with the 4th pack's target forward failing: an internal error mid-run.
 FAILING_RUN = """
 import sys
-import dflash_async.stages.target as stage
+import dflash_async.pipeline.stages.produce as stage
 real, calls = stage.fill_slot, []
 def fill_slot(*args):
     calls.append(1)

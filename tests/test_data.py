@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
-from dflash_async.chat import encode_chat
-from dflash_async.data import DataError, DataOptions, TokenizedSamples, load_samples
+from dflash_async.data.chat import encode_chat
+from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
 
 CHATS = Path(__file__).parent / "fixtures" / "chats.jsonl"
 BLOCK = 2  # a sample needs >= 4 supervised tokens

@@ -11,7 +11,12 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from dflash_async.devices import DeviceWorker, open_device_worker, parse_device, parse_devices
+from dflash_async.pipeline.devices import (
+    DeviceWorker,
+    open_device_worker,
+    parse_device,
+    parse_devices,
+)
 from dflash_async.settings import SettingsError
 
 pytestmark = pytest.mark.timeout(30)

@@ -19,10 +19,8 @@ from structlog.testing import capture_logs
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint import export_drafter
-from dflash_async.data import DataError
-from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import drafter_config_from_target
-from dflash_async.evaluate import (
+from dflash_async.data.samples import DataError
+from dflash_async.eval.harness import (
     check_drafter_fits_target,
     evaluate,
     load_drafter,
@@ -30,7 +28,7 @@ from dflash_async.evaluate import (
     prompt_token_ids,
     run_eval,
 )
-from dflash_async.speculative import (
+from dflash_async.eval.speculative import (
     DFlashBlockDrafter,
     GreedyResult,
     LosslessError,
@@ -40,8 +38,15 @@ from dflash_async.speculative import (
     speculative_decode,
     speculative_generate,
 )
-from dflash_async.target import TargetError, capture_features, frozen_embeddings, random_target
-from dflash_async.tiny import ensure_tiny_target, tiny_tokenizer
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import drafter_config_from_target
+from dflash_async.target.loading import (
+    TargetError,
+    capture_features,
+    frozen_embeddings,
+    random_target,
+)
+from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
 
 VOCAB = 96
 MAX_NEW = 40
@@ -385,7 +390,7 @@ def test_eval_command_logs_a_lossless_failure_and_returns_1(tiny_export, monkeyp
         right = speculative_generate(*args, **kwargs)
         return SpecResult([right.tokens[0] + 1, *right.tokens[1:]], right.accepted_lengths)
 
-    monkeypatch.setattr("dflash_async.evaluate.speculative_generate", wrong_first_token)
+    monkeypatch.setattr("dflash_async.eval.harness.speculative_generate", wrong_first_token)
     argv = ["--target", str(folder), "--drafter", str(export), "--device", "cpu"]
     with capture_logs() as events:
         assert main([*argv, "--max-new-tokens", "4", "--num-prompts", "1"]) == 1

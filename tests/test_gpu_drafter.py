@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from dflash_async.bench_drafter import SHAPES, build_step, synthetic_pack
-from dflash_async.objective import sample_anchors
+from dflash_async.bench.drafter_bench import SHAPES, build_step, synthetic_pack
+from dflash_async.model.objective import sample_anchors
 
 pytestmark = [
     pytest.mark.gpu,

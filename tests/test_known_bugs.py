@@ -22,8 +22,8 @@ from conftest import (
     tiny_target_weights,
 )
 
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.drafter_config import DrafterConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -16,8 +16,8 @@ import structlog
 import torch
 from structlog.testing import capture_logs
 
-from dflash_async.devices import open_device_worker
 from dflash_async.log import HANDLER_NAME, bound_context, configure_logging, get_logger
+from dflash_async.pipeline.devices import open_device_worker
 
 pytestmark = pytest.mark.timeout(30)
 

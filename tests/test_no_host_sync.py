@@ -142,7 +142,7 @@ SPEC = TinySpec(block_size=8, doc_lengths=(24, 40, 30), num_pad=34, seed=11)  # 
 
 
 def _step(spec: TinySpec, device: str, dtype: torch.dtype, attention: str) -> Callable[[], None]:
-    from dflash_async.objective import sample_anchors
+    from dflash_async.model.objective import sample_anchors
 
     config = tiny_config(spec)
     drafter = tiny_drafter(config, spec.seed, dtype, device)
@@ -177,8 +177,8 @@ def test_sample_anchors_forward_and_backward_read_no_device_data() -> None:
 
 def test_flex_block_mask_is_built_without_reading_device_data() -> None:
     """The BlockMask is rebuilt every step inside the captured graph, so it must be sync-free too."""
-    from dflash_async.attention import flex_block_mask
-    from dflash_async.objective import sample_anchors
+    from dflash_async.model.attention import flex_block_mask
+    from dflash_async.model.objective import sample_anchors
 
     config = tiny_config(SPEC)
     batch = tiny_batch(SPEC, config)

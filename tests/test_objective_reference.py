@@ -33,8 +33,8 @@ from reference_dflash import (
     reference_with_gradients,
 )
 
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.drafter_config import DrafterConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -207,7 +207,7 @@ def assert_scalar(actual, expected: float, what: str, rtol: float = RTOL, atol: 
 
 
 def assert_sums_match(sums, ref: ReferenceResult, rtol: float = RTOL, atol: float = ATOL) -> None:
-    from dflash_async.objective import step_metrics
+    from dflash_async.model.objective import step_metrics
 
     for name in ("ce_sum", "weight_sum"):
         assert_scalar(getattr(sums, name), float(getattr(ref, name)), name, rtol, atol)
@@ -297,7 +297,7 @@ def test_eager_flex_block_logits_equal_the_reference_on_cpu() -> None:
 
 @pytest.mark.parametrize("case", list(CASES.values())[:2], ids=list(CASES.keys())[:2])
 def test_objective_on_sampled_anchors_equals_the_reference(case: Case) -> None:
-    from dflash_async.objective import sample_anchors
+    from dflash_async.model.objective import sample_anchors
 
     s = build(case, align=False)
     gen = torch.Generator().manual_seed(123)

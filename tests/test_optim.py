@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_async.optim import (
+from dflash_async.model.optim import (
     LrSchedule,
     all_reduce_sum,
     build_optimizer,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_async.bench_packing import bench_packing, synthetic_lengths
-from dflash_async.packing import (
+from dflash_async.bench.packing_bench import bench_packing, synthetic_lengths
+from dflash_async.data.packing import (
     PackCursor,
     iter_packs,
     layout_pack,

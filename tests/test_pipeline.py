@@ -24,20 +24,20 @@ from conftest import tiny_target_weights as frozen_weights
 from safetensors import safe_open
 from structlog.testing import capture_logs
 
-from dflash_async import pipeline
-from dflash_async.build import drafter_config_for
 from dflash_async.checkpoint import expected_weight_shapes, load_drafter_export
-from dflash_async.devices import DeviceWorker
+from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.log import get_logger
-from dflash_async.objective import Anchors, sample_anchors
-from dflash_async.optim import LrSchedule, build_optimizer
-from dflash_async.packing import PackedBatch, layout_pack
+from dflash_async.model.objective import Anchors, sample_anchors
+from dflash_async.model.optim import LrSchedule, build_optimizer
+from dflash_async.model.step import STATS, DrafterStep
+from dflash_async.pipeline import run as pipeline
+from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.stages import produce as target_stage
+from dflash_async.pipeline.stages.train import DrafterRunner, reduce_across
+from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings, load_settings
-from dflash_async.stages import target as target_stage
-from dflash_async.stages.train import DrafterRunner, reduce_across
-from dflash_async.step import STATS, DrafterStep
-from dflash_async.target import load_target_tokenizer
-from dflash_async.tiny import ensure_tiny_target
+from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(60)
 RUN_DEADLINE_S = 30  # a run here takes ~1 s; past this it hangs

@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-import dflash_async.regenerate as regen
-from dflash_async.regenerate import (
+import dflash_async.eval.regenerate as regen
+from dflash_async.eval.regenerate import (
     demo_corpus,
     read_conversations,
     regenerate,
     run_regenerate,
     write_jsonl,
 )
-from dflash_async.target import load_target, load_target_tokenizer
-from dflash_async.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.target.loading import load_target, load_target_tokenizer
+from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
 
 
 @pytest.fixture(scope="module", autouse=True)

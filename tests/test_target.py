@@ -18,7 +18,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-from dflash_async.target import (
+from dflash_async.target.loading import (
     TargetError,
     TargetFeatures,
     capture_features,

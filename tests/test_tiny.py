@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_async.target import load_target, load_target_tokenizer
-from dflash_async.tiny import (
+from dflash_async.target.loading import load_target, load_target_tokenizer
+from dflash_async.target.tiny import (
     TINY_MASK_TOKEN,
     demo_prompts,
     ensure_tiny_target,

@@ -3,7 +3,7 @@
 Reads jsonl (optionally .gz) and parquet files (a file, a glob or a folder of them) in three forms:
 OpenAI `{"messages": [{"role", "content"}, ...]}`, ShareGPT `{"conversations": [{"from", "value"},
 ...]}` and pre-tokenized `{"input_ids": [...], "loss_mask": [...]}`. Chats are rendered with the
-target tokenizer's own chat template and masked by dflash_async.chat. Samples are then filtered
+target tokenizer's own chat template and masked by dflash_async.data.chat. Samples are then filtered
 with counted reasons (empty, no assistant turn, too long -> truncated or dropped, fewer than
 2 x block_size supervised tokens), logged once as `data_loaded`. A bad record is a DataError naming
 its file and line, or with on_bad_record="skip" a counted skip: nothing is lost silently.
@@ -35,7 +35,7 @@ import jinja2
 import numpy as np
 from tqdm import tqdm
 
-from dflash_async.chat import ChatMaskError, encode_chat, supervised_turns
+from dflash_async.data.chat import ChatMaskError, encode_chat, supervised_turns
 
 ROLE_ALIASES = {
     "system": "system",

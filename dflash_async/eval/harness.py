@@ -24,13 +24,15 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_async.checkpoint import load_drafter_export
-from dflash_async.data import BadRecord, DataError, chat_messages, iter_raw_records, parse_record
-from dflash_async.devices import cpu_threads
-from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.log import get_logger
-from dflash_async.regenerate import write_jsonl
-from dflash_async.speculative import (
+from dflash_async.data.samples import (
+    BadRecord,
+    DataError,
+    chat_messages,
+    iter_raw_records,
+    parse_record,
+)
+from dflash_async.eval.regenerate import write_jsonl
+from dflash_async.eval.speculative import (
     GreedyResult,
     LosslessError,
     SpecResult,
@@ -40,14 +42,18 @@ from dflash_async.speculative import (
     speculative_generate,
     tie_tolerance_for,
 )
-from dflash_async.target import (
+from dflash_async.log import get_logger
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.pipeline.devices import cpu_threads
+from dflash_async.target.loading import (
     frozen_embeddings,
     is_hybrid,
     load_target,
     load_target_tokenizer,
     text_config,
 )
-from dflash_async.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     A lossless-check failure is logged (`eval_failed`) and returns 1. Bad paths raise TargetError
     or DataError (one line; the CLI exits 2); the built-in tiny target is kept in build.cache_dir().
     """
-    from dflash_async.build import cache_dir  # lazy: it imports the whole training step
+    from dflash_async.pipeline.startup import cache_dir  # lazy: it imports the whole training step
 
     args = build_parser().parse_args(argv)
     log = get_logger(__name__)

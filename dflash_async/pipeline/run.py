@@ -21,20 +21,20 @@ import anyio
 import numpy as np
 import torch
 
-from dflash_async.build import RunInputs, build_drafter_step, resolve_inputs
-from dflash_async.channels import SlotRing, open_channel
-from dflash_async.data import DataError, DataOptions, TokenizedSamples, load_samples
-from dflash_async.devices import DeviceWorker, open_device_worker, parse_devices
-from dflash_async.metrics import drafter_step_flops
-from dflash_async.packing import PackCursor, plan_epoch
+from dflash_async.data.packing import PackCursor, plan_epoch
+from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
+from dflash_async.model.flops import drafter_step_flops
+from dflash_async.pipeline.channels import SlotRing, open_channel
+from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline.stages.evaluate import eval_stage
+from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
+from dflash_async.pipeline.stages.read import read_stage
+from dflash_async.pipeline.stages.report import Throughput, report_stage
+from dflash_async.pipeline.stages.save import export_path, save_stage
+from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
+from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
-from dflash_async.stages.evaluate import eval_stage
-from dflash_async.stages.read import read_stage
-from dflash_async.stages.report import Throughput, report_stage
-from dflash_async.stages.save import export_path, save_stage
-from dflash_async.stages.target import TargetRunner, load_runner, target_stage
-from dflash_async.stages.train import DrafterRunner, train_steps
-from dflash_async.target import load_target_tokenizer
+from dflash_async.target.loading import load_target_tokenizer
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_async.checkpoint import export_drafter
-from dflash_async.devices import DeviceWorker
-from dflash_async.stages.train import DrafterRunner
+from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.stages.train import DrafterRunner
 
 
 async def eval_stage(
@@ -27,7 +27,7 @@ async def eval_stage(
     log,
 ) -> dict:
     """Export drafter weights at `step` and decode on the target worker's device; returns tau etc."""
-    from dflash_async.evaluate import run_eval
+    from dflash_async.eval.harness import run_eval
 
     folder = output_dir / "eval" / f"step-{step}"
     model = drafter.step.objective.drafter

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.drafter_config import DrafterConfig
+from dflash_async.model.drafter_config import DrafterConfig
 
 # attend(q [1, H, Q, hd], k [1, Hkv, S, hd], v [1, Hkv, S, hd]) -> [1, H, Q, hd], S = T + Q.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -14,11 +14,11 @@ from typing import Any
 import anyio
 import torch
 
-from dflash_async.channels import SendChannel, SlotRing
-from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import BusyMeter, timing_event
-from dflash_async.optim import all_reduce_sum
-from dflash_async.step import NUM_STATS, DrafterStep
+from dflash_async.model.optim import all_reduce_sum
+from dflash_async.model.step import NUM_STATS, DrafterStep
+from dflash_async.pipeline.channels import SendChannel, SlotRing
+from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.meters import BusyMeter, timing_event
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2

@@ -28,9 +28,9 @@ import structlog
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from dflash_async.devices import cpu_threads
-from dflash_async.target import load_target, load_target_tokenizer
-from dflash_async.tiny import TINY_SEED, demo_prompts
+from dflash_async.pipeline.devices import cpu_threads
+from dflash_async.target.loading import load_target, load_target_tokenizer
+from dflash_async.target.tiny import TINY_SEED, demo_prompts
 
 _ROLES = ("system", "user", "assistant", "tool")
 _HASH_WHOLE_FILE_BELOW = 64 * 2**20  # bytes; bigger files are keyed by name, size and mtime

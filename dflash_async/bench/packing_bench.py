@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_async.packing import plan_epoch, target_batches
+from dflash_async.data.packing import plan_epoch, target_batches
 
 MEDIAN_TOKENS = 700
 SIGMA = 0.8  # spread of log(length); ~5% of samples are cut at 3072

@@ -28,7 +28,7 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
 
-from dflash_async.target import atomic_directory, random_target
+from dflash_async.target.loading import atomic_directory, random_target
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_THINK_TOKENS = ("<think>", "</think>")  # added tokens, not special (decoding keeps them)
@@ -36,7 +36,7 @@ TINY_MASK_TOKEN = "<|mask|>"  # the DFlash mask token: `tokenizer.mask_token_id`
 TINY_UNK_TOKEN = "<|unk|>"
 TINY_SEED = 0
 HELDOUT_ONE_IN = 10  # a prompt is held out when the hash of its text is 0 modulo this
-_ASSETS = Path(__file__).parent / "assets"
+_ASSETS = Path(__file__).parent.parent / "assets"
 _CHAT_TEMPLATE_ASSET = "qwen3_chat_template.jinja"
 
 _FRUITS = (

@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.metrics import drafter_step_flops, mfu
-from dflash_async.objective import DFlashObjective, ObjectiveConfig, default_gamma
-from dflash_async.packing import PackedBatch
-from dflash_async.step import STATS, DrafterStep
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.flops import drafter_step_flops, mfu
+from dflash_async.model.objective import DFlashObjective, ObjectiveConfig, default_gamma
+from dflash_async.model.step import STATS, DrafterStep
 
 
 def qwen3_8b_drafter_config(num_layers: int = 5, block_size: int = 16) -> DrafterConfig:

@@ -1,10 +1,4 @@
-"""FLOP accounting, MFU and throughput windows for the drafter step and the target forward.
-
-FLOPs count the useful matmul work once (2 per multiply-add): activation recomputation (the CE
-chunks' checkpointing) is not counted, and attention counts only visible (query, key) pairs.
-Training a layer costs 3x its forward (forward, input grad, weight grad); the frozen lm_head and
-the fc over frozen features cost 2x (one of the two backward matmuls is not needed).
-"""
+"""Throughput meters of the running pipeline: rate windows and device-busy time per worker."""
 
 from __future__ import annotations
 
@@ -13,40 +7,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-
-from dflash_async.drafter_config import DrafterConfig
-
-H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
-
-
-def drafter_step_flops(
-    config: DrafterConfig, *, token_budget: int, num_anchors: int, visible_pairs: float
-) -> float:
-    """Train FLOPs of one drafter step: T context rows, Q = A*B block slots.
-
-    visible_pairs: attended (query, key) pairs summed over all queries (context + own block).
-    """
-    d, hd = config.hidden_size, config.head_dim
-    H, Hkv, f = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    T, Q = token_budget, num_anchors * config.block_size
-    per_layer = (
-        2
-        * (
-            Q * d * H * hd  # q_proj
-            + 2 * (T + Q) * d * Hkv * hd  # k_proj, v_proj over context and block
-            + Q * H * hd * d  # o_proj
-            + 3 * Q * d * f  # gate, up, down
-        )
-        + 2 * 2 * H * hd * visible_pairs
-    )  # QK^T and PV
-    layers = 3 * config.num_hidden_layers * per_layer
-    fc = 2 * 2 * T * config.num_features * d * d
-    lm_head = 2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size
-    return float(layers + fc + lm_head)
-
-
-def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK_FLOPS) -> float:
-    return flops / max(seconds, 1e-12) / peak
 
 
 @dataclass

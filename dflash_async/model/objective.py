@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
-from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import DEFAULT_GAMMA
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DEFAULT_GAMMA
 
 
 def default_gamma(block_size: int) -> float:

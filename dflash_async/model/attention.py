@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_async.drafter import Attend
+from dflash_async.model.drafter import Attend
 
 try:  # flex_attention exists on every torch we support; keep the import local to this module
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from dflash_async.drafter import DFlashDrafter, apply_rope, rope_cos_sin
-from dflash_async.drafter_config import DrafterConfig
-from dflash_async.target import decoder_layers
+from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.target.loading import decoder_layers
 
 # Largest |logit(greedy) - logit(runner-up)| at which a divergence counts as a numerical tie.
 _TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.1}

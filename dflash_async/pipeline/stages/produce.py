@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_async.channels import ReceiveChannel, SlotRing
-from dflash_async.data import TokenizedSamples
-from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import BusyMeter, timing_event
-from dflash_async.packing import PackedBatch, layout_pack, pack_row_offsets, target_batches
-from dflash_async.stages.read import PlannedPack
-from dflash_async.target import TargetFeatures, load_target
+from dflash_async.data.packing import PackedBatch, layout_pack, pack_row_offsets, target_batches
+from dflash_async.data.samples import TokenizedSamples
+from dflash_async.pipeline.channels import ReceiveChannel, SlotRing
+from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.meters import BusyMeter, timing_event
+from dflash_async.pipeline.stages.read import PlannedPack
+from dflash_async.target.loading import TargetFeatures, load_target
 
 
 @dataclass

@@ -22,10 +22,10 @@ from contextlib import nullcontext
 
 import torch
 
-from dflash_async.attention import document_starts
-from dflash_async.objective import Anchors, DFlashObjective, StepSums, sample_anchors
-from dflash_async.optim import LrSchedule, build_optimizer, clip_grad_norm_, flat_grad_buffer
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.attention import document_starts
+from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
+from dflash_async.model.optim import LrSchedule, build_optimizer, clip_grad_norm_, flat_grad_buffer
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_async.channels import SendChannel
-from dflash_async.packing import PackCursor, iter_packs
+from dflash_async.data.packing import PackCursor, iter_packs
+from dflash_async.pipeline.channels import SendChannel
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_async.bench_drafter import SHAPES, build_step, synthetic_pack
-from dflash_async.optim import lr_at
-from dflash_async.step import STATS, DrafterStep
+from dflash_async.bench.drafter_bench import SHAPES, build_step, synthetic_pack
+from dflash_async.model.optim import lr_at
+from dflash_async.model.step import STATS, DrafterStep
 
 
 def _step(

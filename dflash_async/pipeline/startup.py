@@ -17,13 +17,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from dflash_async.drafter import DFlashDrafter
-from dflash_async.drafter_config import DrafterConfig, drafter_config_from_target
-from dflash_async.objective import DFlashObjective, ObjectiveConfig
-from dflash_async.optim import warmup_steps_for
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DrafterConfig, drafter_config_from_target
+from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
+from dflash_async.model.optim import warmup_steps_for
+from dflash_async.model.step import DrafterStep
 from dflash_async.settings import Settings, SettingsError
-from dflash_async.step import DrafterStep
-from dflash_async.target import TargetError
+from dflash_async.target.loading import TargetError
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight",)
@@ -45,8 +45,8 @@ class RunInputs:
 
 def resolve_inputs(settings: Settings, log) -> RunInputs:
     """Target folder, data path and drafter config (builds the tiny target/corpus if needed)."""
-    from dflash_async.regenerate import demo_corpus
-    from dflash_async.tiny import ensure_tiny_target
+    from dflash_async.eval.regenerate import demo_corpus
+    from dflash_async.target.tiny import ensure_tiny_target
 
     builtin = not settings.target.path
     target_path = str(ensure_tiny_target(cache_dir())) if builtin else settings.target.path
@@ -66,7 +66,7 @@ def drafter_config_for(settings: Settings, target_path: str, builtin: bool) -> D
         raise TargetError(f"cannot read the config of target {target_path!r}: {e}") from e
     mask_token_id = settings.drafter.mask_token_id
     if mask_token_id is None and builtin:
-        from dflash_async.target import load_target_tokenizer
+        from dflash_async.target.loading import load_target_tokenizer
 
         mask_token_id = load_target_tokenizer(target_path).mask_token_id
     try:

@@ -15,11 +15,12 @@ from typing import Any
 import anyio
 import torch
 
-from dflash_async.channels import ReceiveChannel, SlotRing
-from dflash_async.devices import DeviceWorker
-from dflash_async.metrics import BusyMeter, RateWindow, mfu
-from dflash_async.stages.train import StepRecord
-from dflash_async.step import STATS
+from dflash_async.model.flops import mfu
+from dflash_async.model.step import STATS
+from dflash_async.pipeline.channels import ReceiveChannel, SlotRing
+from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.meters import BusyMeter, RateWindow
+from dflash_async.pipeline.stages.train import StepRecord
 
 Workers = list[tuple[DeviceWorker, BusyMeter]]
 

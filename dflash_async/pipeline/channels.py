@@ -19,7 +19,7 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dflash_async.packing import PackedBatch
+from dflash_async.data.packing import PackedBatch
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_async.checkpoint import export_drafter
-from dflash_async.stages.train import DrafterRunner
+from dflash_async.pipeline.stages.train import DrafterRunner
 
 
 def export_path(output_dir: Path) -> Path:

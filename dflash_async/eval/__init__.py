@@ -1,0 +1,1 @@
+"""Acceptance length by real speculative decoding, and regeneration of training answers."""

@@ -1,0 +1,1 @@
+"""The frozen target: loading, the built-in tiny target, and its forward."""
