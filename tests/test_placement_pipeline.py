@@ -42,8 +42,11 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return tiny_inputs(tmp_path_factory.mktemp("placement"))
+
+
+def tiny_inputs(root: Path) -> dict[str, str]:
     """test_pipeline's tiny target and 40-sample data file (~6 packs per epoch)."""
-    root = tmp_path_factory.mktemp("placement")
     target = ensure_tiny_target(root / "cache")
     tokenizer = load_target_tokenizer(target)
     data = write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
