@@ -56,8 +56,7 @@ def test_the_gradient_combine_costs_a_ring_all_reduce_per_step() -> None:
 
 
 def test_the_best_split_balances_target_and_drafter_gpus() -> None:
-    # drafter 4.5x the target's cost: 8 GPUs split ~2 targets : 6 drafters... the model picks the
-    # n_t that maximises min(n_t * t, n_d * d)
+    # a drafter costing 4.5x the target: of 8 GPUs, the n_t that maximises min(n_t t, n_d d)
     rates = StageRates(41.1e3, 41.1e3 / 4.5)
     targets, rate = best_split(rates, gpus=8, token_budget=T, links=LINKS)
     assert targets == 2 and rate == pytest.approx(min(2 * 41.1e3, 6 * 41.1e3 / 4.5), rel=0.05)
@@ -120,3 +119,38 @@ def test_a_compute_bound_colocated_pair_cannot_exceed_the_mfu_ceiling() -> None:
                        drafter_flops_per_token=9.2e9)  # fmt: skip
     rate = predict(rates, gpus=1, token_budget=T, links=LINKS)["colocated"]
     assert rate == pytest.approx(0.72 * 780e12 / 22.3e9, rel=1e-6)
+
+
+# The placement model table of BENCHMARKS.md (benchmarks/placement_model.py): one H200's rates,
+# FLOPs per token of the Qwen3-8B target (34 layers) and drafter at the two anchor densities.
+TARGET_FPT = 13.337e9
+SPARSE = (T / 0.2882, 8.809e9)  # 1024 anchors per 16384 rows: measured step
+DENSE = (21524.6, 23.265e9)  # 512 anchors per 3072 tokens: scaled by FLOPs
+
+
+@pytest.mark.parametrize(
+    ("target", "drafter", "gpus", "colocated", "split", "split_targets"),
+    [
+        (H200_TARGET, SPARSE, 1, 19_897, None, 0),
+        (H200_TARGET, SPARSE, 8, 19_821, 13_640, 6),
+        (H200_TARGET, DENSE, 4, 15_343, 10_500, 2),
+        (FAST_TARGET, SPARSE, 2, 25_359, 20_550, 1),
+        (FAST_TARGET, DENSE, 8, 15_343, 13_119, 3),
+    ],
+)
+def test_the_auto_placement_event_agrees_with_the_benchmarks_model_table(
+    target, drafter, gpus, colocated, split, split_targets
+) -> None:
+    rates = StageRates(target, drafter[0], source="measured", target_flops_per_token=TARGET_FPT,
+                       drafter_flops_per_token=drafter[1])  # fmt: skip
+    fits = memory(20, 40)
+    placement = decide("auto", gpus=gpus, rates=rates, memory=fits, token_budget=T, links=LINKS)
+    event = placement.event_fields(rates, fits)
+    assert event["layout"] == "colocated"  # every row of the table: co-location wins
+    # the table prints whole tokens/s; the FLOPs above are rounded to 4 digits: 0.05%
+    assert event["colocated_tokens_per_s_per_gpu"] == pytest.approx(colocated, rel=5e-4)
+    if split is None:
+        assert event["split_tokens_per_s_per_gpu"] is None
+    else:
+        assert event["split_tokens_per_s_per_gpu"] == pytest.approx(split, rel=5e-4)
+        assert best_split(rates, gpus=gpus, token_budget=T, links=LINKS)[0] == split_targets

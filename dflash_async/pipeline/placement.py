@@ -85,6 +85,13 @@ class MemoryNeeds:
     def drafter_side(self) -> float:
         return self.drafter_state + self.drafter_activations + self.ring
 
+    def times(self, pairs: int) -> MemoryNeeds:
+        """The needs of `pairs` target+drafter pairs sharing each device (a repeated device)."""
+        scale = lambda b: b * pairs  # noqa: E731
+        return MemoryNeeds(scale(self.target_weights), scale(self.target_activations),
+                           scale(self.drafter_state), scale(self.drafter_activations),
+                           scale(self.ring), self.device_bytes)  # fmt: skip
+
     def fits(self, need: float, headroom: float = HEADROOM) -> bool:
         return self.device_bytes is None or need <= headroom * self.device_bytes
 

@@ -169,7 +169,8 @@ async def _place(settings, inputs: RunInputs, samples, target, runner, log) -> p
     devices = placing.candidate_devices(settings)
     flops = placing.flops_per_token(settings, inputs, float(samples.lengths.mean()))
     rates = placing.estimated_rates(*flops)
-    memory = placing.memory_needs(settings, inputs, target.device)
+    pairs = max(devices.count(d) for d in devices)  # a repeated device holds several pairs
+    memory = placing.memory_needs(settings, inputs, target.device).times(pairs)
     choose = lambda r: decide(pipe.layout, gpus=len(devices), rates=r, memory=memory,  # noqa: E731
                               token_budget=budget, links=placing.links(inputs, devices))  # fmt: skip
     decision = choose(rates)
