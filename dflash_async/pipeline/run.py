@@ -1,7 +1,7 @@
 """The whole run in one process: stages and channels wired in one task group.
 
-    read ──packs──> target workers ──slots (ring)──> drafter workers ──records──> report
-                                                            └──> save (every N steps, at the end)
+    read ──packs──> target workers ──slots (a ring per drafter)──> drafter workers ──records──> report
+                                                                    └──> save (every N steps, at the end)
 
 `run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
 topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
@@ -28,7 +28,6 @@ from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.channels import open_channel
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
-from dflash_async.pipeline.placement import decide
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
@@ -157,34 +156,6 @@ class Workers:
     target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
 
 
-async def _place(settings, inputs: RunInputs, samples, target, runner, log) -> placing.Roles:
-    """The roles of every device: given by hand, or decided (auto: calibrated on device 0)."""
-    pipe, budget = settings.pipeline, settings.train.token_budget
-    given = placing.given_roles(settings)
-    if given is not None:
-        log.info("placement", layout=given.layout, num_targets=len(given.targets),
-                 num_drafters=len(given.drafters),
-                 reason="roles given by DFLASH_PIPELINE__TARGET_DEVICES/DRAFTER_DEVICES")  # fmt: skip
-        return given
-    devices = placing.candidate_devices(settings)
-    flops = placing.flops_per_token(settings, inputs, float(samples.lengths.mean()))
-    rates = placing.estimated_rates(*flops)
-    pairs = max(devices.count(d) for d in devices)  # a repeated device holds several pairs
-    memory = placing.memory_needs(settings, inputs, target.device).times(pairs)
-    choose = lambda r: decide(pipe.layout, gpus=len(devices), rates=r, memory=memory,  # noqa: E731
-                              token_budget=budget, links=placing.links(inputs, devices))  # fmt: skip
-    decision = choose(rates)
-    calibrate = pipe.calibration_packs > 0 and (len(devices) > 1 or devices[0].type == "cuda")
-    if pipe.layout == "auto" and decision.layout == "colocated" and calibrate:
-        async with open_device_worker(target.device, "calibration", grad_enabled=True) as drafter:
-            measured = await placing.calibrate(settings, inputs, samples, target=target,
-                                               runner=runner, drafter=drafter, flops=flops)  # fmt: skip
-        rates = measured or rates
-        decision = choose(rates)
-    log.info("placement", **decision.event_fields(rates, memory))
-    return placing.placed_roles(decision, devices)
-
-
 async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, samples, log):
     """Place, then one thread per worker: targets loaded, drafters built (and captured)."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
@@ -199,7 +170,8 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, sam
                            max_batch_tokens=pipe.target_batch_tokens)  # fmt: skip
     targets = [await open_worker(first, "target0", False)]
     runners = [await load(targets[0])]
-    roles = await _place(settings, inputs, samples, targets[0], runners[0], log)
+    roles = await placing.place(settings, inputs, samples, target=targets[0], runner=runners[0],
+                                log=log)  # fmt: skip
     for i, device in enumerate(roles.targets[1:], start=1):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
@@ -251,7 +223,7 @@ async def _produce(settings, samples, plan: Plan, workers: Workers) -> None:
 async def run(settings: Settings, log) -> int:
     """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
     started = time.perf_counter()
-    placing.given_roles(settings), placing.candidate_devices(settings)  # fail fast on devices
+    placing.check_devices(settings)  # fail fast, before any loading
     inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)

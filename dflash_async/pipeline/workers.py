@@ -25,7 +25,7 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.flops import drafter_step_flops, target_forward_flops
 from dflash_async.pipeline import placement
 from dflash_async.pipeline.channels import Notifier, SlotRing
-from dflash_async.pipeline.devices import DeviceWorker, parse_devices
+from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages import produce
 from dflash_async.pipeline.stages.read import PlannedPack
@@ -56,6 +56,13 @@ def candidate_devices(settings: Settings) -> tuple[torch.device, ...]:
     return (torch.device("cpu"),)
 
 
+def check_devices(settings: Settings) -> None:
+    """SettingsError (exit 2) for a device of DEVICES / TARGET_DEVICES / DRAFTER_DEVICES that
+    this machine does not have."""
+    given_roles(settings)
+    candidate_devices(settings)
+
+
 def given_roles(settings: Settings) -> Roles | None:
     """Roles set by hand (TARGET_DEVICES / DRAFTER_DEVICES; the unset one is DEVICES), or None."""
     pipe = settings.pipeline
@@ -79,6 +86,38 @@ def roles_from_lists(targets, drafters) -> Roles:
         homes.append(home)
     layout = "colocated" if tuple(targets) == tuple(drafters) else "split"
     return Roles(layout, tuple(targets), tuple(drafters), tuple(homes))
+
+
+async def place(settings, inputs: RunInputs, samples, *, target, runner, log) -> Roles:
+    """The roles of every device: given by hand, or decided (auto: calibrated on device 0)."""
+    pipe, budget = settings.pipeline, settings.train.token_budget
+    given = given_roles(settings)
+    if given is not None:
+        log.info("placement", layout=given.layout, num_targets=len(given.targets),
+                 num_drafters=len(given.drafters),
+                 reason="roles given by DFLASH_PIPELINE__TARGET_DEVICES/DRAFTER_DEVICES")  # fmt: skip
+        return given
+    devices = candidate_devices(settings)
+    flops = flops_per_token(settings, inputs, float(samples.lengths.mean()))
+    rates = estimated_rates(*flops)
+    # a repeated GPU holds several pairs; repeated cpu entries stand for separate devices
+    pairs = max(devices.count(d) for d in devices) if devices[0].type == "cuda" else 1
+    memory = memory_needs(settings, inputs, target.device).times(pairs)
+
+    def choose(rates: placement.StageRates) -> placement.Placement:
+        return placement.decide(pipe.layout, gpus=len(devices), rates=rates, memory=memory,
+                                token_budget=budget, links=links(inputs, devices))  # fmt: skip
+
+    decision = choose(rates)
+    measure = pipe.calibration_packs > 0 and (len(devices) > 1 or devices[0].type == "cuda")
+    if pipe.layout == "auto" and decision.layout == "colocated" and measure:
+        async with open_device_worker(target.device, "calibration", grad_enabled=True) as drafter:
+            measured = await calibrate(settings, inputs, samples, target=target, runner=runner,
+                                       drafter=drafter, flops=flops)  # fmt: skip
+        rates = measured or rates
+        decision = choose(rates)
+    log.info("placement", **decision.event_fields(rates, memory))
+    return placed_roles(decision, devices)
 
 
 def placed_roles(decision: placement.Placement, devices: tuple[torch.device, ...]) -> Roles:

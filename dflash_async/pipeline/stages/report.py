@@ -116,7 +116,10 @@ class GpuBusy:
             if device.type == "cuda":  # recorded on the device's default stream, never waited on
                 self._reference[device] = torch.cuda.Event(enable_timing=True)
                 self._reference[device].record(torch.cuda.default_stream(device))
-        self._host = {w.name: 0.0 for w, _ in workers}
+        self._host = {w.name: w.busy_seconds for w, _ in workers}
+        for _, meter in workers:  # start-up jobs (calibration) predate the reference events
+            meter.collect()
+            meter.completed.clear()
 
     def fractions(self, span: float) -> dict[str, float]:
         return {str(d): round(min(1.0, self._busy_s(d) / span), 6) for d in self.devices}
