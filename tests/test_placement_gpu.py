@@ -59,7 +59,8 @@ async def test_colocated_gpu_pairs_train_identical_drafters(
 
     async def train_steps_checked(runners, *args, on_step_end=None, **kwargs) -> int:
         async def after_step(step: int) -> None:
-            torch.cuda.synchronize()  # test only: the drafters' streams finish before we read
+            for i in range(torch.cuda.device_count()):  # test only: every drafter stream is done
+                torch.cuda.synchronize(i)
             weights.append([flat_weights(r.step).cpu() for r in runners])
             if on_step_end is not None:
                 await on_step_end(step)
