@@ -26,6 +26,7 @@ from dflash_async.model.flops import drafter_step_flops, target_forward_flops
 from dflash_async.pipeline import placement
 from dflash_async.pipeline.channels import Notifier, SlotRing
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline.meters import BusyMeter
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages import produce
 from dflash_async.pipeline.stages.read import PlannedPack
@@ -282,6 +283,7 @@ async def calibrate(
         both.start_soon(drafter.run, *train_on)
     together_s = time.perf_counter() - started
     del fill, train_on, step  # the throw-away drafter's memory goes back before the run's start
+    runner.meter = BusyMeter()  # the run's busy fractions start at its first step
     if cuda:
         await drafter.run(torch.cuda.empty_cache)
     t, d = k * tokens / target_s, k * tokens / drafter_s
