@@ -54,6 +54,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.usage import ArgumentParser
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -330,7 +331,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of `python -m dflash_async eval` (see main)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # one-line argument errors (usage.py)
         prog="python -m dflash_async eval",
         description="Acceptance length (tau) of a drafter export by greedy speculative decoding.",
     )

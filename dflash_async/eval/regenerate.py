@@ -28,6 +28,7 @@ import structlog
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from dflash_async.data.samples import DataError
 from dflash_async.pipeline.devices import cpu_threads
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import TINY_SEED, demo_prompts
@@ -277,10 +278,16 @@ def run_regenerate(
 ) -> Path:
     """The CLI's `regenerate`: read conversations, regenerate them with the target, write jsonl.
 
-    `limit` keeps only the first N conversations. Errors in the inputs are ValueError (TargetError
-    for the target folder): one line naming the file, for exit code 2.
+    `limit` keeps only the first N conversations. Errors in the inputs are DataError (TargetError
+    for the target folder), raised before the target is loaded: one line naming the file and
+    line, for exit code 2.
     """
-    conversations = read_conversations(input_path)[:limit]
+    try:
+        conversations = read_conversations(input_path)[:limit]
+    except ValueError as error:  # JSON, UTF-8, parquet and record errors alike
+        message = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        shown = message if str(input_path) in message else f"{input_path}: {message}"
+        raise DataError(shown) from None
     model = load_target(target_path, device=torch.device(device))
     tokenizer = load_target_tokenizer(target_path)
     records = regenerate(
