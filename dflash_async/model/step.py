@@ -21,11 +21,12 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+from torch import nn
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
-from dflash_async.model.optim import LrSchedule, build_optimizer, clip_grad_norm_, flat_grad_buffer
+from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
@@ -150,7 +151,9 @@ class DrafterStep:
     def _update(self) -> None:
         # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
         self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
-        self.grad_norm.copy_(clip_grad_norm_(self.params, self.grad_clip))
+        # foreach over the flat buffer's views; error_if_nonfinite stays False: True would sync
+        norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        self.grad_norm.copy_(norm)
         self.optimizer.step()
         self.schedule.advance_()
         self.flat_grad.zero_()
