@@ -4,7 +4,7 @@ Names: prefix `DFLASH_`, one group per section joined with `__` (`DFLASH_TRAIN__
 top-level fields without a group (`DFLASH_OUTPUT_DIR`). Reading them from the environment and a
 preset file, and checking that named paths exist, is `settings_env.py`'s job; `load_settings`,
 `setting_names` and `setting_descriptions` are re-exported here so callers import one module.
-The recipe defaults are those of docs/DFLASH.md ("The recipe").
+The recipe defaults are those of docs/DFLASH.md s.5.
 
 The sections are pydantic models and the root is a pydantic-settings `BaseSettings` whose only
 source is explicit values: settings_env.py maps the environment to fields (see its docstring).
@@ -94,7 +94,7 @@ class TargetSettings(_Section):
     num_features: int = Field(5, ge=1)
     """k: how many target layers feed the drafter."""
     target_layer_ids: tuple[int, ...] | None = None
-    """Comma list of target layers to capture; empty = derived from the layer count (DFLASH.md s.1)."""
+    """Comma list of target layers to capture; empty = derived from the layer count (docs/DFLASH.md s.1)."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
 

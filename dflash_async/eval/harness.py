@@ -68,7 +68,7 @@ _DTYPES = {
 def load_drafter(
     folder: str | Path, *, device: torch.device, dtype: torch.dtype
 ) -> tuple[DFlashDrafter, DrafterConfig]:
-    """A servable export (ours or another tool's, DFLASH.md s.7) as an eval-mode DFlashDrafter."""
+    """A servable export (ours or another tool's, docs/DFLASH.md s.7) as an eval-mode DFlashDrafter."""
     config, tensors = load_drafter_export(Path(folder))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(tensors, strict=True)  # the export holds exactly these names

@@ -1,7 +1,7 @@
 """The target rewrites the assistant turns of a prompt set (`python -m dflash_async regenerate`).
 
 A drafter is trained to predict what ITS target would say, so the training answers should be the
-target's own (DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
+target's own (docs/DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
 left-padded batches sorted by prompt length (less padding), and writes OpenAI-messages records.
 
 Multi-turn: EVERY assistant turn is regenerated, in order, each given the previously regenerated

@@ -6,7 +6,7 @@ One optimizer step of M drafters (data parallel, each with its own pack):
   reduce  (across drafters): sum the grad buffers and the sums vectors (no-op for M = 1);
   phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance, zero grads.
 Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
-M packs' blocks (DFLASH.md s.4), and keeps all drafters' weights identical.
+M packs' blocks (docs/DFLASH.md s.4), and keeps all drafters' weights identical.
 
 Both phases have fixed shapes and no host syncs, so each is captured once as a CUDA graph
 (docs/GPU.md: in the replaying thread, after warm-up, one capture at a time) and replayed; eager
