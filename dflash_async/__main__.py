@@ -20,6 +20,7 @@ from dflash_async.usage import (
     UsageError,
     check_writable_file,
     check_writable_folder,
+    positive_int,
 )
 
 
@@ -119,13 +120,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m dflash_async", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dflash_async {__version__}")
@@ -141,11 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--output", required=True, help="the regenerated .jsonl")
     regen.add_argument("--target", required=True, help="local HF model folder or cached model id")
     regen.add_argument("--device", default="cpu")
-    regen.add_argument("--max-new-tokens", type=_positive_int, default=512)
-    regen.add_argument("--batch-size", type=_positive_int, default=32)
+    regen.add_argument("--max-new-tokens", type=positive_int, default=512)
+    regen.add_argument("--batch-size", type=positive_int, default=32)
     regen.add_argument("--sample", action="store_true", help="sample instead of greedy")
     regen.add_argument("--temperature", type=float, default=1.0)
-    regen.add_argument("--limit", type=_positive_int, default=None)
+    regen.add_argument("--limit", type=positive_int, default=None)
     regen.set_defaults(fn=cmd_regenerate)
     # every option (even -h) goes to the eval harness's own parser
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)

@@ -27,6 +27,14 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the parser then exits 2 naming the option and the value)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def require_cuda(what: str, device: str | None = None) -> None:
     """UsageError unless CUDA is available (and `device`, when given, is a CUDA device)."""
     import torch

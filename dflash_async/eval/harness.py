@@ -54,7 +54,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
-from dflash_async.usage import ArgumentParser
+from dflash_async.usage import ArgumentParser, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -321,14 +321,6 @@ def run_eval(
     return report
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse then exits 2 naming the option and the value)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of `python -m dflash_async eval` (see main)."""
     parser = ArgumentParser(  # one-line argument errors (usage.py)
@@ -341,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default="", help="jsonl of {messages} or {prompt}; empty = demo held-out"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    parser.add_argument("--num-prompts", type=_positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--num-prompts", type=positive_int, default=16)
     parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
     return parser

@@ -270,15 +270,13 @@ def run_regenerate(
     max_new_tokens: int,
     batch_size: int,
     *,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    seed: int = 0,
-    enable_thinking: bool = False,
     limit: int | None = None,
+    **options: Any,
 ) -> Path:
     """The CLI's `regenerate`: read conversations, regenerate them with the target, write jsonl.
 
-    `limit` keeps only the first N conversations. Errors in the inputs are DataError (TargetError
+    `limit` keeps only the first N conversations; `options` (greedy, temperature, seed,
+    enable_thinking) go to `regenerate` as they are. Errors in the inputs are DataError (TargetError
     for the target folder), raised before the target is loaded: one line naming the file and
     line, for exit code 2.
     """
@@ -291,16 +289,9 @@ def run_regenerate(
     model = load_target(target_path, device=torch.device(device))
     tokenizer = load_target_tokenizer(target_path)
     records = regenerate(
-        model,
-        tokenizer,
-        conversations,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        greedy=greedy,
-        temperature=temperature,
-        seed=seed,
-        enable_thinking=enable_thinking,
-    )
+        model, tokenizer, conversations, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        **options,
+    )  # fmt: skip
     return write_jsonl(records, output_path)
 
 
