@@ -295,3 +295,25 @@ def test_an_internal_error_exits_1_with_the_traceback_inside_the_json_log(launch
     assert (failed["event"], failed["level"]) == ("regenerate_failed", "error")
     assert "generation failed" in json.dumps(failed["exception"])
     assert "Traceback" not in err
+
+
+# The fix lands with the resume helper's one atomic-write helper (issue 18 "file modes"); until
+# then both writers create 0600 files. strict=False: the merge of that fix turns this into a pass.
+@pytest.mark.xfail(reason="atomic writers use mkstemp (0600) until the shared helper", strict=False)
+def test_files_a_command_writes_are_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    from conftest import TinySpec, tiny_config, tiny_drafter
+
+    from dflash_async.checkpoint import export_drafter
+    from dflash_async.eval.regenerate import write_jsonl
+
+    config = tiny_config(TinySpec())
+    previous = os.umask(0o027)  # owner rw, group r, others nothing
+    try:
+        written = [write_jsonl([{"messages": []}], tmp_path / "regenerated.jsonl")]
+        export = export_drafter(tiny_drafter(config, seed=0), config, tmp_path / "drafter")
+        written += sorted(export.iterdir())
+    finally:
+        os.umask(previous)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {
+        p.name: oct(0o640) for p in written
+    }
