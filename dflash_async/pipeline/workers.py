@@ -30,8 +30,8 @@ from dflash_async.pipeline.meters import BusyMeter
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages import produce
 from dflash_async.pipeline.stages.read import PlannedPack
-from dflash_async.pipeline.startup import RunInputs, build_drafter_step
-from dflash_async.settings import Settings
+from dflash_async.pipeline.startup import RunInputs, build_drafter_step, check_device_combination
+from dflash_async.settings import Settings, SettingsError
 
 ASSUMED_TARGET_MFU = 0.5  # FLOP estimates before any measurement (docs/GPU.md: 0.36 .. 0.70)
 ASSUMED_DRAFTER_MFU = 0.6  # (docs/GPU.md: 0.48 .. 0.67)
@@ -59,7 +59,8 @@ def candidate_devices(settings: Settings) -> tuple[torch.device, ...]:
 
 def check_devices(settings: Settings) -> None:
     """SettingsError (exit 2) for a device of DEVICES / TARGET_DEVICES / DRAFTER_DEVICES that
-    this machine does not have."""
+    this machine does not have, or roles by hand that are not supported."""
+    check_device_combination(settings.pipeline)
     given_roles(settings)
     candidate_devices(settings)
 
@@ -86,6 +87,12 @@ def roles_from_lists(targets, drafters) -> Roles:
             free.remove(home)
         homes.append(home)
     layout = "colocated" if tuple(targets) == tuple(drafters) else "split"
+    if any(t.type == "cuda" for t in targets) and any(d.type == "cpu" for d in drafters):
+        raise SettingsError(  # see startup.check_device_combination
+            f"DFLASH_PIPELINE__DEVICES: a split of {[str(t) for t in targets]} targets and "
+            f"{[str(d) for d in drafters]} drafters puts a CPU drafter after a CUDA target; "
+            "list only GPUs, or only cpu"
+        )
     return Roles(layout, tuple(targets), tuple(drafters), tuple(homes))
 
 
