@@ -23,7 +23,6 @@ state + drafter activations + one ring on one GPU, within `headroom` of its memo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -213,9 +212,12 @@ def decide(
     split_targets = num_targets or (best[0] if best else 0)
     fits_together = memory.fits(memory.colocated)
     fits_apart = memory.fits(memory.target_side) and memory.fits(memory.drafter_side)
+    room = "no limit" if memory.device_bytes is None else (
+        f"{HEADROOM:.0%} of {memory.device_bytes / GIB:.1f} GiB"
+    )  # fmt: skip
     need = (
         f"target {memory.target_side / GIB:.1f} GiB + drafter {memory.drafter_side / GIB:.1f} GiB"
-        f" vs {HEADROOM:.0%} of {(memory.device_bytes or math.inf) / GIB:.1f} GiB"
+        f" vs {room}"
     )
 
     def split(reason: str) -> Placement:
