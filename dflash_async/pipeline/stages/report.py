@@ -96,7 +96,7 @@ class Throughput:
         """Target and drafter FLOPs of the step over its wall time and every device of the node."""
         packs = len(record.slots_meta)
         flops = packs * self.step_flops(visible_pairs / packs) + sum(
-            self.target_flops(m["tokens"], m["documents"]) for m in record.slots_meta
+            self.target_flops(m["tokens"], m.get("documents", 1)) for m in record.slots_meta
         )
         return mfu(flops, span * max(len(self.gpus.devices), 1))
 
@@ -135,6 +135,8 @@ class GpuBusy:
                 )
             return busy
         ref, intervals = self._reference[device], []
+        if not ref.query():  # not yet on the device's time line (never blocks): next step
+            return 0.0
         for _, meter in workers:
             meter.collect()
             intervals += [(ref.elapsed_time(s), ref.elapsed_time(e)) for s, e in meter.completed]
