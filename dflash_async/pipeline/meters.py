@@ -52,7 +52,9 @@ class BusyMeter:
     def __init__(self) -> None:
         self._pending: deque = deque()
         self._seconds = 0.0
-        self.completed: list = []  # (start, end) pairs collected since a reader took them
+        # (start, end) pairs collected since a reader (report.GpuBusy) took them; bounded when
+        # nobody reads them
+        self.completed: deque = deque(maxlen=4096)
 
     def add(self, start, end) -> None:
         self._pending.append((start, end))
