@@ -1,5 +1,6 @@
-"""Command line: run | settings | bench | regenerate | eval. Exit codes: 0 ok, 1 internal error
-(traceback in the log), 2 bad settings or inputs (one line, no traceback), 130/143 on a signal."""
+"""Command line: run | settings | bench | regenerate | eval | report. Exit codes: 0 ok, 1 internal
+error (traceback in the log), 2 bad settings or inputs (one line, no traceback), 130/143 on a
+signal."""
 
 from __future__ import annotations
 
@@ -33,12 +34,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dflash_async.log import get_logger
     from dflash_async.pipeline.run import run
+    from dflash_async.runlog.record import open_run_record
 
     settings = _settings_and_logging()
     log = get_logger("dflash_async")
-    log.info("settings_loaded", **settings.public_dict())
     backend_options = {"use_uvloop": True} if sys.platform != "win32" else {}
-    return anyio.run(run, settings, log, backend="asyncio", backend_options=backend_options)
+    with open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
+                         log_settings=settings.log, log=log) as record:  # fmt: skip
+        log.info("settings_loaded", **settings.public_dict())
+        record.exit_code = anyio.run(
+            run, settings, log, backend="asyncio", backend_options=backend_options
+        )
+    return record.exit_code
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -82,6 +89,20 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Plots, summary table and report.html from run folders or JSON logs (several side by side)."""
+    from dflash_async.runlog.command import report
+    from dflash_async.runlog.parse import RunLogError
+
+    try:
+        page = report(args.runs, args.out)
+    except RunLogError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "report_written", "path": str(page)}))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
     from dflash_async.eval.harness import main
@@ -115,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
+    from dflash_async.runlog.command import add_arguments  # argparse only: no matplotlib yet
+
+    add_arguments(rep := sub.add_parser("report", help=cmd_report.__doc__))
+    rep.set_defaults(fn=cmd_report)
     return parser
 
 

@@ -263,6 +263,11 @@ class LogSettings(_Section):
     """JSON lines, a console renderer, or auto (console on a TTY, else JSON)."""
     level: str = "info"
     """Minimum level: debug, info, warning, error."""
+    every: int = Field(1, ge=1)
+    """Show every N-th step line on stdout (OUTPUT_DIR/log.jsonl always keeps every step)."""
+    tensorboard_dir: str = ""
+    """Also write the step scalars as TensorBoard events in this folder; empty = off (needs the
+    `tensorboard` extra)."""
 
     @field_validator("level")
     @classmethod

@@ -1,0 +1,26 @@
+"""`python -m dflash_async report RUN_DIR_OR_LOG [...] [--out DIR]`: the report of one or more runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_LOG",
+                        help="run folders (holding log.jsonl) or JSON log files; several: side by side")  # fmt: skip
+    parser.add_argument("--out", default=None,
+                        help="folder for report.html and the PNGs (default: FIRST_RUN/report)")  # fmt: skip
+
+
+def default_out(first: str) -> Path:
+    path = Path(first)
+    return (path if path.is_dir() else path.parent) / "report"
+
+
+def report(runs: list[str], out: str | None) -> Path:
+    """Write the report; RunLogError (one line) for a path without a log."""
+    from dflash_async.runlog.page import write_report  # matplotlib: only when reporting
+    from dflash_async.runlog.parse import read_runs
+
+    return write_report(read_runs(runs), Path(out) if out else default_out(runs[0]))

@@ -1,0 +1,218 @@
+"""The report's figures: one matplotlib Figure per question, every run drawn on the same axes.
+
+Runs keep one colour across all figures. Figures are built with `matplotlib.figure.Figure` (no
+pyplot: no global figure state, no GUI backend; PNGs are rendered by Agg).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, PercentFormatter
+
+from dflash_async.runlog.parse import RunLog, timestamp_s
+from dflash_async.runlog.summary import startup_segments
+
+COLORS = [f"C{i}" for i in range(10)]
+WIDTH = 11.0  # inches; at 100 dpi a 1100-pixel-wide image
+
+
+def _figure(
+    rows: int, cols: int, title: str, *, height: float, **kwargs
+) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(WIDTH, height), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, **kwargs)
+    fig.suptitle(title, fontsize=14, fontweight="bold")
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+    return fig, axes
+
+
+def _smoothed(values: list[float]) -> np.ndarray | None:
+    """A centred moving average over ~2% of the points (None when too few points to matter)."""
+    window = len(values) // 50
+    if window < 2:
+        return None
+    kernel = np.ones(window) / window
+    padded = np.pad(
+        np.asarray(values, dtype=float), (window // 2, window - 1 - window // 2), "edge"
+    )
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def _curve(ax: Axes, x, y, color: str, label: str, **kwargs) -> None:
+    """Raw points thin, their moving average thick (raw alone when there are few)."""
+    smooth = _smoothed(y)
+    if smooth is None:
+        ax.plot(x, y, color=color, label=label, lw=1.5, **kwargs)
+        return
+    ax.plot(x, y, color=color, lw=0.6, alpha=0.35, **kwargs)
+    ax.plot(x, smooth, color=color, label=label, lw=1.8, **kwargs)
+
+
+def _legend(fig: Figure, runs: list[RunLog]) -> None:
+    if len(runs) > 1:
+        handles = [
+            fig.axes[0].plot([], [], color=COLORS[i % 10], lw=2)[0] for i in range(len(runs))
+        ]
+        fig.legend(handles, [r.name for r in runs], loc="outside lower center", ncols=len(runs))
+
+
+def learning_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(2, 2, "Learning: loss, accuracy and acceptance", height=7.5, sharex=True)
+    panels = [
+        ("loss", "loss (weighted CE, nats)"),
+        ("acc", "accuracy (top-1 in block)"),
+        ("tau_hat", "τ̂ (expected accepted length)"),
+    ]
+    for i, run in enumerate(runs):
+        color = COLORS[i % 10]
+        for ax, (key, label) in zip(axes.flat, panels, strict=False):
+            _curve(ax, *run.series(key), color, run.name)
+            ax.set_ylabel(label)
+        evals = [e for e in run.named("eval") if isinstance(e.get("tau"), int | float)]
+        axes[1, 1].plot([e.get("step", 0) for e in evals], [e["tau"] for e in evals], "o-",
+                        color=color, label=run.name)  # fmt: skip
+    axes[1, 1].set_ylabel("τ by decoding (eval)")
+    for ax in axes[1]:
+        ax.set_xlabel("optimizer step")
+    _legend(fig, runs)
+    return fig
+
+
+def _elapsed(run: RunLog) -> tuple[list[float], list[dict]]:
+    """Seconds since the run's first event, per step line that has a timestamp."""
+    stamps = [t for e in run.events if (t := timestamp_s(e)) is not None]
+    start = stamps[0] if stamps else 0.0
+    pairs = [(t, e) for e in run.steps if (t := timestamp_s(e)) is not None]
+    return [t - start for t, _ in pairs], [e for _, e in pairs]
+
+
+def _time_unit(longest_s: float) -> tuple[str, float]:
+    """A readable unit for a time axis that spans `longest_s` seconds."""
+    if longest_s < 180:
+        return "seconds", 1.0
+    return ("minutes", 60.0) if longest_s < 3 * 3600 else ("hours", 3600.0)
+
+
+def throughput_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(2, 1, "Throughput and utilisation over time", height=7.0, sharex=True)
+    top, bottom = axes[0, 0], axes[1, 0]
+    elapsed = [_elapsed(run) for run in runs]
+    unit, per = _time_unit(max((s[-1] for s, _ in elapsed if s), default=0.0))
+    for i, (run, (seconds, steps)) in enumerate(zip(runs, elapsed, strict=True)):
+        for ax, key, scale in ((top, "tokens_per_s", 1.0), (bottom, "mfu", 100.0)):
+            xy = [
+                (s / per, e[key] * scale) for s, e in zip(seconds, steps, strict=True) if key in e
+            ]
+            _curve(ax, [m for m, _ in xy], [v for _, v in xy], COLORS[i % 10], run.name)
+    top.set_ylabel("training tokens/s (all drafters)")
+    top.yaxis.set_major_formatter(EngFormatter())
+    bottom.set_ylabel("MFU (%, `mfu` field, H200 bf16 peak)")
+    bottom.yaxis.set_major_formatter(PercentFormatter(decimals=None))
+    bottom.set_xlabel(f"{unit} since the run started")
+    _legend(fig, runs)
+    return fig
+
+
+def _busy_series(run: RunLog) -> dict[str, tuple[list[int], list[float]]]:
+    """Per worker (`worker_busy` dict of the step line), else the per-role means."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for e in run.steps:
+        per_worker = e.get("worker_busy")
+        if not isinstance(per_worker, dict):
+            per_worker = {k: e[k] for k in ("target_busy", "drafter_busy") if k in e}
+        for name, value in per_worker.items():
+            if isinstance(value, int | float):
+                steps, values = series.setdefault(str(name), ([], []))
+                steps.append(e["step"])
+                values.append(float(value) * 100)
+    return series
+
+
+def busy_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(1, len(runs), "Device busy per worker (share of wall time)",
+                        height=4.5, sharex=True, sharey=True)  # fmt: skip
+    for ax, run in zip(axes[0], runs, strict=True):
+        for j, (name, (steps, values)) in enumerate(sorted(_busy_series(run).items())):
+            style = "-" if name.startswith("target") else "--"
+            _curve(ax, steps, values, COLORS[j % 10], name, ls=style)
+        ax.set_title(run.name, fontsize=11)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylim(0, 105)
+        ax.yaxis.set_major_formatter(PercentFormatter())
+        ax.legend(loc="lower right", fontsize=9)
+    axes[0, 0].set_ylabel("busy (% of wall time)")
+    return fig
+
+
+def pipeline_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(2, 1, "Slot ring: queue depth, supply vs demand", height=7.0, sharex=True)
+    top, bottom = axes[0, 0], axes[1, 0]
+    for i, run in enumerate(runs):
+        color = COLORS[i % 10]
+        steps, depth = run.series("slot_queue")
+        top.step(steps, depth, where="post", color=color, lw=1.2, label=run.name)
+        _curve(bottom, *run.series("supply_tokens_per_s"), color, f"{run.name}: supply (targets)")
+        _curve(bottom, *run.series("demand_tokens_per_s"), color, f"{run.name}: demand (drafters)",
+               ls="--")  # fmt: skip
+    top.set_ylabel("full slots waiting (packs)")
+    bottom.set_ylabel("tokens/s")
+    bottom.yaxis.set_major_formatter(EngFormatter())
+    bottom.set_xlabel("optimizer step")
+    bottom.legend(fontsize=9, title="solid: supply, dashed: demand", title_fontsize=9)
+    _legend(fig, runs)
+    return fig
+
+
+def step_time_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(1, 1, "Step time (wall time between step lines)", height=4.5)
+    ax = axes[0, 0]
+    all_ms = [v for run in runs for v in run.series("step_ms")[1]]
+    if all_ms:
+        high = float(np.percentile(all_ms, 99.5))  # rare eval/save stalls would flatten the bins
+        bins = np.linspace(min(all_ms), max(high, min(all_ms) + 1e-3), 60)
+        for i, run in enumerate(runs):
+            ms = np.clip(run.series("step_ms")[1], None, bins[-1])
+            color = COLORS[i % 10]
+            ax.hist(ms, bins=bins, color=color, alpha=0.55, label=run.name)
+            ax.axvline(float(np.median(ms)), color=color, ls="--", lw=1.5)
+    ax.set_xlabel("step time (ms; dashed: median; the last bin holds the slowest 0.5%)")
+    ax.set_ylabel("steps")
+    if len(runs) > 1:
+        ax.legend()
+    return fig
+
+
+def startup_figure(runs: list[RunLog]) -> Figure:
+    fig, axes = _figure(1, 1, "Start-up breakdown (until startup_completed)",
+                        height=1.6 + 1.2 * len(runs))  # fmt: skip
+    ax = axes[0, 0]
+    phases: list[str] = []  # one colour and one legend entry per phase, devices merged
+    for row, run in enumerate(runs):
+        left = 0.0
+        for phase, seconds in startup_segments(run):
+            base = phase.split(" cuda")[0].split(" cpu")[0]
+            label = None if base in phases else base
+            phases += [base] if label else []
+            color = COLORS[phases.index(base) % 10]
+            ax.barh(row, seconds, left=left, color=color, edgecolor="white", label=label)
+            left += seconds
+    ax.set_yticks(range(len(runs)), [r.name for r in runs])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first log line")
+    fig.legend(loc="outside right upper", fontsize=9)
+    return fig
+
+
+FIGURES: dict[str, Callable[[list[RunLog]], Figure]] = {
+    "learning": learning_figure,
+    "throughput": throughput_figure,
+    "busy": busy_figure,
+    "pipeline": pipeline_figure,
+    "step_time": step_time_figure,
+    "startup": startup_figure,
+}
