@@ -40,7 +40,10 @@ def synthetic_log(steps: int = 40, step_s: float = 0.5, first_step: int = 1) -> 
     events.append(_event("run_started", 2.0, total_steps=steps))
     events.append(_event("drafter_ready", 9.0, device="cuda:0", startup_s=4.0, warmup_s=2.0,
                          capture_s=1.0))  # fmt: skip
-    events += [_event("startup_completed", 9.0, startup_s=9.0), _event("eval", 15.0, step=0, tau=1.0)]
+    events += [
+        _event("startup_completed", 9.0, startup_s=9.0),
+        _event("eval", 15.0, step=0, tau=1.0),
+    ]
     t = 15.0
     for i in range(steps):
         step = first_step + i
