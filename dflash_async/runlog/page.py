@@ -24,8 +24,8 @@ ROWS: dict[str, tuple[str, str]] = {
     "wall_s": ("wall time (s)", "{:.1f}"),
     "startup_s": ("start-up (s)", "{:.2f}"),
     "median_tokens_per_s": ("median tokens/s", "{:,.0f}"),
-    "median_mfu": ("median MFU (%)", "{:.3%}"),
-    "median_padding_frac": ("median padding (%)", "{:.2%}"),
+    "median_mfu": ("median MFU (%)", "{:.3g}"),
+    "median_padding_frac": ("median padding (%)", "{:.3g}"),
     "median_step_ms": ("median step time (ms)", "{:.1f}"),
     "steady_mem_gib": ("steady-state memory (GiB, peak reserved)", "{:.2f}"),
     "eval_lost_s": ("time lost to evaluation (s)", "{:.1f}"),
@@ -37,6 +37,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "bad_lines": ("bad log lines skipped", "{:d}"),
     "exit_reason": ("exit reason", "{}"),
 }
+PERCENT = ("median_mfu", "median_padding_frac")  # fractions shown as percentages
 
 
 def cell(key: str, summary: dict[str, Any]) -> str:
@@ -46,7 +47,26 @@ def cell(key: str, summary: dict[str, Any]) -> str:
         return f"{value} / {total}" if total is not None else str(value)
     if value is None:
         return "–"
-    return ROWS[key][1].format(value)
+    return ROWS[key][1].format(value * 100 if key in PERCENT else value)
+
+
+def run_line(run: RunLog) -> str:
+    """Versions and the step shape, from the run's settings.json (empty without one)."""
+    record = run.settings or {}
+    versions = record.get("versions", {})
+    settings = record.get("settings", {})
+    train, pipe = settings.get("train", {}), settings.get("pipeline", {})
+    parts = [f"{k} {v}" for k, v in versions.items()]
+    if train:
+        parts.append(f"T={train.get('token_budget')} A={train.get('num_anchors')} "
+                     f"B={train.get('block_size')}")  # fmt: skip
+    if pipe:
+        parts.append(f"targets {','.join(pipe.get('target_devices', []))}, "
+                     f"drafters {','.join(pipe.get('drafter_devices', []))}")  # fmt: skip
+    target = settings.get("target", {}).get("path")
+    if target is not None:
+        parts.append(f"target {target or 'built-in tiny'}")
+    return f"<b>{html.escape(run.name)}</b>: " + html.escape("; ".join(parts)) if parts else ""
 
 
 def png_bytes(fig: Figure) -> bytes:
@@ -88,7 +108,8 @@ def write_report(runs: list[RunLog], out: Path) -> Path:
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"{_table(runs, summaries)}<p class='note'>Medians over the step lines after the first "
+        + "".join(f"<p class='note'>{line}</p>" for r in runs if (line := run_line(r)))
+        + f"{_table(runs, summaries)}<p class='note'>Medians over the step lines after the first "
         "10%. Time lost: step gaps around evaluation and saves beyond the median gap, plus their "
         "time before the first and after the last step.</p>" + "".join(images) + "</body></html>"
     )

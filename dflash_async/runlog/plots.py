@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter, PercentFormatter
+from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
 from dflash_async.runlog.parse import RunLog, timestamp_s
 from dflash_async.runlog.summary import startup_segments
@@ -98,38 +98,63 @@ def _time_unit(longest_s: float) -> tuple[str, float]:
     return ("minutes", 60.0) if longest_s < 3 * 3600 else ("hours", 3600.0)
 
 
+def _mfu_fields(run: RunLog) -> list[str]:
+    """Every MFU the step lines carry (`mfu`, and e.g. a whole-node or per-stage one)."""
+    keys = {k for e in run.steps for k, v in e.items() if k.endswith("mfu") and _number(v)}
+    return sorted(keys, key=lambda k: (k != "mfu", k))
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def throughput_figure(runs: list[RunLog]) -> Figure:
     fig, axes = _figure(2, 1, "Throughput and utilisation over time", height=7.0, sharex=True)
     top, bottom = axes[0, 0], axes[1, 0]
     elapsed = [_elapsed(run) for run in runs]
     unit, per = _time_unit(max((s[-1] for s, _ in elapsed if s), default=0.0))
+    styles = ["-", "--", ":", "-."]
     for i, (run, (seconds, steps)) in enumerate(zip(runs, elapsed, strict=True)):
-        for ax, key, scale in ((top, "tokens_per_s", 1.0), (bottom, "mfu", 100.0)):
-            xy = [
-                (s / per, e[key] * scale) for s, e in zip(seconds, steps, strict=True) if key in e
-            ]
-            _curve(ax, [m for m, _ in xy], [v for _, v in xy], COLORS[i % 10], run.name)
+        color = COLORS[i % 10]
+        series = [(top, "tokens_per_s", 1.0, "-")] + [
+            (bottom, key, 100.0, styles[j % 4]) for j, key in enumerate(_mfu_fields(run))
+        ]
+        for ax, key, scale, style in series:
+            xy = [(s / per, e[key] * scale) for s, e in zip(seconds, steps, strict=True)
+                  if _number(e.get(key))]  # fmt: skip
+            label = run.name if ax is top else f"{run.name}: {key}"
+            _curve(ax, [x for x, _ in xy], [y for _, y in xy], color, label, ls=style)
     top.set_ylabel("training tokens/s (all drafters)")
     top.yaxis.set_major_formatter(EngFormatter())
-    bottom.set_ylabel("MFU (%, `mfu` field, H200 bf16 peak)")
+    bottom.set_ylabel("MFU (% of H200 bf16 peak)")
     bottom.yaxis.set_major_formatter(PercentFormatter(decimals=None))
+    bottom.legend(fontsize=9)
     bottom.set_xlabel(f"{unit} since the run started")
     _legend(fig, runs)
     return fig
 
 
 def _busy_series(run: RunLog) -> dict[str, tuple[list[int], list[float]]]:
-    """Per worker (`worker_busy` dict of the step line), else the per-role means."""
+    """Per worker or GPU from the step lines' `*busy` dict fields (`worker_busy`, ...), else
+    the per-role means `target_busy` and `drafter_busy`; in percent."""
+    dict_fields = sorted(
+        {k for e in run.steps for k, v in e.items() if k.endswith("busy") and isinstance(v, dict)}
+    )
     series: dict[str, tuple[list[int], list[float]]] = {}
     for e in run.steps:
-        per_worker = e.get("worker_busy")
-        if not isinstance(per_worker, dict):
-            per_worker = {k: e[k] for k in ("target_busy", "drafter_busy") if k in e}
-        for name, value in per_worker.items():
-            if isinstance(value, int | float):
-                steps, values = series.setdefault(str(name), ([], []))
+        if dict_fields:
+            values = {
+                (name if len(dict_fields) == 1 else f"{field}: {name}"): value
+                for field in dict_fields
+                for name, value in (e.get(field) or {}).items()
+            }
+        else:
+            values = {k: e[k] for k in ("target_busy", "drafter_busy") if k in e}
+        for name, value in values.items():
+            if _number(value):
+                steps, percents = series.setdefault(str(name), ([], []))
                 steps.append(e["step"])
-                values.append(float(value) * 100)
+                percents.append(float(value) * 100)
     return series
 
 
@@ -138,7 +163,7 @@ def busy_figure(runs: list[RunLog]) -> Figure:
                         height=4.5, sharex=True, sharey=True)  # fmt: skip
     for ax, run in zip(axes[0], runs, strict=True):
         for j, (name, (steps, values)) in enumerate(sorted(_busy_series(run).items())):
-            style = "-" if name.startswith("target") else "--"
+            style = "-" if "target" in name else "--"
             _curve(ax, steps, values, COLORS[j % 10], name, ls=style)
         ax.set_title(run.name, fontsize=11)
         ax.set_xlabel("optimizer step")
@@ -155,11 +180,12 @@ def pipeline_figure(runs: list[RunLog]) -> Figure:
     for i, run in enumerate(runs):
         color = COLORS[i % 10]
         steps, depth = run.series("slot_queue")
-        top.step(steps, depth, where="post", color=color, lw=1.2, label=run.name)
+        top.step(steps, depth, where="post", color=color, lw=max(0.8, 2.4 - 0.6 * i), alpha=0.8)
         _curve(bottom, *run.series("supply_tokens_per_s"), color, f"{run.name}: supply (targets)")
         _curve(bottom, *run.series("demand_tokens_per_s"), color, f"{run.name}: demand (drafters)",
                ls="--")  # fmt: skip
     top.set_ylabel("full slots waiting (packs)")
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_ylabel("tokens/s")
     bottom.yaxis.set_major_formatter(EngFormatter())
     bottom.set_xlabel("optimizer step")
