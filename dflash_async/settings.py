@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -275,6 +276,13 @@ class LogSettings(_Section):
         if level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"unknown level {level!r}: use debug, info, warning or error")
         return level.lower()
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_installed(cls, folder: str) -> str:
+        if folder and importlib.util.find_spec("tensorboard") is None:  # found, not imported
+            raise ValueError("needs tensorboard: pip install 'dflash_async[tensorboard]'")
+        return folder
 
 
 class Settings(BaseSettings):

@@ -142,7 +142,7 @@ def test_tensorboard_event_file_holds_the_step_scalars(run: dict[str, Any]) -> N
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
     assert {"train/loss", "train/acc", "train/tau_hat", "throughput/tokens_per_s",
-            "throughput/mfu", "pipeline/slot_queue", "busy/drafter0"} <= tags  # fmt: skip
+            "throughput/mfu", "pipeline/slot_queue", "worker_busy/drafter0"} <= tags  # fmt: skip
     steps = [e for e in _lines(run["stdout"]) if e["event"] == "step"]
     loss = accumulator.Scalars("train/loss")
     assert [s.step for s in loss] == list(range(1, STEPS + 1))

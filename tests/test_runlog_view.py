@@ -88,3 +88,21 @@ def test_progress_off_a_tty_logs_about_ten_events(monkeypatch: pytest.MonkeyPatc
 )
 def test_exit_reason_comes_from_what_the_run_returned_or_raised(code, error, reason) -> None:
     assert exit_reason(code, error) == reason
+
+
+def test_tensorboard_dir_without_tensorboard_is_a_one_line_settings_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from dflash_async.settings import SettingsError, load_settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    env = {"DFLASH_ENV_FILE": "none", "DFLASH_LOG__TENSORBOARD_DIR": "tb"}
+    with pytest.raises(SettingsError, match="DFLASH_LOG__TENSORBOARD_DIR='tb': needs tensorboard"):
+        load_settings(env)

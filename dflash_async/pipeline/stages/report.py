@@ -136,28 +136,27 @@ _TB_GROUPS = {k: "train" for k in ("loss", "acc", "tau_hat", "lr", "grad_norm", 
 
 
 def open_tensorboard(folder: str):
-    """A SummaryWriter on `folder` (imported here: tensorboard is an optional extra)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:  # torch raises this when the tensorboard package is missing
-        from dflash_async.settings import SettingsError
+    """A SummaryWriter on `folder`. Imported here: tensorboard is an optional extra (its
+    presence is checked when the settings load)."""
+    from torch.utils.tensorboard import SummaryWriter
 
-        raise SettingsError(
-            f"DFLASH_LOG__TENSORBOARD_DIR={folder}: needs tensorboard "
-            "(pip install 'dflash_async[tensorboard]')"
-        ) from error
     return SummaryWriter(log_dir=folder)
 
 
 def tensorboard_scalars(fields: dict[str, Any]) -> dict[str, float]:
-    """The step line's numbers as TensorBoard tags ("train/loss", "busy/drafter0", ...)."""
+    """The step line's numbers as TensorBoard tags: "train/loss", "throughput/mfu",
+    "pipeline/slot_queue", and one per entry of a dict field ("worker_busy/drafter0")."""
     scalars = {}
     for key, value in fields.items():
         if isinstance(value, dict):
-            scalars |= {f"busy/{k}": float(v) for k, v in value.items() if key == "worker_busy"}
-        elif isinstance(value, int | float) and key not in ("step", "total_steps"):
+            scalars |= {f"{key}/{k}": float(v) for k, v in value.items() if _number(v)}
+        elif _number(value) and key not in ("step", "total_steps"):
             scalars[f"{_TB_GROUPS.get(key, 'pipeline')}/{key}"] = float(value)
     return scalars
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 async def report_stage(
