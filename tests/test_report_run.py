@@ -23,6 +23,7 @@ import structlog
 
 from dflash_async.__main__ import main
 from dflash_async.eval.regenerate import write_jsonl
+from dflash_async.log import close_log_file
 from dflash_async.runlog.page import write_report
 from dflash_async.runlog.parse import read_runs
 from dflash_async.runlog.plots import FIGURES
@@ -69,26 +70,30 @@ def _settings(root: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _run_cli(root: Path, **overrides: str) -> dict[str, Any]:
     """`python -m dflash_async run` in this process (stdout captured); logging put back after."""
-    root = tmp_path_factory.mktemp("report_run")
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("DFLASH_")}
-    saved_env, logging_state = dict(os.environ), (list(logging.getLogger().handlers),)
+    saved_env, handlers = dict(os.environ), list(logging.getLogger().handlers)
     showwarning = warnings.showwarning
     os.environ.clear()
-    os.environ.update(env | _settings(root))
+    os.environ.update(env | _settings(root) | overrides)
     stdout = io.StringIO()
     try:
         with contextlib.redirect_stdout(stdout):
             code = main(["run"])
     finally:
+        close_log_file()
         os.environ.clear()
         os.environ.update(saved_env)
-        logging.getLogger().handlers = logging_state[0]
+        logging.getLogger().handlers = handlers
         warnings.showwarning = showwarning
         structlog.reset_defaults()
     return {"code": code, "stdout": stdout.getvalue(), "out": root / "out"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_cli(tmp_path_factory.mktemp("report_run"))
 
 
 def _lines(text: str) -> list[dict[str, Any]]:
@@ -148,3 +153,26 @@ def test_tensorboard_event_file_holds_the_step_scalars(run: dict[str, Any]) -> N
     assert [s.step for s in loss] == list(range(1, STEPS + 1))
     # TensorBoard stores float32: relative error below 2**-24 of a float32 round trip
     assert [s.value for s in loss] == pytest.approx([e["loss"] for e in steps], rel=2**-23)
+
+
+def test_a_failed_run_ends_its_log_with_the_reason_and_the_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash_async.pipeline.stages.produce as produce
+
+    real, calls = produce.fill_slot, []
+
+    def failing_fill_slot(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("target failed on pack 4")
+        return real(*args)
+
+    monkeypatch.setattr(produce, "fill_slot", failing_fill_slot)
+    result = _run_cli(tmp_path, DFLASH_EVAL__EVERY="0", DFLASH_EVAL__AT_END="false")
+    assert result["code"] == 1
+    events = _lines((result["out"] / "log.jsonl").read_text())
+    summary, failed = events[-2:]
+    assert summary["event"] == "run_summary"
+    assert summary["exit_reason"] == "error: RuntimeError: target failed on pack 4"
+    assert failed["event"] == "run_failed" and "target failed on pack 4" in str(failed)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_async.log import close_log_file, configure_logging
+from dflash_async.log import configure_logging
 from dflash_async.runlog.parse import LOG_NAME, SETTINGS_NAME, RunLog, parse_lines
 from dflash_async.runlog.summary import summarize
 from dflash_async.settings import LogSettings
@@ -86,7 +86,9 @@ def open_run_record(
     *, output_dir: Path, settings_dict: dict[str, Any], log_settings: LogSettings, log
 ) -> Iterator[RunRecord]:
     """Route the logs to OUTPUT_DIR/log.jsonl too, write settings.json; at the end (normal or
-    not) log `run_summary` and detach the file."""
+    not) log `run_summary`. The file stays attached until the process ends (or
+    `log.close_log_file()`), so what the CLI logs after the run, such as the traceback of an
+    internal error, lands in it too."""
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG_NAME
@@ -103,4 +105,3 @@ def open_run_record(
     finally:
         reason = exit_reason(record.exit_code, error)
         log.info("run_summary", **summary_since(log_path, record.log_offset, reason))
-        close_log_file()
