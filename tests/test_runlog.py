@@ -200,3 +200,11 @@ def test_report_command_writes_the_page_and_exits_2_on_a_missing_log(
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path / "nowhere") in err
+
+
+def test_progress_events_in_start_up_merge_into_their_task_phase(tmp_path: Path) -> None:
+    events = [_event("settings_loaded", 0.0)]
+    events += [_event("progress_reported", 1.0 + i, task="regenerate (batches)") for i in range(4)]
+    events += [_event("regenerate_completed", 4.5), _event("startup_completed", 5.0)]
+    run = read_run(write_log(tmp_path / "log.jsonl", events))
+    assert startup_segments(run) == [("regenerate", 4.5), ("other", 0.5)]

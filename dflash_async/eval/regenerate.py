@@ -198,7 +198,7 @@ def _run_round(
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # the template has them
     order = sorted(range(len(jobs)), key=lambda j: -len(rows[j]))  # similar lengths together
     starts = range(0, len(order), batch_size)
-    for lo in progress(starts, total=len(starts), task="regenerate (batches of this turn)"):
+    for lo in progress(starts, total=len(starts), task="regenerate (batches)"):
         chunk = order[lo : lo + batch_size]
         results = _generate_batch(model, tokenizer, [rows[j] for j in chunk], config)
         for j, (text, stopped, count) in zip(chunk, results, strict=True):

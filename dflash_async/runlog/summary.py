@@ -96,16 +96,30 @@ def startup_segments(run: RunLog) -> list[tuple[str, float]]:
         if event["event"] == "drafter_ready":
             segments += _drafter_segments(event, gap)
         elif gap > 0:
-            segments.append((_PHASE_NAMES.get(event["event"], event["event"]), gap))
-    return segments
+            segments.append((_phase_name(event), gap))
+    merged: list[tuple[str, float]] = []  # progress events split one phase into many gaps
+    for name, seconds in segments:
+        if merged and merged[-1][0] == name:
+            merged[-1] = (name, merged[-1][1] + seconds)
+        else:
+            merged.append((name, seconds))
+    return merged
 
 
 _PHASE_NAMES = {
     "demo_corpus_ready": "demo corpus",
+    "regenerate_completed": "regenerate",
     "data_loaded": "data (read, tokenize)",
     "run_started": "plan packs",
     "startup_completed": "other",
 }
+
+
+def _phase_name(event: dict[str, Any]) -> str:
+    """The phase a start-up event closes; a progress event belongs to its task's phase."""
+    if event["event"] == "progress_reported":
+        return str(event.get("task", "progress")).split(" (")[0]
+    return _PHASE_NAMES.get(event["event"], event["event"])
 
 
 def _drafter_segments(event: dict[str, Any], gap: float) -> list[tuple[str, float]]:
