@@ -66,7 +66,7 @@ def learning_figure(runs: list[RunLog]) -> Figure:
     panels = [
         ("loss", "loss (weighted CE, nats)"),
         ("acc", "accuracy (top-1 in block)"),
-        ("tau_hat", "τ̂ (expected accepted length)"),
+        ("tau_hat", r"$\hat{\tau}$ (accepted length, training blocks)"),
     ]
     for i, run in enumerate(runs):
         color = COLORS[i % 10]
@@ -218,14 +218,19 @@ def startup_figure(runs: list[RunLog]) -> Figure:
                         height=1.6 + 1.2 * len(runs))  # fmt: skip
     ax = axes[0, 0]
     phases: list[str] = []  # one colour and one legend entry per phase, devices merged
-    for row, run in enumerate(runs):
+    segments = [startup_segments(run) for run in runs]
+    longest = max((sum(s for _, s in segs) for segs in segments), default=0.0)
+    for row, run_segments in enumerate(segments):
         left = 0.0
-        for phase, seconds in startup_segments(run):
+        for phase, seconds in run_segments:
             base = phase.split(" cuda")[0].split(" cpu")[0]
             label = None if base in phases else base
             phases += [base] if label else []
             color = COLORS[phases.index(base) % 10]
             ax.barh(row, seconds, left=left, color=color, edgecolor="white", label=label)
+            if seconds > 0.06 * longest:  # wide enough to hold its duration
+                ax.text(left + seconds / 2, row, f"{seconds:.3g} s", ha="center", va="center",
+                        color="white", fontsize=10, fontweight="bold")  # fmt: skip
             left += seconds
     ax.set_yticks(range(len(runs)), [r.name for r in runs])
     ax.invert_yaxis()
