@@ -118,26 +118,38 @@ def test_startup_breakdown_splits_drafter_ready_into_load_build_warmup_capture(
     ]
 
 
-def test_garbage_lines_are_counted_and_skipped(tmp_path: Path) -> None:
-    garbage = ["Traceback (most recent call last):", '{"step": 3, "loss": 4.', "[1, 2]",
-               '{"no_event": true}', "\x00\x01 binary \ufffd"]  # fmt: skip
-    folder = tmp_path / "run"
-    write_log(folder / "log.jsonl", synthetic_log(), garbage)
+GARBAGE = ["Traceback (most recent call last):", '{"step": 3, "loss": 4.', "[1, 2]",
+           '{"no_event": true}', "\x00\x01 binary \ufffd"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def garbage_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(run folder, report folder) of the synthetic log with GARBAGE lines and a cut-off end."""
+    root = tmp_path_factory.mktemp("garbage")
+    folder = root / "run"
+    write_log(folder / "log.jsonl", synthetic_log(), GARBAGE)
     with (folder / "log.jsonl").open("a") as f:
         f.write('{"event": "step", "step": 41, "lo')  # cut off by a kill, no newline
-    page = write_report(read_runs([folder]), tmp_path / "report")
-    summary = json.loads((tmp_path / "report" / "summary.json").read_text())["run"]
-    assert summary["bad_lines"] == len(garbage) + 1
+    write_report(read_runs([folder]), root / "report")
+    return folder, root / "report"
+
+
+def test_garbage_lines_are_counted_and_skipped(garbage_report: tuple[Path, Path]) -> None:
+    _, out = garbage_report
+    summary = json.loads((out / "summary.json").read_text())["run"]
+    assert summary["bad_lines"] == len(GARBAGE) + 1
     assert summary["steps"] == 40
-    assert f"<td>bad log lines skipped</td><td>{len(garbage) + 1}</td>" in page.read_text()
+    page = (out / "report.html").read_text()
+    assert f"<td>bad log lines skipped</td><td>{len(GARBAGE) + 1}</td>" in page
 
 
-def test_report_has_every_figure_inline_and_the_summary_table(tmp_path: Path) -> None:
-    folder = tmp_path / "run"
-    write_log(folder / "log.jsonl", synthetic_log())
-    page = write_report(read_runs([folder]), tmp_path / "out").read_text()
+def test_report_has_every_figure_inline_and_the_summary_table(
+    garbage_report: tuple[Path, Path],
+) -> None:
+    folder, out = garbage_report
+    page = (out / "report.html").read_text()
     for name in FIGURES:
-        assert (tmp_path / "out" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f'id="{name}" alt="{name}" src="data:image/png;base64,' in page
     summary = summarize(read_run(folder))
     for key, (label, _) in ROWS.items():
