@@ -201,13 +201,17 @@ def test_lost_time_is_zero_without_eval_or_save(tmp_path: Path) -> None:
     }
 
 
-def test_report_command_writes_the_page_and_exits_2_on_a_missing_log(
+@pytest.mark.filterwarnings("error")  # no "no artists with labels" from empty figures
+def test_report_command_reports_a_run_that_failed_before_its_first_step_and_exits_2_on_a_missing_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = tmp_path / "run"
-    write_log(folder / "log.jsonl", synthetic_log(5))
+    events = [e for e in synthetic_log(5) if e["event"] in ("settings_loaded", "data_loaded")]
+    write_log(folder / "log.jsonl", [*events, _event("run_summary", 3.0, exit_reason="error: X")])
     assert main(["report", str(folder)]) == 0
-    assert (folder / "report" / "report.html").is_file()
+    assert (
+        "<td>exit reason</td><td>error: X</td>" in (folder / "report" / "report.html").read_text()
+    )
     assert json.loads(capsys.readouterr().out)["event"] == "report_written"
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err

@@ -53,6 +53,12 @@ def _curve(ax: Axes, x, y, color: str, label: str, **kwargs) -> None:
     ax.plot(x, smooth, color=color, label=label, lw=1.8, **kwargs)
 
 
+def _labelled_legend(ax: Axes, **kwargs) -> None:
+    """A legend when something on `ax` has a label (a log without steps draws nothing)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def _legend(fig: Figure, runs: list[RunLog]) -> None:
     if len(runs) > 1:
         handles = [
@@ -128,7 +134,7 @@ def throughput_figure(runs: list[RunLog]) -> Figure:
     top.yaxis.set_major_formatter(EngFormatter())
     bottom.set_ylabel("MFU (% of H200 bf16 peak)")
     bottom.yaxis.set_major_formatter(PercentFormatter(decimals=None))
-    bottom.legend(fontsize=9)
+    _labelled_legend(bottom, fontsize=9)
     bottom.set_xlabel(f"{unit} since the run started")
     _legend(fig, runs)
     return fig
@@ -169,7 +175,7 @@ def busy_figure(runs: list[RunLog]) -> Figure:
         ax.set_xlabel("optimizer step")
         ax.set_ylim(0, 105)
         ax.yaxis.set_major_formatter(PercentFormatter())
-        ax.legend(loc="lower right", fontsize=9)
+        _labelled_legend(ax, loc="lower right", fontsize=9)
     axes[0, 0].set_ylabel("busy (% of wall time)")
     return fig
 
@@ -189,7 +195,7 @@ def pipeline_figure(runs: list[RunLog]) -> Figure:
     bottom.set_ylabel("tokens/s")
     bottom.yaxis.set_major_formatter(EngFormatter())
     bottom.set_xlabel("optimizer step")
-    bottom.legend(fontsize=9, title="solid: supply, dashed: demand", title_fontsize=9)
+    _labelled_legend(bottom, fontsize=9, title="solid: supply, dashed: demand", title_fontsize=9)
     _legend(fig, runs)
     return fig
 
@@ -235,7 +241,8 @@ def startup_figure(runs: list[RunLog]) -> Figure:
     ax.set_yticks(range(len(runs)), [r.name for r in runs])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first log line")
-    fig.legend(loc="outside right upper", fontsize=9)
+    if phases:
+        fig.legend(loc="outside right upper", fontsize=9)
     return fig
 
 
