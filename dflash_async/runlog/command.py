@@ -19,8 +19,12 @@ def default_out(first: str) -> Path:
 
 
 def report(runs: list[str], out: str | None) -> Path:
-    """Write the report; RunLogError (one line) for a path without a log."""
+    """Read every log, then write the report; a missing log or an unwritable --out is a
+    UsageError (one line, exit 2) raised before anything is drawn."""
     from dflash_async.runlog.page import write_report  # matplotlib: only when reporting
     from dflash_async.runlog.parse import read_runs
+    from dflash_async.usage import check_writable_folder
 
-    return write_report(read_runs(runs), Path(out) if out else default_out(runs[0]))
+    logs = read_runs(runs)
+    folder = check_writable_folder(out or default_out(runs[0]), argument="--out")
+    return write_report(logs, folder)

@@ -15,11 +15,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dflash_async.usage import UsageError
+
 LOG_NAME = "log.jsonl"
 SETTINGS_NAME = "settings.json"
 
 
-class RunLogError(ValueError):
+class RunLogError(UsageError):
     """A path that holds no log (one line for the user: exit 2)."""
 
 
