@@ -118,13 +118,15 @@ async def place(settings, inputs: RunInputs, samples, *, target, runner, log) ->
 
     decision = choose(rates)
     measure = pipe.calibration_packs > 0 and (len(devices) > 1 or devices[0].type == "cuda")
+    started, timing = time.perf_counter(), {}
     if pipe.layout == "auto" and decision.layout == "colocated" and measure:
         async with open_device_worker(target.device, "calibration", grad_enabled=True) as drafter:
             measured = await calibrate(settings, inputs, samples, target=target, runner=runner,
                                        drafter=drafter, flops=flops)  # fmt: skip
         rates = measured or rates
         decision = choose(rates)
-    log.info("placement", **decision.event_fields(rates, memory))
+        timing = {"calibration_s": round(time.perf_counter() - started, 2)}
+    log.info("placement", **decision.event_fields(rates, memory), **timing)
     return placed_roles(decision, devices)
 
 
