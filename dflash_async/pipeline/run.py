@@ -34,7 +34,7 @@ from dflash_async.pipeline.stages.save import export_path, save_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
-from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -183,7 +183,8 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, pla
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)]
     feature_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
     runners = [
-        await w.run(load_runner, inputs.target_path, device=w.device, dtype=feature_dtype,
+        await w.run(load_runner, inputs.target_path, device=w.device,
+                    dtype=resolve_target_dtype(settings.target.dtype, w.device),
                     layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
                     max_batch_tokens=pipe.target_batch_tokens)
         for w in targets
