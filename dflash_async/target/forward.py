@@ -9,15 +9,13 @@ extents on the host; the packed paths never look at it.
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks.
-- `packed_hybrid`: Qwen3.5 / Qwen3-Next on CUDA with flash-linear-attention
-  (`target/packed_hybrid.py`).
-- `hf`: anything else (and hybrids on the CPU): the HF forward on right-padded 2-D batches of whole
-  documents, each document alone in its row, so it is exact for every architecture.
+- `hf`: anything else, hybrids (Qwen3.5, Qwen3-Next) included for now: the HF forward on
+  right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
+  every architecture (no recurrent or convolution state crosses a document).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +41,7 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_hybrid`, `hf`), why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe` or `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -107,14 +105,6 @@ def _dense_layout_problem(model: nn.Module) -> str | None:
     return None
 
 
-def _hybrid_kernels_problem(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"flash-linear-attention kernels need CUDA (device is {device.type})"
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed (pip install '.[hybrid]')"
-    return None
-
-
 def select_target_forward(
     model: nn.Module,
     layer_ids: Sequence[int],
@@ -134,16 +124,7 @@ def select_target_forward(
     model_type = text_config(model).model_type
     hf = lambda why: TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", why)  # noqa: E731
     if is_hybrid(model) or model_type in HYBRID_TYPES:
-        problem = _hybrid_kernels_problem(device)
-        if problem:
-            return hf(f"hybrid {model_type}: {problem}")
-        from dflash_async.target.packed_hybrid import PackedHybridForward, hybrid_layout_problem
-
-        problem = hybrid_layout_problem(model)
-        if problem:
-            return hf(f"hybrid {model_type}: {problem}")
-        forward = PackedHybridForward(text_model(model), layer_ids, compile=compile)
-        return TargetPath(_Packed(forward), "packed_hybrid", f"{model_type}: fla varlen kernels")
+        return hf(f"hybrid {model_type}: no packed varlen forward yet (HF on padded rows is exact)")
     if model_type not in DENSE_TYPES | MOE_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
