@@ -260,3 +260,33 @@ def test_gpu_target_step_does_not_synchronize(tmp_path) -> None:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_target_forward_does_not_synchronize() -> None:
+    """Packed Qwen3.5 forward on fla's varlen kernels: the segment boundaries go to fla from the
+    host (cu_seqlens_cpu), so nothing is read back from the device."""
+    import numpy as np
+    from test_target_hybrid import tiny_qwen35
+
+    from dflash_async.data.packing import layout_pack
+    from dflash_async.target.forward import select_target_forward
+    from dflash_async.target.loading import random_target
+
+    model = random_target(tiny_qwen35(), seed=0).cuda()
+    path = select_target_forward(model, (1, 3, 4), token_budget=256, max_batch_tokens=256)
+    assert path.name == "packed_hybrid", path.reason
+    lengths = np.array([70, 100, 3, 50])
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in lengths]
+    layout = layout_pack(docs, 256).to("cuda")
+    out = torch.empty(256, 3 * 64, device="cuda")
+    args = (layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    path.forward(*args)
+    path.forward(*args)  # warm-up: compile, triton autotuning
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        path.forward(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

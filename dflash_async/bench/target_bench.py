@@ -5,9 +5,11 @@ documents with chat-like lengths (lognormal, mean ~700) in the fixed drafter lay
 1. the HF reference: right-padded 2-D batches of whole documents (`HFPaddedForward`), and
 2. the path `select_target_forward` picks (packed, compiled, document-causal),
 each writing the captured layers' features [T, k*d]. Printed per path: tokens/s, MFU against the
-measured H200 bf16 peak (780 TFLOP/s, docs/GPU.md), the first-call (compile) seconds, and the max
-abs difference of the fast features from the reference; beside it the reference's own bf16 noise:
-the max abs difference between two HF runs that batch the same documents differently.
+measured H200 bf16 peak (780 TFLOP/s, docs/GPU.md), the first-call (compile) seconds, the max
+abs difference of the fast features from the reference, the reference's largest feature and the
+relative (Frobenius) difference. Whether such a bf16 difference is noise is settled by the GPU
+tests (tests/test_target_gpu.py, test_target_hybrid.py): the fast path is no farther from the
+fp32 model than the HF path is.
 """
 
 from __future__ import annotations
@@ -136,15 +138,15 @@ def bench_shape(name: str, *, token_budget: int, repeats: int, seed: int = 0) ->
         return out
 
     reference = measure("hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
-    other = torch.empty_like(reference)
-    HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget // 4)(*args, other, lengths)
     path = select_target_forward(
         model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget
     )
     row["fast_path"], row["fast_reason"] = path.name, path.reason
     fast = measure("fast", path.forward)
-    row["max_abs_diff"] = float((fast.float() - reference.float()).abs().max())
-    row["hf_bf16_noise"] = float((other.float() - reference.float()).abs().max())
+    diff, ref = fast.float() - reference.float(), reference.float()
+    row["max_abs_diff"] = float(diff.abs().max())
+    row["hf_max_abs"] = float(ref.abs().max())
+    row["rel_diff"] = float(diff.norm() / ref.norm())
     del model
     torch.cuda.empty_cache()
     return row
@@ -166,9 +168,9 @@ def main(argv: list[str]) -> int:
     peak = H200_BF16_PEAK_FLOPS / 1e12
     print(f"\nMFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md)")
     print(f"{'shape':<15}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}{'MFU':>6}"
-          f"{'compile s':>10}{'max|diff|':>10}{'HF noise':>9}")  # fmt: skip
+          f"{'compile s':>10}{'max|diff|':>10}{'max|HF|':>9}{'rel diff':>9}")  # fmt: skip
     for r in rows:
         print(f"{r['shape']:<15}{r['fast_path']:<14}{r['hf']['tokens_per_s']:>10}{r['hf']['mfu']:>6}"
               f"{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}{r['fast']['first_call_s']:>10}"
-              f"{r['max_abs_diff']:>10.3g}{r['hf_bf16_noise']:>9.3g}")  # fmt: skip
+              f"{r['max_abs_diff']:>10.3g}{r['hf_max_abs']:>9.3g}{r['rel_diff']:>9.2g}")  # fmt: skip
     return 0

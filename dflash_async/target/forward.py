@@ -9,13 +9,15 @@ extents on the host; the packed paths never look at it.
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks.
-- `hf`: anything else, hybrids (Qwen3.5, Qwen3-Next) included for now: the HF forward on
+- `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`).
+- `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,7 +32,8 @@ from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
 
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe"})
-HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5"})
+QWEN35_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
+HYBRID_TYPES = QWEN35_TYPES | {"qwen3_next"}
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
@@ -41,7 +44,7 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe` or `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_hybrid`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -105,6 +108,19 @@ def _dense_layout_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
+    """None when the packed hybrid forward can run: Qwen3.5 layers, CUDA, fla installed."""
+    if text_config(model).model_type not in QWEN35_TYPES:
+        return "only Qwen3.5 layers have a packed varlen forward here"
+    if device.type != "cuda":
+        return f"flash-linear-attention kernels need CUDA (device is {device.type})"
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed (pip install '.[hybrid]')"
+    from dflash_async.target.packed_hybrid import hybrid_layout_problem
+
+    return hybrid_layout_problem(text_model(model))
+
+
 def select_target_forward(
     model: nn.Module,
     layer_ids: Sequence[int],
@@ -124,7 +140,17 @@ def select_target_forward(
     model_type = text_config(model).model_type
     hf = lambda why: TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", why)  # noqa: E731
     if is_hybrid(model) or model_type in HYBRID_TYPES:
-        return hf(f"hybrid {model_type}: no packed varlen forward yet (HF on padded rows is exact)")
+        problem = _hybrid_problem(model, device)
+        if problem:
+            return hf(f"hybrid {model_type}: {problem}")
+        from dflash_async.target.packed_hybrid import PackedHybridForward, fla_kernels
+
+        kernels = fla_kernels()
+        forward = PackedHybridForward(
+            text_model(model), layer_ids, kernels=kernels, attention=attention, compile=compile
+        )
+        how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
+        return TargetPath(forward, "packed_hybrid", how)
     if model_type not in DENSE_TYPES | MOE_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)

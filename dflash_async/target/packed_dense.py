@@ -78,21 +78,21 @@ def document_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE) -> 
     )  # fmt: skip
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (HF's non-interleaved rotate_half form); x [1, H, T, hd], cos [1, T, hd]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def _attend_sdpa(q, k, v, mask, scale):
+def attend_sdpa(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _attend_flex(q, k, v, mask, scale):
+def attend_flex(q, k, v, mask, scale):
     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -146,7 +146,7 @@ class PackedDenseForward:
         self._layers = list(text_model.layers[: max(self.layer_ids) + 1])
         self._columns = {i: j for j, i in enumerate(self.layer_ids)}  # layer -> column block
         self.attention = attention
-        self._attend = _attend_flex if attention == "flex" else _attend_sdpa
+        self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
         layer_fn = attention_block if moe_eager else _whole_layer
         self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
