@@ -186,7 +186,8 @@ class PackedHybridForward:
         cu, cu_cpu = self._segments(np.asarray(lengths), T, input_ids.device)
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         hidden = self._embed(input_ids[None])  # [1, T, d]
-        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, r]
+        # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
+        cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
         for i, layer in enumerate(self._layers):
             if hasattr(layer, "linear_attn"):
                 hidden = self._mlp(layer, self._delta_layer(layer, hidden, cu, cu_cpu))
