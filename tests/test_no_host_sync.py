@@ -274,7 +274,9 @@ def test_gpu_hybrid_target_forward_does_not_synchronize() -> None:
     from dflash_async.target.loading import random_target
 
     model = random_target(tiny_qwen35(), seed=0).cuda()
-    path = select_target_forward(model, (1, 3, 4), token_budget=256, max_batch_tokens=256)
+    path = select_target_forward(
+        model, (1, 3, 4), token_budget=256, max_batch_tokens=256, packed_hybrid=True
+    )
     assert path.name == "packed_hybrid", path.reason
     lengths = np.array([70, 100, 3, 50])
     rng = np.random.default_rng(0)

@@ -129,7 +129,9 @@ def test_packed_rows_equal_each_document_alone_with_reference_kernels() -> None:
 
 def test_cpu_hybrid_keeps_the_hf_path_and_says_why() -> None:
     model = random_target(tiny_qwen35(), seed=0)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, packed_hybrid=True
+    )
     assert path.name == "hf" and "CUDA" in path.reason
 
 
@@ -139,7 +141,9 @@ def test_gpu_fla_packed_rows_equal_each_document_alone() -> None:
     on fp32 inputs may run TF32 (10-bit mantissa, ~5e-4 relative); HF alone uses the same kernels
     or the torch form. A leaked state moves features by O(0.1)."""
     model = random_target(tiny_qwen35(), seed=0).cuda()
-    path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=256, max_batch_tokens=256, packed_hybrid=True
+    )
     assert path.name == "packed_hybrid", path.reason
     docs = _documents((70, 100, 3, 50), seed=1)
     errors = _per_document_errors(model, docs, _packed(path.forward, docs, 256, 3 * 64, "cuda"))
@@ -160,7 +164,9 @@ def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_
         model = random_target(config, seed=0, dtype=torch.bfloat16)
     reference = copy.deepcopy(model).float()
     docs = [(ids, mask) for ids, mask in _documents((300, 1000, 57, 640), seed=2)]
-    path = select_target_forward(model, LAYER_IDS, token_budget=2048, max_batch_tokens=2048)
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=2048, max_batch_tokens=2048, packed_hybrid=True
+    )
     assert path.name == "packed_hybrid", path.reason
     layout = layout_pack(docs, 2048).to("cuda")
     out = torch.empty(2048, 3 * 4096, dtype=torch.bfloat16, device="cuda")
@@ -175,3 +181,9 @@ def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_
         packed = out[offsets[j] : offsets[j + 1]].float()
         hf_error, packed_error = (float((x - exact).norm() / exact.norm()) for x in (hf, packed))
         assert packed_error <= 1.5 * hf_error, (j, packed_error, hf_error)
+
+
+def test_packed_hybrid_is_off_unless_asked_for() -> None:
+    model = random_target(tiny_qwen35(), seed=0)
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == "hf" and "PACKED_HYBRID" in path.reason

@@ -139,8 +139,9 @@ def bench_shape(name: str, *, token_budget: int, repeats: int, seed: int = 0) ->
 
     reference = measure("hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
     path = select_target_forward(
-        model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget
-    )
+        model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
+        packed_hybrid=True,
+    )  # fmt: skip
     row["fast_path"], row["fast_reason"] = path.name, path.reason
     fast = measure("fast", path.forward)
     diff, ref = fast.float() - reference.float(), reference.float()

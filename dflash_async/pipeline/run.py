@@ -186,7 +186,8 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, pla
         await w.run(load_runner, inputs.target_path, device=w.device,
                     dtype=resolve_target_dtype(settings.target.dtype, w.device),
                     layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
-                    max_batch_tokens=pipe.target_batch_tokens)
+                    max_batch_tokens=pipe.target_batch_tokens,
+                    packed_hybrid=settings.target.packed_hybrid)
         for w in targets
     ]  # fmt: skip
     steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)

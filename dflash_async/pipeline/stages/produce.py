@@ -63,6 +63,7 @@ def load_runner(
     layer_ids: tuple[int, ...],
     token_budget: int,
     max_batch_tokens: int,
+    packed_hybrid: bool = False,
 ) -> TargetRunner:
     """Load the target on `device`, choose its forward and warm it up (the first call compiles).
 
@@ -74,8 +75,9 @@ def load_runner(
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     chosen = select_target_forward(
-        model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens
-    )
+        model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
+        packed_hybrid=packed_hybrid,
+    )  # fmt: skip
     param = next(model.parameters())
     log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,
              device=str(device), dtype=str(param.dtype).removeprefix("torch."))  # fmt: skip
