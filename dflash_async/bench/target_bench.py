@@ -14,8 +14,8 @@ fp32 model than the HF path is.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -26,6 +26,7 @@ from dflash_async.data.packing import layout_pack
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
 from dflash_async.target.loading import decoder_layers, text_config
+from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 
 def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
@@ -153,25 +154,29 @@ def bench_shape(name: str, *, token_budget: int, repeats: int, seed: int = 0) ->
     return row
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_async bench target")
+def main(argv: list[str] | None = None) -> None:
+    """bench target [--shapes a,b] [--token-budget T] [--repeats N]: one JSON line per shape on
+    stdout, the side-by-side table on stderr; GPU only (without CUDA a UsageError, exit 2)."""
+    parser = ArgumentParser(prog="python -m dflash_async bench target")
     parser.add_argument("--shapes", default="qwen3-8b,qwen3.5-9b,qwen3-30b-a3b")
-    parser.add_argument("--token-budget", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--token-budget", type=positive_int, default=16384)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     options = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench target needs a CUDA GPU")
-        return 2
+    require_cuda("bench target", "cuda:0")
     rows = []
     for name in options.shapes.split(","):
         rows.append(bench_shape(name, token_budget=options.token_budget, repeats=options.repeats))
         print(json.dumps(rows[-1]), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
-    print(f"\nMFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md)")
-    print(f"{'shape':<15}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}{'MFU':>6}"
-          f"{'compile s':>10}{'max|diff|':>10}{'max|HF|':>9}{'rel diff':>9}")  # fmt: skip
+    table = [
+        f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md)",
+        f"{'shape':<15}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}{'MFU':>6}"
+        f"{'compile s':>10}{'max|diff|':>10}{'max|HF|':>9}{'rel diff':>9}",
+    ]
     for r in rows:
-        print(f"{r['shape']:<15}{r['fast_path']:<14}{r['hf']['tokens_per_s']:>10}{r['hf']['mfu']:>6}"
-              f"{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}{r['fast']['first_call_s']:>10}"
-              f"{r['max_abs_diff']:>10.3g}{r['hf_max_abs']:>9.3g}{r['rel_diff']:>9.2g}")  # fmt: skip
-    return 0
+        table.append(
+            f"{r['shape']:<15}{r['fast_path']:<14}{r['hf']['tokens_per_s']:>10}{r['hf']['mfu']:>6}"
+            f"{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}{r['fast']['first_call_s']:>10}"
+            f"{r['max_abs_diff']:>10.3g}{r['hf_max_abs']:>9.3g}{r['rel_diff']:>9.2g}"
+        )
+    print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines
