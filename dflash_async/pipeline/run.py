@@ -275,7 +275,10 @@ async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing
             await evaluate(step)
 
     async def report() -> None:
-        summary.update(await report_stage(receive_records, throughput, log))
+        summary.update(await report_stage(
+            receive_records, throughput, log, total_steps=plan.total_steps,
+            tensorboard_dir=settings.log.tensorboard_dir,
+        ))  # fmt: skip
 
     async with anyio.create_task_group() as background:
         background.start_soon(lag.run)
