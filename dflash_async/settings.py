@@ -229,6 +229,14 @@ class PipelineSettings(_Section):
     """Hidden-state slots in the ring between target and drafter workers (the backpressure)."""
     target_batch_tokens: int = Field(16384, ge=1)
     """Most tokens per target forward; a pack is split into forwards of whole documents."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Several nodes (torchrun/srun): process group backend; auto = nccl for GPU drafters, gloo
+    for CPU ones (gloo also lets two ranks share one GPU)."""
+    dist_timeout_s: float = Field(1800.0, gt=0)
+    """Several nodes: longest wait in a collective or at start-up before every rank stops; must
+    exceed rank 0's longest evaluation or checkpoint, which the other ranks wait for."""
+    dist_silence_s: float = Field(30.0, gt=0)
+    """Several nodes: a peer whose watchdog has not beaten for this long is dead; every rank stops."""
 
     _split_devices = field_validator("target_devices", "drafter_devices", mode="before")(
         parse_device_list

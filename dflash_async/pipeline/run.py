@@ -11,8 +11,10 @@ current step, save, and exit 130/143.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,14 @@ from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, 
 from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline.channels import SlotRing, open_channel
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline.distributed import (
+    NodeReducer,
+    RankInfo,
+    check_same_run,
+    pick_backend,
+    process_group,
+    rank_info_from_env,
+)
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
@@ -62,12 +72,17 @@ class Plan:
     epochs: int | None  # None: loop over the data until max_steps
 
 
-def plan_steps(settings: Settings, lengths: np.ndarray, num_drafters: int) -> Plan:
-    """How many optimizer steps the run makes (each consumes one pack per drafter)."""
+def plan_steps(
+    settings: Settings, lengths: np.ndarray, num_drafters: int, *, node: RankInfo
+) -> Plan:
+    """How many optimizer steps the run makes (each consumes one pack per drafter); with several
+    nodes, every node's share of an epoch has the same number of packs (plan_epoch)."""
     train = settings.train
     if train.max_steps:
         return Plan(train.max_steps, None)
-    packs = len(plan_epoch(lengths, train.token_budget, train.seed, 0))
+    share = plan_epoch(lengths, train.token_budget, train.seed, 0, rank=node.rank,
+                       world_size=node.world_size)  # fmt: skip
+    packs = len(share)
     return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
 
 
@@ -102,15 +117,18 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
     return samples
 
 
-async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:
-    """Build each drafter in its own thread; capture graphs one device at a time."""
+async def _start_drafters(
+    settings, inputs, workers, total_steps, log, *, node_rank: int = 0
+) -> list[DrafterRunner]:
+    """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
+    drawn per drafter of the whole run (node_rank * drafters per node + local index)."""
     cuda = workers[0].device.type == "cuda"
     runners = []
     for rank, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
-            device=worker.device, rank=rank, total_steps=total_steps,
+            device=worker.device, rank=node_rank * len(workers) + rank, total_steps=total_steps,
             compile=cuda and settings.train.compile,
         )  # fmt: skip
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
@@ -172,7 +190,9 @@ def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.
     )
 
 
-async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, plan: Plan, log):
+async def _start_workers(
+    stack: AsyncExitStack, settings, inputs: RunInputs, plan: Plan, log, *, node: RankInfo
+):
     """One thread per worker device; targets loaded, drafters built (and captured) in them."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
     target_devices, drafter_devices = _devices(settings)
@@ -188,7 +208,9 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, pla
                     max_batch_tokens=pipe.target_batch_tokens)
         for w in targets
     ]  # fmt: skip
-    steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
+    steps = await _start_drafters(
+        settings, inputs, drafters, plan.total_steps, log, node_rank=node.rank
+    )
     return Workers(targets, runners, steps, feature_dtype)
 
 
@@ -207,14 +229,15 @@ def _throughput(settings: Settings, config, workers: Workers, ring: SlotRing, la
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRing) -> None:
+async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRing, node) -> None:
     """read -> packs channel -> every target worker -> ring; closes the ring when all are done."""
     train = settings.train
     send_packs, receive_packs = open_channel(2 * len(workers.targets), "packs")
     async with anyio.create_task_group() as producers:
         producers.start_soon(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
-                               start=PackCursor(), epochs=plan.epochs, send=send_packs)
+                               start=PackCursor(), epochs=plan.epochs, send=send_packs,
+                               rank=node.rank, world_size=node.world_size)
         )  # fmt: skip
         for worker, runner in zip(workers.targets, workers.target_runners, strict=True):
             producers.start_soon(target_stage, worker, runner, samples, receive_packs.clone(), ring)
@@ -222,44 +245,69 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRi
     ring.close()  # all producers done: the consumers drain the ring and stop
 
 
-async def run(settings: Settings, log) -> int:
-    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
+async def run(settings: Settings, log, environ: Mapping[str, str] | None = None) -> int:
+    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal).
+
+    Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
     started = time.perf_counter()
     _, drafter_devices = _devices(settings)  # fail fast, before any loading
+    pipe = settings.pipeline
+    async with process_group(
+        rank_info_from_env(os.environ if environ is None else environ), backend=pick_backend(pipe.dist_backend, drafter_devices),
+        timeout_s=pipe.dist_timeout_s, silence_s=pipe.dist_silence_s, log=log,
+    ) as node:  # fmt: skip
+        return await _run_node(settings, node, drafter_devices, started, log)
+
+
+async def _run_node(
+    settings: Settings, node: RankInfo, drafter_devices, started: float, log
+) -> int:
+    """This node's part of the run (the whole run on a single node)."""
     inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
-    plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
+    num_drafters = len(settings.pipeline.drafter_devices)
+    plan = plan_steps(settings, samples.lengths, num_drafters, node=node)
+    check_same_run(node, timeout_s=settings.pipeline.dist_timeout_s, samples=len(samples),
+                   tokens=int(samples.lengths.sum()), drafters=num_drafters,
+                   total_steps=plan.total_steps)  # fmt: skip
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              total_steps=plan.total_steps, drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(stack, settings, inputs, plan, log)
+        workers = await _start_workers(stack, settings, inputs, plan, log, node=node)
         log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
         ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
         evaluate = _evaluator(
             settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
         )
-        if settings.eval.at_start:
+        if settings.eval.at_start and node.is_writer:
             await evaluate(0)
         steps, signals, summary = await _train(
-            settings, samples, plan, workers, ring, evaluate, log
+            settings, samples, plan, workers, ring, evaluate, log, node=node
         )
-        if settings.eval.at_end and not signals:
+        if settings.eval.at_end and not signals and node.is_writer:
             summary["eval_tau"] = (await evaluate(steps)).get("tau")
+    if not node.is_writer:
+        return EXIT_CODES[signals[0]] if signals else 0
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
              wall_s=round(time.perf_counter() - started, 2),
              **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
     return EXIT_CODES[signals[0]] if signals else 0
 
 
-async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log):
-    """The stage topology in data-flow order; returns (steps done, signals received, summary)."""
+async def _train(
+    settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log, *, node
+):
+    """The stage topology in data-flow order; returns (steps done, signals received, summary).
+    On several nodes only rank 0 (the writer) saves and evaluates."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
     lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
     throughput = _throughput(settings, first.step.objective.drafter.config, workers, ring, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
+        if not node.is_writer:
+            return
         if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
             await save_stage(first, output_dir, step, log)
         if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
@@ -271,13 +319,15 @@ async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing
     async with anyio.create_task_group() as background:
         background.start_soon(lag.run)
         background.start_soon(_watch_signals, stop, signals)
-        background.start_soon(_produce, settings, samples, plan, workers, ring)
+        background.start_soon(_produce, settings, samples, plan, workers, ring, node)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
                 workers.drafters, ring, send_records, first_step=0,
                 last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
+                across_nodes=NodeReducer() if node.distributed else None,
             )  # fmt: skip
-        await save_stage(first, output_dir, steps, log)  # the final export, also after a signal
+        if node.is_writer:  # the final export, also after a signal
+            await save_stage(first, output_dir, steps, log)
         background.cancel_scope.cancel()
     return steps, signals, summary

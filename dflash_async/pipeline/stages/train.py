@@ -8,6 +8,7 @@ equals one drafter seeing all M packs, and keeps the M copies identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +113,13 @@ async def train_steps(
     last_step: int,
     stop: anyio.Event,
     on_step_end=None,
+    across_nodes: Callable[[list[DrafterRunner]], None] | None = None,
 ) -> int:
     """Optimizer steps first_step..last_step-1; returns the next step index.
 
     Ends early when the ring is drained (the data is exhausted) or `stop` is set (a signal).
-    `on_step_end(step)` (async) runs between steps: periodic checkpoints.
+    `on_step_end(step)` (async) runs between steps: periodic checkpoints. `across_nodes`, on
+    several nodes, sums the node's combined gradients with the other nodes' (distributed.py).
     """
     step = first_step
     try:
@@ -131,6 +134,8 @@ async def train_steps(
             for slot, event in zip(slots, copied, strict=True):
                 ring.release(slot, event)
             await runners[0].worker.run(reduce_across, runners)
+            if across_nodes is not None:
+                await runners[0].worker.run(across_nodes, runners)
             done = await _each(runners, "update")
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
