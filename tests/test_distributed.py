@@ -116,8 +116,8 @@ def reference_weights(env: dict) -> list[torch.Tensor]:
     real_train_steps = pipeline.train_steps
 
     async def recorded(runners, *args, on_step_end=None, **kwargs) -> int:
-        async def after_step(step: int) -> None:  # CPU jobs are done when their await returns
-            weights.append(flat_weights(runners))
+        async def after_step(step: int) -> None:
+            weights.append(await runners[0].worker.run(flat_weights, runners))
             if on_step_end is not None:
                 await on_step_end(step)
 
@@ -132,7 +132,9 @@ def reference_weights(env: dict) -> list[torch.Tensor]:
 
 
 def flat_weights(runners) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in runners[0].step.params])
+    """Drafter 0's weights on the host. Run on its worker: on a GPU the copy then follows the
+    step's queued work on the worker's stream (a sync point, test only)."""
+    return torch.cat([p.detach().flatten() for p in runners[0].step.params]).cpu()
 
 
 def wait_all(procs: list[subprocess.Popen], deadline_s: float) -> list[int]:
@@ -216,7 +218,7 @@ def _rank_main(weights_dir: str) -> int:
     async def recorded(runners, *args, on_step_end=None, **kwargs) -> int:
         async def after_step(step: int) -> None:
             path = Path(weights_dir) / f"rank{rank}-step{step}.pt"
-            torch.save(flat_weights(runners), path.with_suffix(".tmp"))
+            torch.save(await runners[0].worker.run(flat_weights, runners), path.with_suffix(".tmp"))
             path.with_suffix(".tmp").rename(path)
             if on_step_end is not None:
                 await on_step_end(step)

@@ -145,16 +145,17 @@ async def process_group(
 
 
 def _join(info: RankInfo, backend: str, timeout_s: float) -> dist.Store:
-    """Rank 0 hosts the rendezvous store; every rank connects and joins the default group."""
+    """Rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 hosts the store, or torchrun's agent does:
+    torch's tcp:// rendezvous knows which) and join the default group. Returns the store under
+    a prefix of our own for the watchdog and the start-up check."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        info.master_addr, info.master_port, info.world_size, is_master=info.rank == 0,
-        timeout=timeout,
-    )  # fmt: skip
+    host = f"[{info.master_addr}]" if ":" in info.master_addr else info.master_addr
+    url = f"tcp://{host}:{info.master_port}?rank={info.rank}&world_size={info.world_size}"
+    store, _, _ = next(dist.rendezvous(url, timeout=timeout))
     dist.init_process_group(
         backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
     )
-    return store
+    return dist.PrefixStore("dflash_async/", store)
 
 
 def _mark_failed(store: dist.Store, info: RankInfo, error: BaseException, log) -> None:
