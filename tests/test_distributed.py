@@ -207,6 +207,26 @@ def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
     assert "peer_lost" in names or "run_failed" in names  # logged, not a silent exit
 
 
+@pytest.mark.timeout(120)
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
+    tiny: dict, tmp_path: Path
+) -> None:
+    env = tiny_env(tiny["target"], tiny["data"], tmp_path / "out", tiny["mask"],
+                   DFLASH_TRAIN__MAX_STEPS="100000")  # fmt: skip
+    procs = launch_ranks(env, tmp_path, tmp_path)
+    deadline = time.monotonic() + RANK_DEADLINE_S
+    while not all((tmp_path / f"rank{r}-step2.pt").exists() for r in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # rank 1 alone: the ranks agree through the all-reduce
+    assert wait_all(procs, 30) == [0, 143]
+    logs = [events(tmp_path / f"rank{r}.log") for r in range(2)]
+    last = [[e["step"] for e in log if e["event"] == "step"][-1] for log in logs]
+    assert last[0] == last[1]
+    (saved,) = [e for e in logs[0] if e["event"] == "checkpoint_saved"]
+    assert saved["step"] == last[0] and (tmp_path / "out" / "drafter").is_dir()
+
+
 def _rank_main(weights_dir: str) -> int:
     """One rank: the CLI's `run`, saving drafter 0's flat weights after every step."""
     from dflash_async.__main__ import main

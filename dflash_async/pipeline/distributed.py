@@ -135,6 +135,7 @@ async def process_group(
             _mark_failed(store, info, error, log)
             raise
         else:
+            store.set(f"done/{info.rank}", "1")  # peers' watchdogs stop watching this rank
             watchdog.stop()
             await anyio.to_thread.run_sync(
                 _store_barrier, store, "finished", info.world_size, timeout_s
@@ -165,12 +166,15 @@ def _mark_failed(store: dist.Store, info: RankInfo, error: BaseException, log) -
 
 
 def _store_barrier(store: dist.Store, key: str, world_size: int, timeout_s: float) -> None:
-    """Wait until every rank has arrived (host only: works whatever the backend and device)."""
+    """Wait until every rank has arrived (host only: works whatever the backend and device);
+    RuntimeError at once when a rank failed meanwhile, TimeoutError after timeout_s."""
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
     while store.add(key, 0) < world_size:
+        if store.check(["failed"]):
+            raise RuntimeError(f"rank {store.get('failed').decode()} failed; {key!r} not reached")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks did not all reach the end within {timeout_s} s")
+            raise TimeoutError(f"ranks did not all reach {key!r} within {timeout_s} s")
         time.sleep(0.05)
 
 
@@ -209,9 +213,11 @@ class Watchdog:
             try:
                 self._store.add(f"beat/{self._info.rank}", 1)
                 if self._store.check(["failed"]):
-                    self._lost(reason="failed", peer=int(self._store.get("failed")))
+                    self._lost(reason="failed", peer=int(self._store.get("failed").decode()))
                 now = time.monotonic()
                 for peer in peers:
+                    if self._store.check([f"done/{peer}"]):  # finished; waiting for the others
+                        continue
                     count = self._store.add(f"beat/{peer}", 0)
                     if count != seen[peer][0]:
                         seen[peer] = (count, now)
@@ -225,39 +231,64 @@ class Watchdog:
         if self._stopped.is_set():  # leaving normally: the peers may go first
             return
         self._log.error("peer_lost", exit_code=EXIT_PEER_LOST, **fields)
+        with suppress(RuntimeError, OSError):  # tell the others at once (no store: they see that)
+            self._store.set("failed", str(self._info.rank))
         os._exit(EXIT_PEER_LOST)
 
 
 class NodeReducer:
-    """Sums drafter gradients and loss-normalisation sums across nodes, one collective a step.
+    """Sums drafter gradients and loss-normalisation sums across nodes, one collective a step,
+    and agrees on when to stop.
 
     Called on drafter 0's worker after the drafters inside the node were combined (each holds
-    the node's sum). Packs [flat_grad | sums] into one buffer, all-reduces it over the process
-    group, and writes the global sums back into every drafter of the node.
+    the node's sum). Packs [flat_grad | sums | stop] into one buffer, all-reduces it over the
+    process group, and writes the global sums back into every drafter of the node.
+
+    Stopping (a signal reaching some ranks) must happen after the same step everywhere, or a
+    rank waits in a collective that its peers never join. Each rank adds 1 to the `stop` slot
+    when it wants to stop; every rank reads the reduced slot of the PREVIOUS step (copied to the
+    host asynchronously, finished long ago in steady state), so all decide alike, one step late,
+    and the step itself does not wait for its own all-reduce.
     """
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None  # [n + NODE_STATS] on drafter 0's device
+        self._buffer: torch.Tensor | None = None  # [n + NODE_STATS + 1] on drafter 0's device
+        self._stop_host: torch.Tensor | None = None  # the previous step's reduced stop slot
+        self._stop_ready: Any = None  # event after which _stop_host holds it (CUDA)
 
-    def __call__(self, runners: Sequence[Any]) -> None:
+    def __call__(self, runners: Sequence[Any], stop_requested: bool) -> bool:
+        """Reduce this step; True when every rank must stop after this step."""
         first = runners[0].step
-        n = first.flat_grad.numel()
+        n, cuda = first.flat_grad.numel(), first.device.type == "cuda"
         if self._buffer is None:
-            self._buffer = torch.empty(n + NODE_STATS, dtype=torch.float32, device=first.device)
+            self._buffer = torch.empty(n + NODE_STATS + 1, dtype=torch.float32, device=first.device)
+            self._stop_host = torch.zeros(1, pin_memory=cuda)
         buffer = self._buffer
         buffer[:n].copy_(first.flat_grad)
-        buffer[n:].copy_(first.stats[:NODE_STATS])
+        buffer[n:-1].copy_(first.stats[:NODE_STATS])
+        buffer[-1:].fill_(float(stop_requested))
+        agreed = self._previous_stop()
         # NCCL: enqueued on drafter 0's stream, no host sync. gloo with CUDA tensors: a sync point
         # (gloo stages through the host).
         dist.all_reduce(buffer)
-        several_gpus = len(runners) > 1 and first.device.type == "cuda"
+        several_gpus = len(runners) > 1 and cuda
         if several_gpus:
             torch.cuda.synchronize(first.device)  # sync point (M > 1 GPUs): buffer ready
         for runner in runners:
             runner.step.flat_grad.copy_(buffer[:n])
-            runner.step.stats[:NODE_STATS].copy_(buffer[n:])
+            runner.step.stats[:NODE_STATS].copy_(buffer[n:-1])
             if several_gpus:
                 torch.cuda.synchronize(runner.step.device)  # sync point: before its phase B
+        self._stop_host.copy_(buffer[-1:], non_blocking=True)
+        self._stop_ready = torch.cuda.Event() if cuda else None
+        if cuda:
+            self._stop_ready.record()
+        return agreed
+
+    def _previous_stop(self) -> bool:
+        if self._stop_ready is not None:
+            self._stop_ready.synchronize()  # sync point: the previous step's all-reduce, done
+        return bool(self._stop_host[0] > 0)
 
 
 def check_same_run(info: RankInfo, *, timeout_s: float, **facts: Any) -> None:

@@ -113,17 +113,18 @@ async def train_steps(
     last_step: int,
     stop: anyio.Event,
     on_step_end=None,
-    across_nodes: Callable[[list[DrafterRunner]], None] | None = None,
+    across_nodes: Callable[[list[DrafterRunner], bool], bool] | None = None,
 ) -> int:
     """Optimizer steps first_step..last_step-1; returns the next step index.
 
     Ends early when the ring is drained (the data is exhausted) or `stop` is set (a signal).
     `on_step_end(step)` (async) runs between steps: periodic checkpoints. `across_nodes`, on
-    several nodes, sums the node's combined gradients with the other nodes' (distributed.py).
+    several nodes, sums the node's combined gradients with the other nodes' and says when all
+    ranks stop (a rank's own `stop` then only votes: distributed.NodeReducer).
     """
-    step = first_step
+    step, agreed_stop = first_step, False
     try:
-        while step < last_step and not stop.is_set():
+        while step < last_step and not (agreed_stop if across_nodes else stop.is_set()):
             try:
                 slots = [await ring.receive_full() for _ in runners]
             except anyio.EndOfStream:
@@ -135,7 +136,7 @@ async def train_steps(
                 ring.release(slot, event)
             await runners[0].worker.run(reduce_across, runners)
             if across_nodes is not None:
-                await runners[0].worker.run(across_nodes, runners)
+                agreed_stop = await runners[0].worker.run(across_nodes, runners, stop.is_set())
             done = await _each(runners, "update")
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
