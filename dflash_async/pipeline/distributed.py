@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -289,6 +289,27 @@ class NodeReducer:
         if self._stop_ready is not None:
             self._stop_ready.synchronize()  # sync point: the previous step's all-reduce, done
         return bool(self._stop_host[0] > 0)
+
+
+async def writer_first(node: RankInfo, work: Callable[[], Any], *, timeout_s: float) -> Any:
+    """`work()` (host only, in a thread) on rank 0 first, then on the other ranks: caches that
+    ranks of one machine share (the built-in tiny target, the demo corpus) are built once."""
+    if node.distributed and not node.is_writer:
+        await anyio.to_thread.run_sync(_wait_for_key, node.store, "writer_first", timeout_s)
+    result = await anyio.to_thread.run_sync(work)
+    if node.distributed and node.is_writer:
+        node.store.set("writer_first", "1")
+    return result
+
+
+def _wait_for_key(store: dist.Store, key: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if store.check(["failed"]):
+            raise RuntimeError(f"rank {store.get('failed').decode()} failed; {key!r} not reached")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key!r} not reached within {timeout_s} s")
+        time.sleep(0.05)
 
 
 def check_same_run(info: RankInfo, *, timeout_s: float, **facts: Any) -> None:

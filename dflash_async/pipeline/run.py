@@ -35,6 +35,7 @@ from dflash_async.pipeline.distributed import (
     pick_backend,
     process_group,
     rank_info_from_env,
+    writer_first,
 )
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
@@ -251,19 +252,27 @@ async def run(settings: Settings, log, environ: Mapping[str, str] | None = None)
     Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
     started = time.perf_counter()
     _, drafter_devices = _devices(settings)  # fail fast, before any loading
-    pipe = settings.pipeline
-    async with process_group(
-        rank_info_from_env(os.environ if environ is None else environ), backend=pick_backend(pipe.dist_backend, drafter_devices),
-        timeout_s=pipe.dist_timeout_s, silence_s=pipe.dist_silence_s, log=log,
-    ) as node:  # fmt: skip
+    async with _join_nodes(settings, drafter_devices, environ, log) as node:
         return await _run_node(settings, node, drafter_devices, started, log)
+
+
+def _join_nodes(settings: Settings, drafter_devices, environ: Mapping[str, str] | None, log):
+    """The process group of a torchrun/srun launch (nothing on a single node)."""
+    pipe = settings.pipeline
+    return process_group(
+        rank_info_from_env(os.environ if environ is None else environ),
+        backend=pick_backend(pipe.dist_backend, drafter_devices),
+        timeout_s=pipe.dist_timeout_s, silence_s=pipe.dist_silence_s, log=log,
+    )  # fmt: skip
 
 
 async def _run_node(
     settings: Settings, node: RankInfo, drafter_devices, started: float, log
 ) -> int:
     """This node's part of the run (the whole run on a single node)."""
-    inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
+    inputs = await writer_first(  # CPU only: files
+        node, lambda: resolve_inputs(settings, log), timeout_s=settings.pipeline.dist_timeout_s
+    )
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
     num_drafters = len(settings.pipeline.drafter_devices)
     plan = plan_steps(settings, samples.lengths, num_drafters, node=node)
