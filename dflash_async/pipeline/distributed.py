@@ -264,6 +264,10 @@ class NodeReducer:
             self._buffer = torch.empty(n + NODE_STATS + 1, dtype=torch.float32, device=first.device)
             self._stop_host = torch.zeros(1, pin_memory=cuda)
         buffer = self._buffer
+        several_gpus = len(runners) > 1 and cuda
+        if several_gpus:  # sync points (M > 1 GPUs): the node's combine done on every device
+            for runner in runners:
+                torch.cuda.synchronize(runner.step.device)
         buffer[:n].copy_(first.flat_grad)
         buffer[n:-1].copy_(first.stats[:NODE_STATS])
         buffer[-1:].fill_(float(stop_requested))
@@ -271,7 +275,6 @@ class NodeReducer:
         # NCCL: enqueued on drafter 0's stream, no host sync. gloo with CUDA tensors: a sync point
         # (gloo stages through the host).
         dist.all_reduce(buffer)
-        several_gpus = len(runners) > 1 and cuda
         if several_gpus:
             torch.cuda.synchronize(first.device)  # sync point (M > 1 GPUs): buffer ready
         for runner in runners:
