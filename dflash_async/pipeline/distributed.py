@@ -137,9 +137,7 @@ async def process_group(
         else:
             store.set(f"done/{info.rank}", "1")  # peers' watchdogs stop watching this rank
             watchdog.stop()
-            await anyio.to_thread.run_sync(
-                _store_barrier, store, "finished", info.world_size, timeout_s
-            )
+            await anyio.to_thread.run_sync(_leave, store, info, timeout_s)
         finally:
             dist.destroy_process_group()
             log.info("process_group_left", world_size=info.world_size)
@@ -163,6 +161,18 @@ def _mark_failed(store: dist.Store, info: RankInfo, error: BaseException, log) -
     log.warning("rank_failed", error=f"{type(error).__name__}: {error}"[:500])
     with suppress(RuntimeError, OSError):  # rank 0's store is gone: the peers see that instead
         store.set("failed", str(info.rank))
+
+
+def _leave(store: dist.Store, info: RankInfo, timeout_s: float) -> None:
+    """Every rank at the end; rank 0, whose process may host the store, leaves last (once the
+    others are past the barrier and need the store no more)."""
+    _store_barrier(store, "finished", info.world_size, timeout_s)
+    if info.rank != 0:
+        store.add("left", 1)
+        return
+    deadline = time.monotonic() + timeout_s
+    while store.add("left", 0) < info.world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _store_barrier(store: dist.Store, key: str, world_size: int, timeout_s: float) -> None:
