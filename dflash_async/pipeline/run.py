@@ -43,7 +43,12 @@ from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import Throughput, report_stage
 from dflash_async.pipeline.stages.save import export_path, save_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
-from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
+from dflash_async.pipeline.startup import (
+    RunInputs,
+    build_drafter_step,
+    check_device_combination,
+    resolve_inputs,
+)
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer
 
@@ -183,8 +188,10 @@ class Workers:
 
 
 def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
-    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have."""
+    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have,
+    or for a combination not supported (check_device_combination)."""
     pipe = settings.pipeline
+    check_device_combination(pipe)
     return (
         parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
         parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
@@ -323,7 +330,10 @@ async def _train(
             await evaluate(step)
 
     async def report() -> None:
-        summary.update(await report_stage(receive_records, throughput, log))
+        summary.update(await report_stage(
+            receive_records, throughput, log, total_steps=plan.total_steps,
+            tensorboard_dir=settings.log.tensorboard_dir,
+        ))  # fmt: skip
 
     async with anyio.create_task_group() as background:
         background.start_soon(lag.run)
