@@ -136,9 +136,13 @@ class RowsBlockDrafter:
             keys[rows].scatter_(2, index, k.unflatten(1, positions.shape).transpose(0, 1))
             values[rows].scatter_(2, index, v.transpose(1, 2))
 
-    @torch.no_grad()
     def draft(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Drafts [b, B-1] for blocks [anchor, MASK x (B-1)] at anchor positions [b]."""
+        return self.block_logits(anchors, positions).argmax(-1)
+
+    @torch.no_grad()
+    def block_logits(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [b, B-1, V] of block slots 1..B-1; row b sees context slots < positions[b]."""
         cfg, embed, b = self.config, self.embed_weight, anchors.shape[0]
         block = torch.full((b, cfg.block_size), cfg.mask_token_id, device=embed.device)
         block[:, 0] = anchors.to(embed.device)
@@ -170,7 +174,7 @@ class RowsBlockDrafter:
         assert next(layers, None) is None, "the drafter skipped a layer's attention"
         hidden = hidden.unflatten(0, (b, cfg.block_size))[:, 1:]  # [b, B-1, d]
         lm_head = self.lm_head_weight
-        return (hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T).argmax(-1)  # [b, B-1]
+        return hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T  # [b, B-1, V]
 
 
 class BatchedDecode:
