@@ -30,6 +30,17 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import frozen_embeddings
 
+# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row) and
+# Gated DeltaNet linear attention (state rolled back, hybrid_state.py).
+_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+
+
+def evaluation_unsupported_reason(target: PreTrainedModel) -> str | None:
+    """Why speculative decoding cannot verify `target` exactly; None when it can."""
+    config = getattr(target.config, "text_config", None) or target.config
+    unknown = set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES
+    return f"layer types {sorted(unknown)} have no exact verification" if unknown else None
+
 
 class Decoder(Protocol):
     def advance(self) -> bool: ...

@@ -66,17 +66,6 @@ def restore_linear_states(snapshot: LinearStateSnapshot) -> None:
             layer.recurrent_states[i].copy_(recurrent)
 
 
-def attention_length(cache: Cache) -> int:
-    """Tokens held by the attention (KV) layers; 0 before the first forward."""
-    lengths = {
-        layer.get_seq_length()
-        for layer in cache.layers
-        if isinstance(layer, DynamicLayer) and layer.is_initialized
-    }
-    assert len(lengths) <= 1, f"attention layers disagree on the cached length: {lengths}"
-    return lengths.pop() if lengths else 0
-
-
 def crop_attention(cache: Cache, length: int) -> None:
     """Drop cached attention positions >= length; linear-attention states are left alone."""
     for layer in cache.layers:
