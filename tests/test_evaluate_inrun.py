@@ -171,3 +171,22 @@ async def test_a_target_evaluation_cannot_verify_is_refused_before_training(
             await pipeline.run(settings, get_logger("test"))
     assert "\n" not in str(refused.value) and "DFLASH_EVAL__EVERY=0" in str(refused.value)
     assert not [e for e in events if e["event"] == "step"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_lossless_failure_is_logged_and_training_goes_on(
+    inputs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_async.eval import evaluation
+    from dflash_async.eval.lossless import LosslessError
+
+    def differs(index, *args):
+        raise LosslessError(f"sample {index}: speculative output differs")
+
+    monkeypatch.setattr(evaluation, "check_lossless", differs)
+    env = eval_env(inputs, DFLASH_EVAL__EVERY="0", DFLASH_EVAL__AT_START="false")
+    code, events = await run_logged(run_settings(inputs, tmp_path / "out", **env))
+    assert code == 0 and len([e for e in events if e["event"] == "step"]) == 5
+    (failed,) = [e for e in events if e["event"] == "eval_failed"]
+    assert failed["step"] == 5 and "sample 0" in failed["error"]

@@ -52,6 +52,13 @@ def batched_unsupported_reason(target: PreTrainedModel) -> str | None:
     return f"layer types {sorted(other)}" if other else None
 
 
+def cache_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
+    """Slots a batch can fill: a row's last verify step writes B slots from its last committed
+    position (< prompt + max_new_tokens). Rounded up to 64: aligned mask rows keep SDPA on its
+    fused masked kernels."""
+    return -(-(max(map(len, prompts)) + max_new_tokens + block_size) // 64) * 64
+
+
 class SlottedKVCache(Cache):
     """Static KV cache with a write offset per row (see the module doc). Set `write_at` [b] and
     `rows` before each forward; layers are allocated on their first update."""
@@ -199,7 +206,7 @@ class BatchedDecode:
         self.device, self.max_new, self.eos_set = device, max_new_tokens, eos
         self.block = 1 if draft is None else draft.config.block_size
         b, longest = len(prompts), max(len(p) for p in prompts)
-        self.capacity = longest + max_new_tokens + self.block
+        self.capacity = cache_capacity(prompts, max_new_tokens, self.block)
         self.prompts = torch.zeros(b, longest, dtype=torch.long)
         for i, p in enumerate(prompts):
             self.prompts[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)

@@ -23,7 +23,12 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter, batched_unsupported_reason
+from dflash_async.eval.batched import (
+    BatchedDecode,
+    RowsBlockDrafter,
+    batched_unsupported_reason,
+    cache_capacity,
+)
 from dflash_async.eval.lossless import GreedyResult, SpecResult, check_lossless
 from dflash_async.eval.speculative import greedy_generate, speculative_generate
 from dflash_async.model.drafter import DFlashDrafter
@@ -116,7 +121,7 @@ def speculative_decoders(
 
     def make(batch: list[list[int]]) -> Decoder:
         if s.batched:
-            capacity = max(map(len, batch)) + s.max_new_tokens + config.block_size
+            capacity = cache_capacity(batch, s.max_new_tokens, config.block_size)
             rows = RowsBlockDrafter(
                 drafter, config, embed, lm_head, batch=len(batch), capacity=capacity
             )
@@ -139,7 +144,9 @@ def timed_job(fn: Callable[[], Any], device: torch.device, seconds: list[float])
     start = time.perf_counter()
     result = fn()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # Sync point: the job's time includes its GPU work
+        # Sync point: the job's time includes its GPU work (this thread's stream only: a
+        # drafter sharing the GPU runs on its own stream and is not waited for).
+        torch.cuda.current_stream(device).synchronize()
     seconds[0] += time.perf_counter() - start
     return result
 

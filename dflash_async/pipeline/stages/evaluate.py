@@ -15,7 +15,8 @@ target's training jobs instead of stopping them:
 The plain-greedy baseline depends only on the target and the prompts: decoded at the first
 evaluation, kept in memory and in OUTPUT_DIR/eval/baseline-<key>.jsonl (a resumed run reads it).
 Each evaluation keeps its results (OUTPUT_DIR/eval/step-N.jsonl), never a model copy, and logs
-one `eval` event with the decode settings it used.
+one `eval` event with the decode settings it used, or `eval_failed` when a sample is not lossless
+(an evaluation's verdict: logged as an error, training goes on).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dflash_async.eval.evaluation import (
     speculative_decoders,
     timed_job,
 )
-from dflash_async.eval.lossless import tie_tolerance_for
+from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.pipeline.devices import DeviceWorker
@@ -148,6 +149,9 @@ class InRunEvaluator:
                 plain_s=plain_s, speculative_s=spec_s,
                 tie_tolerance=tie_tolerance_for(frozen_embeddings(self.setup.target)[0].dtype),
             )  # fmt: skip
+        except LosslessError as e:  # the evaluation's verdict, not a reason to stop training
+            self.log.error("eval_failed", step=step, reason="lossless_check", error=str(e))
+            return {}
         finally:
             self.running.set()
             self.running = None
