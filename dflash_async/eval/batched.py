@@ -100,7 +100,7 @@ def _target_masks(target: PreTrainedModel, positions: torch.Tensor, capacity: in
         masks["sliding_attention"] = (visible & inside)[:, None]
     if cfg._attn_implementation == "eager":  # eager ADDS the mask (DFLASH.md known bug 6)
         low = torch.finfo(dtype).min
-        masks = {k: torch.zeros((), dtype=dtype).masked_fill(~m, low) for k, m in masks.items()}
+        masks = {k: m.new_zeros((), dtype=dtype).masked_fill(~m, low) for k, m in masks.items()}
     return masks if getattr(cfg, "layer_types", None) else masks["full_attention"]
 
 

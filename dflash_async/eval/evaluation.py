@@ -151,6 +151,14 @@ def timed_job(fn: Callable[[], Any], device: torch.device, seconds: list[float])
     return result
 
 
+def advance_for(decoder: Decoder, seconds: float) -> bool:
+    """Advance until done or until `seconds` have passed (each advance ends with a sync)."""
+    end = time.perf_counter() + seconds
+    while not (done := decoder.advance()) and time.perf_counter() < end:
+        pass
+    return done
+
+
 def run_decoders(factories: Sequence[Callable[[], Decoder]], device: torch.device):
     """Drive decoders in this thread; returns (results in prompt order, device seconds)."""
     seconds, results = [0.0], []

@@ -7,8 +7,10 @@ worker runs jobs in submission order, so decode steps (tens of ms each) interlea
 target's training jobs instead of stopping them:
 
     overlap (default): evaluate(step) returns after the weight copy; training goes on while the
-             evaluation shares the target's worker (it takes a share of the target's time, logged
-             as target_busy_s); one evaluation at a time (a later request is skipped, logged).
+             evaluation shares the target's worker: jobs of about job_ms of decode steps, a
+             training job between two of them (the time taken is logged as target_busy_s); one
+             evaluation at a time (a later request is skipped, logged); the run's end waits for
+             one still running.
     pause:   evaluate(step) returns when the evaluation is done; the training loop waits
              (logged as training_waited_s), bounded by the decode work of one evaluation.
 
@@ -21,6 +23,7 @@ one `eval` event with the decode settings it used, or `eval_failed` when a sampl
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -34,6 +37,7 @@ from dflash_async.eval.baseline import baseline_key, load_baseline, save_baselin
 from dflash_async.eval.evaluation import (
     Decoder,
     DecodeSetup,
+    advance_for,
     evaluation_unsupported_reason,
     greedy_decoders,
     report,
@@ -115,7 +119,8 @@ class InRunEvaluator:
         worker, device, seconds, results = self.target_worker, self.setup.device, [0.0], []
         for make in factories:
             decoder = await worker.run(timed_job, make, device, seconds)
-            while not await worker.run(timed_job, decoder.advance, device, seconds):
+            advance = functools.partial(advance_for, decoder, self.settings.job_ms / 1e3)
+            while not await worker.run(timed_job, advance, device, seconds):
                 pass
             results += await worker.run(decoder.results)
         return results, seconds[0]
@@ -179,14 +184,14 @@ async def open_evaluator(
     target_id: str,
     log: Any,
 ) -> AsyncIterator[InRunEvaluator]:
-    """An InRunEvaluator whose background evaluations end with the block: one still running
-    then is cancelled (its current decode job finishes in the worker, the rest is dropped)."""
+    """An InRunEvaluator whose background evaluations end with the block: the block waits for
+    one still running when it ends normally; an error cancels it (its current decode job
+    finishes in the worker, the rest is dropped)."""
     async with anyio.create_task_group() as task_group:
         yield InRunEvaluator(
             settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
             target_id=target_id, task_group=task_group, log=log,
         )  # fmt: skip
-        task_group.cancel_scope.cancel()
 
 
 def eval_setup(
