@@ -239,3 +239,23 @@ def test_evaluate_reports_the_same_tau_and_tokens_for_every_batch_size(target, t
     hist, by_position = again["accepted_length_histogram"], again["acceptance_by_position"]
     steps = sum(hist.values())
     assert by_position == [sum(hist[n] for n in hist if n > k) / steps for k in (1, 2, 3)]
+
+
+def test_eager_attention_gets_an_additive_mask():
+    """HF eager attention ADDS the mask (DFLASH.md known bug 6): a boolean mask there would mask
+    nothing. Batched greedy on an eager target equals the reference."""
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        initializer_range=0.1, attn_implementation="eager",
+    )  # fmt: skip
+    eager = random_target(config, seed=1)
+    assert eager.config._attn_implementation == "eager"
+    plist = prompts()[:3]
+    reference = [greedy_generate(eager, p, 12, None).tokens for p in plist]
+    decode = BatchedDecode(
+        eager, plist, draft=None, layer_ids=(), max_new_tokens=12, eos=frozenset(), suppress=()
+    )
+    while not decode.advance():
+        pass
+    assert [r.tokens for r in decode.results()] == reference
