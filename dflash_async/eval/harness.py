@@ -51,6 +51,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.usage import ArgumentParser, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -64,7 +65,7 @@ _DTYPES = {
 def load_drafter(
     folder: str | Path, *, device: torch.device, dtype: torch.dtype
 ) -> tuple[DFlashDrafter, DrafterConfig]:
-    """A servable export (ours or another tool's, DFLASH.md s.7) as an eval-mode DFlashDrafter."""
+    """A servable export (ours or another tool's, docs/DFLASH.md s.7) as an eval-mode DFlashDrafter."""
     config, tensors = load_drafter_export(Path(folder))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(tensors, strict=True)  # the export holds exactly these names
@@ -280,17 +281,9 @@ def run_eval(
     return report
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse then exits 2 naming the option and the value)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of `python -m dflash_async eval` (see main)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # one-line argument errors (usage.py)
         prog="python -m dflash_async eval",
         description="Acceptance length (tau) of a drafter export by greedy speculative decoding.",
     )
@@ -301,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = EvalSettings()  # the in-run evaluation's defaults (DFLASH_EVAL__*)
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=defaults.max_new_tokens)
-    parser.add_argument("--num-prompts", type=_positive_int, default=defaults.num_prompts)
-    parser.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens)
+    parser.add_argument("--num-prompts", type=positive_int, default=defaults.num_prompts)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
     parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
     parser.add_argument(
         "--baseline-dir",
