@@ -106,6 +106,7 @@ async def test_run_evaluates_on_its_own_target_and_keeps_results_not_models(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the loop is not what is tested here
 async def test_pause_mode_holds_training_until_the_evaluation_is_logged(
     inputs: dict[str, str], tmp_path: Path
 ) -> None:
@@ -190,3 +191,59 @@ async def test_a_lossless_failure_is_logged_and_training_goes_on(
     assert code == 0 and len([e for e in events if e["event"] == "step"]) == 5
     (failed,) = [e for e in events if e["event"] == "eval_failed"]
     assert failed["step"] == 5 and "sample 0" in failed["error"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_final_in_run_tau_is_evals_tau_of_the_final_export(
+    inputs: dict[str, str], tmp_path: Path
+) -> None:
+    """One set of decode settings and the served (bf16) weights: `eval` of the export saved at
+    the end reports exactly the tau the run logged for its last evaluation."""
+    from dflash_async.eval.harness import run_eval
+
+    env = eval_env(inputs, DFLASH_EVAL__EVERY="0", DFLASH_EVAL__AT_START="false")
+    code, events = await run_logged(run_settings(inputs, tmp_path / "out", **env))
+    (final,) = [e for e in events if e["event"] == "eval"]
+    with capture_logs():
+        report = run_eval(
+            inputs["target"], tmp_path / "out" / "drafter", inputs["prompts"], device="cpu",
+            max_new_tokens=8, num_prompts=3,
+        )  # fmt: skip
+    assert code == 0 and report["tau"] == final["tau"]
+    assert report["accepted_length_histogram"] == final["accepted_length_histogram"]
+
+
+def test_eval_command_defaults_are_the_in_run_defaults() -> None:
+    """No preset or flag sets them apart: the demo preset leaves the decode settings alone."""
+    from dflash_async.eval.harness import build_parser
+    from dflash_async.settings import EvalSettings
+
+    args = build_parser().parse_args(["--drafter", "x"])
+    ours = EvalSettings()
+    assert (args.max_new_tokens, args.num_prompts, args.batch_size) == (
+        ours.max_new_tokens, ours.num_prompts, ours.batch_size,
+    )  # fmt: skip
+    demo = (Path(__file__).parents[1] / "settings" / "demo.env").read_text()
+    for name in ("MAX_NEW_TOKENS", "NUM_PROMPTS", "BATCH_SIZE"):
+        line = next((x for x in demo.splitlines() if x.startswith(f"DFLASH_EVAL__{name}=")), None)
+        assert line is None or line.split("=")[1] == str(getattr(ours, name.lower()))
+
+
+def test_the_evaluation_copy_holds_the_exported_bf16_weights() -> None:
+    """In-run evaluation decodes with what `eval` would load from the export: the training
+    weights rounded to bf16, here held in fp32 (the CPU target's dtype); one copy, reused."""
+    from conftest import TinySpec, randomize_, tiny_config
+
+    from dflash_async.model.drafter import DFlashDrafter
+    from dflash_async.pipeline.stages.evaluate import copy_weights
+
+    source = DFlashDrafter(tiny_config(TinySpec()))
+    randomize_(source, 0)
+    copy = copy_weights(source, None, device=torch.device("cpu"), dtype=torch.float32)
+    for name, value in source.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], value.bfloat16().float()), name
+    with torch.no_grad():
+        source.fc.weight.add_(1.0)
+    assert copy_weights(source, copy, device=torch.device("cpu"), dtype=torch.float32) is copy
+    assert torch.equal(copy.fc.weight, source.fc.weight.bfloat16().float())

@@ -52,17 +52,21 @@ from dflash_async.pipeline.stages.train import DrafterRunner
 from dflash_async.settings import EvalSettings, SettingsError
 from dflash_async.target.loading import frozen_embeddings, load_target_tokenizer
 
+EXPORT_DTYPE = torch.bfloat16  # the servable export's (checkpoint.export_drafter, DFLASH.md s.7)
+
 
 def copy_weights(
     source: DFlashDrafter, copy: DFlashDrafter | None, *, device: torch.device, dtype: torch.dtype
 ) -> DFlashDrafter:
-    """The drafter's current weights in `copy` (made on first use, on `device` in `dtype`).
-    Call on the drafter's worker: the copy is ordered after its last step on that stream."""
+    """The drafter's current weights in `copy` (made on first use, on `device` in `dtype`),
+    rounded through bf16 like the servable export: the in-run tau is the served drafter's, and
+    `eval` of the export saved at the same step reports the same tau. Call on the drafter's
+    worker: the copy is ordered after its last step on that stream."""
     if copy is None:
         with torch.device("meta"):
             copy = DFlashDrafter(source.config)
         copy = copy.to_empty(device=device).to(dtype).eval().requires_grad_(False)
-    copy.load_state_dict(source.state_dict())
+    copy.load_state_dict({k: v.to(EXPORT_DTYPE) for k, v in source.state_dict().items()})
     if source.fc.weight.device.type == "cuda":
         # Sync point (one per evaluation): the target's thread reads the copy on its own stream.
         torch.cuda.current_stream().synchronize()
