@@ -18,9 +18,10 @@ of drafts in the same verify forward:
                      without advancing. `draft=None` gives plain greedy decoding (blocks of 1),
                      the baseline, with its runner-up and margin per token.
 
-Shapes never change between steps (b, B, S fixed; the host only learns whether all rows are
-done: one sync per step), so a verify step is CUDA-graph friendly. Dense (attention-only)
-targets with sdpa or eager attention only: hybrids go through the reference decoder.
+Shapes never change between steps (b, B, S fixed) and a step has no host sync inside (the host
+only learns, after it, whether all rows are done): a verify step could be captured as a CUDA
+graph; it is not captured yet (eager launches). Dense (attention-only) targets with sdpa or
+eager attention only: hybrids go through the reference decoder.
 """
 
 from __future__ import annotations
