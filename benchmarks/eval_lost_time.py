@@ -24,7 +24,7 @@ def main() -> None:
     with open(sys.argv[1]) as log:
         events = [json.loads(line) for line in log if line.startswith("{")]
     steps = {e["step"]: seconds(e) for e in events if e.get("event") == "step"}
-    evals = [e for e in events if e.get("event") == "eval"]
+    evals = [e for e in events if e.get("event") in ("eval", "eval_failed")]  # both timed
     windows = []  # an evaluation runs from its request (after step N) to its `eval` event
     for e in evals:
         asked = e["training_waited_s"] + (e["eval_s"] if e["mode"] == "overlap" else 0.0)
@@ -45,9 +45,10 @@ def main() -> None:
             "steps_during_eval": done, "steady_step_s": round(steady, 3),
             "lost_training_s": round(max(0.0, hi - lo) - done * steady, 1),
             "training_waited_s": e["training_waited_s"], "target_busy_s": e["target_busy_s"],
-            "baseline_cached": e["baseline_cached"], "tau": e["tau"],
-            "speculative_tokens_per_s": e["speculative_tokens_per_s"],
-            "plain_tokens_per_s": e["plain_tokens_per_s"], "numerical_ties": e["numerical_ties"],
+            "baseline_cached": e["baseline_cached"], "tau": e.get("tau"),
+            "speculative_tokens_per_s": e.get("speculative_tokens_per_s"),
+            "plain_tokens_per_s": e.get("plain_tokens_per_s"),
+            "numerical_ties": e.get("numerical_ties"), "failed": e["event"] == "eval_failed",
         }))  # fmt: skip
 
 

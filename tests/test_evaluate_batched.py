@@ -18,6 +18,7 @@ from transformers import Qwen3Config
 
 from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter
 from dflash_async.eval.harness import evaluate
+from dflash_async.eval.lossless import GreedyResult, LosslessError, SpecResult, check_lossless
 from dflash_async.eval.speculative import (
     DFlashBlockDrafter,
     greedy_generate,
@@ -259,3 +260,32 @@ def test_eager_attention_gets_an_additive_mask():
     while not decode.advance():
         pass
     assert [r.tokens for r in decode.results()] == reference
+
+
+def test_a_difference_to_one_of_greedys_next_choices_within_tolerance_is_a_tie():
+    """bf16 verify and decode passes may reorder near-equal logits: the speculative token is
+    then one of greedy's next choices, its logit within the tolerance (here the third)."""
+    greedy = GreedyResult(
+        [5, 6, 7], [1, 2, 3], [0.5, 0.01, 0.2], [[1, 8, 9], [2, 4, 9], [3, 8, 1]],
+        [[0.5, 0.6, 0.7], [0.01, 0.02, 0.3], [0.2, 0.3, 0.4]],
+    )  # fmt: skip
+    assert check_lossless(0, greedy, SpecResult([5, 4, 0], [1, 2]), tolerance=0.05) == 1
+    with pytest.raises(LosslessError, match="new token 1"):  # third choice, gap 0.3 > 0.05
+        check_lossless(0, greedy, SpecResult([5, 9, 0], [1, 2]), tolerance=0.05)
+    with pytest.raises(LosslessError, match="new token 0"):  # not among the next choices
+        check_lossless(0, greedy, SpecResult([7, 6, 7], [1, 2]), tolerance=1.0)
+
+
+def test_batched_greedy_keeps_the_targets_next_choices_and_their_gaps(target):
+    prompt = prompts()[2]
+    decode = BatchedDecode(
+        target, [prompt], draft=None, layer_ids=(), max_new_tokens=3, eos=frozenset(), suppress=()
+    )
+    while not decode.advance():
+        pass
+    (result,) = decode.results()
+    logits = target(torch.tensor([prompt])).logits[0, -1]
+    top = logits.topk(4)
+    assert [result.tokens[0], *result.alternatives[0]] == top.indices.tolist()
+    expected = (top.values[0] - top.values[1:]).tolist()
+    assert result.gaps[0] == pytest.approx(expected, abs=1e-5)  # fp32, O(1) logits

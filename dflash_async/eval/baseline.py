@@ -57,7 +57,10 @@ def load_baseline(folder: str | Path, key: str) -> tuple[list[GreedyResult], flo
     meta, *rows = (json.loads(line) for line in path.read_text().splitlines())
     if meta.get("key") != key or len(rows) != meta.get("num_prompts"):
         return None  # a stale or truncated file: decode again (it is rewritten atomically)
-    results = [GreedyResult(r["tokens"], r["runner_up"], r["margins"]) for r in rows]
+    results = [
+        GreedyResult(r["tokens"], r["runner_up"], r["margins"], r["alternatives"], r["gaps"])
+        for r in rows
+    ]
     return results, float(meta["plain_s"])
 
 
@@ -66,5 +69,9 @@ def save_baseline(
 ) -> Path:
     """Write the baseline atomically (a reader never sees half a file)."""
     meta = {"key": key, "num_prompts": len(results), "plain_s": plain_s}
-    rows = [{"tokens": r.tokens, "runner_up": r.runner_up, "margins": r.margins} for r in results]
+    rows = [
+        {"tokens": r.tokens, "runner_up": r.runner_up, "margins": r.margins,
+         "alternatives": r.alternatives, "gaps": r.gaps}
+        for r in results
+    ]  # fmt: skip
     return write_jsonl([meta, *rows], baseline_path(folder, key))

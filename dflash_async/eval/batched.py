@@ -40,6 +40,7 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import is_hybrid, text_config, text_model
 
 _MASKED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+ALTERNATIVES = 3  # the target's next choices kept per greedy token (numerical-tie check)
 
 
 def batched_unsupported_reason(target: PreTrainedModel) -> str | None:
@@ -221,8 +222,10 @@ class BatchedDecode:
         self.pending = [slice(i, min(b, i + rows_per_chunk)) for i in range(0, b, rows_per_chunk)]
         width = max_new_tokens + self.block
         self.tokens = torch.zeros(b, width, dtype=torch.long, device=device)
-        self.runner_up = torch.zeros_like(self.tokens)
-        self.margins = torch.zeros(b, width, device=device)
+        # The target's next choices after each greedy token and their logit gaps to it: a
+        # speculative token that differs but is one of them, within rounding, is a tie.
+        self.alternatives = torch.zeros(b, width, ALTERNATIVES, dtype=torch.long, device=device)
+        self.gaps = torch.zeros(b, width, ALTERNATIVES, device=device)
         self.length = self.prompt_lengths.clone()  # committed tokens in the caches
         self.count = torch.zeros(b, dtype=torch.long, device=device)  # new tokens committed
         self.anchor = torch.zeros(b, dtype=torch.long, device=device)  # newest, not yet cached
@@ -245,14 +248,15 @@ class BatchedDecode:
         return out.last_hidden_state, features
 
     def _choose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Greedy token, runner-up and margin of hidden [..., d] (suppressed ids excluded)."""
+        """Greedy token [...], the next ALTERNATIVES choices [..., K] and their logit gaps to it
+        [..., K] (>= 0) from hidden [..., d]; suppressed ids excluded."""
         logits = self.lm_head(hidden).float()
         if self.suppress.numel():
             logits = logits.index_fill(-1, self.suppress, float("-inf"))
         token = logits.argmax(-1)
         best = logits.gather(-1, token[..., None])
-        second = logits.scatter(-1, token[..., None], float("-inf")).argmax(-1)
-        return token, second, (best - logits.gather(-1, second[..., None]))[..., 0]
+        others = logits.scatter(-1, token[..., None], float("-inf")).topk(ALTERNATIVES, dim=-1)
+        return token, others.indices, best - others.values
 
     def _prefill(self, rows: slice) -> None:
         lengths = self.prompt_lengths[rows]
@@ -260,9 +264,9 @@ class BatchedDecode:
         start = torch.zeros_like(lengths)
         hidden, features = self._forward(ids, rows, start)
         last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
-        token, second, margin = self._choose(last[:, 0])
+        token, alternatives, gaps = self._choose(last[:, 0])
         self.anchor[rows], self.tokens[rows, 0] = token, token
-        self.runner_up[rows, 0], self.margins[rows, 0] = second, margin
+        self.alternatives[rows, 0], self.gaps[rows, 0] = alternatives, gaps
         self.count[rows] = 1
         if self.draft is not None:
             positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
@@ -288,7 +292,7 @@ class BatchedDecode:
             drafts = self.draft.draft(self.anchor, self.length).to(self.device)  # [b, B-1]
             block = torch.cat([self.anchor[:, None], drafts], dim=1)  # [b, B]
         hidden, features = self._forward(block, every, self.length)
-        verified, second, margin = self._choose(hidden)  # [b, B] each
+        verified, alternatives, gaps = self._choose(hidden)  # [b, B], [b, B, K], [b, B, K]
         if self.draft is None:
             accepted = torch.zeros_like(self.length)
         else:
@@ -296,18 +300,19 @@ class BatchedDecode:
             accepted = match.cumprod(dim=1).sum(dim=1)  # [b] leading drafts the target agrees with
             slot = torch.arange(self.block, device=self.device)
             self.draft.extend_context(features, self.length[:, None] + slot)
-        self._commit(verified, second, margin, accepted)
+        self._commit(verified, alternatives, gaps, accepted)
 
-    def _commit(self, verified, second, margin, accepted) -> None:
+    def _commit(self, verified, alternatives, gaps, accepted) -> None:
         """Append t_0..t_accepted of every live row; finished rows stay as they are."""
         live = ~self.done
         commit = (accepted + 1) * live  # [b] tokens committed now
         slot = torch.arange(verified.shape[1], device=self.device)
         write = slot[None] < commit[:, None]  # [b, B]
         index = (self.count[:, None] + slot).clamp(max=self.tokens.shape[1] - 1)
-        for buffer, new in ((self.tokens, verified), (self.runner_up, second)):
-            buffer.scatter_(1, index, torch.where(write, new, buffer.gather(1, index)))
-        self.margins.scatter_(1, index, torch.where(write, margin, self.margins.gather(1, index)))
+        self.tokens.scatter_(1, index, torch.where(write, verified, self.tokens.gather(1, index)))
+        wide, write_wide = index[..., None].expand_as(gaps), write[..., None]  # [b, B, K]
+        for buffer, new in ((self.alternatives, alternatives), (self.gaps, gaps)):
+            buffer.scatter_(1, wide, torch.where(write_wide, new, buffer.gather(1, wide)))
         newest = verified.gather(1, accepted[:, None])[:, 0]
         self.anchor = torch.where(live, newest, self.anchor)
         self.length += commit
@@ -339,9 +344,14 @@ class BatchedDecode:
 
     def _greedy_results(self) -> list[GreedyResult]:
         tokens, _ = self._rows_on_host()
-        runner_up, margins = self.runner_up.tolist(), self.margins.tolist()
+        alternatives, gaps = self.alternatives.tolist(), self.gaps.tolist()
         results = []
         for i, row in enumerate(tokens):
             kept = len(cut_at_stop(row, self.max_new, self.eos_set))
-            results.append(GreedyResult(row[:kept], runner_up[i][:kept], margins[i][:kept]))
+            alts, alt_gaps = alternatives[i][:kept], gaps[i][:kept]
+            results.append(
+                GreedyResult(
+                    row[:kept], [a[0] for a in alts], [g[0] for g in alt_gaps], alts, alt_gaps
+                )
+            )
         return results

@@ -148,31 +148,35 @@ class InRunEvaluator:
 
     async def _evaluate(self, step: int, *, asked: float, mode: str) -> dict[str, Any]:
         assert self.running is not None and self.copy is not None
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
             plain, plain_s, cached = await self._plain()
             factories = speculative_decoders(self.setup, self.copy, self.copy.config)
             spec, spec_s = await self._jobs(factories)
-            result = report(
-                self.setup, plain, spec, block_size=self.copy.config.block_size,
-                plain_s=plain_s, speculative_s=spec_s,
-                tie_tolerance=tie_tolerance_for(frozen_embeddings(self.setup.target)[0].dtype),
-            )  # fmt: skip
-        except LosslessError as e:  # the evaluation's verdict, not a reason to stop training
-            self.log.error("eval_failed", step=step, reason="lossless_check", error=str(e))
-            return {}
         finally:
             self.running.set()
             self.running = None
-        write_jsonl(result.pop("samples"), self.folder / f"step-{step}.jsonl")
         waited = (time.perf_counter() if mode == "pause" else started) - asked
-        summary = result | {
+        timing = {
             "mode": mode,
             "training_waited_s": round(waited, 3),
             "target_busy_s": round(spec_s + (0.0 if cached else plain_s), 3),
             "eval_s": round(time.perf_counter() - started, 3),
             "baseline_cached": cached,
         }
+        try:
+            result = report(
+                self.setup, plain, spec, block_size=self.copy.config.block_size,
+                plain_s=plain_s, speculative_s=spec_s,
+                tie_tolerance=tie_tolerance_for(frozen_embeddings(self.setup.target)[0].dtype),
+            )  # fmt: skip
+        except LosslessError as e:  # the evaluation's verdict, not a reason to stop training
+            self.log.error(
+                "eval_failed", step=step, reason="lossless_check", error=str(e), **timing
+            )
+            return {}
+        write_jsonl(result.pop("samples"), self.folder / f"step-{step}.jsonl")
+        summary = result | timing
         self.log.info("eval", step=step, num_prompts=len(self.setup.prompts), **summary)
         return summary
 
