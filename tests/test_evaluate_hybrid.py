@@ -137,3 +137,25 @@ def test_evaluate_decodes_a_hybrid_target_with_the_reference_decoder(target):
     )
     assert report["decoder"] == "reference" and report["batch_size"] == 1
     assert report["num_samples"] == 2 and report["tau"] >= 1.0
+
+
+def test_qwen3_5_text_target_is_lossless_and_needs_the_rollback(monkeypatch):
+    """The same on transformers' Qwen3.5 text model (Gated DeltaNet with a gated attention)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1,
+    )  # fmt: skip
+    qwen3_5 = random_target(config, seed=0)
+    assert is_hybrid(qwen3_5)
+    greedy = [greedy_generate(qwen3_5, p, MAX_NEW + 8, None) for p in prompts()]
+    for i, (plain, spec) in enumerate(decode_all(qwen3_5, greedy, 8, correct=3)):
+        assert check_lossless(i, plain, spec, tolerance=1e-4) is None
+    monkeypatch.setattr(hybrid_state, "restore_linear_states", lambda snapshot: None)
+    with pytest.raises(LosslessError):
+        for i, (plain, spec) in enumerate(decode_all(qwen3_5, greedy, 8, correct=3)):
+            check_lossless(i, plain, spec, tolerance=1e-4)
