@@ -247,3 +247,14 @@ def test_the_evaluation_copy_holds_the_exported_bf16_weights() -> None:
         source.fc.weight.add_(1.0)
     assert copy_weights(source, copy, device=torch.device("cpu"), dtype=torch.float32) is copy
     assert torch.equal(copy.fc.weight, source.fc.weight.bfloat16().float())
+
+
+def test_eval_command_refuses_an_unwritable_baseline_folder(tmp_path: Path) -> None:
+    from dflash_async.eval.harness import main
+    from dflash_async.usage import UsageError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match="--baseline-dir") as refused:
+        main(["--drafter", "x", "--baseline-dir", str(blocker / "sub")])
+    assert "\n" not in str(refused.value)

@@ -51,7 +51,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
-from dflash_async.usage import ArgumentParser, positive_int
+from dflash_async.usage import ArgumentParser, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_async.pipeline.startup import cache_dir  # lazy: it imports the whole training step
 
     args = build_parser().parse_args(argv)
+    if args.baseline_dir:  # unwritable: one line, exit 2, before the target is loaded
+        check_writable_folder(args.baseline_dir, argument="--baseline-dir")
     log = get_logger(__name__)
     try:
         report = run_eval(
