@@ -16,7 +16,7 @@ speedup, plus the settings it ran with (max_new_tokens, batch_size).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -159,7 +159,7 @@ def advance_for(decoder: Decoder, seconds: float) -> bool:
     return done
 
 
-def run_decoders(factories: Sequence[Callable[[], Decoder]], device: torch.device):
+def run_decoders(factories: Iterable[Callable[[], Decoder]], device: torch.device):
     """Drive decoders in this thread; returns (results in prompt order, device seconds)."""
     seconds, results = [0.0], []
     for make in factories:

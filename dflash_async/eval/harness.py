@@ -39,7 +39,7 @@ from dflash_async.eval.evaluation import (
 )
 from dflash_async.eval.lossless import LosslessError, eos_set, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
-from dflash_async.log import get_logger
+from dflash_async.log import get_logger, progress
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.pipeline.devices import cpu_threads
@@ -165,7 +165,9 @@ def greedy_baseline(
     cached = load_baseline(folder, key) if folder else None
     if cached is not None:
         return *cached, True
-    results, seconds = run_decoders(greedy_decoders(setup), setup.device)
+    batches = greedy_decoders(setup)
+    shown = progress(batches, total=len(batches), task="eval baseline (batches)")
+    results, seconds = run_decoders(shown, setup.device)
     if folder:
         save_baseline(folder, key, results, seconds)
     return results, seconds, False
@@ -209,7 +211,9 @@ def evaluate(
         run_decoders(greedy_decoders(trial)[:1], setup.device)
         run_decoders(speculative_decoders(trial, drafter, drafter_config)[:1], setup.device)
     plain, plain_s, cached = greedy_baseline(setup, folder=baseline_dir, target_id=target_id)
-    spec, spec_s = run_decoders(speculative_decoders(setup, drafter, drafter_config), setup.device)
+    batches = speculative_decoders(setup, drafter, drafter_config)
+    shown = progress(batches, total=len(batches), task="eval speculative (batches)")
+    spec, spec_s = run_decoders(shown, setup.device)
     result = report(
         setup, plain, spec, block_size=drafter_config.block_size, plain_s=plain_s,
         speculative_s=spec_s, tie_tolerance=tolerance,
