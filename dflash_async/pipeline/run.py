@@ -37,7 +37,7 @@ from dflash_async.pipeline.stages.save import export_path, save_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
-from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -181,9 +181,11 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, sam
     given = placing.given_roles(settings)
     first = (given.targets if given else placing.candidate_devices(settings))[0]
     feature_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
-    load = lambda w: w.run(load_runner, inputs.target_path, device=w.device, dtype=feature_dtype,  # noqa: E731
+    load = lambda w: w.run(load_runner, inputs.target_path, device=w.device,  # noqa: E731
+                           dtype=resolve_target_dtype(settings.target.dtype, w.device),
                            layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
-                           max_batch_tokens=pipe.target_batch_tokens)  # fmt: skip
+                           max_batch_tokens=pipe.target_batch_tokens,
+                           packed_hybrid=settings.target.packed_hybrid)  # fmt: skip
     targets = [await open_worker(first, "target0", False)]
     runners = [await load(targets[0])]
     roles = await placing.place(settings, inputs, samples, target=targets[0], runner=runners[0],
