@@ -48,13 +48,17 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks) or `bench packing`."""
+    """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks), `bench packing|data`."""
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
 
         main(args.rest)
     elif args.what == "graphs":
         from dflash_async.bench.graph_bench import main
+
+        main(args.rest)
+    elif args.what == "data":
+        from dflash_async.bench.data_bench import main
 
         main(args.rest)
     else:
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("what", choices=("drafter", "graphs", "packing"))
+    bench.add_argument("what", choices=("drafter", "graphs", "packing", "data"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)
