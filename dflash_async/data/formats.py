@@ -36,6 +36,7 @@ DEFAULT_ROLE_MAP: dict[str, str] = {
 # Message fields passed on to the chat template besides role and content; None values are dropped
 # (templates render a None as "None" or crash on it).
 EXTRA_MESSAGE_KEYS = ("reasoning_content", "thinking", "reasoning", "tool_calls", "name")
+DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 BOM = b"\xef\xbb\xbf"
 JSON_BLOCK_CHARS = 1 << 20  # characters read at a time from a JSON array file
 ARROW_BATCH_ROWS = 1024
@@ -65,10 +66,16 @@ def resolve_files(path: str) -> list[Path]:
         return [_checked_suffix(Path(path))]
     else:
         raise DataError(f"data path {path!r} does not exist")
-    files = sorted(p for p in files if p.name.endswith(SUFFIXES))
+    files = sorted(p for p in files if p.name.endswith(SUFFIXES) and not _datasets_metadata(p))
     if not files:
         raise DataError(f"data path {path!r} has no {'/'.join(SUFFIXES)} files")
     return files
+
+
+def _datasets_metadata(file: Path) -> bool:
+    """A `datasets` folder's own JSON files (next to its .arrow shards), not data."""
+    marked = any((file.parent / name).is_file() for name in ("state.json", "dataset_dict.json"))
+    return marked and file.name in DATASETS_METADATA
 
 
 def _checked_suffix(file: Path) -> Path:
