@@ -121,6 +121,8 @@ class ArrayWriter:
 
 def publish(temporary: Path, final: Path) -> Path:
     """Rename a finished folder into place (atomic); another process may have won the race."""
+    if final.is_dir() and not (final / "summary.json").is_file():
+        shutil.rmtree(final)  # not an entry: only a finished folder is renamed into place
     try:
         temporary.rename(final)
     except OSError:
