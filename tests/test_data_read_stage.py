@@ -17,13 +17,16 @@ LENGTHS = np.random.default_rng(0).integers(1, 100, 500)
 BUDGET = 256
 
 
-async def sent_packs(start: PackCursor, epochs: int) -> list[tuple[PackCursor, list[int]]]:
+async def sent_packs(
+    start: PackCursor, epochs: int, in_process: bool = False
+) -> list[tuple[PackCursor, list[int]]]:
     send, receive = open_channel(2, "packs")
     got = []
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(lambda: read.read_stage(LENGTHS, token_budget=BUDGET, seed=3,
-                                                     start=start, epochs=epochs, send=send))  # fmt: skip
+                                                     start=start, epochs=epochs, send=send,
+                                                     plan_in_process=in_process))  # fmt: skip
             async for pack in receive:
                 got.append((pack.cursor, pack.indices.tolist()))
     return got
@@ -42,12 +45,20 @@ async def test_epochs_are_planned_off_the_event_loop_thread(monkeypatch):
 
     def plan_epoch(*args, **kwargs):
         threads.append(threading.current_thread())
-        return packing.plan_epoch(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(read, "plan_epoch", plan_epoch)
+    original = packing.plan_epoch
+    monkeypatch.setattr(packing, "plan_epoch", plan_epoch)
     loop_thread = threading.current_thread()
     await sent_packs(PackCursor(), 2)
     assert len(threads) == 2 and loop_thread not in threads
+
+
+@pytest.mark.anyio
+async def test_a_planner_process_gives_the_same_packs():
+    start = PackCursor(1, 2)
+    want = [(c, p.tolist()) for c, p in iter_packs(LENGTHS, BUDGET, 3, start=start, epochs=3)]
+    assert await sent_packs(start, 3, in_process=True) == want
 
 
 @pytest.mark.anyio

@@ -1,20 +1,23 @@
 """Read stage: plan packs of whole documents and hand them to the target workers, in order.
 
 Planning an epoch is seconds of numpy at millions of samples (a sort, a cumsum, one split per
-pack), so it never runs on the event loop: a planner task plans each epoch in a worker thread,
-one epoch ahead of the packs being sent (a one-slot channel between them), and the loop only
-moves finished plans along. Everything per pack that the target needs from the host (the samples'
-lengths, the token count) is read from arrays computed once, not per pack.
+pack), so it never runs on the event loop: a planner task has each epoch planned (in a separate
+process for large data sets, data/planner.py) from a worker thread, one epoch ahead of the packs
+being sent (a one-slot channel between them). The loop only slices each pack out of the finished
+plan. Everything per pack that the target needs from the host (the samples' lengths, the token
+count) is read from arrays computed once, not per pack.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import numpy as np
 
-from dflash_async.data.packing import PackCursor, plan_epoch
+from dflash_async.data.packing import PackCursor
+from dflash_async.data.planner import EpochPlanner
 from dflash_async.pipeline.channels import SendChannel, open_channel
 
 
@@ -34,27 +37,30 @@ async def read_stage(
     start: PackCursor,
     epochs: int | None,
     send: SendChannel[PlannedPack],
+    plan_in_process: bool | None = None,
 ) -> None:
     """Send every pack from `start` on (forever when epochs is None); closing is the end signal.
 
     The bounded `send` channel is the backpressure: this stage waits while targets are busy, and
-    the planner waits (one plan ahead) while this stage does.
+    the planner waits (one plan ahead) while this stage does. `plan_in_process`: None = by size.
     """
     send_plans, receive_plans = open_channel(1, "plans")  # (epoch, packs): one epoch ahead
 
-    async def planner() -> None:
+    async def plan_epochs(planner: EpochPlanner) -> None:
         async with send_plans:
             epoch = start.epoch
             while epochs is None or epoch < epochs:
-                plan = await anyio.to_thread.run_sync(
-                    plan_epoch, lengths, token_budget, seed, epoch
-                )
+                plan = await anyio.to_thread.run_sync(planner.plan, epoch, abandon_on_cancel=True)
                 await send_plans.send((epoch, plan))
                 epoch += 1
 
+    planner = await anyio.to_thread.run_sync(  # writes the lengths for a planner process
+        partial(EpochPlanner, lengths, token_budget=token_budget, seed=seed,
+                in_process=plan_in_process)
+    )  # fmt: skip
     try:
         async with anyio.create_task_group() as group, receive_plans:
-            group.start_soon(planner)
+            group.start_soon(plan_epochs, planner)
             async for epoch, plan in receive_plans:
                 index = start.index if epoch == start.epoch else 0
                 if index > len(plan):
@@ -63,3 +69,4 @@ async def read_stage(
                     await send.send(PlannedPack(PackCursor(epoch, i), plan[i]))
     finally:
         send.close()
+        planner.close()
