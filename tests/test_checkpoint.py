@@ -1,4 +1,4 @@
-"""checkpoint.py: the export is exactly the servable format (DFLASH.md s.7, s.6 bug 5), loads back
+"""checkpoint.py: the export is exactly the servable format (docs/DFLASH.md s.7, s.6 bug 5), loads back
 identically, tolerates other tools' exports, and both writers are atomic."""
 
 from __future__ import annotations

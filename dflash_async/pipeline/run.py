@@ -32,7 +32,12 @@ from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import Throughput, report_stage
 from dflash_async.pipeline.stages.save import export_path, save_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
-from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
+from dflash_async.pipeline.startup import (
+    RunInputs,
+    build_drafter_step,
+    check_device_combination,
+    resolve_inputs,
+)
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer
 
@@ -165,8 +170,10 @@ class Workers:
 
 
 def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
-    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have."""
+    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have,
+    or for a combination not supported (check_device_combination)."""
     pipe = settings.pipeline
+    check_device_combination(pipe)
     return (
         parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
         parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
