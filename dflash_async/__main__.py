@@ -1,4 +1,4 @@
-"""Command line: run | settings | bench | regenerate | eval, and --version.
+"""Command line: run | settings | bench | regenerate | eval | report, and --version.
 
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
@@ -52,12 +52,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dflash_async.log import get_logger
     from dflash_async.pipeline.run import run
+    from dflash_async.runlog.record import open_run_record
 
     settings = _settings_and_logging()
     log = get_logger("dflash_async")
-    log.info("settings_loaded", **settings.public_dict())
     backend_options = {"use_uvloop": True} if sys.platform != "win32" else {}
-    return anyio.run(run, settings, log, backend="asyncio", backend_options=backend_options)
+    with open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
+                         log_settings=settings.log, log=log) as record:  # fmt: skip
+        log.info("settings_loaded", **settings.public_dict())
+        record.exit_code = anyio.run(
+            run, settings, log, backend="asyncio", backend_options=backend_options
+        )
+    return record.exit_code
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -76,12 +82,15 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks), `bench packing|data`."""
+    """Benchmarks: `bench drafter|graphs|target [...]` (GPU step, graph checks, target paths),
+    `bench packing|data`."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
     elif args.what == "graphs":
         from dflash_async.bench.graph_bench import main
+    elif args.what == "target":
+        from dflash_async.bench.target_bench import main
     elif args.what == "data":
         from dflash_async.bench.data_bench import main
     else:
@@ -103,6 +112,14 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         greedy=not args.sample, temperature=args.temperature, limit=args.limit,
     )  # fmt: skip
     print(json.dumps({"event": "regenerated", "path": str(path)}), flush=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Plots, summary table and report.html from run folders or JSON logs (several side by side)."""
+    from dflash_async.runlog.command import report
+
+    print(json.dumps({"event": "report_written", "path": str(report(args.runs, args.out))}))
     return 0
 
 
@@ -129,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("what", choices=("drafter", "graphs", "packing", "data"))
+    bench.add_argument("what", choices=("drafter", "graphs", "packing", "target", "data"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)
@@ -147,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
+    from dflash_async.runlog.command import add_arguments  # argparse only: no matplotlib yet
+
+    add_arguments(rep := sub.add_parser("report", help=cmd_report.__doc__))
+    rep.set_defaults(fn=cmd_report)
     return parser
 
 

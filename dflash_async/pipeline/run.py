@@ -1,7 +1,7 @@
 """The whole run in one process: stages and channels wired in one task group.
 
-    read ──packs──> target workers ──slots (ring)──> drafter workers ──records──> report
-                                                            └──> save (every N steps, at the end)
+    read ──packs──> target workers ──slots (a ring per drafter)──> drafter workers ──records──> report
+                                                                    └──> save (every N steps, at the end)
 
 `run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
 topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,22 +25,19 @@ import torch
 from dflash_async.data.packing import PackCursor, plan_epoch
 from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
 from dflash_async.model.flops import drafter_step_flops
-from dflash_async.pipeline.channels import SlotRing, open_channel
-from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline import workers as placing
+from dflash_async.pipeline.channels import open_channel
+from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
+from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
-from dflash_async.pipeline.stages.report import Throughput, report_stage
+from dflash_async.pipeline.stages.report import GpuBusy, Throughput, report_stage
 from dflash_async.pipeline.stages.save import export_path, save_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
-from dflash_async.pipeline.startup import (
-    RunInputs,
-    build_drafter_step,
-    check_device_combination,
-    resolve_inputs,
-)
+from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
-from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -145,78 +143,70 @@ def _evaluator(settings, inputs: RunInputs, drafter, target_worker, output_dir: 
     return evaluate
 
 
-def _slot_ring(settings: Settings, config, drafter_devices, feature_dtype) -> SlotRing:
-    """The hidden-state slots: on the drafter GPU when there is one, else in (pinned) host memory."""
-    unique = set(drafter_devices)
-    only = next(iter(unique))
-    device = only if len(unique) == 1 and only.type == "cuda" else torch.device("cpu")
-    return SlotRing(
-        settings.pipeline.num_slots,
-        token_budget=settings.train.token_budget,
-        feature_dim=config.num_features * config.hidden_size,
-        device=device,
-        feature_dtype=feature_dtype,
-    )
-
-
 @dataclass
 class Workers:
-    """The started worker threads and the state each holds."""
+    """The started worker threads, the state each holds, and the rings between them."""
 
     targets: list[DeviceWorker]
     target_runners: list[TargetRunner]
     drafters: list[DrafterRunner]
     feature_dtype: torch.dtype
+    rings: RingSet
+    homes: tuple[int | None, ...]  # per target: the ring it fills first
+    plan: Plan
+    target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
 
 
-def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
-    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have,
-    or for a combination not supported (check_device_combination)."""
-    pipe = settings.pipeline
-    check_device_combination(pipe)
-    return (
-        parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
-        parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
-    )
-
-
-async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, plan: Plan, log):
-    """One thread per worker device; targets loaded, drafters built (and captured) in them."""
+async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, samples, log):
+    """Place, then one thread per worker: targets loaded, drafters built (and captured)."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
-    target_devices, drafter_devices = _devices(settings)
     open_worker = lambda device, name, grad: stack.enter_async_context(  # noqa: E731
         open_device_worker(device, name, grad_enabled=grad)
     )
-    targets = [await open_worker(d, f"target{i}", False) for i, d in enumerate(target_devices)]
-    drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)]
-    feature_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
-    runners = [
-        await w.run(load_runner, inputs.target_path, device=w.device, dtype=feature_dtype,
-                    layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
-                    max_batch_tokens=pipe.target_batch_tokens)
-        for w in targets
-    ]  # fmt: skip
+    given = placing.given_roles(settings)
+    first = (given.targets if given else placing.candidate_devices(settings))[0]
+    feature_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
+    load = lambda w: w.run(load_runner, inputs.target_path, device=w.device,  # noqa: E731
+                           dtype=resolve_target_dtype(settings.target.dtype, w.device),
+                           layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
+                           max_batch_tokens=pipe.target_batch_tokens,
+                           packed_hybrid=settings.target.packed_hybrid)  # fmt: skip
+    targets = [await open_worker(first, "target0", False)]
+    runners = [await load(targets[0])]
+    roles = await placing.place(settings, inputs, samples, target=targets[0], runner=runners[0],
+                                log=log)  # fmt: skip
+    for i, device in enumerate(roles.targets[1:], start=1):
+        targets.append(await open_worker(device, f"target{i}", False))
+        runners.append(await load(targets[-1]))
+    plan = plan_steps(settings, samples.lengths, len(roles.drafters))
+    drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
-    return Workers(targets, runners, steps, feature_dtype)
+    rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
+                               feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
+    flops = placing.target_pack_flops(inputs)
+    return Workers(targets, runners, steps, feature_dtype, rings, roles.homes, plan, flops)
 
 
-def _throughput(settings: Settings, config, workers: Workers, ring: SlotRing, lag: LoopLag):
+def _throughput(settings: Settings, config, workers: Workers, lag: LoopLag):
     train = settings.train
+    targets = [(w, r.meter) for w, r in zip(workers.targets, workers.target_runners, strict=True)]
+    drafters = [(r.worker, r.meter) for r in workers.drafters]
     return Throughput(
-        ring,
-        [(w, r.meter) for w, r in zip(workers.targets, workers.target_runners, strict=True)],
-        [(r.worker, r.meter) for r in workers.drafters],
-        train.token_budget,
+        workers.rings, targets, drafters, train.token_budget,
         step_flops=lambda pairs: drafter_step_flops(
             config, token_budget=train.token_budget, num_anchors=train.num_anchors,
             visible_pairs=pairs,
         ),
         loop_lag_ms=lag.read_max_ms,
+        target_flops=workers.target_flops,
+        gpus=GpuBusy(targets + drafters),
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRing) -> None:
-    """read -> packs channel -> every target worker -> ring; closes the ring when all are done."""
+async def _produce(settings, samples, plan: Plan, workers: Workers) -> None:
+    """read -> packs channel -> every target worker -> rings (each target its home ring first,
+    else the one with room); closes the rings when all are done."""
+    rings = workers.rings
     train = settings.train
     send_packs, receive_packs = open_channel(2 * len(workers.targets), "packs")
     async with anyio.create_task_group() as producers:
@@ -224,34 +214,35 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRi
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
                                start=PackCursor(), epochs=plan.epochs, send=send_packs)
         )  # fmt: skip
-        for worker, runner in zip(workers.targets, workers.target_runners, strict=True):
+        for worker, runner, home in zip(
+            workers.targets, workers.target_runners, workers.homes, strict=True
+        ):
+            ring = rings.producer(home)
             producers.start_soon(target_stage, worker, runner, samples, receive_packs.clone(), ring)
         receive_packs.close()
-    ring.close()  # all producers done: the consumers drain the ring and stop
+    rings.close()  # all producers done: the consumers drain the rings and stop
 
 
 async def run(settings: Settings, log) -> int:
     """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
     started = time.perf_counter()
-    _, drafter_devices = _devices(settings)  # fail fast, before any loading
+    placing.check_devices(settings)  # fail fast, before any loading
     inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
-    plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
-             total_steps=plan.total_steps, drafter=cfg.__dict__)  # fmt: skip
+             drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(stack, settings, inputs, plan, log)
-        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
-        ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
+        workers = await _start_workers(stack, settings, inputs, samples, log)
+        plan = workers.plan
+        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
+                 total_steps=plan.total_steps)  # fmt: skip
         evaluate = _evaluator(
             settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
         )
         if settings.eval.at_start:
             await evaluate(0)
-        steps, signals, summary = await _train(
-            settings, samples, plan, workers, ring, evaluate, log
-        )
+        steps, signals, summary = await _train(settings, samples, plan, workers, evaluate, log)
         if settings.eval.at_end and not signals:
             summary["eval_tau"] = (await evaluate(steps)).get("tau")
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
@@ -260,11 +251,11 @@ async def run(settings: Settings, log) -> int:
     return EXIT_CODES[signals[0]] if signals else 0
 
 
-async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log):
+async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log):
     """The stage topology in data-flow order; returns (steps done, signals received, summary)."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
     lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
-    throughput = _throughput(settings, first.step.objective.drafter.config, workers, ring, lag)
+    throughput = _throughput(settings, first.step.objective.drafter.config, workers, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
@@ -274,16 +265,19 @@ async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing
             await evaluate(step)
 
     async def report() -> None:
-        summary.update(await report_stage(receive_records, throughput, log))
+        summary.update(await report_stage(
+            receive_records, throughput, log, total_steps=plan.total_steps,
+            tensorboard_dir=settings.log.tensorboard_dir,
+        ))  # fmt: skip
 
     async with anyio.create_task_group() as background:
         background.start_soon(lag.run)
         background.start_soon(_watch_signals, stop, signals)
-        background.start_soon(_produce, settings, samples, plan, workers, ring)
+        background.start_soon(_produce, settings, samples, plan, workers)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
-                workers.drafters, ring, send_records, first_step=0,
+                workers.drafters, workers.rings, send_records, first_step=0,
                 last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
             )  # fmt: skip
         await save_stage(first, output_dir, steps, log)  # the final export, also after a signal
