@@ -274,7 +274,7 @@ async def calibrate(
     tokens = float(np.mean([samples.lengths[p.indices].sum() for p in packs[1:]]))
     width = inputs.drafter_config.num_features * inputs.drafter_config.hidden_size
     slot = PackedBatch.empty(train.token_budget, width, device=target.device,
-                             feature_dtype=runner.staging.features.dtype)  # fmt: skip
+                             feature_dtype=runner.inputs.features.dtype)  # fmt: skip
     cuda = drafter.device.type == "cuda"
     step = await drafter.run(
         build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
@@ -306,7 +306,7 @@ def _fill(runner, samples, packs: list[PlannedPack], slot: PackedBatch) -> float
     """Seconds of the target on `packs` (run in its worker)."""
     started = time.perf_counter()
     for pack in packs:
-        produce.fill_slot(runner, samples, pack, slot)
+        produce.fill_slot(runner, produce.stage_inputs(runner, samples, pack), slot)
     return _finished(started)
 
 
