@@ -109,7 +109,7 @@ def test_how_samples_are_computed_does_not_change_the_key(tokenizer, data, tmp_p
 def test_an_unfinished_entry_is_not_read(tokenizer, data, tmp_path):
     cache = tmp_path / "cache"
     load(data, tokenizer, cache_dir=str(cache))
-    (entry,) = cache.iterdir()
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
     (entry / "summary.json").unlink()  # as if the writer died before finishing
     samples, cached = load(data, tokenizer, cache_dir=str(cache))
     assert not cached and len(samples) == 4
@@ -124,3 +124,34 @@ def test_without_a_cache_dir_nothing_is_left_on_disk(tokenizer, data, tmp_path, 
     samples, cached = load(data, tokenizer)
     assert not cached and len(samples) == 4 and json.dumps(samples.summary)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_loader_waits_for_the_one_building_the_entry_and_then_reads_it(
+    tokenizer, data, tmp_path, monkeypatch
+):
+    import shutil
+    import threading
+
+    from dflash_async.data import cache as data_cache
+
+    built = tmp_path / "elsewhere"
+    load(data, tokenizer, cache_dir=str(built))
+    (entry,) = [p for p in built.iterdir() if p.is_dir()]
+    key = entry.name.removeprefix("tokenized-")
+    target, results, asking = tmp_path / "shared", [], threading.Event()
+    entry_lock = data_cache.entry_lock
+
+    def announced_lock(*args):
+        asking.set()  # the loader is about to take the lock
+        return entry_lock(*args)
+
+    monkeypatch.setattr(data_cache, "entry_lock", announced_lock)
+    with entry_lock(target, key):  # another rank is building this entry
+        waiter = threading.Thread(
+            target=lambda: results.append(load(data, tokenizer, cache_dir=str(target)))
+        )
+        waiter.start()
+        assert asking.wait(timeout=60)
+        shutil.copytree(entry, target / entry.name)  # ... and publishes it
+    waiter.join(timeout=60)
+    assert len(results) == 1 and results[0][1]  # read from the cache, not built again

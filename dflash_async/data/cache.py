@@ -10,15 +10,18 @@ produce the same bytes and the first rename wins.
 
 The key hashes the data files (resolved path, size, mtime), the tokenizer's full definition and
 chat template, the options that change the samples (max_len, masking, role map, ...) and the
-cache version.
+cache version. A lock file per key makes the other ranks of a node wait for the one building it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,17 @@ def publish(temporary: Path, final: Path) -> Path:
             raise
         shutil.rmtree(temporary)
     return final
+
+
+@contextmanager
+def entry_lock(cache_dir: Path, key: str) -> Iterator[None]:
+    """Hold the lock of one key (an flock on `tokenized-<key>.lock`): the ranks of a node that
+    load the same data wait for the first one to build the entry instead of each building it.
+    Entries stay correct without it (the atomic rename); it saves the duplicated work."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"tokenized-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def temporary_entry(cache_dir: Path, key: str) -> Path:

@@ -135,16 +135,17 @@ def load_samples(
                                              options, encode, log), False  # fmt: skip
     else:
         key = cache.cache_key(files, tokenizer, asdict(encode))
-        entry = cache.read_entry(cache_dir, key)
-        cached = entry is not None
-        if entry is None:
-            temporary = cache.temporary_entry(cache_dir, key)
-            try:
-                built = _tokenize_into(temporary, path, files, tokenizer, options, encode, log)
-                final = cache.publish(temporary, cache.entry_path(cache_dir, key))
-                entry = cache.open_arrays(final), built.summary
-            finally:
-                shutil.rmtree(temporary, ignore_errors=True)
+        with cache.entry_lock(cache_dir, key):  # one builder per key; other ranks wait, then read
+            entry = cache.read_entry(cache_dir, key)
+            cached = entry is not None
+            if entry is None:
+                temporary = cache.temporary_entry(cache_dir, key)
+                try:
+                    built = _tokenize_into(temporary, path, files, tokenizer, options, encode, log)
+                    final = cache.publish(temporary, cache.entry_path(cache_dir, key))
+                    entry = cache.open_arrays(final), built.summary
+                finally:
+                    shutil.rmtree(temporary, ignore_errors=True)
         samples = TokenizedSamples(**entry[0], summary=entry[1])
     load_s = round(time.perf_counter() - started, 3)
     log.info("data_loaded", path=path, cached=cached, load_s=load_s, **samples.summary)
