@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from contextlib import nullcontext
 
 from dflash_async import __version__
 from dflash_async.settings import Settings, SettingsError, load_settings
@@ -51,14 +53,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     import anyio
 
     from dflash_async.log import get_logger
+    from dflash_async.pipeline.distributed import rank_info_from_env
     from dflash_async.pipeline.run import run
-    from dflash_async.runlog.record import open_run_record
+    from dflash_async.runlog.record import RunRecord, open_run_record
 
     settings = _settings_and_logging()
     log = get_logger("dflash_async")
     backend_options = {"use_uvloop": True} if sys.platform != "win32" else {}
-    with open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
-                         log_settings=settings.log, log=log) as record:  # fmt: skip
+    record_run = (  # several nodes: rank 0 alone keeps the run folder's record
+        open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
+                        log_settings=settings.log, log=log)
+        if rank_info_from_env(os.environ).is_writer
+        else nullcontext(RunRecord(settings.output_dir, 0))
+    )  # fmt: skip
+    with record_run as record:
         log.info("settings_loaded", **settings.public_dict())
         record.exit_code = anyio.run(
             run, settings, log, backend="asyncio", backend_options=backend_options

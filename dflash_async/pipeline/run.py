@@ -11,9 +11,10 @@ current step, save, and exit 130/143.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,15 @@ from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.channels import open_channel
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
+from dflash_async.pipeline.distributed import (
+    NodeReducer,
+    RankInfo,
+    check_same_run,
+    pick_backend,
+    process_group,
+    rank_info_from_env,
+    writer_first,
+)
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
@@ -65,12 +75,17 @@ class Plan:
     epochs: int | None  # None: loop over the data until max_steps
 
 
-def plan_steps(settings: Settings, lengths: np.ndarray, num_drafters: int) -> Plan:
-    """How many optimizer steps the run makes (each consumes one pack per drafter)."""
+def plan_steps(
+    settings: Settings, lengths: np.ndarray, num_drafters: int, *, node: RankInfo
+) -> Plan:
+    """How many optimizer steps the run makes (each consumes one pack per drafter); with several
+    nodes, every node's share of an epoch has the same number of packs (plan_epoch)."""
     train = settings.train
     if train.max_steps:
         return Plan(train.max_steps, None)
-    packs = len(plan_epoch(lengths, train.token_budget, train.seed, 0))
+    share = plan_epoch(lengths, train.token_budget, train.seed, 0, rank=node.rank,
+                       world_size=node.world_size)  # fmt: skip
+    packs = len(share)
     return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
 
 
@@ -106,15 +121,18 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
     return samples
 
 
-async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:
-    """Build each drafter in its own thread; capture graphs one device at a time."""
+async def _start_drafters(
+    settings, inputs, workers, total_steps, log, *, node_rank: int = 0
+) -> list[DrafterRunner]:
+    """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
+    drawn per drafter of the whole run (node_rank * drafters per node + local index)."""
     cuda = workers[0].device.type == "cuda"
     runners = []
     for rank, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
-            device=worker.device, rank=rank, total_steps=total_steps,
+            device=worker.device, rank=node_rank * len(workers) + rank, total_steps=total_steps,
             compile=cuda and settings.train.compile,
         )  # fmt: skip
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
@@ -157,7 +175,9 @@ class Workers:
     target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
 
 
-async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, samples, log):
+async def _start_workers(
+    stack: AsyncExitStack, settings, inputs: RunInputs, samples, log, *, node: RankInfo
+):
     """Place, then one thread per worker: targets loaded, drafters built (and captured)."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
     open_worker = lambda device, name, grad: stack.enter_async_context(  # noqa: E731
@@ -178,9 +198,14 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, sam
     for i, device in enumerate(roles.targets[1:], start=1):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
-    plan = plan_steps(settings, samples.lengths, len(roles.drafters))
+    plan = plan_steps(settings, samples.lengths, len(roles.drafters), node=node)
+    check_same_run(node, timeout_s=pipe.dist_timeout_s, samples=len(samples),
+                   tokens=int(samples.lengths.sum()), drafters=len(roles.drafters),
+                   total_steps=plan.total_steps)  # fmt: skip
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
-    steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
+    steps = await _start_drafters(
+        settings, inputs, drafters, plan.total_steps, log, node_rank=node.rank
+    )
     rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
                                feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
     flops = placing.target_pack_flops(inputs)
@@ -203,7 +228,7 @@ def _throughput(settings: Settings, config, workers: Workers, lag: LoopLag):
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers) -> None:
+async def _produce(settings, samples, plan: Plan, workers: Workers, node: RankInfo) -> None:
     """read -> packs channel -> every target worker -> rings (each target its home ring first,
     else the one with room); closes the rings when all are done."""
     rings = workers.rings
@@ -212,7 +237,8 @@ async def _produce(settings, samples, plan: Plan, workers: Workers) -> None:
     async with anyio.create_task_group() as producers:
         producers.start_soon(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
-                               start=PackCursor(), epochs=plan.epochs, send=send_packs)
+                               start=PackCursor(), epochs=plan.epochs, send=send_packs,
+                               rank=node.rank, world_size=node.world_size)
         )  # fmt: skip
         for worker, runner, home in zip(
             workers.targets, workers.target_runners, workers.homes, strict=True
@@ -223,42 +249,70 @@ async def _produce(settings, samples, plan: Plan, workers: Workers) -> None:
     rings.close()  # all producers done: the consumers drain the rings and stop
 
 
-async def run(settings: Settings, log) -> int:
-    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
+async def run(settings: Settings, log, environ: Mapping[str, str] | None = None) -> int:
+    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal).
+
+    Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
     started = time.perf_counter()
     placing.check_devices(settings)  # fail fast, before any loading
-    inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
+    async with _join_nodes(settings, environ, log) as node:
+        return await _run_node(settings, node, started, log)
+
+
+def _join_nodes(settings: Settings, environ: Mapping[str, str] | None, log):
+    """The process group of a torchrun/srun launch (nothing on a single node)."""
+    pipe, given = settings.pipeline, placing.given_roles(settings)
+    drafter_devices = given.drafters if given else placing.candidate_devices(settings)
+    return process_group(
+        rank_info_from_env(os.environ if environ is None else environ),
+        backend=pick_backend(pipe.dist_backend, drafter_devices),
+        timeout_s=pipe.dist_timeout_s, silence_s=pipe.dist_silence_s, log=log,
+    )  # fmt: skip
+
+
+async def _run_node(settings: Settings, node: RankInfo, started: float, log) -> int:
+    """This node's part of the run (the whole run on a single node)."""
+    inputs = await writer_first(  # CPU only: files
+        node, lambda: resolve_inputs(settings, log), timeout_s=settings.pipeline.dist_timeout_s
+    )
     samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(stack, settings, inputs, samples, log)
+        workers = await _start_workers(stack, settings, inputs, samples, log, node=node)
         plan = workers.plan
         log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
                  total_steps=plan.total_steps)  # fmt: skip
         evaluate = _evaluator(
             settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
         )
-        if settings.eval.at_start:
+        if settings.eval.at_start and node.is_writer:
             await evaluate(0)
-        steps, signals, summary = await _train(settings, samples, plan, workers, evaluate, log)
-        if settings.eval.at_end and not signals:
+        steps, signals, summary = await _train(
+            settings, samples, plan, workers, evaluate, log, node=node
+        )
+        if settings.eval.at_end and not signals and node.is_writer:
             summary["eval_tau"] = (await evaluate(steps)).get("tau")
+    if not node.is_writer:
+        return EXIT_CODES[signals[0]] if signals else 0
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
              wall_s=round(time.perf_counter() - started, 2),
              **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
     return EXIT_CODES[signals[0]] if signals else 0
 
 
-async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log):
-    """The stage topology in data-flow order; returns (steps done, signals received, summary)."""
+async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log, *, node):
+    """The stage topology in data-flow order; returns (steps done, signals received, summary).
+    On several nodes only rank 0 (the writer) saves and evaluates."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
     lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
     throughput = _throughput(settings, first.step.objective.drafter.config, workers, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
+        if not node.is_writer:
+            return
         if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
             await save_stage(first, output_dir, step, log)
         if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
@@ -273,13 +327,15 @@ async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log)
     async with anyio.create_task_group() as background:
         background.start_soon(lag.run)
         background.start_soon(_watch_signals, stop, signals)
-        background.start_soon(_produce, settings, samples, plan, workers)
+        background.start_soon(_produce, settings, samples, plan, workers, node)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
                 workers.drafters, workers.rings, send_records, first_step=0,
                 last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
+                across_nodes=NodeReducer() if node.distributed else None,
             )  # fmt: skip
-        await save_stage(first, output_dir, steps, log)  # the final export, also after a signal
+        if node.is_writer:  # the final export, also after a signal
+            await save_stage(first, output_dir, steps, log)
         background.cancel_scope.cancel()
     return steps, signals, summary

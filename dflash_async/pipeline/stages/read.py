@@ -37,9 +37,12 @@ async def read_stage(
     start: PackCursor,
     epochs: int | None,
     send: SendChannel[PlannedPack],
+    rank: int = 0,
+    world_size: int = 1,
     plan_in_process: bool | None = None,
 ) -> None:
     """Send every pack from `start` on (forever when epochs is None); closing is the end signal.
+    With several nodes, only this rank's share of each epoch (packing.plan_epoch).
 
     The bounded `send` channel is the backpressure: this stage waits while targets are busy, and
     the planner waits (one plan ahead) while this stage does. `plan_in_process`: None = by size.
@@ -56,7 +59,7 @@ async def read_stage(
 
     planner = await anyio.to_thread.run_sync(  # writes the lengths for a planner process
         partial(EpochPlanner, lengths, token_budget=token_budget, seed=seed,
-                in_process=plan_in_process)
+                in_process=plan_in_process, plan_kwargs={"rank": rank, "world_size": world_size})
     )  # fmt: skip
     try:
         async with anyio.create_task_group() as group, receive_plans:
