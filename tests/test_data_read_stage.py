@@ -18,7 +18,7 @@ BUDGET = 256
 
 
 async def sent_packs(
-    start: PackCursor, epochs: int, in_process: bool = False
+    start: PackCursor, epochs: int, in_process: bool = False, rank: int = 0, world_size: int = 1
 ) -> list[tuple[PackCursor, list[int]]]:
     send, receive = open_channel(2, "packs")
     got = []
@@ -26,7 +26,8 @@ async def sent_packs(
         async with anyio.create_task_group() as group:
             group.start_soon(lambda: read.read_stage(LENGTHS, token_budget=BUDGET, seed=3,
                                                      start=start, epochs=epochs, send=send,
-                                                     plan_in_process=in_process))  # fmt: skip
+                                                     plan_in_process=in_process, rank=rank,
+                                                     world_size=world_size))  # fmt: skip
             async for pack in receive:
                 got.append((pack.cursor, pack.indices.tolist()))
     return got
@@ -55,10 +56,12 @@ async def test_epochs_are_planned_off_the_event_loop_thread(monkeypatch):
 
 
 @pytest.mark.anyio
-async def test_a_planner_process_gives_the_same_packs():
+async def test_a_planner_process_gives_the_same_packs_of_each_rank():
     start = PackCursor(1, 2)
-    want = [(c, p.tolist()) for c, p in iter_packs(LENGTHS, BUDGET, 3, start=start, epochs=3)]
-    assert await sent_packs(start, 3, in_process=True) == want
+    for rank in (0, 1):
+        packs = iter_packs(LENGTHS, BUDGET, 3, start=start, epochs=3, rank=rank, world_size=2)
+        want = [(c, p.tolist()) for c, p in packs]
+        assert await sent_packs(start, 3, in_process=True, rank=rank, world_size=2) == want
 
 
 @pytest.mark.anyio

@@ -26,7 +26,7 @@ class EpochPlan:
     """One epoch's packs: pack i is order[bounds[i]:bounds[i+1]] (sample indices)."""
 
     def __init__(self, order: np.ndarray, bounds: np.ndarray) -> None:
-        self.order = order  # [n] int64
+        self.order = order  # [n] int64: this rank's samples in plan order
         self.bounds = bounds  # [packs + 1] int64
 
     def __len__(self) -> int:
@@ -50,7 +50,7 @@ def _plan_to_file(lengths_path: str, out_path: str, args: tuple, kwargs: dict) -
     lengths = np.load(lengths_path, mmap_mode="r")
     plan = flatten_plan(plan_epoch(np.asarray(lengths), *args, **kwargs))
     np.save(out_path, np.concatenate([plan.order, plan.bounds]))
-    return len(lengths)
+    return len(plan.order)  # this rank's samples: all of them only with one rank
 
 
 class EpochPlanner:
@@ -88,10 +88,10 @@ class EpochPlanner:
         folder = Path(self._folder.name)
         out = folder / f"plan-{epoch}.npy"
         job = (str(folder / "lengths.npy"), str(out), (self.token_budget, self.seed, epoch))
-        num_samples = self._pool.submit(_plan_to_file, *job, self.plan_kwargs).result()
-        flat = np.load(out, mmap_mode="r")  # [n + packs + 1]
+        planned = self._pool.submit(_plan_to_file, *job, self.plan_kwargs).result()
+        flat = np.load(out, mmap_mode="r")  # [planned samples + packs + 1]
         out.unlink()  # the mapping stays valid; the file goes once it is unmapped
-        return EpochPlan(flat[:num_samples], flat[num_samples:])
+        return EpochPlan(flat[:planned], flat[planned:])
 
     def close(self) -> None:
         if self._pool is not None:  # a plan still running finishes in the background
