@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from dflash_async.data.formats import DEFAULT_ROLE_MAP, parse_role_map
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
 
 PREFIX = "DFLASH_"
@@ -133,10 +134,16 @@ class DataSettings(_Section):
     """What happens to a sample longer than max_len."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A malformed record stops the run (error, naming file and line) or is counted and skipped."""
+    role_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ROLE_MAP))
+    """Role aliases as alias=role pairs (gpt=assistant,human=user) or JSON; replaces the default
+    table (ShareGPT's human -> user, gpt/chatgpt/bing/bard -> assistant, ...)."""
     cache_dir: str = ""
-    """Where tokenized data is cached; empty = no on-disk cache."""
-    num_proc: int = Field(1, ge=1)
-    """Processes used to tokenize the data set."""
+    """Where tokenized data is cached (memory-mapped, shared by later runs and every rank);
+    empty = no on-disk cache."""
+    workers: int = Field(0, ge=0)
+    """Processes used to tokenize the data set; 0 = one per CPU core."""
+
+    _parse_role_map = field_validator("role_map", mode="before")(parse_role_map)
 
 
 class TrainSettings(_Section):

@@ -225,7 +225,7 @@ def test_the_cache_is_missed_when_data_options_or_tokenizer_change(tokenizer, tm
         load(path, tok, log, cache_dir=cache, **options)
         return log.events[0]["cached"]
 
-    assert cached(num_proc=2)  # how it was computed does not matter
+    assert cached(workers=2)  # how it was computed does not matter
     assert not cached(enable_thinking=False)
     assert not cached(tok=qwen3_like_tokenizer(trim_offsets=True))
     os.utime(data, ns=(1, 1))
@@ -235,7 +235,7 @@ def test_the_cache_is_missed_when_data_options_or_tokenizer_change(tokenizer, tm
 def test_parallel_tokenization_equals_serial(tokenizer, tmp_path):
     records = chat_records() * 160  # 640 records: 3 chunks for 2 processes
     path = write_jsonl(tmp_path / "many.jsonl", records)
-    assert_same(load(path, tokenizer, num_proc=2), load(path, tokenizer))
+    assert_same(load(path, tokenizer, workers=2), load(path, tokenizer))
 
 
 def test_options_with_bad_values_name_them():

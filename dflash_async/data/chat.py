@@ -25,7 +25,8 @@ from itertools import accumulate
 from typing import Any
 
 import numpy as np
-from transformers.utils.chat_template_utils import render_jinja_template
+
+from dflash_async.data.rendering import render_chat
 
 # Appended to one assistant turn's content to find where that turn ends in the full rendering.
 # Invisible separators around ASCII: no template strips or splits on it.
@@ -47,25 +48,6 @@ def chat_template_of(tokenizer: Any) -> str:
         name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
         raise ChatMaskError(f"tokenizer {name!r} has no chat template; chat data needs one")
     return template
-
-
-def render_chat(
-    template: str,
-    messages: Sequence[Message],
-    *,
-    add_generation_prompt: bool,
-    enable_thinking: bool,
-    tools: list[dict] | None = None,
-) -> str:
-    """Render `messages` exactly as `tokenizer.apply_chat_template(tokenize=False)` would."""
-    rendered, _ = render_jinja_template(
-        conversations=[list(messages)],
-        tools=tools,
-        chat_template=template,
-        add_generation_prompt=add_generation_prompt,
-        enable_thinking=enable_thinking,
-    )
-    return rendered[0]
 
 
 def common_prefix_len(a: str, b: str) -> int:

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dflash_async.checkpoint import load_drafter_export
-from dflash_async.data.samples import (
+from dflash_async.data.formats import (
     BadRecord,
     DataError,
     chat_messages,

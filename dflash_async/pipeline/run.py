@@ -104,17 +104,18 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
         loss_turns=data.loss_turns,
         too_long=data.too_long,
         on_bad_record=data.on_bad_record,
+        role_map=data.role_map,
         cache_dir=data.cache_dir or None,
-        num_proc=data.num_proc,
+        workers=data.workers,
     )
     tokenizer = load_target_tokenizer(inputs.target_path)
     samples = load_samples(
         inputs.data_path, tokenizer, options=options, block_size=settings.train.block_size, log=log
     )
     vocab = inputs.drafter_config.vocab_size
-    if len(samples.tokens) and int(samples.tokens.max()) >= vocab:  # would index past the embedding
+    if samples.max_token_id >= vocab:  # would index past the embedding
         raise DataError(
-            f"{inputs.data_path}: token id {int(samples.tokens.max())} is outside the target's "
+            f"{inputs.data_path}: token id {samples.max_token_id} is outside the target's "
             f"vocabulary ({vocab} ids)"
         )
     return samples

@@ -1,13 +1,24 @@
-"""Read stage: plan packs of whole documents and hand them to the target workers, in order."""
+"""Read stage: plan packs of whole documents and hand them to the target workers, in order.
+
+Planning an epoch is seconds of numpy at millions of samples (a sort, a cumsum, one split per
+pack), so it never runs on the event loop: a planner task has each epoch planned (in a separate
+process for large data sets, data/planner.py) from a worker thread, one epoch ahead of the packs
+being sent (a one-slot channel between them). The loop only slices each pack out of the finished
+plan. Everything per pack that the target needs from the host (the samples' lengths, the token
+count) is read from arrays computed once, not per pack.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+import anyio
 import numpy as np
 
-from dflash_async.data.packing import PackCursor, iter_packs
-from dflash_async.pipeline.channels import SendChannel
+from dflash_async.data.packing import PackCursor
+from dflash_async.data.planner import EpochPlanner
+from dflash_async.pipeline.channels import SendChannel, open_channel
 
 
 @dataclass(frozen=True)
@@ -28,17 +39,37 @@ async def read_stage(
     send: SendChannel[PlannedPack],
     rank: int = 0,
     world_size: int = 1,
+    plan_in_process: bool | None = None,
 ) -> None:
     """Send every pack from `start` on (forever when epochs is None); closing is the end signal.
     With several nodes, only this rank's share of each epoch (packing.plan_epoch).
 
-    Planning one epoch is numpy on the loop thread (~10 ms per 100k samples, under the loop-lag
-    budget). The bounded channel is the backpressure: this stage waits while targets are busy.
+    The bounded `send` channel is the backpressure: this stage waits while targets are busy, and
+    the planner waits (one plan ahead) while this stage does. `plan_in_process`: None = by size.
     """
+    send_plans, receive_plans = open_channel(1, "plans")  # (epoch, packs): one epoch ahead
+
+    async def plan_epochs(planner: EpochPlanner) -> None:
+        async with send_plans:
+            epoch = start.epoch
+            while epochs is None or epoch < epochs:
+                plan = await anyio.to_thread.run_sync(planner.plan, epoch, abandon_on_cancel=True)
+                await send_plans.send((epoch, plan))
+                epoch += 1
+
+    planner = await anyio.to_thread.run_sync(  # writes the lengths for a planner process
+        partial(EpochPlanner, lengths, token_budget=token_budget, seed=seed,
+                in_process=plan_in_process, plan_kwargs={"rank": rank, "world_size": world_size})
+    )  # fmt: skip
     try:
-        packs = iter_packs(lengths, token_budget, seed, start=start, epochs=epochs, rank=rank,
-                           world_size=world_size)  # fmt: skip
-        for cursor, indices in packs:
-            await send.send(PlannedPack(cursor, indices))
+        async with anyio.create_task_group() as group, receive_plans:
+            group.start_soon(plan_epochs, planner)
+            async for epoch, plan in receive_plans:
+                index = start.index if epoch == start.epoch else 0
+                if index > len(plan):
+                    raise ValueError(f"{start} is past the {len(plan)} packs of epoch {epoch}")
+                for i in range(index, len(plan)):
+                    await send.send(PlannedPack(PackCursor(epoch, i), plan[i]))
     finally:
         send.close()
+        planner.close()

@@ -1,0 +1,232 @@
+"""`python -m dflash_async bench data`: the read stage at the scale of real drafter data, on CPU.
+
+Three measurements, each printed as a table:
+- tokenization: records/s of `load_samples` (no cache) on synthetic ShareGPT conversations of
+  ~1k tokens (3 user/assistant exchanges), with the tiny target's tokenizer and with the
+  Qwen-style byte-level BPE built by the repository's tests/fixtures/chat_tokenizer.py, in one
+  process and with worker processes;
+- cached reload: `load_samples` of a cache entry holding 1 M samples (written directly, so the
+  bench does not tokenize 1 M records first);
+- planning off the loop: the read stage planning one epoch of 5 M synthetic lengths in its
+  worker thread while a task ticks every 1 ms; reports the loop lag (how late the tick wakes)
+  during planning and, as the floor this machine gives, while idle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import resource
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from dflash_async.bench.packing_bench import format_table, synthetic_lengths
+from dflash_async.data import cache
+from dflash_async.data.formats import resolve_files
+from dflash_async.data.packing import PackCursor
+from dflash_async.data.samples import DataOptions, encode_options, load_samples
+from dflash_async.pipeline.channels import open_channel
+from dflash_async.pipeline.stages.read import read_stage
+from dflash_async.settings import repo_root
+from dflash_async.target.tiny import tiny_tokenizer
+
+EXCHANGES = 3
+USER_WORDS, ASSISTANT_WORDS = 60, 190  # ~1k tokens per conversation with either tokenizer
+
+
+class _Quiet:
+    def info(self, event: str, **fields: Any) -> None:
+        pass
+
+
+def _fixtures() -> Any:
+    """tests/fixtures/chat_tokenizer.py of this repository, loaded by path."""
+    path = repo_root() / "tests" / "fixtures" / "chat_tokenizer.py"
+    if not path.is_file():
+        raise SystemExit(f"bench data needs the repository's {path}")
+    spec = importlib.util.spec_from_file_location("chat_tokenizer_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the tokenizer workers): the figure
+    that does not depend on what else shares the machine's cores."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def sharegpt_records(num: int, words: list[str], text: Any, seed: int = 0) -> list[dict]:
+    """ShareGPT conversations of EXCHANGES human/gpt exchanges; `text(rng, words, n)` writes."""
+    rng = random.Random(seed)
+    return [
+        {
+            "conversations": [
+                turn
+                for _ in range(EXCHANGES)
+                for turn in (
+                    {"from": "human", "value": text(rng, words, USER_WORDS)},
+                    {"from": "gpt", "value": text(rng, words, ASSISTANT_WORDS)},
+                )
+            ]
+        }
+        for _ in range(num)
+    ]
+
+
+def bench_tokenization(num_records: int, workers: list[int]) -> list[dict]:
+    fixtures = _fixtures()
+    tiny = tiny_tokenizer()
+    tokenizers = {
+        "tiny": (tiny, sorted(w for w in tiny.get_vocab() if w.isalpha())),
+        "qwen_style": (fixtures.qwen_style_tokenizer(), fixtures.english_like_words(20_000)),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, (tokenizer, words) in tokenizers.items():
+            path = Path(folder) / f"{name}.jsonl"
+            records = sharegpt_records(num_records, words, fixtures.english_like_text)
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
+            for count in workers:
+                options = DataOptions(max_len=4096, enable_thinking=False, workers=count)
+                started, cpu = time.perf_counter(), _cpu_s()
+                samples = load_samples(
+                    str(path), tokenizer, options=options, block_size=16, log=_Quiet()
+                )
+                seconds, cpu_s = time.perf_counter() - started, _cpu_s() - cpu
+                rows.append(
+                    {
+                        "tokenizer": name,
+                        "workers": count,
+                        "records": num_records,
+                        "tokens_per_record": round(len(samples.tokens) / len(samples)),
+                        "seconds": round(seconds, 2),
+                        "records_per_s": round(num_records / seconds),
+                        "cpu_s": round(cpu_s, 2),  # this process + finished worker processes
+                        "records_per_cpu_s": round(num_records / cpu_s),
+                    }
+                )
+                print(format_table(rows[-1]), flush=True)
+    return rows
+
+
+def bench_cached_reload(num_samples: int, mean_len: int = 64) -> dict:
+    """Write a `num_samples` entry under the key load_samples computes, then time the reload."""
+    tokenizer = tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as folder:
+        data = Path(folder) / "d.jsonl"
+        data.write_text("{}\n")
+        options = DataOptions(cache_dir=str(Path(folder) / "cache"))
+        encode = encode_options(options, block_size=16)
+        key = cache.cache_key(resolve_files(str(data)), tokenizer, asdict(encode))
+        temporary = cache.temporary_entry(Path(options.cache_dir), key)
+        lengths = rng.integers(mean_len // 2, 3 * mean_len // 2, num_samples)  # [n]
+        written = time.perf_counter()
+        with cache.ArrayWriter(temporary) as writer:
+            for part in np.array_split(lengths, 100):
+                tokens = rng.integers(0, len(tokenizer), int(part.sum()), dtype=np.int32)
+                writer.append(tokens, tokens % 3 > 0, part)
+            writer.finish({"samples": num_samples, "max_token_id": writer.max_token_id})
+        cache.publish(temporary, cache.entry_path(Path(options.cache_dir), key))
+        write_s = time.perf_counter() - written
+        started = time.perf_counter()
+        samples = load_samples(str(data), tokenizer, options=options, block_size=16, log=_Quiet())
+        reload_s = time.perf_counter() - started
+        assert len(samples) == num_samples and int(samples.lengths.sum()) == lengths.sum()
+    figures = {
+        "samples": num_samples,
+        "tokens": int(lengths.sum()),
+        "write_s": round(write_s, 2),
+        "reload_s": round(reload_s, 3),
+    }
+    print(format_table(figures), flush=True)
+    return figures
+
+
+async def _ticks(lags: list[float], stop: anyio.Event) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        await anyio.sleep(0.001)
+        lags.append(time.perf_counter() - started - 0.001)
+
+
+async def _plan_with_ticks(lengths: np.ndarray, token_budget: int, in_process: bool) -> dict:
+    """Loop lag while idle (the machine's floor), while epoch 0 is planned (start to the first
+    pack: the planner's start-up included), and while packs are taken at 500/s for `after_s`
+    (the next epoch is planned ahead meanwhile)."""
+    idle: list[float] = []
+    stop = anyio.Event()
+    async with anyio.create_task_group() as group:
+        group.start_soon(_ticks, idle, stop)
+        await anyio.sleep(2.0)
+        stop.set()
+    planning: list[float] = []
+    sending: list[float] = []
+    send, receive = open_channel(4, "packs")
+    started = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        stop = anyio.Event()
+        group.start_soon(_ticks, planning, stop)
+        group.start_soon(lambda: read_stage(lengths, token_budget=token_budget, seed=0,
+                                            start=PackCursor(), epochs=None, send=send,
+                                            plan_in_process=in_process))  # fmt: skip
+        await receive.receive()
+        plan_s = time.perf_counter() - started
+        stop.set()
+        stop = anyio.Event()
+        group.start_soon(_ticks, sending, stop)
+        with anyio.move_on_after(max(5.0, 2.5 * plan_s)):
+            async for _ in receive:
+                await anyio.sleep(0.002)
+        stop.set()
+        group.cancel_scope.cancel()
+    ms = lambda xs, q: round(float(np.percentile(np.array(xs) * 1e3, q)), 2)  # noqa: E731
+    over = lambda xs: f"{sum(x > 0.005 for x in xs)} of {len(xs)}"  # noqa: E731
+    figures = {"planner": "process" if in_process else "thread", "samples": len(lengths),
+               "first_pack_s": round(plan_s, 2)}  # fmt: skip
+    for name, lags in (("planning", planning), ("sending", sending), ("idle", idle)):
+        figures |= {f"{name}_lag_max_ms": ms(lags, 100), f"{name}_lag_p99_ms": ms(lags, 99),
+                    f"{name}_ticks_over_5ms": over(lags)}  # fmt: skip
+    return figures
+
+
+def bench_planning(num_samples: int, token_budget: int = 49152) -> list[dict]:
+    """The read stage planning one epoch in a process (the default at this size) and, for
+    comparison, in a thread of this process."""
+    lengths = synthetic_lengths(num_samples, 3072, seed=0)
+    rows = []
+    for in_process in (True, False):
+        rows.append(anyio.run(_plan_with_ticks, lengths, token_budget, in_process))
+        print(format_table(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_async bench data")
+    parser.add_argument("--records", type=int, default=2000, help="tokenization records")
+    parser.add_argument("--workers", default="1,2", help="comma list of worker counts")
+    parser.add_argument("--reload-samples", type=int, default=1_000_000)
+    parser.add_argument("--plan-samples", type=int, default=5_000_000)
+    parser.add_argument("--only", choices=("tokenize", "reload", "plan"), default=None)
+    options = parser.parse_args(argv)
+    if options.only in (None, "tokenize"):
+        bench_tokenization(options.records, [int(w) for w in options.workers.split(",")])
+    if options.only in (None, "reload"):
+        bench_cached_reload(options.reload_samples)
+    if options.only in (None, "plan"):
+        bench_planning(options.plan_samples)
+    return 0
