@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -29,16 +30,21 @@ def _settings_and_logging() -> Settings:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a drafter with the DFLASH_* settings (no settings: the CPU demo)."""
-    import anyio
+    from dflash_async.pipeline.shutdown import Shutdown  # light: signals handled before imports
 
-    from dflash_async.log import get_logger
-    from dflash_async.pipeline.run import run
+    shutdown = Shutdown()
+    with shutdown.installed():
+        import anyio
 
-    settings = _settings_and_logging()
-    log = get_logger("dflash_async")
-    log.info("settings_loaded", **settings.public_dict())
-    backend_options = {"use_uvloop": True} if sys.platform != "win32" else {}
-    return anyio.run(run, settings, log, backend="asyncio", backend_options=backend_options)
+        from dflash_async.log import get_logger
+        from dflash_async.pipeline.run import run
+
+        settings = _settings_and_logging()
+        log = get_logger("dflash_async")
+        log.info("settings_loaded", **settings.public_dict())
+        options = {"use_uvloop": True} if sys.platform != "win32" else {}
+        main = functools.partial(run, settings, log, shutdown=shutdown)
+        return anyio.run(main, backend="asyncio", backend_options=options)
 
 
 def cmd_settings(args: argparse.Namespace) -> int:

@@ -19,8 +19,6 @@ import gzip
 import hashlib
 import json
 import multiprocessing
-import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -35,6 +33,7 @@ import jinja2
 import numpy as np
 from tqdm import tqdm
 
+from dflash_async.atomic import atomic_directory
 from dflash_async.data.chat import ChatMaskError, encode_chat, supervised_turns
 
 ROLE_ALIASES = {
@@ -437,17 +436,10 @@ def read_cache(cache_dir: Path, key: str) -> TokenizedSamples | None:
 
 
 def write_cache(cache_dir: Path, key: str, samples: TokenizedSamples) -> Path:
-    """Write the samples under `key`: into a temporary folder, then renamed (atomic)."""
+    """Write the samples under `key` atomically; a copy another process finished first wins."""
     final = cache_dir / f"tokenized-{key}"
-    temporary = cache_dir / f".tokenized-{key}.tmp-{os.getpid()}"
-    temporary.mkdir(parents=True, exist_ok=True)
-    for name in CACHE_ARRAYS:
-        np.save(temporary / f"{name}.npy", np.ascontiguousarray(getattr(samples, name)))
-    (temporary / "summary.json").write_text(json.dumps(samples.summary))
-    try:
-        temporary.rename(final)
-    except OSError:
-        if not final.is_dir():  # not another process finishing the same cache first
-            raise
-        shutil.rmtree(temporary)
+    with atomic_directory(final, keep_existing=True) as temporary:
+        for name in CACHE_ARRAYS:
+            np.save(temporary / f"{name}.npy", np.ascontiguousarray(getattr(samples, name)))
+        (temporary / "summary.json").write_text(json.dumps(samples.summary))
     return final

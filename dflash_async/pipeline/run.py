@@ -6,12 +6,11 @@
 `run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
 topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
 everything and propagates; closing a channel is the end signal; SIGINT/SIGTERM stop after the
-current step, save, and exit 130/143.
+current step (start-up and evaluations at once), save, and exit 130/143 (shutdown.py).
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -26,17 +25,17 @@ from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, 
 from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline.channels import SlotRing, open_channel
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline.resume import Resume, resume_point
+from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import Throughput, report_stage
-from dflash_async.pipeline.stages.save import export_path, save_stage
-from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
+from dflash_async.pipeline.stages.save import Saver, check_output_dir, export_path
+from dflash_async.pipeline.stages.train import DrafterRunner, Progress, train_steps
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer
-
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class LoopLag:
@@ -69,13 +68,6 @@ def plan_steps(settings: Settings, lengths: np.ndarray, num_drafters: int) -> Pl
         return Plan(train.max_steps, None)
     packs = len(plan_epoch(lengths, train.token_budget, train.seed, 0))
     return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
-
-
-async def _watch_signals(stop: anyio.Event, received: list[int]) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            received.append(signum)
-            stop.set()
 
 
 def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
@@ -207,14 +199,16 @@ def _throughput(settings: Settings, config, workers: Workers, ring: SlotRing, la
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRing) -> None:
+async def _produce(
+    settings, samples, plan: Plan, workers: Workers, ring: SlotRing, start: PackCursor
+) -> None:
     """read -> packs channel -> every target worker -> ring; closes the ring when all are done."""
     train = settings.train
     send_packs, receive_packs = open_channel(2 * len(workers.targets), "packs")
     async with anyio.create_task_group() as producers:
         producers.start_soon(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
-                               start=PackCursor(), epochs=plan.epochs, send=send_packs)
+                               start=start, epochs=plan.epochs, send=send_packs)
         )  # fmt: skip
         for worker, runner in zip(workers.targets, workers.target_runners, strict=True):
             producers.start_soon(target_stage, worker, runner, samples, receive_packs.clone(), ring)
@@ -222,62 +216,109 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, ring: SlotRi
     ring.close()  # all producers done: the consumers drain the ring and stop
 
 
-async def run(settings: Settings, log) -> int:
-    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal)."""
+async def run(settings: Settings, log, *, shutdown: Shutdown | None = None) -> int:
+    """Train a drafter end to end; returns the exit code: 0, or 130/143 after SIGINT/SIGTERM
+    (handled from this first line: shutdown.py). `python -m dflash_async run` passes a Shutdown
+    that ends the process after a signal; without one, run returns the code."""
+    shutdown = shutdown or Shutdown(hard_exit=False)
+    with shutdown.installed():
+        await shutdown.attach()
+        return await _run(settings, log, shutdown)
+
+
+async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
     started = time.perf_counter()
+    output_dir = check_output_dir(Path(settings.output_dir))  # exit 2 before any work
     _, drafter_devices = _devices(settings)  # fail fast, before any loading
-    inputs = await anyio.to_thread.run_sync(resolve_inputs, settings, log)  # CPU only: files
-    samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
-    plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
-    cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
+    with shutdown.interruptible():  # CPU only, files: an abandoned thread is harmless
+        inputs = await anyio.to_thread.run_sync(
+            resolve_inputs, settings, log, abandon_on_cancel=True
+        )
+        samples = await anyio.to_thread.run_sync(
+            _read_data, settings, inputs, log, abandon_on_cancel=True
+        )
+        plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
+        resume = await anyio.to_thread.run_sync(
+            resume_point,
+            settings,
+            inputs,
+            samples,
+            plan.total_steps,
+            output_dir,
+            abandon_on_cancel=True,
+        )
+    if shutdown.requested:
+        return _interrupted(shutdown, 0, log)
+    cfg = inputs.drafter_config
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              total_steps=plan.total_steps, drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(stack, settings, inputs, plan, log)
-        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
-        ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
-        evaluate = _evaluator(
-            settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
+        with shutdown.interruptible():  # loading, compile, capture, first evaluation
+            workers = await _start_workers(stack, settings, inputs, plan, log)
+            await resume.restore(workers.drafters, log)
+            log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
+            ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
+            evaluate = _evaluator(
+                settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
+            )
+            if settings.eval.at_start and resume.state is None:
+                await evaluate(0)
+        if shutdown.requested:  # nothing new to save: no step ran
+            return _interrupted(shutdown, resume.step, log)
+        steps, summary = await _train(
+            settings, samples, plan, workers, ring, evaluate, log, shutdown, resume
         )
-        if settings.eval.at_start:
-            await evaluate(0)
-        steps, signals, summary = await _train(
-            settings, samples, plan, workers, ring, evaluate, log
-        )
-        if settings.eval.at_end and not signals:
-            summary["eval_tau"] = (await evaluate(steps)).get("tau")
+        if settings.eval.at_end and not shutdown.requested:
+            with shutdown.interruptible():
+                summary["eval_tau"] = (await evaluate(steps)).get("tau")
+        if shutdown.requested:  # inside the stack: a hard exit does not wait for busy threads
+            return _interrupted(shutdown, steps, log)
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
              wall_s=round(time.perf_counter() - started, 2),
              **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
-    return EXIT_CODES[signals[0]] if signals else 0
+    return 0
 
 
-async def _train(settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log):
-    """The stage topology in data-flow order; returns (steps done, signals received, summary)."""
+def _interrupted(shutdown: Shutdown, step: int, log) -> int:
+    log.info("train_interrupted", step=step, reason=shutdown.reason)
+    return shutdown.finish(shutdown.exit_code)
+
+
+async def _train(
+    settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log,
+    shutdown: Shutdown, resume: Resume,
+):  # fmt: skip
+    """The stage topology in data-flow order; returns (steps done, summary)."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
-    lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
+    lag, summary, progress = LoopLag(), {}, Progress(resume.cursor)
     throughput = _throughput(settings, first.step.objective.drafter.config, workers, ring, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
         if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
-            await save_stage(first, output_dir, step, log)
+            await saver.save(step, progress.cursor)
         if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
-            await evaluate(step)
+            with shutdown.interruptible():
+                await evaluate(step)
 
     async def report() -> None:
         summary.update(await report_stage(receive_records, throughput, log))
 
     async with anyio.create_task_group() as background:
+        saver = Saver(workers.drafters, output_dir, keep=train.keep_checkpoints, seed=train.seed,
+                      run=resume.identity, tasks=background, log=log)  # fmt: skip
+        saver.last_step = resume.step if resume.state else None
         background.start_soon(lag.run)
-        background.start_soon(_watch_signals, stop, signals)
-        background.start_soon(_produce, settings, samples, plan, workers, ring)
+        background.start_soon(_produce, settings, samples, plan, workers, ring, progress.cursor)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
-                workers.drafters, ring, send_records, first_step=0,
-                last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
+                workers.drafters, ring, send_records, first_step=resume.step,
+                last_step=plan.total_steps, stop=shutdown.stopping, on_step_end=between_steps,
+                progress=progress,
             )  # fmt: skip
-        await save_stage(first, output_dir, steps, log)  # the final export, also after a signal
+        if steps > resume.step:  # the final checkpoint, also after a signal
+            await saver.save(steps, progress.cursor)
+        await saver.wait()
         background.cancel_scope.cancel()
-    return steps, signals, summary
+    return steps, summary

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import torch
 
+from dflash_async.data.packing import PackCursor
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
 from dflash_async.pipeline.channels import SendChannel, SlotRing
@@ -88,6 +89,24 @@ class StepRecord:
     finished_at: float
 
 
+@dataclass
+class Progress:
+    """The data cursor of the training loop: the next pack after the last one trained on.
+
+    With one target worker packs reach the drafters in plan order, so resuming from `cursor`
+    replays exactly the packs an uninterrupted run would have trained on next. With several
+    target workers packs can overtake each other (by at most the ring's slots); the cursor is
+    then the furthest pack trained on, and resuming skips the few overtaken ones.
+    """
+
+    cursor: PackCursor = field(default_factory=PackCursor)
+
+    def consumed(self, metas: list[dict]) -> None:
+        cursors = [m["cursor"] for m in metas if "cursor" in m]
+        if cursors:
+            self.cursor = max(self.cursor, max(cursors).next())
+
+
 async def _each(runners: list[DrafterRunner], fn_name: str, *args_per_runner) -> list[Any]:
     """Run one method on every drafter's worker concurrently; results in drafter order."""
     results: list[Any] = [None] * len(runners)
@@ -112,11 +131,13 @@ async def train_steps(
     last_step: int,
     stop: anyio.Event,
     on_step_end=None,
+    progress: Progress | None = None,
 ) -> int:
     """Optimizer steps first_step..last_step-1; returns the next step index.
 
     Ends early when the ring is drained (the data is exhausted) or `stop` is set (a signal).
-    `on_step_end(step)` (async) runs between steps: periodic checkpoints.
+    `on_step_end(step)` (async) runs between steps: periodic checkpoints; `progress.cursor`
+    is then the data cursor after that step.
     """
     step = first_step
     try:
@@ -135,6 +156,8 @@ async def train_steps(
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
             step += 1
+            if progress is not None:
+                progress.consumed(meta)
             if on_step_end is not None:
                 await on_step_end(step)
     finally:

@@ -1,0 +1,74 @@
+"""Resume: where a run starts (a checkpoint, or scratch) and putting the drafters back there.
+
+`resume_point` computes the run identity (training_state.run_identity), picks the checkpoint
+(DFLASH_TRAIN__RESUME, stages/save.resume_source) and refuses one whose run-defining settings
+differ (exit 2 naming the setting). `Resume.restore` loads the state into every drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_async.data.packing import PackCursor
+from dflash_async.pipeline.stages.save import resume_source
+from dflash_async.pipeline.stages.train import DrafterRunner
+from dflash_async.pipeline.startup import RunInputs
+from dflash_async.settings import Settings, SettingsError
+from dflash_async.training_state import (
+    check_run_identity,
+    cursor_of,
+    data_fingerprint,
+    load_checkpoint,
+    restore,
+    run_identity,
+)
+
+
+@dataclass
+class Resume:
+    """Where the run starts: a checkpoint's state (None: from scratch) and the run identity."""
+
+    identity: dict
+    path: Path | None = None
+    state: dict | None = None
+
+    @property
+    def step(self) -> int:
+        return self.state["step"] if self.state else 0
+
+    @property
+    def cursor(self) -> PackCursor:
+        return cursor_of(self.state) if self.state else PackCursor()
+
+    async def restore(self, runners: list[DrafterRunner], log) -> None:
+        """Each drafter (in its thread, after capture) back to the checkpoint's state."""
+        if self.state is None:
+            return
+        for rank, runner in enumerate(runners):
+            await runner.worker.run(restore, runner.step, self.state, rank=rank)
+        cursor = self.cursor
+        log.info(
+            "resumed", step=self.step, epoch=cursor.epoch, pack=cursor.index, path=str(self.path)
+        )
+
+
+def resume_point(
+    settings: Settings, inputs: RunInputs, samples, total_steps: int, output_dir: Path
+) -> Resume:
+    """The run identity, and the checkpoint to resume (DFLASH_TRAIN__RESUME); SettingsError
+    (exit 2) naming a run-defining setting that differs from the checkpoint's."""
+    fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
+    identity = run_identity(settings, inputs.drafter_config, target_path=inputs.target_path,
+                            data=fingerprint, total_steps=total_steps)  # fmt: skip
+    path = resume_source(settings.train.resume, output_dir)
+    if path is None:
+        return Resume(identity)
+    try:
+        state = load_checkpoint(path)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SettingsError(
+            f"DFLASH_TRAIN__RESUME: cannot read the checkpoint {path}: {e}"
+        ) from None
+    check_run_identity(state["run"], identity, path)
+    return Resume(identity, path, state)
