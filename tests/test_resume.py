@@ -48,11 +48,19 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                 json.dumps({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
             )
             f.write("\n")
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "Count: one two three"}) + "\n")
     return {
+        "prompts": str(root / "prompts.jsonl"),
         "target": str(target),
         "data": str(root / "data.jsonl"),
         "mask": str(tokenizer.mask_token_id),
     }
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    """uvloop only, the backend `python -m dflash_async run` uses: these runs are the slow ones."""
+    return ("asyncio", {"use_uvloop": True})
 
 
 def settings_for(inputs: dict[str, str], output_dir: Path, **env: str) -> Settings:
@@ -124,13 +132,15 @@ async def test_n_steps_then_resume_then_n_steps_equals_2n_steps_bit_for_bit(
 ) -> None:
     env = {}
     if variant == "evaluation_between":  # an evaluation at step N, just before the checkpoint
-        env = {"DFLASH_EVAL__EVERY": str(N), "DFLASH_EVAL__NUM_PROMPTS": "1",
-               "DFLASH_EVAL__MAX_NEW_TOKENS": "8"}  # fmt: skip
+        env = {"DFLASH_EVAL__EVERY": str(N), "DFLASH_EVAL__PROMPTS_PATH": inputs["prompts"],
+               "DFLASH_EVAL__NUM_PROMPTS": "1", "DFLASH_EVAL__MAX_NEW_TOKENS": "8"}  # fmt: skip
     reference = settings_for(inputs, tmp_path / "reference", **env)
     if variant == "two_drafters_across_epochs":  # 2 packs per step: epoch 0 ends before step N
         reference = two_drafters(reference)
     code, ref_events = await train(reference)
     assert code == 0
+    evaluated = [e["step"] for e in ref_events if e["event"] == "eval"]
+    assert evaluated == ([N] if variant == "evaluation_between" else [])
     (first, _), (last, last_dir) = list_checkpoints(tmp_path / "reference")
     assert (first, last) == (N, 2 * N)
     cursor = load_checkpoint(last_dir)["cursor"]
