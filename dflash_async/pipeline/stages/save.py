@@ -13,16 +13,19 @@ this run resumes it (`resume_source`); the output folder is checked before any w
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
 import anyio
 
+from dflash_async.atomic import stale_siblings
 from dflash_async.checkpoint import export_drafter
 from dflash_async.data.packing import PackCursor
 from dflash_async.pipeline.stages.train import DrafterRunner
 from dflash_async.settings import SettingsError
 from dflash_async.training_state import (
+    CHECKPOINTS,
     STATE_NAME,
     list_checkpoints,
     snapshot,
@@ -58,6 +61,8 @@ def resume_source(mode: str, output_dir: Path) -> Path | None:
     """
     existing = list_checkpoints(output_dir)
     previous = bool(existing) or export_path(output_dir).exists()
+    if mode != "never" or not previous:  # this run owns the folder: a killed writer's leftovers go
+        _remove_leftovers(output_dir)
     if mode == "never":
         if previous:
             raise SettingsError(
@@ -83,6 +88,14 @@ def resume_source(mode: str, output_dir: Path) -> Path | None:
             "choose another DFLASH_OUTPUT_DIR"
         )
     return path
+
+
+def _remove_leftovers(output_dir: Path) -> None:
+    """Temporaries of a checkpoint or export write that was killed (never a complete copy)."""
+    root = output_dir / CHECKPOINTS
+    hidden = [p for p in root.iterdir() if p.name.startswith(".step-")] if root.is_dir() else []
+    for path in [*hidden, *stale_siblings(export_path(output_dir))]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Saver:
