@@ -4,7 +4,8 @@ Both forms write a temporary sibling (`.NAME.tmp-PID-RANDOM`), fsync every file 
 folder itself, rename it into place and fsync the parent, so that after a crash, a SIGKILL or a
 power cut a reader finds either the previous version or the new one, never a partial one.
 Temporaries are created with `open` and `mkdir`, so they respect the umask like any other output
-(group-readable where the umask says so; `tempfile` would make them private, 0600/0700).
+(group-readable where the umask says so; `tempfile` would make them private, 0600/0700), and
+files that a library wrote privately into a temporary folder are opened up to what the umask allows.
 
 A folder cannot be renamed over a non-empty folder: the previous one is first renamed aside
 (`.NAME.old-*`) and deleted once the new one is in place. A crash between the two renames leaves
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,10 +33,28 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)  # no /proc (not Linux): the classic read-and-restore
+        os.umask(mask)
+        return mask
+
+
+def _settle_tree(root: Path) -> None:
+    """Give every file the permissions the umask allows (some writers, e.g. safetensors,
+    create 0600 files), then fsync each file and folder."""
+    readable = 0o666 & ~_umask()
     for folder, _, files in os.walk(root):
         for name in files:
-            fsync_path(Path(folder) / name)
+            path = Path(folder) / name
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode | readable != mode:
+                path.chmod(mode | readable)
+            fsync_path(path)
         fsync_path(Path(folder))
 
 
@@ -77,7 +97,7 @@ def atomic_directory(
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_tree(tmp)
+        _settle_tree(tmp)
         if final.exists():
             if keep_existing:
                 return

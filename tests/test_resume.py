@@ -214,9 +214,9 @@ async def test_resume_refuses_a_checkpoint_of_other_run_defining_settings(
     assert code == 0
     changed = settings_for(inputs, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="1",
                            DFLASH_TRAIN__NUM_ANCHORS="8")  # fmt: skip
-    with pytest.raises(SettingsError, match="^DFLASH_TRAIN__NUM_ANCHORS: this run has 8") as error:
+    with pytest.raises(SettingsError, match=r"^DFLASH_TRAIN__NUM_ANCHORS: this run has 8") as error:
         await train(changed)
     assert "\n" not in str(error.value)  # the CLI prints it as one line, exit 2
     never = settings_for(inputs, tmp_path / "out", DFLASH_TRAIN__RESUME="never")
-    with pytest.raises(SettingsError, match="RESUME=never: .* holds a previous run"):
+    with pytest.raises(SettingsError, match=r"RESUME=never: .* holds a previous run"):
         await train(never)
