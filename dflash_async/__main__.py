@@ -1,5 +1,11 @@
-"""Command line: run | settings | bench | regenerate | eval. Exit codes: 0 ok, 1 internal error
-(traceback in the log), 2 bad settings or inputs (one line, no traceback), 130/143 on a signal."""
+"""Command line: run | settings | bench | regenerate | eval, and --version.
+
+One contract for every command (usage.py): bad input (a setting, argument, file, device or output
+path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
+is loaded; an internal error -> exit 1 with the traceback in the log as a `<command>_failed` event;
+130/143 after SIGINT/SIGTERM. Logs go to stdout as JSON lines (a console renderer on a TTY), so in
+JSON mode every stdout line is JSON; `settings` prints its JSON document and nothing else there.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +14,36 @@ import functools
 import json
 import sys
 
+from dflash_async import __version__
 from dflash_async.settings import Settings, SettingsError, load_settings
+from dflash_async.usage import (
+    ArgumentParser,
+    UsageError,
+    check_writable_file,
+    check_writable_folder,
+    positive_int,
+)
 
 
 def _is_user_error(error: BaseException) -> bool:
-    """Bad settings or inputs (exit 2). Imported here, not at the top: target.py loads
+    """Bad settings or inputs (exit 2). Imported here, not at the top: target.loading loads
     transformers (~3 s), which a bad-settings exit should not wait for."""
     from dflash_async.data.samples import DataError
-    from dflash_async.target.loading import TargetError
+    from dflash_async.target.resolve import TargetError
 
-    return isinstance(error, SettingsError | DataError | TargetError)
+    return isinstance(error, SettingsError | DataError | TargetError | UsageError)
+
+
+def _configure_logging(fmt: str = "auto", level: str = "info") -> None:
+    from dflash_async.log import configure_logging
+
+    configure_logging(fmt, level)  # type: ignore[arg-type]
 
 
 def _settings_and_logging() -> Settings:
-    from dflash_async.log import configure_logging
-
     settings = load_settings()
-    configure_logging(settings.log.format, settings.log.level)
+    check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")
+    _configure_logging(settings.log.format, settings.log.level)
     return settings
 
 
@@ -48,57 +67,68 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
-    """Print the effective settings as JSON."""
-    print(json.dumps(load_settings().public_dict(), indent=2, default=str))
+    """Print the effective settings as JSON; paths absent on this machine are warned about on
+    stderr, not fatal (any preset can be inspected anywhere)."""
+    from dflash_async.settings_env import TARGET_PATH_VAR, missing_paths, with_target_folder
+
+    settings = load_settings(check_paths=False)
+    missing = missing_paths(settings)
+    if TARGET_PATH_VAR not in missing:
+        settings = with_target_folder(settings)  # a cached model id: show its snapshot folder
+    print(json.dumps(settings.public_dict(), indent=2, default=str))
+    for name, problem in missing.items():
+        print(f"warning: {name}: {problem}", file=sys.stderr)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks) or `bench packing`."""
+    _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
-
-        main(args.rest)
     elif args.what == "graphs":
         from dflash_async.bench.graph_bench import main
-
-        main(args.rest)
     else:
-        from dflash_async.bench.packing_bench import bench_packing
-
-        parser = argparse.ArgumentParser(prog="python -m dflash_async bench packing")
-        parser.add_argument("--samples", type=int, default=100_000)
-        parser.add_argument("--token-budget", type=int, default=49152)
-        parser.add_argument("--max-len", type=int, default=3072)
-        options = parser.parse_args(args.rest)
-        result = bench_packing(options.samples, options.token_budget, options.max_len)
-        print(json.dumps(result))
+        from dflash_async.bench.packing_bench import main
+    main(args.rest)
     return 0
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Regenerate the assistant turns of a jsonl of conversations with the target."""
     from dflash_async.eval.regenerate import run_regenerate
+    from dflash_async.pipeline.devices import parse_device
 
-    path = run_regenerate(
-        args.input, args.output, args.target, args.device, args.max_new_tokens, args.batch_size,
+    check_writable_file(args.output, argument="--output")
+    device = parse_device(args.device, setting="--device")
+    _configure_logging()
+    path = run_regenerate(  # bad input or target: DataError / TargetError before any generation
+        args.input, args.output, args.target, device, args.max_new_tokens, args.batch_size,
         greedy=not args.sample, temperature=args.temperature, limit=args.limit,
     )  # fmt: skip
-    print(json.dumps({"event": "regenerated", "path": str(path)}))
+    print(json.dumps({"event": "regenerated", "path": str(path)}), flush=True)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
-    from dflash_async.eval.harness import main
-    from dflash_async.log import configure_logging
+    from dflash_async.eval.harness import build_parser as eval_parser
+    from dflash_async.eval.harness import main, read_prompts
+    from dflash_async.pipeline.devices import parse_device
 
-    configure_logging("auto", "info")
+    options = eval_parser().parse_args(args.rest)  # bad options: one line, exit 2
+    parse_device(options.device, setting="--device")
+    if options.prompts:
+        read_prompts(options.prompts)  # a bad prompts file fails before the target is loaded
+    if options.results:
+        check_writable_file(options.results, argument="--results")
+    _configure_logging()
     return main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dflash_async", description=__doc__)
+    parser = ArgumentParser(prog="python -m dflash_async", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dflash_async {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
@@ -107,17 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)
-    regen.add_argument("--input", required=True)
-    regen.add_argument("--output", required=True)
-    regen.add_argument("--target", required=True, help="local HF model folder")
+    regen.add_argument("--input", required=True, help="conversations: .jsonl, .json or .parquet")
+    regen.add_argument("--output", required=True, help="the regenerated .jsonl")
+    regen.add_argument("--target", required=True, help="local HF model folder or cached model id")
     regen.add_argument("--device", default="cpu")
-    regen.add_argument("--max-new-tokens", type=int, default=512)
-    regen.add_argument("--batch-size", type=int, default=32)
+    regen.add_argument("--max-new-tokens", type=positive_int, default=512)
+    regen.add_argument("--batch-size", type=positive_int, default=32)
     regen.add_argument("--sample", action="store_true", help="sample instead of greedy")
     regen.add_argument("--temperature", type=float, default=1.0)
-    regen.add_argument("--limit", type=int, default=None)
+    regen.add_argument("--limit", type=positive_int, default=None)
     regen.set_defaults(fn=cmd_regenerate)
-    # every option (even -h) goes to evaluate.main's own parser
+    # every option (even -h) goes to the eval harness's own parser
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
@@ -144,10 +174,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if isinstance(leaf, KeyboardInterrupt):
             return 130
-        from dflash_async.log import get_logger  # internal failure: exit 1, traceback in the log
+        return _internal_error(args.command, leaf)
 
-        get_logger("dflash_async").error("run_failed", exc_info=leaf)
-        return 1
+
+def _internal_error(command: str, error: BaseException) -> int:
+    """Exit 1 with the traceback as one log event (JSON on stdout, or console text on a TTY)."""
+    import logging
+
+    from dflash_async.log import HANDLER_NAME, get_logger
+
+    if not any(h.get_name() == HANDLER_NAME for h in logging.getLogger().handlers):
+        _configure_logging()  # failed before the command set logging up: never print raw text
+    get_logger("dflash_async").error(f"{command}_failed", exc_info=error)
+    return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a drafter (DFLASH.md s.7) and its shape ([out, in] for Linear)."""
+    """Every tensor name of a drafter (docs/DFLASH.md s.7) and its shape ([out, in] for Linear)."""
     d, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     layer = {
@@ -65,7 +65,7 @@ def export_config_json(
     """The servable config.json contents (a Qwen3Config plus the DFlash fields).
 
     rope_theta is written both flat (transformers 4, vLLM) and as rope_parameters (transformers
-    5); block_size both top-level (DFLASH.md s.7) and inside dflash_config (z-lab's reader).
+    5); block_size both top-level (docs/DFLASH.md s.7) and inside dflash_config (z-lab's reader).
     max_position_embeddings is the target's (Qwen3: 40960); the drafter does not limit it.
     """
     n = config.num_hidden_layers

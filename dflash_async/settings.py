@@ -1,37 +1,22 @@
-"""Every knob of a run, read from `DFLASH_*` environment variables and an optional preset file.
+"""Every knob of a run: the settings sections, their defaults, and the checks of single values.
 
 Names: prefix `DFLASH_`, one group per section joined with `__` (`DFLASH_TRAIN__TOKEN_BUDGET`),
-top-level fields without a group (`DFLASH_OUTPUT_DIR`). `DFLASH_ENV_FILE=settings/x.env` loads a
-preset; real environment variables override it. Unset, the demo preset `settings/demo.env` of this
-repository is the default; `DFLASH_ENV_FILE=none` loads no file and leaves the recipe defaults
-(docs/DFLASH.md section 5).
+top-level fields without a group (`DFLASH_OUTPUT_DIR`). Reading them from the environment and a
+preset file, and checking that named paths exist, is `settings_env.py`'s job; `load_settings`,
+`setting_names` and `setting_descriptions` are re-exported here so callers import one module.
+The recipe defaults are those of docs/DFLASH.md s.5.
 
-The sections are pydantic models and the root is a pydantic-settings `BaseSettings`, but the
-environment is mapped to fields here rather than by pydantic-settings' own sources: those read
-`os.environ` (so `load_settings` could not be pure) and silently ignore unknown names, while a
-misspelled `DFLASH_*` name must be an error. The mapping follows the same prefix and `__` rule.
+The sections are pydantic models and the root is a pydantic-settings `BaseSettings` whose only
+source is explicit values: settings_env.py maps the environment to fields (see its docstring).
 """
 
 from __future__ import annotations
 
-import difflib
-import glob
 import logging
-import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from dotenv import dotenv_values  # a dependency of pydantic-settings
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
@@ -102,22 +87,16 @@ class _Section(BaseModel):
 
 class TargetSettings(_Section):
     path: str = ""
-    """Local Hugging Face model folder of the frozen target; empty = the built-in tiny target."""
+    """Local Hugging Face model folder, or a model id (Org/Name) in the local Hugging Face cache
+    (never downloaded); empty = the built-in tiny target."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Target weights and compute dtype; auto = bfloat16 on GPU, float32 on CPU."""
     num_features: int = Field(5, ge=1)
     """k: how many target layers feed the drafter."""
     target_layer_ids: tuple[int, ...] | None = None
-    """Comma list of target layers to capture; empty = derived from the layer count (DFLASH.md s.1)."""
+    """Comma list of target layers to capture; empty = derived from the layer count (docs/DFLASH.md s.1)."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
-
-    @field_validator("path")
-    @classmethod
-    def _path_is_a_folder(cls, path: str) -> str:
-        if path and not Path(path).is_dir():
-            raise ValueError(f"the target folder {path} does not exist")
-        return path
 
     @model_validator(mode="after")
     def _ids_match_num_features(self) -> TargetSettings:
@@ -154,13 +133,6 @@ class DataSettings(_Section):
     """Where tokenized data is cached; empty = no on-disk cache."""
     num_proc: int = Field(1, ge=1)
     """Processes used to tokenize the data set."""
-
-    @field_validator("path")
-    @classmethod
-    def _path_exists(cls, path: str) -> str:
-        if path and not Path(path).exists() and not glob.glob(path):
-            raise ValueError(f"no file, folder or glob match for {path}")
-        return path
 
 
 class TrainSettings(_Section):
@@ -255,13 +227,6 @@ class EvalSettings(_Section):
     """A jsonl file of prompts; empty = the built-in held-out demo prompts (built-in target only;
     with another target and no prompts file, evaluation is skipped with a log line)."""
 
-    @field_validator("prompts_path")
-    @classmethod
-    def _prompts_exist(cls, path: str) -> str:
-        if path and not Path(path).is_file():
-            raise ValueError(f"the prompts file {path} does not exist")
-        return path
-
 
 class LogSettings(_Section):
     format: Literal["auto", "json", "console"] = "auto"
@@ -341,129 +306,14 @@ class Settings(BaseSettings):
         return self.model_dump(mode="json")
 
 
-def setting_names() -> dict[str, tuple[str, ...]]:
-    """Every valid variable name -> its field path, e.g. DFLASH_TRAIN__LR -> ("train", "lr")."""
-    names: dict[str, tuple[str, ...]] = {}
-    for name, field in Settings.model_fields.items():
-        section = field.annotation
-        if isinstance(section, type) and issubclass(section, BaseModel):
-            for sub in section.model_fields:
-                names[f"{PREFIX}{name}{NESTING}{sub}".upper()] = (name, sub)
-        else:
-            names[f"{PREFIX}{name}".upper()] = (name,)
-    return names
+_LOADING = ("load_settings", "setting_names", "setting_descriptions")
 
 
-def setting_descriptions() -> dict[str, str]:
-    """Every valid variable name -> its one-line description (for `--help`)."""
-    descriptions = {}
-    for env_name, path in setting_names().items():
-        model: type[BaseModel] = Settings
-        for part in path[:-1]:
-            model = model.model_fields[part].annotation  # type: ignore[assignment]
-        descriptions[env_name] = model.model_fields[path[-1]].description or ""
-    return descriptions
+def __getattr__(name: str) -> Any:
+    """`from dflash_async.settings import load_settings` keeps working: the loading functions live
+    in settings_env.py, which imports this module, so they are fetched on first use (PEP 562)."""
+    if name in _LOADING:
+        from dflash_async import settings_env
 
-
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Settings from `environ` (default: os.environ) and the preset it names. Pure given `environ`.
-
-    Raises SettingsError (one line naming the variable, value or file) for an unknown `DFLASH_*`
-    name, a value that does not parse or validate, or a missing env file.
-    """
-    if environ is None:
-        environ = os.environ
-    env_vars = {key.upper(): value for key, value in environ.items() if _is_ours(key)}
-    env_file = _resolve_env_file(env_vars.get(ENV_FILE_VAR))
-    file_vars = _read_env_file(env_file) if env_file else {}
-    origins = {name: str(env_file) for name in file_vars} | {name: "" for name in env_vars}
-    merged = file_vars | env_vars
-    _reject_unknown_names(merged, origins)
-    merged[ENV_FILE_VAR] = str(env_file) if env_file else NO_ENV_FILE
-    try:
-        return Settings(**_nest(merged))
-    except ValidationError as error:
-        raise SettingsError(_describe(error, merged, origins)) from None
-
-
-def _is_ours(name: str) -> bool:
-    return name.upper().startswith(PREFIX)
-
-
-def _resolve_env_file(value: str | None) -> Path | None:
-    """None (unset) -> the demo preset; "none"/"" -> no file; a relative path: cwd, then the repo."""
-    if value is None:
-        demo = repo_root() / "settings" / "demo.env"
-        if not demo.is_file():
-            raise SettingsError(
-                f"the default preset {demo} is missing: set {ENV_FILE_VAR} to a preset or to none"
-            )
-        return demo
-    if value.strip().lower() in (NO_ENV_FILE, ""):
-        return None
-    path = Path(value).expanduser()
-    for candidate in (path, repo_root() / path) if not path.is_absolute() else (path,):
-        if candidate.is_file():
-            return candidate
-    raise SettingsError(f"{ENV_FILE_VAR}={value}: no such file")
-
-
-def _read_env_file(path: Path) -> dict[str, str]:
-    values = dotenv_values(path)
-    foreign = [key for key in values if not _is_ours(key)]
-    if foreign:
-        raise SettingsError(f"{path}: {foreign[0]} is not a {PREFIX}* variable")
-    if ENV_FILE_VAR in (key.upper() for key in values):
-        raise SettingsError(f"{path}: {ENV_FILE_VAR} cannot be set inside an env file")
-    return {key.upper(): value or "" for key, value in values.items()}
-
-
-def _reject_unknown_names(merged: Mapping[str, str], origins: Mapping[str, str]) -> None:
-    known = [*setting_names(), ENV_FILE_VAR]
-    for name in merged:
-        if name not in known:
-            where = f" (in {origins[name]})" if origins.get(name) else ""
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            hint = f"did you mean {close[0]}?" if close else f"valid: {_name_summary(name, known)}"
-            raise SettingsError(f"{name} is not a setting{where}; {hint}")
-
-
-def _name_summary(name: str, known: list[str]) -> str:
-    """The names of the group `name` starts with, else the top-level names and groups."""
-    group = name.split(NESTING)[0] + NESTING
-    in_group = [k for k in known if k.startswith(group)]
-    if NESTING in name and in_group:
-        return ", ".join(in_group)
-    groups = dict.fromkeys(
-        k.split(NESTING)[0] + (NESTING + "*" if NESTING in k else "") for k in known
-    )
-    return ", ".join(groups)
-
-
-def _nest(merged: Mapping[str, str]) -> dict[str, Any]:
-    names = setting_names() | {ENV_FILE_VAR: ("env_file",)}
-    nested: dict[str, Any] = {}
-    for name, value in merged.items():
-        *sections, leaf = names[name]
-        target = nested
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[leaf] = value
-    return nested
-
-
-def _describe(error: ValidationError, merged: Mapping[str, str], origins: Mapping[str, str]) -> str:
-    """One line: `DFLASH_X__Y='value': what is wrong (in file)`, errors joined by '; '."""
-    env_names = {path: name for name, path in setting_names().items()}
-    parts = []
-    for item in error.errors(include_url=False):
-        message = item["msg"].removeprefix("Value error, ")
-        name = env_names.get(tuple(str(part) for part in item["loc"]))
-        if name is None:  # a check across fields: its message names the variables
-            parts.append(message)
-        elif name not in merged:  # a derived default failed (e.g. gamma for an odd block size)
-            parts.append(f"{name}: {message}")
-        else:
-            where = f" (in {origins[name]})" if origins.get(name) else ""
-            parts.append(f"{name}={merged[name]!r}: {message}{where}")
-    return "; ".join(parts)
+        return getattr(settings_env, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

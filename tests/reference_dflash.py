@@ -29,7 +29,7 @@ Params = Mapping[str, torch.Tensor]
 
 @dataclass
 class ReferenceResult:
-    """Sums over the valid blocks, as DFLASH.md s.4 defines them, plus every block's logits."""
+    """Sums over the valid blocks, as docs/DFLASH.md s.4 defines them, plus every block's logits."""
 
     ce_sum: torch.Tensor  # 0-d float64, differentiable w.r.t. the params handed in
     weight_sum: float

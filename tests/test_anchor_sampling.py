@@ -1,4 +1,4 @@
-"""sample_anchors (DFLASH.md s.3): fixed slot count, candidates only, per-document proportional, uniform."""
+"""sample_anchors (docs/DFLASH.md s.3): fixed slot count, candidates only, per-document proportional, uniform."""
 
 from __future__ import annotations
 

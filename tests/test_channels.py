@@ -99,13 +99,22 @@ async def test_full_channel_blocks_the_sender_until_an_item_is_received() -> Non
 async def test_slot_ring_preallocates_fixed_layout_slots_and_reuses_their_memory() -> None:
     ring = _ring(2)
     pointers = {slot.batch.features.data_ptr() for slot in ring.slots}
+    for slot in ring.slots:  # a fresh slot is all padding: no document, nothing supervised
+        assert bool((slot.batch.doc_ids == -1).all()) and not bool(slot.batch.loss_mask.any())
+        assert bool((slot.batch.features == 0).all())  # finite padding features
     for step in range(5):
         slot = await ring.acquire_free()
+        assert slot.meta == {}  # the previous pack's facts never leak into the next one
         assert slot.batch.features.shape == (32, 6)
         assert slot.batch.features.dtype == torch.bfloat16
-        assert bool((slot.batch.doc_ids == -1).all()) or step >= 2
+        assert slot.batch.features.data_ptr() in pointers  # a preallocated slot, not a new one
+        _fill(slot.batch, step + 1)
+        slot.meta["step"] = step
         ring.publish(slot)
-        ring.release(await ring.receive_full())
+        received = await ring.receive_full()
+        assert received is slot and received.meta == {"step": step}
+        assert bool((received.batch.features == step + 1).all())  # what the producer wrote
+        ring.release(received)
     assert {slot.batch.features.data_ptr() for slot in ring.slots} == pointers
     assert not ring.pinned  # no CUDA here: plain host memory
 

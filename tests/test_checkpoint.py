@@ -1,4 +1,4 @@
-"""checkpoint.py and training_state.py: the export is exactly the servable format (DFLASH.md s.7,
+"""checkpoint.py and training_state.py: the export is exactly the servable format (docs/DFLASH.md s.7,
 s.6 bug 5), loads back identically and tolerates other tools' exports; the training state that
 `run` saves restores a step exactly and in place; every write is atomic and respects the umask."""
 

@@ -49,8 +49,18 @@ def test_flex_path_matches_sdpa_reference_in_bf16():
     cosine = torch.nn.functional.cosine_similarity(grad_s, grad_f, dim=0).item()
     rel = abs(loss_f - loss_s) / abs(loss_s)
     print(json.dumps({"check": "flex_vs_sdpa_bf16", "loss_rel_diff": rel, "grad_cosine": cosine}))
-    assert rel < 1e-2
-    assert cosine > 0.99, cosine
+    # Tolerances. Both paths run the same bf16 ops except attention, whose output (forward) and
+    # dq/dk/dv (backward) are each rounded once to bf16 in a different order: unit roundoff
+    # u = 2^-8 per element, from each of the 2 paths, in each of the 2 layers -> per-element
+    # relative gradient difference r <= 2 * 2 * 2u = 8u. Two vectors that differ by a relative
+    # r have cosine >= 1 - r^2 / 2 = 1 - 2^-11 (0.99951). The loss is a weighted mean over 256
+    # anchors x 15 predicted positions of CE terms whose rounding errors have independent signs:
+    # it moves by ~r / sqrt(N_eff) relative, N_eff = (sum w)^2 / sum w^2 = 11 terms per anchor
+    # for w = exp(-(k-1)/7), so <= 8u / sqrt(256 * 11) = 5.9e-4. Measured on H200: loss 6.6e-7,
+    # cosine 1 - 7e-6 (BENCHMARKS.md); a mask off by one row moves both by far more.
+    u, n_terms = 2.0**-8, 256 * 11
+    assert rel < 8 * u / n_terms**0.5, rel
+    assert cosine > 1 - (8 * u) ** 2 / 2, cosine
 
 
 def test_whole_step_captures_with_strict_capture_mode_and_replays_finite():

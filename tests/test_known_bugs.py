@@ -1,4 +1,4 @@
-"""One behaviour test per bug of DFLASH.md s.6 that destroyed acceptance in other trainers (1-4, 6).
+"""One behaviour test per bug of docs/DFLASH.md s.6 that destroyed acceptance in other trainers (1-4, 6).
 
 Each test perturbs one input and checks which block logits move. "Unchanged" means equal to float
 precision (an invisible key must get exactly zero attention weight); "changed" means moved by far

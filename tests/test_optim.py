@@ -1,5 +1,6 @@
-"""optim.py: the schedule in a tensor equals the reference, AdamW follows it, clipping matches torch,
-gradients gather in one flat buffer, and the all-reduce makes data parallel equal one big batch."""
+"""optim.py: the schedule in a tensor equals the reference, AdamW follows it, gradients gather in
+one flat buffer (where the step's foreach clipping sees what it would see on separate gradients),
+and the all-reduce makes data parallel equal one big batch."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ from dflash_async.model.optim import (
     LrSchedule,
     all_reduce_sum,
     build_optimizer,
-    clip_grad_norm_,
     flat_grad_buffer,
     lr_at,
     warmup_steps_for,
 )
 
 PEAK, WARMUP, TOTAL = 6e-4, 4, 100
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """The step's clipping (step.py): torch's, foreach, sync-free (error_if_nonfinite=False)."""
+    return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -109,25 +114,34 @@ def test_build_optimizer_rejects_an_lr_tensor_of_the_wrong_dtype() -> None:
         )
 
 
-@pytest.mark.parametrize("max_norm", [1e-3, 1.0, 1e3])
-def test_clip_grad_norm_matches_torch(max_norm: float) -> None:
+@pytest.mark.parametrize("max_norm", [1e-3, 1.0, 1e3, float("inf")])
+def test_clipping_the_flat_buffer_views_equals_clipping_separate_gradients(max_norm: float) -> None:
+    """The step clips views into the padded flat buffer; the padding must stay out of the norm
+    and untouched, and the result equal the per-tensor (non-foreach) reference."""
     model = _model()
+    flat, views = flat_grad_buffer(list(model.parameters()))
     x, y = _batch(0)
     nn.functional.mse_loss(model(x), y).backward()
+    padding = torch.ones_like(flat, dtype=torch.bool)
+    for view in views:
+        start = (view.data_ptr() - flat.data_ptr()) // flat.element_size()
+        padding[start : start + view.numel()] = False
+    assert bool(padding.any())  # 7x13 and 13x5 weights are not multiples of the alignment
+    flat[padding] = 7.0  # a norm that counted the padding would be off
     reference = copy.deepcopy(model)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         q.grad = p.grad.clone()  # deepcopy does not copy .grad
     norm = clip_grad_norm_(model.parameters(), max_norm)
-    ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), max_norm, foreach=False)
     assert norm.dim() == 0
     torch.testing.assert_close(norm, ref_norm)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-
-
-def test_clip_grad_norm_without_gradients_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no parameter has a gradient"):
-        clip_grad_norm_(_model().parameters(), 1.0)
+        assert p.grad.data_ptr() != q.grad.data_ptr()
+    assert bool((flat[padding] == 7.0).all())  # clipping scaled the views, not the buffer
+    assert all(
+        v.data_ptr() == p.grad.data_ptr() for v, p in zip(views, model.parameters(), strict=True)
+    )
 
 
 def test_backward_accumulates_into_the_flat_buffer() -> None:

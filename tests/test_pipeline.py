@@ -41,7 +41,7 @@ from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(60)
 RUN_DEADLINE_S = 30  # a run here takes ~1 s; past this it hangs
-STEP_FIELDS = (  # docs/DESIGN.md "Logs": every `step` event carries these
+STEP_FIELDS = (  # docs/DESIGN.md "Settings, logs and errors": every `step` event carries these
     "step", "epoch", "loss", "acc", "tau_hat", "lr", "grad_norm", "tokens", "tokens_per_s",
     "padding_frac", "mfu", "target_busy", "drafter_busy", "slot_queue", "supply_tokens_per_s",
     "demand_tokens_per_s", "step_ms", "mem_gib",
@@ -238,7 +238,7 @@ def flat_weights(step: DrafterStep) -> torch.Tensor:
 
 
 def test_two_drafters_update_equals_one_drafter_on_both_packs_blocks() -> None:
-    """DFLASH.md s.4 via step.py: grads summed across drafters and divided by the GLOBAL weight
+    """docs/DFLASH.md s.4 via step.py: grads summed across drafters and divided by the GLOBAL weight
     sum give one drafter's update on both packs' blocks, laid end to end with the same anchors.
     In float32 (the step's flat grad buffer takes fp32 params only), so with tolerances."""
     pair_samplers = [FixedAnchors(), FixedAnchors()]

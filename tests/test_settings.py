@@ -16,6 +16,7 @@ from dflash_async.settings import (
     setting_descriptions,
     setting_names,
 )
+from dflash_async.settings_env import missing_paths
 
 pytestmark = pytest.mark.timeout(30)
 NO_FILE = {"DFLASH_ENV_FILE": "none"}
@@ -236,3 +237,40 @@ def test_load_settings_reads_the_process_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("DFLASH_ENV_FILE", "none")
     monkeypatch.setenv("DFLASH_TRAIN__SEED", "7")
     assert load_settings().train.seed == 7
+
+
+def test_names_are_case_sensitive_a_lowercase_name_is_an_error_naming_the_upper_case_one() -> None:
+    # Both spellings set: neither may win silently (the order of os.environ would decide).
+    environ = NO_FILE | {"DFLASH_TRAIN__MAX_STEPS": "5", "dflash_train__max_steps": "2"}
+    with pytest.raises(SettingsError, match=r"^dflash_train__max_steps is not a setting: names "
+                       r"are upper case \(DFLASH_TRAIN__MAX_STEPS\), and DFLASH_TRAIN__MAX_STEPS "
+                       r"is set too$"):  # fmt: skip
+        load_settings(environ)
+    with pytest.raises(SettingsError, match=r"^Dflash_Train__Seed is not a setting"):
+        load_settings(NO_FILE | {"Dflash_Train__Seed": "1"})
+
+
+def test_a_lowercase_name_in_an_env_file_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    preset = tmp_path / "x.env"
+    preset.write_text("DFLASH_TRAIN__SEED=1\ndflash_train__max_steps=2\n")
+    with pytest.raises(SettingsError, match=r"x\.env: dflash_train__max_steps is not a setting"):
+        load_settings({"DFLASH_ENV_FILE": str(preset)})
+
+
+def test_paths_are_checked_apart_from_values(tmp_path: Path) -> None:
+    environ = NO_FILE | {
+        "DFLASH_TARGET__PATH": "/no/such/model",
+        "DFLASH_DATA__PATH": str(tmp_path / "none.jsonl"),
+        "DFLASH_EVAL__PROMPTS_PATH": str(tmp_path),  # a folder, not a prompts file
+    }
+    settings = load_settings(environ, check_paths=False)
+    assert settings.target.path == "/no/such/model"
+    assert list(missing_paths(settings)) == [
+        "DFLASH_TARGET__PATH",
+        "DFLASH_DATA__PATH",
+        "DFLASH_EVAL__PROMPTS_PATH",
+    ]
+    with pytest.raises(SettingsError, match=r"^DFLASH_TARGET__PATH='/no/such/model': target "):
+        load_settings(environ)
+    present = NO_FILE | {"DFLASH_DATA__PATH": str(tmp_path), "DFLASH_TARGET__PATH": str(tmp_path)}
+    assert missing_paths(load_settings(present)) == {}

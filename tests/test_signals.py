@@ -26,10 +26,11 @@ from structlog.testing import capture_logs
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
-from dflash_async.settings import SettingsError, load_settings
+from dflash_async.settings import load_settings
 from dflash_async.target.loading import load_target_tokenizer
 from dflash_async.target.tiny import ensure_tiny_target
 from dflash_async.training_state import list_checkpoints, load_checkpoint
+from dflash_async.usage import UsageError
 
 STOP_WITHIN_S = 5.0  # the issue's bound, from the signal to the exit
 START_DEADLINE_S = 90  # a process reaches its first step in ~5-15 s (imports included)
@@ -265,6 +266,6 @@ def test_an_output_dir_that_is_a_file_is_refused_before_any_work(
 ) -> None:
     (tmp_path / "taken").write_text("not a folder")
     settings = load_settings(env | {"DFLASH_OUTPUT_DIR": str(tmp_path / "taken")})
-    with capture_logs() as events, pytest.raises(SettingsError, match="taken is a file"):
+    with capture_logs() as events, pytest.raises(UsageError, match="taken' is a file"):
         anyio.run(pipeline.run, settings, get_logger("test"))
     assert events == []  # refused before reading the data or loading anything

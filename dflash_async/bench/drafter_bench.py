@@ -7,9 +7,9 @@ peak memory, eager or replayed as CUDA graphs (step.py). Used for BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -21,6 +21,8 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, mfu
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig, default_gamma
 from dflash_async.model.step import STATS, DrafterStep
+from dflash_async.pipeline.devices import parse_device
+from dflash_async.usage import ArgumentParser, require_cuda
 
 
 def qwen3_8b_drafter_config(num_layers: int = 5, block_size: int = 16) -> DrafterConfig:
@@ -185,9 +187,10 @@ def print_profile(step: DrafterStep, steps: int = 3) -> None:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time_steps(step, steps)
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
     )
+    print(table, file=sys.stderr)  # stdout holds only the JSON lines
 
 
 SHAPES = {
@@ -205,8 +208,12 @@ SHAPES = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode."""
-    parser = argparse.ArgumentParser(prog="python -m dflash_async bench drafter")
+    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode.
+
+    GPU only: without CUDA, or with a CPU --device, a UsageError at once (exit 2). The step has no
+    CPU flex backward, and the sdpa reference at these shapes takes many minutes on a CPU.
+    """
+    parser = ArgumentParser(prog="python -m dflash_async bench drafter")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--num-anchors", type=int, default=1024)
@@ -214,14 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", choices=("flex", "sdpa"), default="flex")
     parser.add_argument("--modes", default="eager,graph")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     parser.add_argument("--ce-chunk-size", type=int, default=2048)
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels (on stderr)")
     parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    require_cuda("bench drafter", args.device)
+    device = parse_device(args.device, setting="--device")
+    torch.cuda.set_device(device)
     for mode in args.modes.split(","):
         result = bench_drafter(
             SHAPES[args.shape](),

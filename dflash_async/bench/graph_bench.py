@@ -9,7 +9,6 @@ Prints one JSON line per check. Timing syncs are benchmark-only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -20,6 +19,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_async.bench.drafter_bench import SHAPES, build_step, synthetic_pack
 from dflash_async.model.optim import lr_at
 from dflash_async.model.step import STATS, DrafterStep
+from dflash_async.pipeline.devices import parse_device
+from dflash_async.usage import ArgumentParser, require_cuda
 
 
 def _step(
@@ -138,7 +139,9 @@ def threads(shape, device, token_budget, num_anchors, n_threads, steps, graph, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_async bench graphs")
+    """bench graphs [--checks parity,memory,threads] ...: one JSON line per check; GPU only
+    (without CUDA a UsageError at once, exit 2)."""
+    parser = ArgumentParser(prog="python -m dflash_async bench graphs")
     parser.add_argument("--checks", default="parity,memory,threads")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--token-budget", type=int, default=8192)
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    require_cuda("bench graphs", args.device)
+    device = parse_device(args.device, setting="--device")
     torch.cuda.set_device(device)
     flex_fn = torch.compile(flex_attention, dynamic=False)
     common = (args.shape, device, args.token_budget, args.num_anchors)

@@ -8,12 +8,15 @@ batches (padding / padded tokens, with `max_batch_tokens` per target batch) and 
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from typing import Any
 
 import numpy as np
 
 from dflash_async.data.packing import plan_epoch, target_batches
+from dflash_async.usage import ArgumentParser
 
 MEDIAN_TOKENS = 700
 SIGMA = 0.8  # spread of log(length); ~5% of samples are cut at 3072
@@ -74,7 +77,7 @@ def bench_packing(
         "samples_per_s": num_samples / min(times),
         "target_split_s": split_s,
     }
-    print(format_table(figures))
+    print(format_table(figures), file=sys.stderr)  # stdout: the JSON line of `main`
     return figures
 
 
@@ -85,3 +88,19 @@ def format_table(figures: dict[str, Any]) -> str:
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         rows.append(f"| {name} | {shown} |")
     return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """bench packing [--samples N] [--token-budget T] [--max-len L]: the figures as one JSON line
+    on stdout (and as a markdown table on stderr)."""
+    parser = ArgumentParser(prog="python -m dflash_async bench packing")
+    parser.add_argument("--samples", type=int, default=100_000)
+    parser.add_argument("--token-budget", type=int, default=49152)
+    parser.add_argument("--max-len", type=int, default=3072)
+    options = parser.parse_args(argv)
+    if min(options.samples, options.token_budget, options.max_len) < 1:
+        parser.error("--samples, --token-budget and --max-len must be >= 1")
+    if options.max_len > options.token_budget:
+        parser.error(f"--max-len {options.max_len} exceeds --token-budget {options.token_budget}")
+    result = bench_packing(options.samples, options.token_budget, options.max_len)
+    print(json.dumps(result), flush=True)

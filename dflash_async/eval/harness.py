@@ -54,6 +54,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.usage import ArgumentParser, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -67,7 +68,7 @@ _DTYPES = {
 def load_drafter(
     folder: str | Path, *, device: torch.device, dtype: torch.dtype
 ) -> tuple[DFlashDrafter, DrafterConfig]:
-    """A servable export (ours or another tool's, DFLASH.md s.7) as an eval-mode DFlashDrafter."""
+    """A servable export (ours or another tool's, docs/DFLASH.md s.7) as an eval-mode DFlashDrafter."""
     config, tensors = load_drafter_export(Path(folder))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(tensors, strict=True)  # the export holds exactly these names
@@ -320,17 +321,9 @@ def run_eval(
     return report
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse then exits 2 naming the option and the value)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of `python -m dflash_async eval` (see main)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # one-line argument errors (usage.py)
         prog="python -m dflash_async eval",
         description="Acceptance length (tau) of a drafter export by greedy speculative decoding.",
     )
@@ -340,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default="", help="jsonl of {messages} or {prompt}; empty = demo held-out"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    parser.add_argument("--num-prompts", type=_positive_int, default=16)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--num-prompts", type=positive_int, default=16)
     parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
     return parser

@@ -1,7 +1,7 @@
 """The target rewrites the assistant turns of a prompt set (`python -m dflash_async regenerate`).
 
 A drafter is trained to predict what ITS target would say, so the training answers should be the
-target's own (DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
+target's own (docs/DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
 left-padded batches sorted by prompt length (less padding), and writes OpenAI-messages records.
 
 Multi-turn: EVERY assistant turn is regenerated, in order, each given the previously regenerated
@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_file
+from dflash_async.data.samples import DataError
 from dflash_async.pipeline.devices import cpu_threads
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import TINY_SEED, demo_prompts
@@ -261,31 +262,28 @@ def run_regenerate(
     max_new_tokens: int,
     batch_size: int,
     *,
-    greedy: bool = True,
-    temperature: float = 1.0,
-    seed: int = 0,
-    enable_thinking: bool = False,
     limit: int | None = None,
+    **options: Any,
 ) -> Path:
     """The CLI's `regenerate`: read conversations, regenerate them with the target, write jsonl.
 
-    `limit` keeps only the first N conversations. Errors in the inputs are ValueError (TargetError
-    for the target folder): one line naming the file, for exit code 2.
+    `limit` keeps only the first N conversations; `options` (greedy, temperature, seed,
+    enable_thinking) go to `regenerate` as they are. Errors in the inputs are DataError (TargetError
+    for the target folder), raised before the target is loaded: one line naming the file and
+    line, for exit code 2.
     """
-    conversations = read_conversations(input_path)[:limit]
+    try:
+        conversations = read_conversations(input_path)[:limit]
+    except ValueError as error:  # JSON, UTF-8, parquet and record errors alike
+        message = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        shown = message if str(input_path) in message else f"{input_path}: {message}"
+        raise DataError(shown) from None
     model = load_target(target_path, device=torch.device(device))
     tokenizer = load_target_tokenizer(target_path)
     records = regenerate(
-        model,
-        tokenizer,
-        conversations,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        greedy=greedy,
-        temperature=temperature,
-        seed=seed,
-        enable_thinking=enable_thinking,
-    )
+        model, tokenizer, conversations, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        **options,
+    )  # fmt: skip
     return write_jsonl(records, output_path)
 
 

@@ -7,7 +7,7 @@ stream h = input_layernorm(x). Queries come from the block only; C is never upda
 
 The drafter owns no embedding and no lm_head: the caller embeds with the target's frozen
 `embed_tokens` and decodes with the target's frozen `lm_head`. Parameter names are exactly the
-servable checkpoint's (DFLASH.md section 7), so export is a dtype cast and nothing else.
+servable checkpoint's (docs/DFLASH.md section 7), so export is a dtype cast and nothing else.
 
 Attention is injected as a callable `attend(q, k, v) -> out` (see attention.py): the dense-mask
 SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module.

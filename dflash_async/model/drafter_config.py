@@ -14,13 +14,13 @@ from typing import Any
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN35_MASK_TOKEN_ID = 248070
 
-# DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
+# docs/DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Shapes of a DFlash drafter. Field names follow the servable config.json (DFLASH.md s.7)."""
+    """Shapes of a DFlash drafter. Field names follow the servable config.json (docs/DFLASH.md s.7)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -64,7 +64,7 @@ class DrafterConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
-    """DFLASH.md s.1: k==1 -> [L//2]; else round(1 + i*(L-4)/(k-1)), Python's round (ties to even).
+    """docs/DFLASH.md s.1: k==1 -> [L//2]; else round(1 + i*(L-4)/(k-1)), Python's round (ties to even).
 
     >>> default_target_layer_ids(36, 5)
     (1, 9, 17, 25, 33)

@@ -5,7 +5,7 @@ For a batch in the fixed layout (packing.PackedBatch) and A anchors:
 - slot k predicts x[a_j + k] (same-position labels; slot 0 is the anchor and is not trained);
 - w[j,k] = valid_j * (k>0) * (a_j+k in the document) * loss_mask[a_j+k] * exp(-(k-1)/gamma);
 - the objective returns SUMS (weighted CE, weights, metric counts) rather than a ratio: the loss of
-  an optimizer step is sum(w*CE)/sum(w) over every block of every drafter GPU (DFLASH.md s.4).
+  an optimizer step is sum(w*CE)/sum(w) over every block of every drafter GPU (docs/DFLASH.md s.4).
 
 Everything here is fixed-shape and sync-free: hyper-parameters are fixed when the objective is
 built, per-step inputs are tensors, no op reads device data on the host. The lm_head over the
@@ -66,7 +66,7 @@ class StepSums(NamedTuple):
 
 
 def step_metrics(sums: StepSums) -> dict[str, torch.Tensor]:
-    """loss, acc and the acceptance proxy tau_hat (DFLASH.md s.4), still on the device."""
+    """loss, acc and the acceptance proxy tau_hat (docs/DFLASH.md s.4), still on the device."""
     return {
         "loss": sums.ce_sum / sums.weight_sum.clamp_min(1e-12),
         "acc": sums.correct.double() / sums.supervised.clamp_min(1).double(),

@@ -1,4 +1,5 @@
-"""AdamW, the learning-rate schedule kept in a device tensor, clipping, and the gradient all-reduce.
+"""AdamW, the learning-rate schedule kept in a device tensor, the flat gradient buffer, and the
+gradient all-reduce.
 
 Everything a training step calls here is sync-free and CUDA-graph capturable: no `.item()`, no
 data-dependent Python branches, and no Python scalar that changes from step to step. The learning
@@ -6,7 +7,10 @@ rate lives in a device tensor that the step itself advances (`LrSchedule.advance
 graph follows warmup and cosine decay without ever being recaptured.
 
 Recipe (docs/DFLASH.md s.5): AdamW (0.9, 0.999, eps 1e-8, weight decay 0), peak lr 6e-4, linear
-warmup over 4% of the steps, then cosine to 0, gradients clipped to norm 1.0.
+warmup over 4% of the steps, then cosine to 0, gradients clipped to norm 1.0. Clipping is
+torch.nn.utils.clip_grad_norm_ with foreach=True (step.py): sync-free with its default
+error_if_nonfinite=False (always multiplies by min(1, max_norm / (norm + 1e-6)), no `if`), and
+capturable; its math is what a hand-written version here used to do, op for op.
 
 With several drafter devices (data parallel, one process), each drafter keeps its gradients in one
 flat fp32 buffer (`flat_grad_buffer`) so that a single `all_reduce_sum` over those buffers moves
@@ -150,27 +154,6 @@ def build_optimizer(
         fused=True,
         capturable=device.type == "cuda",
     )
-
-
-@torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale gradients in place so their total L2 norm is at most `max_norm`; sync-free.
-
-    Returns the pre-clip total norm as a 0-d device tensor (read it when logging, off the hot
-    path: `.item()` there is a sync point). Same math as torch.nn.utils.clip_grad_norm_: scale by
-    min(1, max_norm / (norm + 1e-6)), always multiplied (no `if`, which would sync). A non-finite
-    norm is returned as is and poisons the gradients, as torch's does with error_if_nonfinite=False.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        raise ValueError("clip_grad_norm_: no parameter has a gradient")
-    devices = {g.device for g in grads}
-    if len(devices) != 1:
-        raise ValueError(f"gradients span several devices {sorted(map(str, devices))}")
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, scale)
-    return total
 
 
 def flat_grad_buffer(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -6,7 +6,7 @@ One optimizer step of M drafters (data parallel, each with its own pack):
   reduce  (across drafters): sum the grad buffers and the sums vectors (no-op for M = 1);
   phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance, zero grads.
 Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
-M packs' blocks (DFLASH.md s.4), and keeps all drafters' weights identical.
+M packs' blocks (docs/DFLASH.md s.4), and keeps all drafters' weights identical.
 
 Both phases have fixed shapes and no host syncs, so each is captured once as a CUDA graph
 (docs/GPU.md: in the replaying thread, after warm-up, one capture at a time) and replayed; eager
@@ -21,11 +21,12 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+from torch import nn
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
-from dflash_async.model.optim import LrSchedule, build_optimizer, clip_grad_norm_, flat_grad_buffer
+from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
@@ -150,7 +151,9 @@ class DrafterStep:
     def _update(self) -> None:
         # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
         self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
-        self.grad_norm.copy_(clip_grad_norm_(self.params, self.grad_clip))
+        # foreach over the flat buffer's views; error_if_nonfinite stays False: True would sync
+        norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        self.grad_norm.copy_(norm)
         self.optimizer.step()
         self.schedule.advance_()
         self.flat_grad.zero_()

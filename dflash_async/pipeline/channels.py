@@ -149,14 +149,6 @@ class Slot:
     meta: dict[str, Any] = field(default_factory=dict)
     ready: Completion | None = None  # the producer's "written" event, set by publish
 
-    def wait_ready(self) -> None:
-        """Make the calling thread's current CUDA stream wait for the producer's writes.
-
-        Call inside the consumer's DeviceWorker job. A GPU-side wait: no host sync.
-        """
-        if isinstance(self.ready, torch.cuda.Event):
-            torch.cuda.current_stream().wait_event(self.ready)
-
 
 @dataclass
 class SlotRingStatistics:
@@ -178,7 +170,7 @@ class SlotRing:
 
     Producers: `slot = await acquire_free()` (waits while every slot is taken: backpressure),
     fill `slot.batch` in their DeviceWorker, `publish(slot, event)`. Consumers:
-    `slot = await receive_full()` (or `async for slot in ring`), `slot.wait_ready()` and copy out
+    `slot = await receive_full()` (or `async for slot in ring`), wait on `slot.ready` and copy out
     in their DeviceWorker, then `release(slot, event)` where `event` completes when the copy has.
 
     A released slot with an event becomes free only once `event.query()` is true. The loop polls

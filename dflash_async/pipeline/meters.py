@@ -46,7 +46,7 @@ class BusyMeter:
     """Device-busy seconds of one worker, from (start, end) CUDA event pairs of its jobs.
 
     `collect()` adds the pairs whose end event completed (event.query(): no host sync) and
-    returns the running total. CPU workers use their host job time instead (add_seconds).
+    returns the running total. CPU workers report their host job time (DeviceWorker.busy_seconds).
     """
 
     def __init__(self) -> None:
@@ -55,9 +55,6 @@ class BusyMeter:
 
     def add(self, start, end) -> None:
         self._pending.append((start, end))
-
-    def add_seconds(self, seconds: float) -> None:
-        self._seconds += seconds
 
     def collect(self) -> float:
         while self._pending and self._pending[0][1].query():

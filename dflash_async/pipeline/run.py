@@ -31,11 +31,17 @@ from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import Throughput, report_stage
-from dflash_async.pipeline.stages.save import Saver, check_output_dir, export_path
+from dflash_async.pipeline.stages.save import Saver, export_path
 from dflash_async.pipeline.stages.train import DrafterRunner, Progress, train_steps
-from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
+from dflash_async.pipeline.startup import (
+    RunInputs,
+    build_drafter_step,
+    check_device_combination,
+    resolve_inputs,
+)
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.usage import check_writable_folder
 
 
 class LoopLag:
@@ -156,8 +162,10 @@ class Workers:
 
 
 def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
-    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have."""
+    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have,
+    or for a combination not supported (check_device_combination)."""
     pipe = settings.pipeline
+    check_device_combination(pipe)
     return (
         parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
         parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
@@ -228,7 +236,7 @@ async def run(settings: Settings, log, *, shutdown: Shutdown | None = None) -> i
 
 async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
     started = time.perf_counter()
-    output_dir = check_output_dir(Path(settings.output_dir))  # exit 2 before any work
+    output_dir = check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
     _, drafter_devices = _devices(settings)  # fail fast, before any loading
     with shutdown.interruptible():  # CPU only, files: an abandoned thread is harmless
         inputs = await anyio.to_thread.run_sync(

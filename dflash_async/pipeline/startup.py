@@ -22,7 +22,7 @@ from dflash_async.model.drafter_config import DrafterConfig, drafter_config_from
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
 from dflash_async.model.optim import warmup_steps_for
 from dflash_async.model.step import DrafterStep
-from dflash_async.settings import Settings, SettingsError
+from dflash_async.settings import PipelineSettings, Settings, SettingsError
 from dflash_async.target.loading import TargetError
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
@@ -41,6 +41,24 @@ class RunInputs:
     data_path: str
     builtin_target: bool
     drafter_config: DrafterConfig
+
+
+def check_device_combination(pipeline: PipelineSettings) -> None:
+    """SettingsError (exit 2) for a CUDA target with a CPU drafter, a combination not supported.
+
+    The hidden-state slots then live in pinned host memory, written by the target's asynchronous
+    device-to-host copies, and a CPU drafter has no CUDA stream to wait on the producer's event:
+    it could read a slot before the copy landed. Refused at start-up rather than raced.
+    """
+    cpu_drafters = "cpu" in pipeline.drafter_devices
+    cuda_targets = [d for d in pipeline.target_devices if d != "cpu"]
+    if cpu_drafters and cuda_targets:
+        raise SettingsError(
+            f"DFLASH_PIPELINE__TARGET_DEVICES={','.join(pipeline.target_devices)} with "
+            f"DFLASH_PIPELINE__DRAFTER_DEVICES={','.join(pipeline.drafter_devices)}: a CPU "
+            "drafter cannot follow a CUDA target (it would read hidden-state slots before the "
+            "target's GPU copies land); put every drafter on a GPU, or the targets on cpu"
+        )
 
 
 def resolve_inputs(settings: Settings, log) -> RunInputs:

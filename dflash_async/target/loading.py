@@ -28,12 +28,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_directory
+from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
-
-
-class TargetError(ValueError):
-    """A target folder that cannot be used; the message is one line naming the path (CLI exit 2)."""
 
 
 class _EarlyExit(Exception):
@@ -41,10 +38,9 @@ class _EarlyExit(Exception):
 
 
 def _checked_folder(path: str | os.PathLike[str]) -> Path:
-    """The target folder, or TargetError when it is missing, has no config.json or no weights."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise TargetError(f"target folder {str(folder)!r} does not exist (a local HF model folder)")
+    """The target folder (a folder, or a model id cached locally: resolve.py), or TargetError
+    when it is missing or has no config.json."""
+    folder = resolve_target(path)
     if not (folder / "config.json").is_file():
         raise TargetError(f"target folder {str(folder)!r} has no config.json")
     return folder

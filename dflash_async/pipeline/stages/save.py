@@ -6,13 +6,11 @@ OUTPUT_DIR/drafter                     the servable export of the newest checkpo
 A save blocks training only for the device-to-host copy, on drafter 0's thread between two
 steps; serialising, fsync and renames run in a worker thread, at most one save in flight (the
 next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
-this run resumes it (`resume_source`); the output folder is checked before any work
-(`check_output_dir`).
+this run resumes it (`resume_source`).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -35,21 +33,6 @@ from dflash_async.training_state import (
 
 def export_path(output_dir: Path) -> Path:
     return output_dir / "drafter"
-
-
-def check_output_dir(output_dir: Path) -> Path:
-    """The output folder exists or can be created, is a folder, and is writable; else
-    SettingsError (exit 2, one line). Called before any work."""
-    where = f"DFLASH_OUTPUT_DIR={output_dir}"
-    if output_dir.exists() and not output_dir.is_dir():
-        raise SettingsError(f"{where} is a file, not a folder")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SettingsError(f"{where} cannot be created: {e.strerror}") from None
-    if not os.access(output_dir, os.W_OK | os.X_OK):
-        raise SettingsError(f"{where} is not writable")
-    return output_dir
 
 
 def resume_source(mode: str, output_dir: Path) -> Path | None:
