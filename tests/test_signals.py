@@ -163,11 +163,9 @@ def test_a_signal_during_an_evaluation_ends_it_within_5_s(
     else:
         settings |= {"DFLASH_EVAL__EVERY": "2", "DFLASH_TRAIN__SAVE_EVERY": "2"}
     run = Run(settings, tmp_path)
-    if signum == signal.SIGINT:
-        run.wait_for("startup_completed")
-    else:
-        run.wait_for("export_written", step=2)  # the evaluation of step 2 comes next
-    time.sleep(0.5)  # inside the evaluation (decoding 16 prompts takes ~1 min)
+    step = 0 if signum == signal.SIGINT else 2
+    # the evaluation exports the drafter, then decodes 16 prompts (~1 min): stop it there
+    run.wait_for("drafter_exported", path=str(tmp_path / "out" / "eval" / f"step-{step}"))
     code, elapsed, err = run.stop(signum)
     assert (code, "Traceback" in err) == (
         {signal.SIGINT: 130, signal.SIGTERM: 143}[signum],
