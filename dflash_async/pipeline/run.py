@@ -247,14 +247,9 @@ async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
         )
         plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
         resume = await anyio.to_thread.run_sync(
-            resume_point,
-            settings,
-            inputs,
-            samples,
-            plan.total_steps,
-            output_dir,
+            resume_point, settings, inputs, samples, plan.total_steps, output_dir,
             abandon_on_cancel=True,
-        )
+        )  # fmt: skip
     if shutdown.requested:
         return _interrupted(shutdown, 0, log)
     cfg = inputs.drafter_config
