@@ -7,7 +7,7 @@ differ (exit 2 naming the setting). `Resume.restore` loads the state into every 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_async.data.packing import PackCursor
@@ -27,19 +27,13 @@ from dflash_async.training_state import (
 
 @dataclass
 class Resume:
-    """Where the run starts: a checkpoint's state (None: from scratch) and the run identity."""
+    """Where the run starts: a checkpoint (path None: from scratch) and the run identity."""
 
     identity: dict
     path: Path | None = None
-    state: dict | None = None
-
-    @property
-    def step(self) -> int:
-        return self.state["step"] if self.state else 0
-
-    @property
-    def cursor(self) -> PackCursor:
-        return cursor_of(self.state) if self.state else PackCursor()
+    step: int = 0
+    cursor: PackCursor = field(default_factory=PackCursor)
+    state: dict | None = None  # the loaded training state, dropped once restored (host memory)
 
     async def restore(self, runners: list[DrafterRunner], log) -> None:
         """Each drafter (in its thread, after capture) back to the checkpoint's state."""
@@ -47,10 +41,9 @@ class Resume:
             return
         for rank, runner in enumerate(runners):
             await runner.worker.run(restore, runner.step, self.state, rank=rank)
-        cursor = self.cursor
-        log.info(
-            "resumed", step=self.step, epoch=cursor.epoch, pack=cursor.index, path=str(self.path)
-        )
+        self.state = None  # a Qwen3-8B-shaped drafter's state is ~12 GB
+        log.info("resumed", step=self.step, epoch=self.cursor.epoch, pack=self.cursor.index,
+                 path=str(self.path))  # fmt: skip
 
 
 def resume_point(
@@ -71,4 +64,4 @@ def resume_point(
             f"DFLASH_TRAIN__RESUME: cannot read the checkpoint {path}: {e}"
         ) from None
     check_run_identity(state["run"], identity, path)
-    return Resume(identity, path, state)
+    return Resume(identity, path, state["step"], cursor_of(state), state)

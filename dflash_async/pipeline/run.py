@@ -264,7 +264,7 @@ async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
             evaluate = _evaluator(
                 settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
             )
-            if settings.eval.at_start and resume.state is None:
+            if settings.eval.at_start and resume.path is None:
                 await evaluate(0)
         if shutdown.requested:  # nothing new to save: no step ran
             return _interrupted(shutdown, resume.step, log)
@@ -310,7 +310,7 @@ async def _train(
     async with anyio.create_task_group() as background:
         saver = Saver(workers.drafters, output_dir, keep=train.keep_checkpoints, seed=train.seed,
                       run=resume.identity, tasks=background, log=log)  # fmt: skip
-        saver.last_step = resume.step if resume.state else None
+        saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
         background.start_soon(_produce, settings, samples, plan, workers, ring, progress.cursor)
         async with anyio.create_task_group() as foreground:
