@@ -1,4 +1,4 @@
-"""Command line: run | settings | bench | regenerate | eval, and --version.
+"""Command line: run | settings | bench | regenerate | eval | report, and --version.
 
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
@@ -10,6 +10,7 @@ JSON mode every stdout line is JSON; `settings` prints its JSON document and not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -57,13 +58,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         from dflash_async.log import get_logger
         from dflash_async.pipeline.run import run
+        from dflash_async.runlog.record import open_run_record
 
         settings = _settings_and_logging()
         log = get_logger("dflash_async")
-        log.info("settings_loaded", **settings.public_dict())
         options = {"use_uvloop": True} if sys.platform != "win32" else {}
-        main = functools.partial(run, settings, log, shutdown=shutdown)
-        return anyio.run(main, backend="asyncio", backend_options=options)
+        with contextlib.ExitStack() as stack:
+            record = stack.enter_context(
+                open_run_record(output_dir=settings.output_dir, log=log,
+                                settings_dict=settings.public_dict(), log_settings=settings.log)
+            )  # fmt: skip
+
+            def close_record(code: int) -> None:  # a signal's exit skips the unwinding below
+                record.exit_code = code
+                stack.close()
+
+            shutdown.before_exit = close_record
+            log.info("settings_loaded", **settings.public_dict())
+            main = functools.partial(run, settings, log, shutdown=shutdown)
+            record.exit_code = anyio.run(main, backend="asyncio", backend_options=options)
+        return record.exit_code
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -110,6 +124,14 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Plots, summary table and report.html from run folders or JSON logs (several side by side)."""
+    from dflash_async.runlog.command import report
+
+    print(json.dumps({"event": "report_written", "path": str(report(args.runs, args.out))}))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
     from dflash_async.eval.harness import build_parser as eval_parser
@@ -151,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
+    from dflash_async.runlog.command import add_arguments  # argparse only: no matplotlib yet
+
+    add_arguments(rep := sub.add_parser("report", help=cmd_report.__doc__))
+    rep.set_defaults(fn=cmd_report)
     return parser
 
 

@@ -6,6 +6,11 @@ never interleaved mid-line (one handler, one lock). Event names are snake_case p
 (`step_completed`); foreign records get the event `stdlib_logged` or `warning_issued` and keep
 their text in `message`.
 
+A run also writes every event as JSON to a file (`file=`, the run folder's `log.jsonl`), whatever
+stdout shows. On a TTY the console view prints each `step` event as one compact line (step/total,
+loss, acc, tokens/s, MFU, ETA); `every=N` keeps only every N-th step line on stdout (the file keeps
+them all). `progress()` shows long loops: tqdm on a TTY, else a few `progress_reported` events.
+
 Context (`bound_context(run_id=...)`) rides in contextvars. A thread does not inherit them: a
 DeviceWorker runs each job inside `contextvars.copy_context()` of the task that submitted it, so
 events logged by a job carry the submitter's fields.
@@ -15,26 +20,39 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Literal, TextIO
+from pathlib import Path
+from typing import Any, Literal, TextIO, TypeVar
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 LogFormat = Literal["auto", "json", "console"]
 HANDLER_NAME = "dflash_async"
+FILE_HANDLER_NAME = "dflash_async.file"
+T = TypeVar("T")
 
 
-def configure_logging(fmt: LogFormat, level: str, stream: TextIO | None = None) -> None:
-    """Route structlog, stdlib logging and warnings to `stream` as JSON lines or console text.
+def configure_logging(
+    fmt: LogFormat,
+    level: str,
+    stream: TextIO | None = None,
+    *,
+    file: Path | None = None,
+    every: int = 1,
+) -> None:
+    """Route structlog, stdlib logging and warnings to `stream` as JSON lines or console text,
+    and to `file` (appended) as JSON lines when given.
 
-    `fmt="auto"` picks the console renderer when `stream` is a TTY, else JSON. Idempotent: a
-    second call replaces the handler the first one installed (other handlers are kept).
+    `fmt="auto"` picks the console renderer when `stream` is a TTY, else JSON. `every`: only
+    every N-th `step` event reaches `stream` (and the last of a run). Idempotent: a second call
+    replaces the handlers the first one installed (other handlers are kept).
     """
     stream = stream or sys.stdout  # read at call time: pytest and others swap sys.stdout
     numeric_level = _numeric_level(level)
-    renderer = _renderer(_resolve_format(fmt, stream), stream)
     shared = _shared_processors()
     structlog.configure(
         processors=[
@@ -48,18 +66,57 @@ def configure_logging(fmt: LogFormat, level: str, stream: TextIO | None = None) 
     )
     handler = logging.StreamHandler(stream)
     handler.set_name(HANDLER_NAME)
-    handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[_name_foreign_event, *shared],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
-        )
-    )
+    handler.setFormatter(_formatter(shared, _renderer(_resolve_format(fmt, stream), stream)))
+    if every > 1:
+        handler.addFilter(_EveryNthStep(every))
+    handlers = [handler]
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(file, mode="a", encoding="utf-8")  # flushed per line
+        file_handler.set_name(FILE_HANDLER_NAME)
+        file_handler.setFormatter(_formatter(shared, _renderer("json", stream)))
+        handlers.append(file_handler)
+    ours = (HANDLER_NAME, FILE_HANDLER_NAME)
     root = logging.getLogger()
-    root.handlers = [h for h in root.handlers if h.get_name() != HANDLER_NAME] + [handler]
+    for old in [h for h in root.handlers if h.get_name() in ours]:
+        old.close()
+    root.handlers = [h for h in root.handlers if h.get_name() not in ours] + handlers
     root.setLevel(numeric_level)
     # Process-wide on purpose: warnings from any thread become `warning_issued` events.
     warnings.showwarning = _log_warning
     _route_transformers_logs()
+
+
+def close_log_file() -> None:
+    """Detach and close the file handler (the run is over; later events go to stdout only)."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == FILE_HANDLER_NAME]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _formatter(shared: list[Processor], renderer: list[Processor]) -> logging.Formatter:
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[_name_foreign_event, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+    )
+
+
+class _EveryNthStep(logging.Filter):
+    """Pass `step` events only at multiples of N, the first and the last (`step == total_steps`)."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every = every
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        event = record.msg
+        if not isinstance(event, dict) or event.get("event") != "step":
+            return True
+        step = event.get("step")
+        if not isinstance(step, int):
+            return True
+        return step % self.every == 0 or step == 1 or step == event.get("total_steps")
 
 
 def _route_transformers_logs() -> None:
@@ -103,11 +160,10 @@ def _renderer(fmt: Literal["json", "console"], stream: TextIO) -> list[Processor
     if fmt == "console":
         isatty = getattr(stream, "isatty", None)
         colors = isatty is not None and isatty()
-        return [
-            structlog.dev.ConsoleRenderer(
-                colors=colors, exception_formatter=structlog.dev.plain_traceback
-            )
-        ]
+        console = structlog.dev.ConsoleRenderer(
+            colors=colors, exception_formatter=structlog.dev.plain_traceback
+        )
+        return [_StepLines(console)]
     no_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
     return [
         structlog.processors.ExceptionRenderer(no_locals),
@@ -147,3 +203,62 @@ def _log_warning(
     """`warnings.showwarning` replacement: one structured event instead of stderr text."""
     fields: dict[str, Any] = {"category": category.__name__, "filename": filename, "lineno": lineno}
     get_logger("py.warnings").warning("warning_issued", message=str(message), **fields)
+
+
+class _StepLines:
+    """Console renderer: a `step` event as one compact line, every other event as `console`."""
+
+    def __init__(self, console: Processor) -> None:
+        self.console = console
+
+    def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
+        if event_dict.get("event") != "step":
+            return self.console(logger, method, event_dict)  # type: ignore[return-value]
+        return step_line(event_dict)
+
+
+def step_line(e: dict[str, Any]) -> str:
+    """`step 120/300 | loss 4.652 | acc 0.531 | 4.68k tok/s | MFU 0.002% | ETA 0:00:42`."""
+    total = e.get("total_steps")
+    parts = [f"step {e.get('step')}" + (f"/{total}" if total else "")]
+    for key, label, spec in (("loss", "loss", ".4f"), ("acc", "acc", ".3f")):
+        if isinstance(e.get(key), int | float):
+            parts.append(f"{label} {e[key]:{spec}}")
+    if isinstance(e.get("tokens_per_s"), int | float):
+        parts.append(f"{_si(e['tokens_per_s'])} tok/s")
+    if isinstance(e.get("mfu"), int | float):
+        parts.append(f"MFU {e['mfu'] * 100:.3g}%")
+    if isinstance(e.get("eta_s"), int | float):
+        parts.append(f"ETA {_clock(e['eta_s'])}")
+    return " | ".join(parts)
+
+
+def _si(value: float) -> str:
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def progress(
+    items: Iterable[T], *, total: int, task: str, log: Any = None, reports: int = 10
+) -> Iterator[T]:
+    """Yield `items`, showing progress: a tqdm bar when stderr is a TTY, else about `reports`
+    `progress_reported` events (task, done, total, elapsed_s) through `log`."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(items, total=total, desc=task)
+        return
+    log = log or get_logger("dflash_async")
+    every, started = max(1, total // reports), time.perf_counter()
+    for done, item in enumerate(items, start=1):
+        yield item  # the caller's work on `item` happens here: report after it
+        if done % every == 0 or done == total:
+            elapsed = round(time.perf_counter() - started, 2)
+            log.info("progress_reported", task=task, done=done, total=total, elapsed_s=elapsed)

@@ -12,6 +12,7 @@ source is explicit values: settings_env.py maps the environment to fields (see i
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -233,6 +234,11 @@ class LogSettings(_Section):
     """JSON lines, a console renderer, or auto (console on a TTY, else JSON)."""
     level: str = "info"
     """Minimum level: debug, info, warning, error."""
+    every: int = Field(1, ge=1)
+    """Show every N-th step line on stdout (OUTPUT_DIR/log.jsonl always keeps every step)."""
+    tensorboard_dir: str = ""
+    """Also write the step scalars as TensorBoard events in this folder; empty = off (needs the
+    `tensorboard` extra)."""
 
     @field_validator("level")
     @classmethod
@@ -240,6 +246,13 @@ class LogSettings(_Section):
         if level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"unknown level {level!r}: use debug, info, warning or error")
         return level.lower()
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_installed(cls, folder: str) -> str:
+        if folder and importlib.util.find_spec("tensorboard") is None:  # found, not imported
+            raise ValueError("needs tensorboard: pip install 'dflash_async[tensorboard]'")
+        return folder
 
 
 class Settings(BaseSettings):

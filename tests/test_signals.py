@@ -148,7 +148,10 @@ def test_sigint_during_startup_ends_with_130_and_writes_nothing(
     code, elapsed, err = run.stop(signal.SIGINT)
     assert (code, "Traceback" in err) == (130, False), err
     assert elapsed < STOP_WITHIN_S
-    assert run.events[-1]["event"] == "train_interrupted" and run.events[-1]["step"] == 0
+    (interrupted,) = [e for e in run.events if e["event"] == "train_interrupted"]
+    assert interrupted["step"] == 0
+    assert run.events[-1]["event"] == "run_summary"  # the run record is closed before the exit
+    assert run.events[-1]["exit_reason"] == "interrupted (SIGINT)"
     assert "step" not in run.names() and not (tmp_path / "out" / "checkpoints").exists()
 
 

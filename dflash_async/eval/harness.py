@@ -42,7 +42,7 @@ from dflash_async.eval.speculative import (
     speculative_generate,
     tie_tolerance_for,
 )
-from dflash_async.log import get_logger
+from dflash_async.log import get_logger, progress
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.pipeline.devices import cpu_threads
@@ -257,7 +257,7 @@ def evaluate(
         speculative(prompts[0], min(max_new_tokens, 2 * drafter_config.block_size))
     samples = [
         _eval_sample(i, p, greedy, speculative, device=device, tie_tolerance=tolerance)
-        for i, p in enumerate(prompts)
+        for i, p in progress(enumerate(prompts), total=len(prompts), task="eval (prompts)")
     ]
     return summarize(samples, drafter_config.block_size) | {"samples": samples}
 

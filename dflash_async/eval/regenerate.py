@@ -29,6 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_file
 from dflash_async.data.samples import DataError
+from dflash_async.log import progress
 from dflash_async.pipeline.devices import cpu_threads
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import TINY_SEED, demo_prompts
@@ -197,7 +198,8 @@ def _run_round(
     prompts = [_render_prompt(tokenizer, r["messages"][:i], enable_thinking) for r, i in jobs]
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # the template has them
     order = sorted(range(len(jobs)), key=lambda j: -len(rows[j]))  # similar lengths together
-    for lo in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    for lo in progress(starts, total=len(starts), task="regenerate (batches)"):
         chunk = order[lo : lo + batch_size]
         results = _generate_batch(model, tokenizer, [rows[j] for j in chunk], config)
         for j, (text, stopped, count) in zip(chunk, results, strict=True):

@@ -305,7 +305,10 @@ async def _train(
                 await evaluate(step)
 
     async def report() -> None:
-        summary.update(await report_stage(receive_records, throughput, log))
+        summary.update(await report_stage(
+            receive_records, throughput, log, total_steps=plan.total_steps,
+            tensorboard_dir=settings.log.tensorboard_dir,
+        ))  # fmt: skip
 
     async with anyio.create_task_group() as background:
         saver = Saver(workers.drafters, output_dir, keep=train.keep_checkpoints, seed=train.seed,

@@ -9,7 +9,8 @@ logs `train_interrupted` and ends through `finish`: exit 130 (SIGINT) or 143 (SI
 Second SIGINT: exit 130 at once. Every write is atomic (atomic.py), so the previous checkpoint is
 intact. A second SIGTERM is ignored (the stop is already under way).
 
-Exits after a signal use os._exit, after flushing stdout/stderr and the log handlers: a normal
+Exits after a signal use os._exit, after `before_exit` (the CLI closes the run record there: its
+`run_summary` line) and flushing stdout/stderr and the log handlers: a normal
 interpreter exit would join worker threads still inside a compile or a decode (minutes), and
 exiting while a thread is in torch's C++ code can abort the process (exit 134).
 """
@@ -21,7 +22,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 import anyio
@@ -35,6 +36,7 @@ class Shutdown:
 
     def __init__(self, *, hard_exit: bool = True) -> None:
         self.hard_exit = hard_exit
+        self.before_exit: Callable[[int], None] | None = None  # e.g. close the run record
         self.signum: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: anyio.Event | None = None
@@ -112,9 +114,14 @@ class Shutdown:
                 self._scopes.discard(scope)
 
     def finish(self, code: int) -> int:
-        """End the process with `code` after a signal (see the module doc), or return it."""
+        """End the process with `code` after a signal (see the module doc), after `before_exit`;
+        or return it (hard_exit False, or no signal)."""
         if self.hard_exit and self.requested:
-            _exit_now(code)
+            try:
+                if self.before_exit is not None:
+                    self.before_exit(code)
+            finally:
+                _exit_now(code)
         return code
 
 

@@ -1,8 +1,11 @@
-"""Report stage: one canonical `step` log line per optimizer step.
+"""Report stage: one canonical `step` log line per optimizer step, and its TensorBoard scalars.
 
 The step's numbers come from a host vector that the drafter copied asynchronously; this stage
 polls its event (never blocking the loop or a worker), so the host reads them a step late and the
-training step itself never waits for the host.
+training step itself never waits for the host. Each line carries the run's total steps and an ETA
+from the step rate of the last 30 s. With a TensorBoard folder the same numbers also go to a
+`torch.utils.tensorboard.SummaryWriter`, whose own writer thread serializes and flushes the event
+file (the drafter threads never touch it).
 """
 
 from __future__ import annotations
@@ -52,15 +55,15 @@ class Throughput:
     _busy: dict[str, float] = field(default_factory=dict)
     _last: float = field(default_factory=time.perf_counter)
 
-    def busy_fraction(self, workers: Workers, span: float) -> float:
-        """Share of `span` seconds that the workers' devices spent in their jobs (GPU: CUDA
+    def busy_fractions(self, workers: Workers, span: float) -> dict[str, float]:
+        """Per worker, the share of `span` seconds its device spent in its jobs (GPU: CUDA
         event timings of each job; CPU: host time inside jobs)."""
-        total = 0.0
+        fractions = {}
         for worker, meter in workers:
             busy = meter.collect() if worker.device.type == "cuda" else worker.busy_seconds
-            total += busy - self._busy.get(worker.name, 0.0)
+            fractions[worker.name] = min(1.0, (busy - self._busy.get(worker.name, 0.0)) / span)
             self._busy[worker.name] = busy
-        return min(1.0, total / (span * max(len(workers), 1)))
+        return fractions
 
     def fields(self, record: StepRecord, visible_pairs: float, now: float) -> dict[str, Any]:
         """The throughput half of the step line; call once per step, in order."""
@@ -69,14 +72,17 @@ class Throughput:
         tokens = sum(m["tokens"] for m in record.slots_meta)
         self.tokens.add(tokens, now)
         ring = self.ring.statistics()
+        target_busy = self.busy_fractions(self.target_workers, span)
+        drafter_busy = self.busy_fractions(self.drafter_workers, span)
         return {
             "tokens": tokens,
             "tokens_per_s": self.tokens.rate(now),
             "padding_frac": 1 - tokens / (packs * self.token_budget),
             # every drafter GPU's FLOPs (mean pairs per drafter) over the wall time of the step
             "mfu": mfu(packs * self.step_flops(visible_pairs / packs), span * packs),
-            "target_busy": self.busy_fraction(self.target_workers, span),
-            "drafter_busy": self.busy_fraction(self.drafter_workers, span),
+            "target_busy": _mean(target_busy.values()),
+            "drafter_busy": _mean(drafter_busy.values()),
+            "worker_busy": _rounded(target_busy | drafter_busy),
             "slot_queue": ring.depth,
             # supply: packs the targets published since the start, at this step's tokens/pack
             "supply_tokens_per_s": ring.published / (now - self.started) * tokens / packs,
@@ -85,6 +91,11 @@ class Throughput:
             "mem_gib": _peak_memory_gib(self.drafter_workers),
             "loop_lag_ms": self.loop_lag_ms(),
         }
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / max(len(values), 1)
 
 
 def _peak_memory_gib(workers: Workers) -> float:
@@ -100,23 +111,85 @@ async def _wait(event: Any) -> None:
 
 
 def _rounded(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}
+    """Floats to 6 significant digits (a CPU run's MFU of 1.7e-05 keeps its digits)."""
+    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in fields.items()}
 
 
-async def report_stage(records: ReceiveChannel[StepRecord], tp: Throughput, log) -> dict:
-    """Log every step; return the last step's fields (for the run summary)."""
+@dataclass
+class Eta:
+    """Seconds left to `total_steps`, from the step rate of the last 30 s (None until known)."""
+
+    total_steps: int
+    steps: RateWindow = field(default_factory=RateWindow)
+
+    def fields(self, step: int, now: float) -> dict[str, Any]:
+        self.steps.add(1, now)
+        rate = self.steps.rate(now)
+        eta = (self.total_steps - step) / rate if rate > 0 else None
+        return {"total_steps": self.total_steps, "eta_s": None if eta is None else round(eta, 1)}
+
+
+# TensorBoard tag group of each step field; the rest go under "pipeline/".
+_TB_GROUPS = {k: "train" for k in ("loss", "acc", "tau_hat", "lr", "grad_norm", "epoch")} | {
+    k: "throughput" for k in ("tokens", "tokens_per_s", "padding_frac", "mfu", "step_ms")
+}
+
+
+def open_tensorboard(folder: str):
+    """A SummaryWriter on `folder`. Imported here: tensorboard is an optional extra (its
+    presence is checked when the settings load)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=folder)
+
+
+def tensorboard_scalars(fields: dict[str, Any]) -> dict[str, float]:
+    """The step line's numbers as TensorBoard tags: "train/loss", "throughput/mfu",
+    "pipeline/slot_queue", and one per entry of a dict field ("worker_busy/drafter0")."""
+    scalars = {}
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            scalars |= {f"{key}/{k}": float(v) for k, v in value.items() if _number(v)}
+        elif _number(value) and key not in ("step", "total_steps"):
+            scalars[f"{_TB_GROUPS.get(key, 'pipeline')}/{key}"] = float(value)
+    return scalars
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+async def report_stage(
+    records: ReceiveChannel[StepRecord],
+    tp: Throughput,
+    log,
+    *,
+    total_steps: int,
+    tensorboard_dir: str = "",
+) -> dict:
+    """Log every step (and feed TensorBoard); return the last step's fields (for the summary)."""
     last: dict = {}
+    eta = Eta(total_steps)
+    writer = open_tensorboard(tensorboard_dir) if tensorboard_dir else None
     try:
         async for record in records:
             await _wait(record.ready)
             values = record.report.tolist()  # the event completed: reading it does not sync
-            last = {
+            now = time.perf_counter()
+            last = _rounded({
                 "step": record.step + 1,
+                **eta.fields(record.step + 1, now),
                 "epoch": record.slots_meta[0]["cursor"].epoch,
                 **learning_fields(values),
-                **tp.fields(record, values[STATS.index("visible_pairs")], time.perf_counter()),
-            }
-            log.info("step", **_rounded(last))
+                **tp.fields(record, values[STATS.index("visible_pairs")], now),
+            })  # fmt: skip
+            log.info("step", **last)
+            if writer is not None:
+                for tag, value in tensorboard_scalars(last).items():
+                    writer.add_scalar(tag, value, global_step=last["step"])
     finally:
         records.close()
+        if writer is not None:  # flushes what the writer thread still holds
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(writer.close)
     return last
