@@ -96,12 +96,15 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|graphs [...]` (GPU step, graph checks) or `bench packing`."""
+    """Benchmarks: `bench drafter|graphs|target [...]` (GPU step, graph checks, target paths) or
+    `bench packing`."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
     elif args.what == "graphs":
         from dflash_async.bench.graph_bench import main
+    elif args.what == "target":
+        from dflash_async.bench.target_bench import main
     else:
         from dflash_async.bench.packing_bench import main
     main(args.rest)
@@ -155,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("what", choices=("drafter", "graphs", "packing"))
+    bench.add_argument("what", choices=("drafter", "graphs", "packing", "target"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)

@@ -96,6 +96,9 @@ class TargetSettings(_Section):
     """k: how many target layers feed the drafter."""
     target_layer_ids: tuple[int, ...] | None = None
     """Comma list of target layers to capture; empty = derived from the layer count (docs/DFLASH.md s.1)."""
+    packed_hybrid: bool = False
+    """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels instead
+    of HF on right-padded batches (opt-in until its GPU tests have passed on this machine)."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
 
@@ -199,18 +202,34 @@ class TrainSettings(_Section):
 
 
 class PipelineSettings(_Section):
-    target_devices: tuple[str, ...] = ("cpu",)
-    """Devices of the target workers: GPU indices like 0,1,2,3,4, or cpu."""
-    drafter_devices: tuple[str, ...] = ("cpu",)
-    """Devices of the drafter workers (may repeat target devices on small machines)."""
+    layout: Literal["auto", "colocated", "split"] = "auto"
+    """colocated: every device runs a target and a drafter worker around its own slot ring;
+    split: target GPUs feed drafter GPUs; auto: decided from memory fit and stage rates."""
+    devices: tuple[str, ...] = ()
+    """Devices to place workers on (GPU indices or cpu; a device may repeat: one more pair on
+    it); empty = every visible GPU, else one cpu."""
+    target_devices: tuple[str, ...] = ()
+    """Roles by hand (with DRAFTER_DEVICES): the target workers' devices; empty = placed."""
+    drafter_devices: tuple[str, ...] = ()
+    """Roles by hand: the drafter workers' devices (a GPU may also be a target device)."""
     num_slots: int = Field(4, ge=1)
-    """Hidden-state slots in the ring between target and drafter workers (the backpressure)."""
+    """Hidden-state slots in each drafter's ring: how many packs its targets may run ahead."""
     target_batch_tokens: int = Field(16384, ge=1)
     """Most tokens per target forward; a pack is split into forwards of whole documents."""
+    calibration_packs: int = Field(2, ge=0)
+    """auto: packs each stage runs alone and together at start-up to measure its rate (timed,
+    not trained on); 0 = decide from FLOP estimates."""
 
-    _split_devices = field_validator("target_devices", "drafter_devices", mode="before")(
-        parse_device_list
-    )
+    @field_validator("target_devices", "drafter_devices", mode="before")
+    @classmethod
+    def _split_devices(cls, value: Any) -> tuple[str, ...]:
+        return () if value in ("", (), []) else parse_device_list(value)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_repeatable(cls, value: Any) -> tuple[str, ...]:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(_canonical_device(str(i).strip().lower()) for i in items if str(i).strip())
 
 
 class EvalSettings(_Section):

@@ -72,13 +72,12 @@ def data_fingerprint(
     return digest.hexdigest()
 
 
-def run_identity(
-    settings: Any, drafter_config: Any, *, target_path: str, data: str, total_steps: int
-) -> dict[str, Any]:
+def run_identity(settings: Any, drafter_config: Any, *, target_path: str, data: str) -> dict:
     """The settings that define a run, keyed by the setting a user changes to alter each one.
 
     A resumed run must match every value: each changes the weights a step produces (the shapes,
-    the objective, the schedule, the data order, how many packs a step averages).
+    the objective, the schedule, the data order). `plan_identity` adds what is known only once
+    the workers are placed.
     """
     train = settings.train
     config_json = Path(target_path) / "config.json"
@@ -98,12 +97,16 @@ def run_identity(
         "DFLASH_TRAIN__WARMUP_FRAC": train.warmup_frac,
         "DFLASH_TRAIN__WEIGHT_DECAY": train.weight_decay,
         "DFLASH_TRAIN__GRAD_CLIP": train.grad_clip,
-        "total steps (DFLASH_TRAIN__MAX_STEPS, DFLASH_TRAIN__EPOCHS)": total_steps,
-        "drafter workers (DFLASH_PIPELINE__DRAFTER_DEVICES)": len(
-            settings.pipeline.drafter_devices
-        ),
     }
     return json.loads(json.dumps(identity))  # tuples become lists, as they come back from disk
+
+
+def plan_identity(*, total_steps: int, num_drafters: int) -> dict:
+    """The run-defining facts of the placed run: the schedule's length and packs per step."""
+    return {
+        "total steps (DFLASH_TRAIN__MAX_STEPS, DFLASH_TRAIN__EPOCHS)": total_steps,
+        "drafter workers (DFLASH_PIPELINE__LAYOUT, __DEVICES, __DRAFTER_DEVICES)": num_drafters,
+    }
 
 
 def check_run_identity(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:

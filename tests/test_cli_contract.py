@@ -170,7 +170,7 @@ def test_settings_prints_a_preset_whose_paths_are_absent_here_and_warns(
     printed = json.loads(out)  # stdout: the JSON document alone
     assert printed["env_file"] == str(repo_root() / "settings" / "qwen3_8b_8xh200.env")
     assert printed["target"]["path"] == "/models/Qwen3-8B"
-    assert printed["pipeline"]["drafter_devices"] == ["cuda:5", "cuda:6", "cuda:7"]
+    assert printed["pipeline"]["devices"] == [f"cuda:{i}" for i in range(8)]  # layout auto
     warnings = err.strip().splitlines()
     assert [w.split(":")[0:2] for w in warnings] == [
         ["warning", " DFLASH_TARGET__PATH"],

@@ -203,3 +203,92 @@ def test_gpu_step_does_not_synchronize(attention: str) -> None:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ---- the target step (stage_inputs + fill_slot on the packed path) ------------------------------
+
+TARGET_BUDGET = 256  # flex tiles of 128 on the GPU
+TARGET_LAYERS = (1, 3, 4)
+
+
+def _target_step(device: str, tmp_path) -> Callable[[], None]:
+    """One steady-state target step of the real stage functions over the tiny target."""
+    import numpy as np
+
+    from dflash_async.data.packing import PackCursor, PackedBatch
+    from dflash_async.data.samples import TokenizedSamples
+    from dflash_async.pipeline.stages.produce import fill_slot, load_runner, stage_inputs
+    from dflash_async.pipeline.stages.read import PlannedPack
+    from dflash_async.target.tiny import ensure_tiny_target
+
+    runner = load_runner(
+        str(ensure_tiny_target(tmp_path)), device=torch.device(device), dtype=None,
+        layer_ids=TARGET_LAYERS, token_budget=TARGET_BUDGET, max_batch_tokens=TARGET_BUDGET,
+    )  # fmt: skip
+    assert runner.path.name == "packed_dense", runner.path.reason
+    lengths = np.array([70, 100, 3, 50])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.random.default_rng(0).integers(0, 1000, offsets[-1]).astype(np.int32)
+    samples = TokenizedSamples(tokens, np.ones(len(tokens), dtype=bool), offsets)
+    pack = PlannedPack(PackCursor(), np.arange(len(lengths)))
+    slot = PackedBatch.empty(
+        TARGET_BUDGET, 3 * 128, device=torch.device(device), feature_dtype=torch.float32
+    )
+
+    def step() -> None:
+        fill_slot(runner, stage_inputs(runner, samples, pack), slot)
+
+    return step
+
+
+def test_target_step_reads_no_device_data(tmp_path) -> None:
+    step = _target_step("cpu", tmp_path)
+    step()
+    with ForbidHostSync():
+        step()
+
+
+@pytest.mark.gpu
+def test_gpu_target_step_does_not_synchronize(tmp_path) -> None:
+    """Compiled flex path: caught by the CUDA sync debug mode (pinned, non-blocking copies)."""
+    step = _target_step("cuda", tmp_path)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_target_forward_does_not_synchronize() -> None:
+    """Packed Qwen3.5 forward on fla's varlen kernels: the segment boundaries go to fla from the
+    host (cu_seqlens_cpu), so nothing is read back from the device."""
+    import numpy as np
+    from test_target_hybrid import tiny_qwen35
+
+    from dflash_async.data.packing import layout_pack
+    from dflash_async.target.forward import select_target_forward
+    from dflash_async.target.loading import random_target
+
+    model = random_target(tiny_qwen35(), seed=0).cuda()
+    path = select_target_forward(
+        model, (1, 3, 4), token_budget=256, max_batch_tokens=256, packed_hybrid=True
+    )
+    assert path.name == "packed_hybrid", path.reason
+    lengths = np.array([70, 100, 3, 50])
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in lengths]
+    layout = layout_pack(docs, 256).to("cuda")
+    out = torch.empty(256, 3 * 64, device="cuda")
+    args = (layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    path.forward(*args)
+    path.forward(*args)  # warm-up: compile, triton autotuning
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        path.forward(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

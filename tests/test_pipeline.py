@@ -33,7 +33,7 @@ from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.stages import produce as target_stage
-from dflash_async.pipeline.stages.train import DrafterRunner, reduce_across
+from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
 from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings, load_settings
 from dflash_async.target.loading import load_target_tokenizer
@@ -243,7 +243,7 @@ def test_two_drafters_update_equals_one_drafter_on_both_packs_blocks() -> None:
     In float32 (the step's flat grad buffer takes fp32 params only), so with tolerances."""
     pair_samplers = [FixedAnchors(), FixedAnchors()]
     pair = [make_step(PACK_ROWS, NUM_ANCHORS, s) for s in pair_samplers]
-    # reduce_across reads only .step: the workers are never started
+    # combine_gradients on CPU reads only .step (and .worker.stream, None): never started
     cpu = torch.device("cpu")
     runners = [DrafterRunner(DeviceWorker(cpu, name=f"d{i}"), s) for i, s in enumerate(pair)]
     single_sampler = FixedAnchors()
@@ -261,7 +261,7 @@ def test_two_drafters_update_equals_one_drafter_on_both_packs_blocks() -> None:
             s.phase_a()
         local_weight_sums = [s.stats[STATS.index("weight_sum")].item() for s in pair]
         assert local_weight_sums[0] != local_weight_sums[1]  # a per-drafter mean would differ
-        reduce_across(runners)
+        combine_gradients(runners, [None, None])
         # one pack: A's documents then B's (doc ids continue), B's anchors shifted by A's tokens
         both = laid_out(docs_a + docs_b, torch.cat([feats_a, feats_b]), 2 * PACK_ROWS)
         single.batch.copy_(both)

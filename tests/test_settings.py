@@ -154,7 +154,7 @@ def test_device_lists_parse_into_device_strings(value: str, devices: tuple[str, 
     assert parse_device_list(value) == devices
 
 
-@pytest.mark.parametrize("value", ["gpu0", "0,0", "", "cuda:x"])
+@pytest.mark.parametrize("value", ["gpu0", "0,0", "cuda:x"])
 def test_bad_device_list_names_the_variable(value: str) -> None:
     with pytest.raises(SettingsError, match=f"DFLASH_PIPELINE__DRAFTER_DEVICES={value!r}: "):
         load_settings(NO_FILE | {"DFLASH_PIPELINE__DRAFTER_DEVICES": value})
@@ -209,11 +209,12 @@ def test_every_preset_parses_given_existing_paths(preset: Path, tmp_path: Path) 
     assert settings.env_file == str(preset)
 
 
-def test_8xh200_preset_puts_targets_on_five_gpus_and_drafters_on_three(tmp_path: Path) -> None:
+def test_8xh200_preset_places_workers_automatically_on_eight_gpus(tmp_path: Path) -> None:
     paths = {"DFLASH_TARGET__PATH": str(tmp_path), "DFLASH_DATA__PATH": str(tmp_path)}
     settings = load_settings({"DFLASH_ENV_FILE": "settings/qwen3_8b_8xh200.env"} | paths)
-    assert settings.pipeline.target_devices == tuple(f"cuda:{i}" for i in range(5))
-    assert settings.pipeline.drafter_devices == ("cuda:5", "cuda:6", "cuda:7")
+    assert settings.pipeline.layout == "auto"
+    assert settings.pipeline.devices == tuple(f"cuda:{i}" for i in range(8))
+    assert settings.pipeline.target_devices == settings.pipeline.drafter_devices == ()
     train = settings.train
     assert (train.token_budget, train.num_anchors, train.block_size) == (49152, 2048, 16)
 
@@ -223,7 +224,7 @@ def test_settings_are_immutable_and_public_dict_is_json() -> None:
     with pytest.raises(ValidationError):
         settings.train.lr = 1.0  # type: ignore[misc]
     public = json.loads(json.dumps(settings.public_dict()))
-    assert public["pipeline"]["target_devices"] == ["cpu"]
+    assert public["pipeline"]["target_devices"] == []  # empty: placed by the layout
     assert public["train"]["token_budget"] == 49152
 
 

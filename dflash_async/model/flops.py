@@ -1,4 +1,4 @@
-"""FLOP accounting and MFU for the drafter step.
+"""FLOP accounting and MFU for the drafter step and the frozen target's forward.
 
 FLOPs count the useful matmul work once (2 per multiply-add): activation recomputation (the CE
 chunks' checkpointing) is not counted, and attention counts only visible (query, key) pairs.
@@ -37,6 +37,33 @@ def drafter_step_flops(
     fc = 2 * 2 * T * config.num_features * d * d
     lm_head = 2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size
     return float(layers + fc + lm_head)
+
+
+def target_forward_flops(
+    config, *, layers_run: int, tokens: float, attention_pairs: float
+) -> float:
+    """Forward FLOPs of the target's first `layers_run` decoder layers over `tokens` real tokens.
+
+    `config`: the target's (text) Hugging Face config. Per layer and token: the q, k, v, o
+    projections and the MLP (2 FLOPs per weight; MoE: the routed experts a token uses plus a
+    shared expert when the config has one); attention: QK^T and PV over `attention_pairs` visible
+    (query, key) pairs summed over the pack (document-causal: n(n+1)/2 per document). Embedding
+    lookups, norms and the lm_head (never run: early exit) are not counted. Linear-attention
+    layers of hybrid targets are counted as full attention (an over-count of their
+    attention term, which is ~1% of the total at 700-token documents).
+    """
+    d, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    experts = getattr(config, "num_experts_per_tok", 0) or 0
+    if experts:
+        ffn = experts * config.moe_intermediate_size
+        ffn += getattr(config, "shared_expert_intermediate_size", 0) or 0
+    else:
+        ffn = config.intermediate_size
+    weights = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + 3 * d * ffn
+    attention = 2 * 2 * heads * head_dim * attention_pairs
+    return float(layers_run * (2 * weights * tokens + attention))
 
 
 def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK_FLOPS) -> float:

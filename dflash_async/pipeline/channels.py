@@ -191,6 +191,7 @@ class SlotRing:
         pin_memory: bool | None = None,
         name: str = "slots",
         poll_interval_s: float = 0.0005,
+        changed: Notifier | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"slot ring {name}: num_slots={num_slots} must be at least 1")
@@ -208,7 +209,7 @@ class SlotRing:
         self._full: collections.deque[Slot] = collections.deque()
         self._releasing: list[tuple[Slot, Completion]] = []
         self._closed = False
-        self._changed = anyio.Event()
+        self.changed = changed or Notifier()  # shared by the rings of one RingSet
         self._stats = SlotRingStatistics(name, num_slots, self.slots[0].batch.nbytes)
 
     async def acquire_free(self) -> Slot:
@@ -221,9 +222,7 @@ class SlotRing:
                     raise anyio.ClosedResourceError(f"slot ring {self._stats.name} is closed")
                 self._reclaim_completed()
                 if self._free:
-                    slot = self._free.popleft()
-                    slot.meta, slot.ready = {}, None
-                    return slot
+                    return self.take_free_nowait()
                 await self._wait_for_change(poll=bool(self._releasing))
         finally:
             self._stats.acquire_wait_s += time.perf_counter() - started
@@ -248,8 +247,7 @@ class SlotRing:
                 if self._closed:
                     raise anyio.EndOfStream
                 await self._wait_for_change(poll=False)
-            self._stats.received += 1
-            return self._full.popleft()
+            return self.take_full_nowait()
         finally:
             self._stats.receive_wait_s += time.perf_counter() - started
 
@@ -295,14 +293,55 @@ class SlotRing:
         self._releasing = still
 
     async def _wait_for_change(self, *, poll: bool) -> None:
-        changed = self._changed
-        if poll:
-            with anyio.move_on_after(self._poll_interval_s):
-                await changed.wait()
-        else:
-            await changed.wait()
+        await self.changed.wait(self._poll_interval_s if poll else None)
 
     def _notify(self) -> None:
-        """Wake every waiter; each re-checks its condition (few waiters: one per worker)."""
-        self._changed.set()
-        self._changed = anyio.Event()
+        self.changed.notify()
+
+    # For RingSet (rings.py): the same state, read and taken without waiting.
+    @property
+    def num_full(self) -> int:
+        return len(self._full)
+
+    @property
+    def num_free(self) -> int:
+        self._reclaim_completed()
+        return len(self._free)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def polling(self) -> bool:
+        """Released slots wait for their completion events: a waiting producer must poll."""
+        return bool(self._releasing)
+
+    def take_free_nowait(self) -> Slot:
+        slot = self._free.popleft()
+        slot.meta, slot.ready = {}, None
+        return slot
+
+    def take_full_nowait(self) -> Slot:
+        self._stats.received += 1
+        return self._full.popleft()
+
+
+class Notifier:
+    """Wakes every task waiting for a change of one or several rings; each re-checks its
+    condition (few waiters: one per worker)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    async def wait(self, timeout_s: float | None = None) -> None:
+        event = self._event
+        if timeout_s is None:
+            await event.wait()
+        else:
+            with anyio.move_on_after(timeout_s):
+                await event.wait()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()

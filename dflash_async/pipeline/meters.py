@@ -52,6 +52,9 @@ class BusyMeter:
     def __init__(self) -> None:
         self._pending: deque = deque()
         self._seconds = 0.0
+        # (start, end) pairs collected since a reader (report.GpuBusy) took them; bounded when
+        # nobody reads them
+        self.completed: deque = deque(maxlen=4096)
 
     def add(self, start, end) -> None:
         self._pending.append((start, end))
@@ -60,4 +63,5 @@ class BusyMeter:
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.popleft()
             self._seconds += start.elapsed_time(end) / 1e3
+            self.completed.append((start, end))
         return self._seconds

@@ -20,6 +20,7 @@ from dflash_async.training_state import (
     cursor_of,
     data_fingerprint,
     load_checkpoint,
+    plan_identity,
     restore,
     run_identity,
 )
@@ -35,10 +36,14 @@ class Resume:
     cursor: PackCursor = field(default_factory=PackCursor)
     state: dict | None = None  # the loaded training state, dropped once restored (host memory)
 
-    async def restore(self, runners: list[DrafterRunner], log) -> None:
-        """Each drafter (in its thread, after capture) back to the checkpoint's state."""
+    async def restore(self, runners: list[DrafterRunner], log, *, total_steps: int) -> None:
+        """Complete the identity with the placed run's plan (SettingsError if it differs from
+        the checkpoint's), then put each drafter (in its thread, after capture) back to the
+        checkpoint's state."""
+        self.identity |= plan_identity(total_steps=total_steps, num_drafters=len(runners))
         if self.state is None:
             return
+        check_run_identity(self.state["run"], self.identity, self.path)
         for rank, runner in enumerate(runners):
             await runner.worker.run(restore, runner.step, self.state, rank=rank)
         self.state = None  # a Qwen3-8B-shaped drafter's state is ~12 GB
@@ -46,14 +51,13 @@ class Resume:
                  path=str(self.path))  # fmt: skip
 
 
-def resume_point(
-    settings: Settings, inputs: RunInputs, samples, total_steps: int, output_dir: Path
-) -> Resume:
+def resume_point(settings: Settings, inputs: RunInputs, samples, output_dir: Path) -> Resume:
     """The run identity, and the checkpoint to resume (DFLASH_TRAIN__RESUME); SettingsError
-    (exit 2) naming a run-defining setting that differs from the checkpoint's."""
+    (exit 2, before any model is loaded) naming a run-defining setting that differs from the
+    checkpoint's (the placed run's plan is checked by `Resume.restore`)."""
     fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
     identity = run_identity(settings, inputs.drafter_config, target_path=inputs.target_path,
-                            data=fingerprint, total_steps=total_steps)  # fmt: skip
+                            data=fingerprint)  # fmt: skip
     path = resume_source(settings.train.resume, output_dir)
     if path is None:
         return Resume(identity)

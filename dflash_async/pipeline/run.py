@@ -1,7 +1,7 @@
 """The whole run in one process: stages and channels wired in one task group.
 
-    read ──packs──> target workers ──slots (ring)──> drafter workers ──records──> report
-                                                            └──> save (every N steps, at the end)
+    read ──packs──> target workers ──slots (a ring per drafter)──> drafter workers ──records──> report
+                                                                    └──> save (every N steps, at the end)
 
 `run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
 topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
@@ -12,6 +12,7 @@ current step (start-up and evaluations at once), save, and exit 130/143 (shutdow
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,24 +24,21 @@ import torch
 from dflash_async.data.packing import PackCursor, plan_epoch
 from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
 from dflash_async.model.flops import drafter_step_flops
-from dflash_async.pipeline.channels import SlotRing, open_channel
-from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.pipeline import workers as placing
+from dflash_async.pipeline.channels import open_channel
+from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
 from dflash_async.pipeline.resume import Resume, resume_point
+from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.stages.evaluate import eval_stage
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
-from dflash_async.pipeline.stages.report import Throughput, report_stage
+from dflash_async.pipeline.stages.report import GpuBusy, Throughput, report_stage
 from dflash_async.pipeline.stages.save import Saver, export_path
 from dflash_async.pipeline.stages.train import DrafterRunner, Progress, train_steps
-from dflash_async.pipeline.startup import (
-    RunInputs,
-    build_drafter_step,
-    check_device_combination,
-    resolve_inputs,
-)
+from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
-from dflash_async.target.loading import load_target_tokenizer
+from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 from dflash_async.usage import check_writable_folder
 
 
@@ -117,7 +115,7 @@ async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[D
         log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
                  **{k: round(v, 2) for k, v in timings.items()},
                  startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
-        runners.append(DrafterRunner(worker, step))
+        runners.append(DrafterRunner(worker, step, seed=settings.train.seed))
     return runners
 
 
@@ -137,80 +135,70 @@ def _evaluator(settings, inputs: RunInputs, drafter, target_worker, output_dir: 
     return evaluate
 
 
-def _slot_ring(settings: Settings, config, drafter_devices, feature_dtype) -> SlotRing:
-    """The hidden-state slots: on the drafter GPU when there is one, else in (pinned) host memory."""
-    unique = set(drafter_devices)
-    only = next(iter(unique))
-    device = only if len(unique) == 1 and only.type == "cuda" else torch.device("cpu")
-    return SlotRing(
-        settings.pipeline.num_slots,
-        token_budget=settings.train.token_budget,
-        feature_dim=config.num_features * config.hidden_size,
-        device=device,
-        feature_dtype=feature_dtype,
-    )
-
-
 @dataclass
 class Workers:
-    """The started worker threads and the state each holds."""
+    """The started worker threads, the state each holds, and the rings between them."""
 
     targets: list[DeviceWorker]
     target_runners: list[TargetRunner]
     drafters: list[DrafterRunner]
     feature_dtype: torch.dtype
+    rings: RingSet
+    homes: tuple[int | None, ...]  # per target: the ring it fills first
+    plan: Plan
+    target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
 
 
-def _devices(settings: Settings) -> tuple[tuple[torch.device, ...], tuple[torch.device, ...]]:
-    """Target and drafter devices; SettingsError (exit 2) for one this machine does not have,
-    or for a combination not supported (check_device_combination)."""
-    pipe = settings.pipeline
-    check_device_combination(pipe)
-    return (
-        parse_devices(pipe.target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES"),
-        parse_devices(pipe.drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES"),
-    )
-
-
-async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, plan: Plan, log):
-    """One thread per worker device; targets loaded, drafters built (and captured) in them."""
+async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, samples, log):
+    """Place, then one thread per worker: targets loaded, drafters built (and captured)."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
-    target_devices, drafter_devices = _devices(settings)
     open_worker = lambda device, name, grad: stack.enter_async_context(  # noqa: E731
         open_device_worker(device, name, grad_enabled=grad)
     )
-    targets = [await open_worker(d, f"target{i}", False) for i, d in enumerate(target_devices)]
-    drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(drafter_devices)]
-    feature_dtype = torch.bfloat16 if target_devices[0].type == "cuda" else torch.float32
-    runners = [
-        await w.run(load_runner, inputs.target_path, device=w.device, dtype=feature_dtype,
-                    layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
-                    max_batch_tokens=pipe.target_batch_tokens)
-        for w in targets
-    ]  # fmt: skip
+    given = placing.given_roles(settings)
+    first = (given.targets if given else placing.candidate_devices(settings))[0]
+    feature_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
+    load = lambda w: w.run(load_runner, inputs.target_path, device=w.device,  # noqa: E731
+                           dtype=resolve_target_dtype(settings.target.dtype, w.device),
+                           layer_ids=cfg.target_layer_ids, token_budget=train.token_budget,
+                           max_batch_tokens=pipe.target_batch_tokens,
+                           packed_hybrid=settings.target.packed_hybrid)  # fmt: skip
+    targets = [await open_worker(first, "target0", False)]
+    runners = [await load(targets[0])]
+    roles = await placing.place(settings, inputs, samples, target=targets[0], runner=runners[0],
+                                log=log)  # fmt: skip
+    for i, device in enumerate(roles.targets[1:], start=1):
+        targets.append(await open_worker(device, f"target{i}", False))
+        runners.append(await load(targets[-1]))
+    plan = plan_steps(settings, samples.lengths, len(roles.drafters))
+    drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
-    return Workers(targets, runners, steps, feature_dtype)
+    rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
+                               feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
+    flops = placing.target_pack_flops(inputs)
+    return Workers(targets, runners, steps, feature_dtype, rings, roles.homes, plan, flops)
 
 
-def _throughput(settings: Settings, config, workers: Workers, ring: SlotRing, lag: LoopLag):
+def _throughput(settings: Settings, config, workers: Workers, lag: LoopLag):
     train = settings.train
+    targets = [(w, r.meter) for w, r in zip(workers.targets, workers.target_runners, strict=True)]
+    drafters = [(r.worker, r.meter) for r in workers.drafters]
     return Throughput(
-        ring,
-        [(w, r.meter) for w, r in zip(workers.targets, workers.target_runners, strict=True)],
-        [(r.worker, r.meter) for r in workers.drafters],
-        train.token_budget,
+        workers.rings, targets, drafters, train.token_budget,
         step_flops=lambda pairs: drafter_step_flops(
             config, token_budget=train.token_budget, num_anchors=train.num_anchors,
             visible_pairs=pairs,
         ),
         loop_lag_ms=lag.read_max_ms,
+        target_flops=workers.target_flops,
+        gpus=GpuBusy(targets + drafters),
     )  # fmt: skip
 
 
-async def _produce(
-    settings, samples, plan: Plan, workers: Workers, ring: SlotRing, start: PackCursor
-) -> None:
-    """read -> packs channel -> every target worker -> ring; closes the ring when all are done."""
+async def _produce(settings, samples, plan: Plan, workers: Workers, start: PackCursor) -> None:
+    """read -> packs channel -> every target worker -> rings (each target its home ring first,
+    else the one with room); closes the rings when all are done."""
+    rings = workers.rings
     train = settings.train
     send_packs, receive_packs = open_channel(2 * len(workers.targets), "packs")
     async with anyio.create_task_group() as producers:
@@ -218,10 +206,13 @@ async def _produce(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
                                start=start, epochs=plan.epochs, send=send_packs)
         )  # fmt: skip
-        for worker, runner in zip(workers.targets, workers.target_runners, strict=True):
+        for worker, runner, home in zip(
+            workers.targets, workers.target_runners, workers.homes, strict=True
+        ):
+            ring = rings.producer(home)
             producers.start_soon(target_stage, worker, runner, samples, receive_packs.clone(), ring)
         receive_packs.close()
-    ring.close()  # all producers done: the consumers drain the ring and stop
+    rings.close()  # all producers done: the consumers drain the rings and stop
 
 
 async def run(settings: Settings, log, *, shutdown: Shutdown | None = None) -> int:
@@ -237,7 +228,7 @@ async def run(settings: Settings, log, *, shutdown: Shutdown | None = None) -> i
 async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
     started = time.perf_counter()
     output_dir = check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
-    _, drafter_devices = _devices(settings)  # fail fast, before any loading
+    placing.check_devices(settings)  # fail fast, before any loading
     with shutdown.interruptible():  # CPU only, files: an abandoned thread is harmless
         inputs = await anyio.to_thread.run_sync(
             resolve_inputs, settings, log, abandon_on_cancel=True
@@ -245,22 +236,21 @@ async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
         samples = await anyio.to_thread.run_sync(
             _read_data, settings, inputs, log, abandon_on_cancel=True
         )
-        plan = plan_steps(settings, samples.lengths, len(settings.pipeline.drafter_devices))
         resume = await anyio.to_thread.run_sync(
-            resume_point, settings, inputs, samples, plan.total_steps, output_dir,
-            abandon_on_cancel=True,
-        )  # fmt: skip
+            resume_point, settings, inputs, samples, output_dir, abandon_on_cancel=True
+        )
     if shutdown.requested:
         return _interrupted(shutdown, 0, log)
     cfg = inputs.drafter_config
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
-             total_steps=plan.total_steps, drafter=cfg.__dict__)  # fmt: skip
+             drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        with shutdown.interruptible():  # loading, compile, capture, first evaluation
-            workers = await _start_workers(stack, settings, inputs, plan, log)
-            await resume.restore(workers.drafters, log)
-            log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2))
-            ring = _slot_ring(settings, cfg, drafter_devices, workers.feature_dtype)
+        with shutdown.interruptible():  # loading, placement, compile, capture, first evaluation
+            workers = await _start_workers(stack, settings, inputs, samples, log)
+            plan = workers.plan
+            await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
+            log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
+                     total_steps=plan.total_steps)  # fmt: skip
             evaluate = _evaluator(
                 settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
             )
@@ -268,9 +258,8 @@ async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
                 await evaluate(0)
         if shutdown.requested:  # nothing new to save: no step ran
             return _interrupted(shutdown, resume.step, log)
-        steps, summary = await _train(
-            settings, samples, plan, workers, ring, evaluate, log, shutdown, resume
-        )
+        steps, summary = await _train(settings, samples, plan, workers, evaluate, log, shutdown,
+                                      resume)  # fmt: skip
         if settings.eval.at_end and not shutdown.requested:
             with shutdown.interruptible():
                 summary["eval_tau"] = (await evaluate(steps)).get("tau")
@@ -288,13 +277,13 @@ def _interrupted(shutdown: Shutdown, step: int, log) -> int:
 
 
 async def _train(
-    settings, samples, plan: Plan, workers: Workers, ring: SlotRing, evaluate, log,
-    shutdown: Shutdown, resume: Resume,
+    settings, samples, plan: Plan, workers: Workers, evaluate, log, shutdown: Shutdown,
+    resume: Resume,
 ):  # fmt: skip
     """The stage topology in data-flow order; returns (steps done, summary)."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
     lag, summary, progress = LoopLag(), {}, Progress(resume.cursor)
-    throughput = _throughput(settings, first.step.objective.drafter.config, workers, ring, lag)
+    throughput = _throughput(settings, first.step.objective.drafter.config, workers, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
@@ -315,11 +304,11 @@ async def _train(
                       run=resume.identity, tasks=background, log=log)  # fmt: skip
         saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
-        background.start_soon(_produce, settings, samples, plan, workers, ring, progress.cursor)
+        background.start_soon(_produce, settings, samples, plan, workers, progress.cursor)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
-                workers.drafters, ring, send_records, first_step=resume.step,
+                workers.drafters, workers.rings, send_records, first_step=resume.step,
                 last_step=plan.total_steps, stop=shutdown.stopping, on_step_end=between_steps,
                 progress=progress,
             )  # fmt: skip

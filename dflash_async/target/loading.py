@@ -51,6 +51,13 @@ def default_target_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def resolve_target_dtype(name: str, device: torch.device) -> torch.dtype:
+    """DFLASH_TARGET__DTYPE: "auto" (bf16 on accelerators, fp32 on the CPU), "bfloat16", "float32"."""
+    if name == "auto":
+        return default_target_dtype(device)
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
 def load_target(
     path: str | os.PathLike[str],
     *,

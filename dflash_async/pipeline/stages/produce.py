@@ -1,42 +1,58 @@
-"""Target stage: run the frozen target on a pack and write its features into a free slot.
+"""Target stage: run the frozen target on a pack and write its features straight into a slot.
 
-Per pack (in the target's DeviceWorker thread): the fixed drafter layout is built on the host,
-the pack is split into right-padded 2-D target batches (hybrid linear-attention targets stay
-exact; no cross-document state), each batch's captured layers are gathered into a staging copy
-of the layout on the target device, and the staging batch is copied into the slot in one go.
-All copies run on the target thread's stream, so one event recorded after them tells the
-consumer when the slot is written; it never blocks the host (no sync point on GPU).
+Per pack, in the target's DeviceWorker thread, two jobs:
+1. `stage_inputs`: the fixed drafter layout is built on the host, put in pinned memory and copied
+   onto the target device without blocking (`runner.inputs`). Only then does the stage take a
+   free slot, so a slot is never held while the target waits for data or for the loop.
+2. `fill_slot`: the target forward chosen at load time (`target/forward.py`: packed dense, MoE or
+   hybrid, else the HF fallback) writes the captured layers into the slot's features (or into a
+   staging buffer copied over, when the slot lives on another device), and the layout rows are
+   copied into the slot.
+Everything runs on the target thread's stream, so one event recorded after the writes tells the
+consumer when the slot is ready. On the packed paths no step reads device data on the host.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dflash_async.data.packing import PackedBatch, layout_pack, pack_row_offsets, target_batches
+from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.data.samples import TokenizedSamples
+from dflash_async.log import get_logger
 from dflash_async.pipeline.channels import ReceiveChannel, SlotRing
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.meters import BusyMeter, timing_event
 from dflash_async.pipeline.stages.read import PlannedPack
-from dflash_async.target.loading import TargetFeatures, load_target
+from dflash_async.target.forward import TargetPath, select_target_forward
+from dflash_async.target.loading import fast_kernel_preflight, load_target, text_config
 
 
 @dataclass
 class TargetRunner:
-    """A loaded target on one device plus its staging layout. Build and use in its worker."""
+    """A loaded target on one device, its chosen forward and its input staging. Build and use
+    in its worker."""
 
     model: torch.nn.Module
-    features: TargetFeatures
-    staging: PackedBatch  # [T] layout on the target device
-    max_batch_tokens: int
+    path: TargetPath
+    inputs: PackedBatch  # [T] layout on the target device; features [T, k*d] staging
     meter: BusyMeter = field(default_factory=BusyMeter)  # device time of fill_slot jobs
 
     @property
     def device(self) -> torch.device:
-        return self.staging.features.device
+        return self.inputs.input_ids.device
+
+
+@dataclass
+class StagedPack:
+    """A pack whose layout is on its way to the target device (ordered on the target stream)."""
+
+    lengths: np.ndarray  # [n] host: token count of each document
+    tokens: int
+    documents: int
 
 
 def load_runner(
@@ -47,56 +63,74 @@ def load_runner(
     layer_ids: tuple[int, ...],
     token_budget: int,
     max_batch_tokens: int,
+    packed_hybrid: bool = False,
 ) -> TargetRunner:
-    """Load the target on `device` (call inside that device's worker thread)."""
+    """Load the target on `device`, choose its forward and warm it up (the first call compiles).
+
+    Call inside that device's worker thread, one worker at a time (torch.compile is not
+    thread-safe). Logs the fast-kernel preflight and the chosen `target_path`.
+    """
+    log = get_logger(__name__)
     model = load_target(path, device=device, dtype=dtype)
-    features = TargetFeatures(model, layer_ids)
-    dim = len(layer_ids) * features.hidden_size
-    feature_dtype = next(model.parameters()).dtype
-    staging = PackedBatch.empty(token_budget, dim, device=device, feature_dtype=feature_dtype)
-    return TargetRunner(model, features, staging, max_batch_tokens)
+    for line in fast_kernel_preflight(model):
+        log.info("fast_kernel_preflight_checked", line=line, device=str(device))
+    chosen = select_target_forward(
+        model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
+        packed_hybrid=packed_hybrid,
+    )  # fmt: skip
+    param = next(model.parameters())
+    log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,
+             device=str(device), dtype=str(param.dtype).removeprefix("torch."))  # fmt: skip
+    width = len(layer_ids) * text_config(model).hidden_size
+    inputs = PackedBatch.empty(token_budget, width, device=device, feature_dtype=param.dtype)
+    runner = TargetRunner(model, chosen, inputs)
+    started = time.perf_counter()
+    _warm_up(runner, token_budget, min(max_batch_tokens, token_budget))
+    log.info(
+        "target_warmed_up",
+        target_path=chosen.name,
+        warm_up_s=round(time.perf_counter() - started, 2),
+    )
+    return runner
 
 
-def _batch_tensors(docs: list[np.ndarray], rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids and attention_mask [b, S] of the documents `rows`."""
-    lengths = [len(docs[r]) for r in rows]
-    ids = np.zeros((len(rows), max(lengths)), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : lengths[i]], mask[i, : lengths[i]] = docs[r], 1
-    return torch.from_numpy(ids), torch.from_numpy(mask)
+def _warm_up(runner: TargetRunner, token_budget: int, longest: int) -> None:
+    """One forward on a made-up pack of the real shape: compiles and autotunes before training."""
+    lengths = [longest // 2, longest - longest // 2]
+    docs = [(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool)) for n in lengths if n]
+    layout = layout_pack(docs, token_budget)
+    runner.inputs.copy_(layout.to(runner.device), with_features=False)
+    ins = runner.inputs
+    runner.path.forward(
+        ins.input_ids, ins.position_ids, ins.doc_ids, ins.features, np.array(lengths)
+    )
 
 
-def _gather_index(docs, rows, offsets, width) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat source index into the [b*S] batch and destination row in the layout, real tokens."""
-    src = np.concatenate([i * width + np.arange(len(docs[r])) for i, r in enumerate(rows)])
-    dst = np.concatenate([offsets[r] + np.arange(len(docs[r])) for r in rows])
-    return torch.from_numpy(src), torch.from_numpy(dst)
+def stage_inputs(runner: TargetRunner, samples: TokenizedSamples, pack: PlannedPack) -> StagedPack:
+    """Build the pack's layout on the host and copy it onto the target device without blocking."""
+    docs = [samples.sample(int(i)) for i in pack.indices]
+    layout = layout_pack(docs, runner.inputs.num_tokens)  # host tensors from numpy
+    if runner.device.type == "cuda":
+        # A fresh pinned block per pack: the caching host allocator reuses it only after the
+        # copy's recorded event has completed, so no host wait here (never a reused pinned
+        # buffer overwritten under an in-flight copy).
+        layout = PackedBatch(*(t.pin_memory() for t in layout.tensors()))
+    runner.inputs.copy_(layout, with_features=False)  # non_blocking; ordered before fill_slot
+    lengths = np.array([len(d[0]) for d in docs], dtype=np.int64)
+    return StagedPack(lengths, int(lengths.sum()), len(docs))
 
 
 @torch.no_grad()
-def fill_slot(
-    runner: TargetRunner, samples: TokenizedSamples, pack: PlannedPack, slot_batch: PackedBatch
-):
-    """Write one pack (layout + target features) into `slot_batch`; returns the written event
-    (CUDA) or None (CPU: everything already happened)."""
-    staging, device = runner.staging, runner.device
+def fill_slot(runner: TargetRunner, staged: StagedPack, slot_batch: PackedBatch):
+    """Write the staged pack (layout + target features) into `slot_batch`; returns the written
+    event (CUDA) or None (CPU: everything already happened)."""
+    ins, device = runner.inputs, runner.device
     started = timing_event(device)
-    docs = [samples.sample(int(i)) for i in pack.indices]
-    layout = layout_pack(docs, staging.num_tokens)
-    staging.copy_(layout, with_features=False)  # host -> target device
-    ids = [d[0] for d in docs]
-    offsets = pack_row_offsets(np.array([len(x) for x in ids]))
-    total = int(offsets[-1])
-    for rows in target_batches(np.diff(offsets), runner.max_batch_tokens):
-        input_ids, attention_mask = _batch_tensors(ids, rows)
-        feats = runner.features(input_ids.to(device), attention_mask.to(device))  # [b, S, k*d]
-        src, dst = _gather_index(ids, rows, offsets, input_ids.shape[1])
-        picked = feats.flatten(0, 1).index_select(0, src.to(device))
-        staging.features.index_copy_(0, dst.to(device), picked.to(staging.features.dtype))
-    staging.features[total:].zero_()  # padding rows must be finite: masked keys still multiply V
-    slot_batch.copy_(staging)  # one copy of the whole pack into the slot
-    written = timing_event(device)  # on this thread's stream: after every write to the slot
+    in_place = slot_batch.features.device == device
+    features = slot_batch.features if in_place else ins.features
+    runner.path.forward(ins.input_ids, ins.position_ids, ins.doc_ids, features, staged.lengths)
+    slot_batch.copy_(ins, with_features=not in_place)  # device copies, on this thread's stream
+    written = timing_event(device)  # after every write to the slot
     if written is not None:
         runner.meter.add(started, written)
     return written
@@ -109,16 +143,13 @@ async def target_stage(
     packs: ReceiveChannel[PlannedPack],
     ring: SlotRing,
 ) -> None:
-    """Take packs until the channel closes; each waits for a free slot (the backpressure)."""
+    """Take packs until the channel closes; each takes a free slot once its inputs are staged."""
     try:
         async for pack in packs:
-            slot = await ring.acquire_free()
-            event = await worker.run(fill_slot, runner, samples, pack, slot.batch)
-            slot.meta.update(
-                cursor=pack.cursor,
-                tokens=int(samples.lengths[pack.indices].sum()),
-                documents=len(pack.indices),
-            )
+            staged = await worker.run(stage_inputs, runner, samples, pack)
+            slot = await ring.acquire_free()  # the backpressure
+            event = await worker.run(fill_slot, runner, staged, slot.batch)
+            slot.meta.update(cursor=pack.cursor, tokens=staged.tokens, documents=staged.documents)
             ring.publish(slot, event)
     finally:
         packs.close()

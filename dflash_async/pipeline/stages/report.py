@@ -20,9 +20,10 @@ import torch
 
 from dflash_async.model.flops import mfu
 from dflash_async.model.step import STATS
-from dflash_async.pipeline.channels import ReceiveChannel, SlotRing
+from dflash_async.pipeline.channels import ReceiveChannel
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.meters import BusyMeter, RateWindow
+from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.stages.train import StepRecord
 
 Workers = list[tuple[DeviceWorker, BusyMeter]]
@@ -44,12 +45,14 @@ def learning_fields(values: list[float]) -> dict[str, float]:
 class Throughput:
     """Where time and tokens go: rates, busy fractions, queue depth, MFU, memory, loop lag."""
 
-    ring: SlotRing
+    ring: RingSet
     target_workers: Workers
     drafter_workers: Workers
     token_budget: int
     step_flops: Callable[[float], float]  # visible (query, key) pairs -> one drafter's FLOPs
     loop_lag_ms: Callable[[], float]  # max loop lateness since the last call
+    target_flops: Callable[[int, int], float] = lambda tokens, documents: 0.0  # one pack's
+    gpus: GpuBusy = field(default_factory=lambda: GpuBusy([]))
     started: float = field(default_factory=time.perf_counter)
     tokens: RateWindow = field(default_factory=RateWindow)
     _busy: dict[str, float] = field(default_factory=dict)
@@ -84,6 +87,9 @@ class Throughput:
             "drafter_busy": _mean(drafter_busy.values()),
             "worker_busy": _rounded(target_busy | drafter_busy),
             "slot_queue": ring.depth,
+            "slot_queues": ring.depths,  # per drafter ring
+            "gpu_busy": self.gpus.fractions(span),
+            "node_mfu": self.node_mfu(record, visible_pairs, span),
             # supply: packs the targets published since the start, at this step's tokens/pack
             "supply_tokens_per_s": ring.published / (now - self.started) * tokens / packs,
             "demand_tokens_per_s": tokens / span,
@@ -91,6 +97,66 @@ class Throughput:
             "mem_gib": _peak_memory_gib(self.drafter_workers),
             "loop_lag_ms": self.loop_lag_ms(),
         }
+
+    def node_mfu(self, record: StepRecord, visible_pairs: float, span: float) -> float:
+        """Target and drafter FLOPs of the step over its wall time and every device of the node."""
+        packs = len(record.slots_meta)
+        flops = packs * self.step_flops(visible_pairs / packs) + sum(
+            self.target_flops(m["tokens"], m.get("documents", 1)) for m in record.slots_meta
+        )
+        return mfu(flops, span * max(len(self.gpus.devices), 1))
+
+
+class GpuBusy:
+    """Busy fraction of each device: the union of its workers' job intervals.
+
+    GPU: intervals from the CUDA event pairs of every job (BusyMeter), placed on one time line by
+    their offset from a reference event of that device (event timing: no host sync). CPU: the
+    workers' summed host job time over the span, at most 1 (threads share the cores)."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.devices = sorted({w.device for w, _ in workers}, key=str)
+        self._workers = workers
+        self._reference = {}
+        for device in self.devices:
+            if device.type == "cuda":  # recorded on the device's default stream, never waited on
+                self._reference[device] = torch.cuda.Event(enable_timing=True)
+                self._reference[device].record(torch.cuda.default_stream(device))
+        self._host = {w.name: w.busy_seconds for w, _ in workers}
+        for _, meter in workers:  # start-up jobs (calibration) predate the reference events
+            meter.collect()
+            meter.completed.clear()
+
+    def fractions(self, span: float) -> dict[str, float]:
+        return {str(d): round(min(1.0, self._busy_s(d) / span), 6) for d in self.devices}
+
+    def _busy_s(self, device: torch.device) -> float:
+        workers = [(w, m) for w, m in self._workers if w.device == device]
+        if device.type != "cuda":
+            busy = 0.0
+            for w, _ in workers:
+                busy, self._host[w.name] = (
+                    busy + w.busy_seconds - self._host[w.name],
+                    w.busy_seconds,
+                )
+            return busy
+        ref, intervals = self._reference[device], []
+        if not ref.query():  # not yet on the device's time line (never blocks): next step
+            return 0.0
+        for _, meter in workers:
+            meter.collect()
+            intervals += [(ref.elapsed_time(s), ref.elapsed_time(e)) for s, e in meter.completed]
+            meter.completed.clear()
+        return _union_ms(intervals) / 1e3
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
 
 
 def _mean(values) -> float:

@@ -1,13 +1,15 @@
 """Train stage: M drafter workers take one slot each per optimizer step (data parallel).
 
 Per step: every drafter copies its slot into its static inputs and runs phase A (forward +
-backward of sum(w*CE)); the gradient buffers and step sums are summed across drafters; every
-drafter runs phase B (divide by the global weight sum, clip, AdamW). See step.py for why this
-equals one drafter seeing all M packs, and keeps the M copies identical.
+backward of sum(w*CE)); the gradient buffers and step sums are summed across drafters on the
+devices (`combine_gradients`, ordered by CUDA events: no host sync); every drafter runs phase B
+(divide by the global weight sum, clip, AdamW). See step.py for why this equals one drafter
+seeing all M packs, and keeps the M copies identical.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,10 @@ import torch
 from dflash_async.data.packing import PackCursor
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
-from dflash_async.pipeline.channels import SendChannel, SlotRing
+from dflash_async.pipeline.channels import SendChannel
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.meters import BusyMeter, timing_event
+from dflash_async.pipeline.rings import RingSet
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2
@@ -32,21 +35,29 @@ class DrafterRunner:
     worker: DeviceWorker
     step: DrafterStep
     meter: BusyMeter = field(default_factory=BusyMeter)  # device time of the steps
+    seed: int | None = None  # the run's seed: anchors seeded per pack (None: the step's stream)
     _started: Any = None
 
-    def load_and_forward(self, slot_batch, ready) -> Any:
-        """Phase A on a slot; returns the event after which the slot may be overwritten."""
-        if isinstance(ready, torch.cuda.Event):
-            torch.cuda.current_stream().wait_event(ready)  # GPU-side wait, no host sync
+    def load_and_forward(
+        self, slot_batch, ready, cursor: PackCursor | None = None
+    ) -> tuple[Any, Any]:
+        """Phase A on a slot (on this or another device: a peer copy), its anchors seeded by
+        the pack's `cursor`. Returns the event after which the slot may be overwritten and the
+        event after which phase A is done."""
+        _wait(ready)
+        if self.seed is not None and cursor is not None:
+            self.step.seed_anchors(cursor.anchor_seed(self.seed))
         self._started = timing_event(self.step.device)
         self.step.batch.copy_(slot_batch)
         copied = timing_event(self.step.device)
         self.step.phase_a()
-        return copied
+        return copied, _record(self.step.device)
 
-    def update(self) -> tuple[torch.Tensor, Any]:
-        """Phase B. Returns a fresh host report vector [REPORT_FIELDS] and the event after which
-        it holds the values (copied asynchronously: no host sync in the step)."""
+    def update(self, combined: Any = None) -> tuple[torch.Tensor, Any]:
+        """Phase B, after `combined` (the gradient combine's event). Returns a fresh host report
+        vector [REPORT_FIELDS] and the event after which it holds the values (copied
+        asynchronously: no host sync in the step)."""
+        _wait(combined)
         lr = self.step.schedule.lr.clone()  # the rate this step uses (phase B advances it)
         self.step.phase_b()
         values = torch.cat([self.step.stats, lr.view(1), self.step.grad_norm.view(1)])
@@ -58,24 +69,76 @@ class DrafterRunner:
         return report, done
 
 
-def reduce_across(runners: list[DrafterRunner]) -> None:
-    """Sum grads and step sums over drafters, in place on each (no-op for one drafter).
+def _wait(event: Any) -> None:
+    """Make this thread's current stream wait for `event` (GPU-side, no host sync)."""
+    if isinstance(event, torch.cuda.Event):
+        torch.cuda.current_stream().wait_event(event)
 
-    Sync points (M > 1 GPUs only): each device finishes phase A before the single-process NCCL
-    all-reduce, and the all-reduce finishes before phase B. Events between the drafter streams
-    would remove both; with one drafter there is nothing to do.
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """An event on this thread's current stream now (None on CPU: jobs there are synchronous)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def combine_gradients(runners: list[DrafterRunner], phase_a_done: list[Any]) -> list[Any]:
+    """Sum every drafter's flat gradients and step sums, in place on each, on the devices.
+
+    Returns, per drafter, the event its phase B must wait for (None on CPU and for one drafter).
+    Three stages, each enqueued on the worker stream of the first drafter of each device (its
+    leader), ordered by events: no host sync anywhere (call from any thread; CPU jobs are
+    synchronous, so there the order is the call order).
+      1. within a device: the leader waits for its members' phase A and adds their sums;
+      2. across devices: one single-process NCCL all-reduce of the leaders' sums;
+         (across nodes, a process-group all-reduce of the leaders' sums belongs right here)
+      3. within a device: the leader copies the total into its members; one event per device.
+    Every drafter then holds the same bits (copies of one total), so their weights stay equal.
     """
     if len(runners) == 1:
-        return
-    cuda = runners[0].step.device.type == "cuda"
-    if cuda:
-        for r in runners:
-            torch.cuda.synchronize(r.step.device)
-    all_reduce_sum([r.step.flat_grad for r in runners])
-    all_reduce_sum([r.step.stats for r in runners])
-    if cuda:
-        for r in runners:
-            torch.cuda.synchronize(r.step.device)
+        return [None]
+    groups: dict[torch.device, list[DrafterRunner]] = {}
+    waits: dict[torch.device, list[Any]] = {}
+    for r, event in zip(runners, phase_a_done, strict=True):
+        groups.setdefault(r.step.device, []).append(r)
+        waits.setdefault(r.step.device, []).append(event)
+    leaders = [members[0] for members in groups.values()]
+    with contextlib.ExitStack() as current:  # ops on each device's tensors use its leader's stream
+        for leader in leaders:
+            if leader.worker.stream is not None:
+                current.enter_context(torch.cuda.stream(leader.worker.stream))
+        for device, members in groups.items():
+            _sum_into_leader(members, waits[device])
+        all_reduce_sum([leader.step.flat_grad for leader in leaders])
+        all_reduce_sum([leader.step.stats for leader in leaders])
+        done = {device: _copy_from_leader(members) for device, members in groups.items()}
+    return [done[r.step.device] for r in runners]
+
+
+def _sum_into_leader(members: list[DrafterRunner], phase_a_done: list[Any]) -> None:
+    """Wait for each member's phase A, add into the leader's buffers ((g0 + g1) + g2 ...)."""
+    leader, stream = members[0].step, members[0].worker.stream
+    for event in phase_a_done:
+        if isinstance(event, torch.cuda.Event):
+            stream.wait_event(event)  # GPU-side wait, no host sync
+    for other in members[1:]:
+        leader.flat_grad.add_(other.step.flat_grad)
+        leader.stats.add_(other.step.stats)
+
+
+def _copy_from_leader(members: list[DrafterRunner]) -> torch.cuda.Event | None:
+    """The total into every member; the event after which they hold it (None on CPU)."""
+    leader, stream = members[0].step, members[0].worker.stream
+    for other in members[1:]:
+        other.step.flat_grad.copy_(leader.flat_grad)
+        other.step.stats.copy_(leader.stats)
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 @dataclass
@@ -124,7 +187,7 @@ async def _each(runners: list[DrafterRunner], fn_name: str, *args_per_runner) ->
 
 async def train_steps(
     runners: list[DrafterRunner],
-    ring: SlotRing,
+    rings: RingSet,
     reports: SendChannel[StepRecord],
     *,
     first_step: int,
@@ -143,16 +206,20 @@ async def train_steps(
     try:
         while step < last_step and not stop.is_set():
             try:
-                slots = [await ring.receive_full() for _ in runners]
+                slots = await rings.receive_step()  # one per drafter, its own ring's first
             except anyio.EndOfStream:
                 break
             meta = [dict(s.meta) for s in slots]  # read before release: a producer reuses slots
             batches = [s.batch for s in slots]
-            copied = await _each(runners, "load_and_forward", batches, [s.ready for s in slots])
-            for slot, event in zip(slots, copied, strict=True):
-                ring.release(slot, event)
-            await runners[0].worker.run(reduce_across, runners)
-            done = await _each(runners, "update")
+            cursors = [m.get("cursor") for m in meta]
+            loaded = await _each(
+                runners, "load_and_forward", batches, [s.ready for s in slots], cursors
+            )
+            for slot, (copied, _) in zip(slots, loaded, strict=True):
+                rings.release(slot, copied)
+            phase_a_done = [a_done for _, a_done in loaded]
+            combined = await runners[0].worker.run(combine_gradients, runners, phase_a_done)
+            done = await _each(runners, "update", combined)
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
             step += 1

@@ -1,0 +1,173 @@
+"""Which target forward runs on a packed layout, and why: `select_target_forward`.
+
+Every path has one call shape, `forward(input_ids, position_ids, doc_ids, features, lengths)`:
+the pack's fixed layout on the target device in, its features [T, k*d] written in place (padding
+rows zero). `lengths` (host numpy) is read only by the HF fallback, which needs the documents'
+extents on the host; the packed paths never look at it.
+
+- `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x (`target/packed_dense.py`); flex + compile on CUDA,
+  the SDPA dense-mask reference on the CPU.
+- `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
+  eagerly between compiled attention blocks.
+- `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), when
+  asked for (`packed_hybrid=True`).
+- `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
+  right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
+  every architecture (no recurrent or convolution state crosses a document).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_async.data.packing import pack_row_offsets, target_batches
+from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
+from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
+
+DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+MOE_TYPES = frozenset({"qwen3_moe"})
+QWEN35_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
+HYBRID_TYPES = QWEN35_TYPES | {"qwen3_next"}
+_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+class FeatureForward(Protocol):
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor: ...
+
+
+@dataclass
+class TargetPath:
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_hybrid`, `hf`) and why."""
+
+    forward: FeatureForward
+    name: str
+    reason: str
+
+
+class HFPaddedForward:
+    """The HF reference on the packed layout: documents as right-padded rows of 2-D batches.
+
+    Sync point (fallback only): each document's extent comes from the host (`lengths`); the
+    device work is many small copies, one HF forward per batch of at most max_batch_tokens.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_batch_tokens: int) -> None:
+        self.features = TargetFeatures(model, layer_ids)
+        self.max_batch_tokens = max_batch_tokens
+
+    @torch.no_grad()
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        offsets = pack_row_offsets(np.asarray(lengths, dtype=np.int64))
+        for rows in target_batches(np.diff(offsets), self.max_batch_tokens):
+            width = int(max(lengths[r] for r in rows))
+            ids = input_ids.new_zeros(len(rows), width)  # [b, S]
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(rows):
+                lo, n = int(offsets[r]), int(lengths[r])
+                ids[i, :n] = input_ids[lo : lo + n]
+                mask[i, :n] = 1
+            out = self.features(ids, mask)  # [b, S, k*d]
+            for i, r in enumerate(rows):
+                lo, n = int(offsets[r]), int(lengths[r])
+                features[lo : lo + n] = out[i, :n]
+        features[int(offsets[-1]) :] = 0  # padding rows (finite: masked keys still multiply V)
+        return features
+
+
+class _Packed:
+    """Adapts a packed forward (no host lengths) to the FeatureForward call shape."""
+
+    def __init__(self, packed) -> None:
+        self.packed = packed
+
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        return self.packed(input_ids, position_ids, doc_ids, features)
+
+
+def _dense_layout_problem(model: nn.Module) -> str | None:
+    """None when every decoder layer has the plain pre-norm attention + MLP structure we run."""
+    inner, config = text_model(model), text_config(model)
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "layer_types other than full_attention (sliding windows)"
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
+    if rope not in _ROPE_TYPES:
+        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    for layer in inner.layers:
+        parts = {name for name, _ in layer.named_children()}
+        if parts != _LAYER_PARTS or getattr(layer.self_attn, "sliding_window", None):
+            return f"decoder layer {type(layer).__name__} with parts {sorted(parts)}"
+    return None
+
+
+def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
+    """None when the packed hybrid forward can run: Qwen3.5 layers, CUDA, fla installed."""
+    if text_config(model).model_type not in QWEN35_TYPES:
+        return "only Qwen3.5 layers have a packed varlen forward here"
+    if device.type != "cuda":
+        return f"flash-linear-attention kernels need CUDA (device is {device.type})"
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed (pip install '.[hybrid]')"
+    from dflash_async.target.packed_hybrid import hybrid_layout_problem
+
+    return hybrid_layout_problem(text_model(model))
+
+
+def select_target_forward(
+    model: nn.Module,
+    layer_ids: Sequence[int],
+    *,
+    token_budget: int,
+    max_batch_tokens: int,
+    compile: bool | None = None,
+    packed_hybrid: bool = False,
+) -> TargetPath:
+    """The fastest exact forward this model, device and token budget allow (see module doc).
+
+    compile None means: compile on CUDA, not on the CPU. packed_hybrid: allow the packed fla
+    forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID; off by default until verified on a GPU).
+    """
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    compile = cuda if compile is None else compile
+    attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"
+    model_type = text_config(model).model_type
+    hf = lambda why: TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", why)  # noqa: E731
+    if is_hybrid(model) or model_type in HYBRID_TYPES:
+        problem = (
+            _hybrid_problem(model, device)
+            if packed_hybrid
+            else (
+                "the packed varlen forward is off (DFLASH_TARGET__PACKED_HYBRID=true turns it on)"
+            )
+        )
+        if problem:
+            return hf(f"hybrid {model_type}: {problem}")
+        from dflash_async.target.packed_hybrid import PackedHybridForward, fla_kernels
+
+        kernels = fla_kernels()
+        forward = PackedHybridForward(
+            text_model(model), layer_ids, kernels=kernels, attention=attention, compile=compile
+        )
+        how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
+        return TargetPath(forward, "packed_hybrid", how)
+    if model_type not in DENSE_TYPES | MOE_TYPES:
+        return hf(f"model_type {model_type!r} has no packed forward here")
+    problem = _dense_layout_problem(model)
+    if problem:
+        return hf(f"{model_type}: {problem}")
+    moe = model_type in MOE_TYPES
+    forward = PackedDenseForward(
+        text_model(model), layer_ids, attention=attention, compile=compile, moe_eager=moe
+    )
+    how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+    return TargetPath(_Packed(forward), "packed_moe" if moe else "packed_dense", how)

@@ -1,0 +1,180 @@
+"""The packed target forward for dense (and MoE) decoders: one pack in, its features written in place.
+
+Input is the fixed drafter layout itself: input_ids [T], position_ids [T] restarting at 0 in every
+document, doc_ids [T] (-1 for padding, padding last). One forward over the whole row, in one shape:
+- positions restart per document, so the rotary embedding (the HF module's own `rotary_emb`) is
+  what each document sees alone;
+- attention is document-causal: row q sees key k iff doc(k) == doc(q) and k <= q, so nothing
+  crosses a document boundary (padding rows only see padding, and come out zero at the end);
+- the decoder layers run up to the last captured one, and each captured layer's output is copied
+  into its column block of `features` [T, k*d] (the slot's buffer): no re-batching, no gather.
+
+The layers are the HF modules (norms, q/k/v/o projections with their biases and q/k norms, the MLP
+or MoE block): only the attention core is ours, in two implementations of one rule:
+- `document_causal_mask` [T, T] for SDPA: the simple reference, used on the CPU (tests, demo);
+- `document_causal_block_mask` for flex_attention on CUDA, built from doc_ids with fixed-shape
+  tensor ops (no host sync), with each layer run through one torch.compile'd function: the layer
+  module is an argument, so its weights are graph inputs and one compilation serves every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_async.model.attention import document_starts
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None
+    flex_attention = None
+
+FLEX_TILE = 128  # flex_attention's block size: T must be a multiple of it on the flex path
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T, T] bool, True where query row q may see key row k (same document, k <= q)."""
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    return (doc_ids[:, None] == doc_ids[None, :]) & (rows[None, :] <= rows[:, None])
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nq, nk] bool -> (counts [1,1,nq] int32, indices [1,1,nq,nk] int32), set tiles first."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None, None], order[None, None]
+
+
+def document_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE) -> BlockMask:
+    """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0).
+
+    Documents are contiguous, so row q sees exactly the keys [start(q), q]. A key tile is "full"
+    for a query tile when every row of it sees every key of the tile, "partial" when some row
+    sees some key; only partial tiles evaluate the mask_mod.
+    """
+    T = doc_ids.shape[0]
+    if T % tile:
+        raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
+    starts = document_starts(doc_ids)  # [T]
+    rows = torch.arange(T, device=doc_ids.device)
+    tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
+    tile_hi = tile_lo + tile
+    sees_some = (starts[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
+    sees_all = (starts[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
+    n = T // tile
+    some = sees_some.view(n, tile, n).any(1)
+    full = sees_all.view(n, tile, n).all(1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= starts[q_idx])
+
+    return BlockMask.from_kv_blocks(
+        *_ordered(some & ~full), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
+        seq_lengths=(T, T),
+    )  # fmt: skip
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (HF's non-interleaved rotate_half form); x [1, H, T, hd], cos [1, T, hd]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def attend_sdpa(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attend_flex(q, k, v, mask, scale):
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
+    """hidden [1, T, d] + self-attention of the HF `layer` (pre-norm residual), document-causal."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (1, hidden.shape[1], -1, attn.head_dim)
+    q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, T, hd]
+    q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+    out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
+    return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+def mlp_block(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [1, T, d] + the HF layer's MLP (or MoE block) on its post-attention norm."""
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _whole_layer(layer, hidden, cos, sin, mask, attend):
+    return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
+
+
+class PackedDenseForward:
+    """Features of a packed layout for a dense or MoE HF decoder (see the module docstring).
+
+    `attention` is "sdpa" (dense mask: CPU reference, any T) or "flex" (CUDA, T % 128 == 0).
+    `compile` wraps each layer in torch.compile (CUDA only; compile once, on one thread, before
+    the workers start: the first call compiles). `moe_eager` keeps the MLP (an MoE block with
+    data-dependent routing) out of the compiled region and runs it as HF does.
+    """
+
+    def __init__(
+        self,
+        text_model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        attention: str,
+        compile: bool,
+        moe_eager: bool = False,
+    ) -> None:
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.hidden_size = text_model.config.hidden_size
+        self._embed = text_model.embed_tokens
+        self._rotary = text_model.rotary_emb
+        self._layers = list(text_model.layers[: max(self.layer_ids) + 1])
+        self._columns = {i: j for j, i in enumerate(self.layer_ids)}  # layer -> column block
+        self.attention = attention
+        self._attend = attend_flex if attention == "flex" else attend_sdpa
+        self._moe_eager = moe_eager
+        layer_fn = attention_block if moe_eager else _whole_layer
+        self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
+
+    def mask(self, doc_ids: torch.Tensor):
+        """The attention mask this forward uses for `doc_ids` [T] (built on its device)."""
+        if self.attention == "flex":
+            return document_causal_block_mask(doc_ids)
+        return document_causal_mask(doc_ids)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T]
+        doc_ids: torch.Tensor,  # [T]
+        features: torch.Tensor,  # [T, k*d], written in place
+    ) -> torch.Tensor:
+        """Write the captured layers' outputs into `features` (padding rows zero); returns it."""
+        d = self.hidden_size
+        mask = self.mask(doc_ids)
+        hidden = self._embed(input_ids[None])  # [1, T, d]
+        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
+        for i, layer in enumerate(self._layers):
+            hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+            if self._moe_eager:
+                hidden = mlp_block(layer, hidden)
+            if i in self._columns:
+                j = self._columns[i]
+                features[:, j * d : (j + 1) * d].copy_(hidden[0])
+        return features.masked_fill_((doc_ids < 0)[:, None], 0)

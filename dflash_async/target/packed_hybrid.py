@@ -1,0 +1,199 @@
+"""The packed target forward for Qwen3.5 hybrids: Gated DeltaNet layers varlen, attention layers
+document-causal, one pack in one shape, features written in place.
+
+A Qwen3.5 text decoder interleaves Gated DeltaNet ("linear_attention") layers with gated full
+attention layers. Packing documents end to end is exact only if no state crosses a boundary:
+- the short causal convolution and the delta-rule recurrence run per segment, with the segment
+  boundaries (`cu_seqlens`: each document, then the padding as one more segment) handed to the
+  varlen kernels: flash-linear-attention's `chunk_gated_delta_rule` and its `causal_conv1d`
+  (backend "cuda" = the causal-conv1d package when installed, else fla's triton kernel);
+- the full-attention layers use the document-causal BlockMask of `packed_dense`, with Qwen3.5's
+  output gate (sigmoid of the second half of q_proj) and partial rotary (the first `cos.shape[-1]`
+  dims of each head).
+Everything else (norms, projections, MLP, the gated RMSNorm) is the HF modules' own code. The
+kernels are passed in (`HybridKernels`) so the CPU tests can check the packing with plain torch
+ones; the product uses `fla_kernels()` on CUDA only (triton has no CPU backend).
+
+Sync point: none. The segment boundaries come from the host (the pack's document lengths), are
+copied to the device without blocking, and their host copy is given to fla (`cu_seqlens_cpu`), so
+fla never reads them back from the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_async.target.packed_dense import (
+    attend_flex,
+    attend_sdpa,
+    document_causal_block_mask,
+    document_causal_mask,
+    mlp_block,
+    rotate_half,
+)
+
+_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+
+
+@dataclass(frozen=True)
+class HybridKernels:
+    """conv(x [1,T,C], weight [C,W], cu, cu_cpu) -> silu(causal conv) [1,T,C] per segment;
+    delta(q [1,T,H,K], k, v [1,T,HV,V], g [1,T,HV], beta [1,T,HV], cu, cu_cpu) -> o [1,T,HV,V]
+    (q and k L2-normalised inside, scale K**-0.5, zero initial state per segment)."""
+
+    conv: Callable
+    delta: Callable
+    name: str
+
+
+def fla_kernels() -> HybridKernels:
+    """flash-linear-attention's varlen kernels (CUDA only)."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    backend = "cuda" if importlib.util.find_spec("causal_conv1d") else "triton"
+
+    def conv(x, weight, cu, cu_cpu):
+        out, _ = causal_conv1d(x, weight, activation="silu", backend=backend,
+                               cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+        return out
+
+    def delta(q, k, v, g, beta, cu, cu_cpu):
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+        return out
+
+    return HybridKernels(conv, delta, f"fla chunk_gated_delta_rule + causal_conv1d[{backend}]")
+
+
+def hybrid_layout_problem(text_model: nn.Module) -> str | None:
+    """None when every layer is a Qwen3.5-style Gated DeltaNet or gated-attention layer."""
+    for layer in text_model.layers:
+        if hasattr(layer, "linear_attn"):
+            missing = [p for p in _GDN_PARTS if not hasattr(layer.linear_attn, p)]
+            if missing:
+                return f"Gated DeltaNet {type(layer.linear_attn).__name__} lacks {missing}"
+        elif hasattr(layer, "self_attn"):
+            attn = layer.self_attn
+            if attn.q_proj.out_features != 2 * attn.o_proj.in_features:
+                return f"attention {type(attn).__name__} without Qwen3.5's output gate"
+        else:
+            return f"decoder layer {type(layer).__name__} is neither linear nor full attention"
+        if not hasattr(layer, "mlp") or hasattr(layer.mlp, "experts"):
+            return f"decoder layer {type(layer).__name__}: MoE or no MLP"
+    return None
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first cos.shape[-1] dims of each head; x [1, H, T, hd], cos [1, T, r]."""
+    r = cos.shape[-1]
+    rotated = x[..., :r] * cos[:, None] + rotate_half(x[..., :r]) * sin[:, None]
+    return torch.cat([rotated, x[..., r:]], dim=-1)
+
+
+def gated_attention_block(layer, hidden, cos, sin, mask, attend) -> torch.Tensor:
+    """hidden [1, T, d] + Qwen3.5 gated self-attention, document-causal."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    T, hd = hidden.shape[1], attn.head_dim
+    q, gate = attn.q_proj(x).view(1, T, -1, 2 * hd).chunk(2, dim=-1)  # per head: [q | gate]
+    q = attn.q_norm(q).transpose(1, 2)  # [1, H, T, hd]
+    k = attn.k_norm(attn.k_proj(x).view(1, T, -1, hd)).transpose(1, 2)
+    v = attn.v_proj(x).view(1, T, -1, hd).transpose(1, 2)
+    out = attend(_partial_rope(q, cos, sin), _partial_rope(k, cos, sin), v, mask, attn.scaling)
+    out = out.transpose(1, 2).reshape(1, T, -1) * torch.sigmoid(gate.reshape(1, T, -1))
+    return hidden + attn.o_proj(out)
+
+
+def delta_inputs(layer, hidden):
+    """Pre-kernel part of a Gated DeltaNet layer: (mixed qkv [1,T,C], z, g, beta)."""
+    gdn = layer.linear_attn
+    x = layer.input_layernorm(hidden)
+    mixed = gdn.in_proj_qkv(x)  # [1, T, 2*key_dim + value_dim]
+    z = gdn.in_proj_z(x)  # [1, T, value_dim]
+    beta = gdn.in_proj_b(x).sigmoid()  # [1, T, HV]
+    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
+    return mixed, z, g, beta
+
+
+def delta_output(layer, hidden, core, z):
+    """Post-kernel part: gated RMSNorm per value head, out_proj, residual."""
+    gdn = layer.linear_attn
+    normed = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+    return hidden + gdn.out_proj(normed.reshape(*hidden.shape[:2], -1))
+
+
+def _gated_attention_mlp(layer, hidden, cos, sin, mask, attend):
+    return mlp_block(layer, gated_attention_block(layer, hidden, cos, sin, mask, attend))
+
+
+class PackedHybridForward:
+    """Features of a packed layout for a Qwen3.5 text decoder (see the module docstring)."""
+
+    def __init__(
+        self,
+        text_model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        kernels: HybridKernels,
+        attention: str,
+        compile: bool,
+    ) -> None:
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.hidden_size = text_model.config.hidden_size
+        self.kernels = kernels
+        self._embed, self._rotary = text_model.embed_tokens, text_model.rotary_emb
+        self._layers = list(text_model.layers[: max(self.layer_ids) + 1])
+        self._columns = {i: j for j, i in enumerate(self.layer_ids)}
+        self._flex = attention == "flex"
+        self._attend = attend_flex if self._flex else attend_sdpa
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        self._attention, self._mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
+        self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
+
+    def _segments(self, lengths: np.ndarray, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cu_seqlens (device, host): each document, then the padding rows as one segment."""
+        cuts = np.concatenate([[0], np.cumsum(lengths)])
+        if cuts[-1] < T:
+            cuts = np.append(cuts, T)
+        host = torch.from_numpy(cuts.astype(np.int64))
+        if device.type == "cuda":
+            host = host.pin_memory()  # fresh pinned block: the allocator guards it (see produce)
+        return host.to(device, non_blocking=True), host
+
+    def _delta_layer(self, layer, hidden, cu, cu_cpu):
+        gdn = layer.linear_attn
+        mixed, z, g, beta = self._delta_in(layer, hidden)
+        weight = gdn.conv1d.weight.squeeze(1)  # [C, W]
+        mixed = self.kernels.conv(mixed, weight, cu, cu_cpu)
+        q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        T = hidden.shape[1]
+        q, k = q.view(1, T, -1, gdn.head_k_dim), k.view(1, T, -1, gdn.head_k_dim)
+        core = self.kernels.delta(q, k, v.view(1, T, -1, gdn.head_v_dim), g, beta, cu, cu_cpu)
+        return self._delta_out(layer, hidden, core, z.view(1, T, -1, gdn.head_v_dim))
+
+    @torch.no_grad()
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
+        d, T = self.hidden_size, input_ids.shape[0]
+        cu, cu_cpu = self._segments(np.asarray(lengths), T, input_ids.device)
+        mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
+        hidden = self._embed(input_ids[None])  # [1, T, d]
+        # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
+        cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
+        for i, layer in enumerate(self._layers):
+            if hasattr(layer, "linear_attn"):
+                hidden = self._mlp(layer, self._delta_layer(layer, hidden, cu, cu_cpu))
+            else:
+                hidden = self._attention(layer, hidden, cos, sin, mask, self._attend)
+            if i in self._columns:
+                j = self._columns[i]
+                features[:, j * d : (j + 1) * d].copy_(hidden[0])
+        return features.masked_fill_((doc_ids < 0)[:, None], 0)

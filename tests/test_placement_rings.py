@@ -1,0 +1,174 @@
+"""The rings of several devices: bounded per device, balanced between devices.
+
+Several rings on the `cpu` device stand for the rings of several GPUs (the same RingSet code runs
+on both). Ordering is made deterministic with semaphores and `wait_all_tasks_blocked` (every task
+waits: the state is settled), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+
+from dflash_async.pipeline.channels import Notifier, SlotRing
+from dflash_async.pipeline.rings import RingSet
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+CPU = torch.device("cpu")
+
+
+def ring_set(num_rings: int, num_slots: int) -> RingSet:
+    changed = Notifier()
+    return RingSet([
+        SlotRing(num_slots, token_budget=8, feature_dim=2, device=CPU, name=f"r{i}",
+                 changed=changed)
+        for i in range(num_rings)
+    ])  # fmt: skip
+
+
+async def test_a_producer_fills_its_home_ring_first_then_the_roomiest_then_waits() -> None:
+    rings = ring_set(3, 2)
+    producer = rings.producer(home=1)
+    taken = [await producer.acquire_free() for _ in range(2)]
+    assert [rings.ring_of(s) for s in taken] == [1, 1]  # home first: no copy across devices
+    rings.rings[2].publish(await rings.rings[2].acquire_free())  # ring 2 has less room than 0
+    spilled = [await producer.acquire_free() for _ in range(3)]
+    assert [rings.ring_of(s) for s in spilled] == [0, 0, 2]  # then the roomiest ring
+    blocked = anyio.Event()
+
+    async def one_more() -> None:
+        slot = await producer.acquire_free()
+        assert rings.ring_of(slot) == 1  # the first ring to get room back
+        blocked.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one_more)
+        await wait_all_tasks_blocked()
+        assert not blocked.is_set()  # every ring is full: the producer waits (backpressure)
+        for slot in taken:
+            rings.publish(slot)
+        first, *_ = await rings.receive_step()
+        rings.release(first)  # ring 1's slot (drafter 1's own ring) comes back
+    assert blocked.is_set()
+    assert rings.statistics().spilled == 3
+
+
+async def test_each_ring_holds_at_most_its_slots_so_a_target_stays_that_far_ahead() -> None:
+    rings = ring_set(2, 3)
+    producer = rings.producer(home=0)
+    filled: list = []
+
+    async def fill_seven() -> None:
+        for _ in range(7):
+            filled.append(await producer.acquire_free())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fill_seven)
+        await wait_all_tasks_blocked()
+        assert len(filled) == 6  # 3 per ring, 2 x 3 in all: the 7th waits
+        assert sorted(rings.ring_of(s) for s in filled) == [0, 0, 0, 1, 1, 1]
+        tg.cancel_scope.cancel()
+
+
+async def test_a_step_takes_each_drafters_own_ring_first_and_steals_from_the_fullest() -> None:
+    rings = ring_set(3, 3)
+    for ring, count in zip(rings.rings, (3, 0, 1), strict=True):
+        for _ in range(count):
+            slot = await ring.acquire_free()
+            ring.publish(slot)
+    slots = await rings.receive_step()
+    assert [rings.ring_of(s) for s in slots] == [0, 0, 2]  # drafter 1 steals from ring 0
+    assert rings.statistics().depths == [1, 0, 0] and rings.statistics().stolen == 1
+
+
+async def test_a_step_waits_only_while_fewer_packs_than_drafters_exist() -> None:
+    rings = ring_set(2, 2)
+    got: list = []
+
+    async def step() -> None:
+        got.extend(await rings.receive_step())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(step)
+        slot = await rings.rings[1].acquire_free()
+        rings.publish(slot)
+        await wait_all_tasks_blocked()
+        assert got == []  # one pack for two drafters: wait
+        rings.publish(await rings.rings[1].acquire_free())
+    assert [rings.ring_of(s) for s in got] == [1, 1]
+
+
+async def test_closed_rings_end_the_steps_once_fewer_packs_than_drafters_remain() -> None:
+    rings = ring_set(2, 2)
+    for _ in range(3):
+        rings.publish(await rings.producer(home=0).acquire_free())
+    rings.close()
+    assert len(await rings.receive_step()) == 2
+    with pytest.raises(anyio.EndOfStream):
+        await rings.receive_step()
+    with pytest.raises(anyio.ClosedResourceError):
+        await rings.producer(home=0).acquire_free()
+
+
+async def test_unequal_target_speeds_never_leave_a_drafter_waiting_beside_a_full_ring() -> None:
+    """Target 0 makes 3 packs per tick, target 1 one every other tick; two drafters step in
+    lockstep, 2 steps per tick for 12 ticks (they outrun the targets: steps steal from ring 0),
+    then 1 per tick (the targets outrun them: target 0 spills into ring 1). At every settled
+    state (all tasks waiting): drafters waiting for packs see no full ring (a dry ring's drafter
+    takes from the full one), a target waiting for a slot sees every ring full (a full home ring
+    sends its pack to a ring with room); every pack is trained on once. Mutants caught: a
+    producer that only uses its home ring, a step that only takes its own ring."""
+    num_slots, ticks = 2, 36
+    rings = ring_set(2, num_slots)
+    budgets = [anyio.Semaphore(0), anyio.Semaphore(0)]
+    step_budget = anyio.Semaphore(0)
+    waiting = {"target0": False, "target1": False, "drafters": False}
+    produced: list[tuple[int, int]] = []
+    trained: list[tuple[int, int]] = []
+
+    async def target(home: int) -> None:
+        producer, n = rings.producer(home), 0
+        while True:
+            await budgets[home].acquire()
+            waiting[f"target{home}"] = True
+            slot = await producer.acquire_free()
+            waiting[f"target{home}"] = False
+            slot.meta["pack"] = (home, n)
+            produced.append((home, n))
+            producer.publish(slot)
+            n += 1
+
+    async def drafters() -> None:
+        while True:
+            await step_budget.acquire()
+            waiting["drafters"] = True
+            slots = await rings.receive_step()
+            waiting["drafters"] = False
+            trained.extend(s.meta["pack"] for s in slots)
+            for slot in slots:
+                rings.release(slot)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(target, 0)
+        tg.start_soon(target, 1)
+        tg.start_soon(drafters)
+        for tick in range(ticks):
+            for _ in range(3):
+                budgets[0].release()
+            if tick % 2 == 0:
+                budgets[1].release()
+            for _ in range(2 if tick < 12 else 1):
+                step_budget.release()
+            await wait_all_tasks_blocked()
+            depths = rings.statistics().depths
+            if waiting["drafters"]:
+                assert num_slots not in depths, f"tick {tick}: drafters wait, depths {depths}"
+            if waiting["target0"] or waiting["target1"]:
+                assert depths == [num_slots] * 2, f"tick {tick}: a target waits, depths {depths}"
+        tg.cancel_scope.cancel()
+    assert len(set(trained)) == len(trained) and set(trained) <= set(produced)
+    assert len(produced) - len(trained) <= 2 * num_slots  # the rest sit in the rings
+    stats = rings.statistics()
+    assert stats.spilled > 0 and stats.stolen > 0  # both imbalances happened

@@ -1,0 +1,189 @@
+"""The packed Qwen3.5 forward equals each document run alone through HF, row for row.
+
+On the CPU (no triton, so no fla) the packed forward runs with plain torch kernels that take the
+same segment boundaries (`REFERENCE`: a per-segment depthwise causal conv, and the gated delta rule
+as its token-by-token recurrence): that checks everything the packed forward adds (segments from
+the pack, per-segment state, document-causal gated attention, partial rotary, capture). On CUDA
+the same comparison runs with fla's kernels.
+
+CPU tolerance 2e-5 in fp32: HF runs the chunked form of the delta rule (chunks of 64, a
+triangular solve inside), the reference the recurrence; both are fp32 computations of the same
+function that differ by a few ulps per step and stay below 1e-5 here (features of order 1), while
+a state leaking across a boundary or a missing gate moves them by O(0.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3_5TextConfig
+
+from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.target.forward import select_target_forward
+from dflash_async.target.loading import capture_features, random_target, text_model
+from dflash_async.target.packed_hybrid import HybridKernels, PackedHybridForward
+
+LENGTHS = (7, 12, 5, 9)
+TOKEN_BUDGET = 40
+LAYER_IDS = (1, 3, 4)  # a linear layer, the full-attention layer, the linear layer after it
+ATOL = 2e-5  # see the module docstring
+
+
+def _segments(cu_cpu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_cpu.tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def _conv(x, weight, cu, cu_cpu):
+    """silu(depthwise causal conv) per segment, zero history at each segment start."""
+    out = torch.empty_like(x)
+    for lo, hi in _segments(cu_cpu):
+        seg = x[0, lo:hi].T[None]  # [1, C, n]
+        y = F.conv1d(seg, weight[:, None], padding=weight.shape[1] - 1, groups=weight.shape[0])
+        out[0, lo:hi] = F.silu(y[0, :, : hi - lo].T)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla's (and HF's) L2 norm: eps 1e-6 inside the root, which matters for small q and k."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _delta(q, k, v, g, beta, cu, cu_cpu):
+    """The gated delta rule, token by token, zero state at each segment start."""
+    heads, dk = v.shape[2], q.shape[-1]
+    q = _l2norm(q.float()).repeat_interleave(heads // q.shape[2], dim=2) * dk**-0.5
+    k = _l2norm(k.float()).repeat_interleave(heads // k.shape[2], dim=2)
+    out = torch.empty_like(v, dtype=torch.float32)
+    for lo, hi in _segments(cu_cpu):
+        state = v.new_zeros(heads, dk, v.shape[-1], dtype=torch.float32)  # [HV, K, V]
+        for t in range(lo, hi):
+            state = state * g[0, t].exp()[:, None, None]
+            remembered = torch.einsum("hk,hkv->hv", k[0, t], state)
+            update = (v[0, t].float() - remembered) * beta[0, t].float()[:, None]
+            state = state + torch.einsum("hk,hv->hkv", k[0, t], update)
+            out[0, t] = torch.einsum("hk,hkv->hv", q[0, t], state)
+    return out.to(v.dtype)
+
+
+REFERENCE = HybridKernels(_conv, _delta, "torch reference")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_qwen35(**overrides) -> Qwen3_5TextConfig:
+    """4 Gated DeltaNet + 1 gated attention layers, GVA (4 value heads per 2 key heads)."""
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=300,
+        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+    )  # fmt: skip
+    return Qwen3_5TextConfig(**{**shape, **overrides})
+
+
+def _documents(lengths, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in lengths]
+
+
+def _packed(forward, docs, token_budget: int, width: int, device: str = "cpu") -> torch.Tensor:
+    layout = layout_pack(docs, token_budget).to(device)
+    out = torch.full((token_budget, width), float("nan"), device=device)
+    lengths = np.array([len(d[0]) for d in docs])
+    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+
+
+def _per_document_errors(model, docs, packed) -> list[float]:
+    """Max abs difference of each document's packed rows from the document run alone."""
+    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
+    errors = []
+    for j, (ids, _) in enumerate(docs):
+        ids = torch.as_tensor(ids, device=packed.device)[None]
+        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]
+        errors.append(float((packed[offsets[j] : offsets[j + 1]] - alone).abs().max()))
+    assert not packed[offsets[-1] :].any(), "padding rows must be zero"
+    return errors
+
+
+def test_packed_rows_equal_each_document_alone_with_reference_kernels() -> None:
+    model = random_target(tiny_qwen35(), seed=0)
+    forward = PackedHybridForward(
+        text_model(model), LAYER_IDS, kernels=REFERENCE, attention="sdpa", compile=False
+    )
+    docs = _documents(LENGTHS)
+    errors = _per_document_errors(model, docs, _packed(forward, docs, TOKEN_BUDGET, 3 * 64))
+    assert max(errors) < ATOL, errors
+
+
+def test_cpu_hybrid_keeps_the_hf_path_and_says_why() -> None:
+    model = random_target(tiny_qwen35(), seed=0)
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, packed_hybrid=True
+    )
+    assert path.name == "hf" and "CUDA" in path.reason
+
+
+@pytest.mark.gpu
+def test_gpu_fla_packed_rows_equal_each_document_alone() -> None:
+    """fp32, fla kernels, documents across fla's 64-token chunks. Bound 1e-3: fla's triton dots
+    on fp32 inputs may run TF32 (10-bit mantissa, ~5e-4 relative); HF alone uses the same kernels
+    or the torch form. A leaked state moves features by O(0.1)."""
+    model = random_target(tiny_qwen35(), seed=0).cuda()
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=256, max_batch_tokens=256, packed_hybrid=True
+    )
+    assert path.name == "packed_hybrid", path.reason
+    docs = _documents((70, 100, 3, 50), seed=1)
+    errors = _per_document_errors(model, docs, _packed(path.forward, docs, 256, 3 * 64, "cuda"))
+    assert max(errors) < 1e-3, errors
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_is() -> None:
+    """Qwen3.5-9B's layer shapes, 5 layers (3 linear, 1 full, 1 linear), bf16: the packed path
+    may be no farther from the fp32 model than HF's own bf16 path is (x1.5 margin for kernel
+    differences), per document."""
+    import copy
+
+    config = Qwen3_5TextConfig(
+        num_hidden_layers=5, layer_types=tiny_qwen35().layer_types, tie_word_embeddings=False
+    )
+    with torch.device("cuda"):
+        model = random_target(config, seed=0, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    docs = [(ids, mask) for ids, mask in _documents((300, 1000, 57, 640), seed=2)]
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=2048, max_batch_tokens=2048, packed_hybrid=True
+    )
+    assert path.name == "packed_hybrid", path.reason
+    layout = layout_pack(docs, 2048).to("cuda")
+    out = torch.empty(2048, 3 * 4096, dtype=torch.bfloat16, device="cuda")
+    lengths = np.array([len(d[0]) for d in docs])
+    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    offsets = pack_row_offsets(lengths)
+    for j, (ids, _) in enumerate(docs):
+        ids = torch.as_tensor(ids, device="cuda")[None]
+        ones = torch.ones_like(ids)
+        exact = capture_features(reference, ids, ones, LAYER_IDS)[0]
+        hf = capture_features(model, ids, ones, LAYER_IDS)[0].float()
+        packed = out[offsets[j] : offsets[j + 1]].float()
+        hf_error, packed_error = (float((x - exact).norm() / exact.norm()) for x in (hf, packed))
+        assert packed_error <= 1.5 * hf_error, (j, packed_error, hf_error)
+
+
+def test_packed_hybrid_is_off_unless_asked_for() -> None:
+    model = random_target(tiny_qwen35(), seed=0)
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == "hf" and "PACKED_HYBRID" in path.reason
