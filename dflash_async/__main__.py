@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import sys
+from contextlib import nullcontext
 
 from dflash_async import __version__
 from dflash_async.settings import Settings, SettingsError, load_settings
@@ -57,16 +59,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         import anyio
 
         from dflash_async.log import get_logger
+        from dflash_async.pipeline.distributed import rank_info_from_env
         from dflash_async.pipeline.run import run
-        from dflash_async.runlog.record import open_run_record
+        from dflash_async.runlog.record import RunRecord, open_run_record
 
         settings = _settings_and_logging()
         log = get_logger("dflash_async")
         options = {"use_uvloop": True} if sys.platform != "win32" else {}
         with contextlib.ExitStack() as stack:
-            record = stack.enter_context(
-                open_run_record(output_dir=settings.output_dir, log=log,
-                                settings_dict=settings.public_dict(), log_settings=settings.log)
+            record = stack.enter_context(  # several nodes: rank 0 alone keeps the run's record
+                open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
+                                log_settings=settings.log, log=log)
+                if rank_info_from_env(os.environ).is_writer
+                else nullcontext(RunRecord(settings.output_dir, 0))
             )  # fmt: skip
 
             def close_record(code: int) -> None:  # a signal's exit skips the unwinding below

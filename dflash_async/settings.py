@@ -219,6 +219,14 @@ class PipelineSettings(_Section):
     calibration_packs: int = Field(2, ge=0)
     """auto: packs each stage runs alone and together at start-up to measure its rate (timed,
     not trained on); 0 = decide from FLOP estimates."""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Several nodes (torchrun/srun): process group backend; auto = nccl for GPU drafters, gloo
+    for CPU ones (gloo also lets two ranks share one GPU)."""
+    dist_timeout_s: float = Field(1800.0, gt=0)
+    """Several nodes: longest wait in a collective or at start-up before every rank stops; must
+    exceed rank 0's longest evaluation or checkpoint, which the other ranks wait for."""
+    dist_silence_s: float = Field(30.0, gt=0)
+    """Several nodes: a peer whose watchdog has not beaten for this long is dead; every rank stops."""
 
     @field_validator("target_devices", "drafter_devices", mode="before")
     @classmethod

@@ -126,11 +126,20 @@ def _checked_lengths(lengths: np.ndarray, token_budget: int) -> np.ndarray:
     return lengths.astype(np.int64, copy=False)
 
 
-def plan_epoch(lengths: np.ndarray, token_budget: int, seed: int, epoch: int) -> list[np.ndarray]:
+def plan_epoch(
+    lengths: np.ndarray,
+    token_budget: int,
+    seed: int,
+    epoch: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[np.ndarray]:
     """Packs (arrays of sample indices) holding every sample exactly once, whole documents only.
 
     Each pack's lengths sum to <= token_budget; inside a pack, indices ascend in length. The plan
-    is a pure function of (lengths, token_budget, seed, epoch).
+    is a pure function of (lengths, token_budget, seed, epoch); with `world_size` > 1 this returns
+    rank `rank`'s share of it (`shard_packs`), and the shares of all ranks are disjoint.
     """
     lengths = _checked_lengths(lengths, token_budget)
     rng = np.random.default_rng([seed, epoch])
@@ -144,7 +153,23 @@ def plan_epoch(lengths: np.ndarray, token_budget: int, seed: int, epoch: int) ->
         ends.append(end)
         filled = int(cumulative[end - 1])
     packs = np.split(order, ends[:-1]) if ends else []
-    return [packs[i] for i in rng.permutation(len(packs))]
+    return shard_packs([packs[i] for i in rng.permutation(len(packs))], rank, world_size)
+
+
+def shard_packs(packs: list[np.ndarray], rank: int, world_size: int) -> list[np.ndarray]:
+    """Rank `rank`'s share of an epoch's packs: packs rank, rank + W, rank + 2W, ...
+
+    Every rank must make the same number of steps, so an epoch of P packs is first padded to
+    ceil(P / W) * W packs by repeating its first packs (fewer than W repeats; nothing dropped).
+    Strided shares mean step s of rank r trains on pack s*W + r of the epoch: W ranks of one
+    drafter each see exactly the packs one process with W drafters would, step for step.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is not a rank of world_size={world_size}")
+    if world_size == 1:
+        return packs
+    padded = packs + packs[: -len(packs) % world_size] if packs else packs
+    return padded[rank::world_size]
 
 
 def iter_packs(
@@ -154,20 +179,49 @@ def iter_packs(
     *,
     start: PackCursor = PackCursor(),
     epochs: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Iterator[tuple[PackCursor, np.ndarray]]:
     """(cursor, pack) for every pack from `start` on, epoch after epoch (forever if epochs=None).
 
     Resuming: save `cursor.next()` once a pack is consumed; `iter_packs(..., start=saved)` then
-    yields exactly the packs an uninterrupted run would have yielded next.
+    yields exactly the packs an uninterrupted run would have yielded next. With several ranks,
+    the packs and cursor indices are those of this rank's share (plan_epoch).
     """
     epoch, index = start.epoch, start.index
     while epochs is None or epoch < epochs:
-        plan = plan_epoch(lengths, token_budget, seed, epoch)
+        plan = plan_epoch(lengths, token_budget, seed, epoch, rank=rank, world_size=world_size)
         if index > len(plan):
             raise ValueError(f"{start} is past the {len(plan)} packs of epoch {epoch}")
         for i in range(index, len(plan)):
             yield PackCursor(epoch, i), plan[i]
         epoch, index = epoch + 1, 0
+
+
+def reshard_cursor(
+    cursor: PackCursor, *, saved_world_size: int, world_size: int, epoch_packs: int
+) -> PackCursor:
+    """The cursor of a run saved on `saved_world_size` ranks, for `world_size` ranks.
+
+    `epoch_packs` is P, the packs of the cursor's epoch before sharding. Every rank of the saved
+    run stood at the same index i of its share, so the first i * W_saved packs of the epoch were
+    consumed. The new ranks continue from there when that count is a multiple of the new world
+    size, or when the epoch is used up (then at the next epoch's start); otherwise some packs
+    would be skipped or seen twice, and this raises ValueError saying why.
+    """
+    if saved_world_size == world_size or cursor.index == 0:
+        return cursor
+    consumed = cursor.index * saved_world_size
+    if consumed >= epoch_packs:  # only repeated padding packs were left
+        return PackCursor(cursor.epoch + 1, 0)
+    if consumed % world_size:
+        raise ValueError(
+            f"the checkpoint stands at pack {consumed} of {epoch_packs} of epoch {cursor.epoch} "
+            f"({saved_world_size} ranks x {cursor.index}); {world_size} ranks cannot continue "
+            f"there without skipping or repeating packs: resume on {saved_world_size} ranks or "
+            f"on a number of ranks dividing {consumed}"
+        )
+    return PackCursor(cursor.epoch, consumed // world_size)
 
 
 def target_batches(lengths_of_pack: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_async.data.packing import PackCursor
+from dflash_async.pipeline.distributed import RankInfo
 from dflash_async.pipeline.stages.save import resume_source
 from dflash_async.pipeline.stages.train import DrafterRunner
 from dflash_async.pipeline.startup import RunInputs
@@ -51,16 +52,25 @@ class Resume:
                  path=str(self.path))  # fmt: skip
 
 
-def resume_point(settings: Settings, inputs: RunInputs, samples, output_dir: Path) -> Resume:
+def resume_point(
+    settings: Settings, inputs: RunInputs, samples, output_dir: Path, node: RankInfo | None = None
+) -> Resume:
     """The run identity, and the checkpoint to resume (DFLASH_TRAIN__RESUME); SettingsError
     (exit 2, before any model is loaded) naming a run-defining setting that differs from the
     checkpoint's (the placed run's plan is checked by `Resume.restore`)."""
     fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
     identity = run_identity(settings, inputs.drafter_config, target_path=inputs.target_path,
                             data=fingerprint)  # fmt: skip
+    if node is not None and not node.is_writer:
+        return Resume(identity)  # rank 0 alone writes (and owns) the output folder
     path = resume_source(settings.train.resume, output_dir)
     if path is None:
         return Resume(identity)
+    if node is not None and node.distributed:
+        raise SettingsError(
+            f"{path}: resuming a run of several nodes is not supported yet; resume it on one "
+            "node, or start afresh in another DFLASH_OUTPUT_DIR"
+        )
     try:
         state = load_checkpoint(path)
     except (OSError, ValueError, RuntimeError) as e:

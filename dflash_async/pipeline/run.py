@@ -11,8 +11,9 @@ current step (start-up and evaluations at once), save, and exit 130/143 (shutdow
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,15 @@ from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.channels import open_channel
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
+from dflash_async.pipeline.distributed import (
+    NodeReducer,
+    RankInfo,
+    check_same_run,
+    pick_backend,
+    process_group,
+    rank_info_from_env,
+    writer_first,
+)
 from dflash_async.pipeline.resume import Resume, resume_point
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
@@ -65,12 +75,17 @@ class Plan:
     epochs: int | None  # None: loop over the data until max_steps
 
 
-def plan_steps(settings: Settings, lengths: np.ndarray, num_drafters: int) -> Plan:
-    """How many optimizer steps the run makes (each consumes one pack per drafter)."""
+def plan_steps(
+    settings: Settings, lengths: np.ndarray, num_drafters: int, *, node: RankInfo
+) -> Plan:
+    """How many optimizer steps the run makes (each consumes one pack per drafter); with several
+    nodes, every node's share of an epoch has the same number of packs (plan_epoch)."""
     train = settings.train
     if train.max_steps:
         return Plan(train.max_steps, None)
-    packs = len(plan_epoch(lengths, train.token_budget, train.seed, 0))
+    share = plan_epoch(lengths, train.token_budget, train.seed, 0, rank=node.rank,
+                       world_size=node.world_size)  # fmt: skip
+    packs = len(share)
     return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
 
 
@@ -98,15 +113,18 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
     return samples
 
 
-async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[DrafterRunner]:
-    """Build each drafter in its own thread; capture graphs one device at a time."""
+async def _start_drafters(
+    settings, inputs, workers, total_steps, log, *, node_rank: int = 0
+) -> list[DrafterRunner]:
+    """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
+    drawn per drafter of the whole run (node_rank * drafters per node + local index)."""
     cuda = workers[0].device.type == "cuda"
     runners = []
     for rank, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
             build_drafter_step, settings, inputs.drafter_config, inputs.target_path,
-            device=worker.device, rank=rank, total_steps=total_steps,
+            device=worker.device, rank=node_rank * len(workers) + rank, total_steps=total_steps,
             compile=cuda and settings.train.compile,
         )  # fmt: skip
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
@@ -115,7 +133,7 @@ async def _start_drafters(settings, inputs, workers, total_steps, log) -> list[D
         log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
                  **{k: round(v, 2) for k, v in timings.items()},
                  startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
-        runners.append(DrafterRunner(worker, step, seed=settings.train.seed))
+        runners.append(DrafterRunner(worker, step, seed=settings.train.seed * 1000 + node_rank))
     return runners
 
 
@@ -149,7 +167,9 @@ class Workers:
     target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
 
 
-async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, samples, log):
+async def _start_workers(
+    stack: AsyncExitStack, settings, inputs: RunInputs, samples, log, *, node: RankInfo
+):
     """Place, then one thread per worker: targets loaded, drafters built (and captured)."""
     pipe, train, cfg = settings.pipeline, settings.train, inputs.drafter_config
     open_worker = lambda device, name, grad: stack.enter_async_context(  # noqa: E731
@@ -170,9 +190,14 @@ async def _start_workers(stack: AsyncExitStack, settings, inputs: RunInputs, sam
     for i, device in enumerate(roles.targets[1:], start=1):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
-    plan = plan_steps(settings, samples.lengths, len(roles.drafters))
+    plan = plan_steps(settings, samples.lengths, len(roles.drafters), node=node)
+    check_same_run(node, timeout_s=pipe.dist_timeout_s, samples=len(samples),
+                   tokens=int(samples.lengths.sum()), drafters=len(roles.drafters),
+                   total_steps=plan.total_steps)  # fmt: skip
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
-    steps = await _start_drafters(settings, inputs, drafters, plan.total_steps, log)
+    steps = await _start_drafters(
+        settings, inputs, drafters, plan.total_steps, log, node_rank=node.rank
+    )
     rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
                                feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
     flops = placing.target_pack_flops(inputs)
@@ -195,7 +220,9 @@ def _throughput(settings: Settings, config, workers: Workers, lag: LoopLag):
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers, start: PackCursor) -> None:
+async def _produce(
+    settings, samples, plan: Plan, workers: Workers, node: RankInfo, start: PackCursor
+) -> None:
     """read -> packs channel -> every target worker -> rings (each target its home ring first,
     else the one with room); closes the rings when all are done."""
     rings = workers.rings
@@ -204,7 +231,8 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, start: PackC
     async with anyio.create_task_group() as producers:
         producers.start_soon(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
-                               start=start, epochs=plan.epochs, send=send_packs)
+                               start=start, epochs=plan.epochs, send=send_packs,
+                               rank=node.rank, world_size=node.world_size)
         )  # fmt: skip
         for worker, runner, home in zip(
             workers.targets, workers.target_runners, workers.homes, strict=True
@@ -215,38 +243,57 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, start: PackC
     rings.close()  # all producers done: the consumers drain the rings and stop
 
 
-async def run(settings: Settings, log, *, shutdown: Shutdown | None = None) -> int:
+async def run(
+    settings: Settings, log, environ: Mapping[str, str] | None = None, *,
+    shutdown: Shutdown | None = None,
+) -> int:  # fmt: skip
     """Train a drafter end to end; returns the exit code: 0, or 130/143 after SIGINT/SIGTERM
-    (handled from this first line: shutdown.py). `python -m dflash_async run` passes a Shutdown
-    that ends the process after a signal; without one, run returns the code."""
+    (handled from this first line: shutdown.py; `python -m dflash_async run` passes a Shutdown
+    that ends the process after a signal; without one, run returns the code).
+
+    Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
     shutdown = shutdown or Shutdown(hard_exit=False)
     with shutdown.installed():
         await shutdown.attach()
-        return await _run(settings, log, shutdown)
+        started = time.perf_counter()
+        check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
+        placing.check_devices(settings)  # fail fast, before any loading
+        async with _join_nodes(settings, environ, log) as node:
+            return await _run_node(settings, node, started, log, shutdown)
 
 
-async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
-    started = time.perf_counter()
-    output_dir = check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
-    placing.check_devices(settings)  # fail fast, before any loading
+def _join_nodes(settings: Settings, environ: Mapping[str, str] | None, log):
+    """The process group of a torchrun/srun launch (nothing on a single node)."""
+    pipe, given = settings.pipeline, placing.given_roles(settings)
+    drafter_devices = given.drafters if given else placing.candidate_devices(settings)
+    return process_group(
+        rank_info_from_env(os.environ if environ is None else environ),
+        backend=pick_backend(pipe.dist_backend, drafter_devices),
+        timeout_s=pipe.dist_timeout_s, silence_s=pipe.dist_silence_s, log=log,
+    )  # fmt: skip
+
+
+async def _run_node(settings: Settings, node: RankInfo, started: float, log, shutdown) -> int:
+    """This node's part of the run (the whole run on a single node)."""
     with shutdown.interruptible():  # CPU only, files: an abandoned thread is harmless
-        inputs = await anyio.to_thread.run_sync(
-            resolve_inputs, settings, log, abandon_on_cancel=True
+        inputs = await writer_first(  # CPU only: files
+            node, lambda: resolve_inputs(settings, log), timeout_s=settings.pipeline.dist_timeout_s
         )
         samples = await anyio.to_thread.run_sync(
             _read_data, settings, inputs, log, abandon_on_cancel=True
         )
         resume = await anyio.to_thread.run_sync(
-            resume_point, settings, inputs, samples, output_dir, abandon_on_cancel=True
-        )
+            resume_point, settings, inputs, samples, Path(settings.output_dir), node,
+            abandon_on_cancel=True,
+        )  # fmt: skip
     if shutdown.requested:
         return _interrupted(shutdown, 0, log)
-    cfg = inputs.drafter_config
+    cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
         with shutdown.interruptible():  # loading, placement, compile, capture, first evaluation
-            workers = await _start_workers(stack, settings, inputs, samples, log)
+            workers = await _start_workers(stack, settings, inputs, samples, log, node=node)
             plan = workers.plan
             await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
             log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
@@ -254,17 +301,21 @@ async def _run(settings: Settings, log, shutdown: Shutdown) -> int:
             evaluate = _evaluator(
                 settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
             )
-            if settings.eval.at_start and resume.path is None:
+            if settings.eval.at_start and node.is_writer and resume.path is None:
                 await evaluate(0)
         if shutdown.requested:  # nothing new to save: no step ran
             return _interrupted(shutdown, resume.step, log)
-        steps, summary = await _train(settings, samples, plan, workers, evaluate, log, shutdown,
-                                      resume)  # fmt: skip
-        if settings.eval.at_end and not shutdown.requested:
+        steps, summary = await _train(
+            settings, samples, plan, workers, evaluate, log, node=node, shutdown=shutdown,
+            resume=resume,
+        )  # fmt: skip
+        if settings.eval.at_end and not shutdown.requested and node.is_writer:
             with shutdown.interruptible():
                 summary["eval_tau"] = (await evaluate(steps)).get("tau")
         if shutdown.requested:  # inside the stack: a hard exit does not wait for busy threads
             return _interrupted(shutdown, steps, log)
+    if not node.is_writer:
+        return 0
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
              wall_s=round(time.perf_counter() - started, 2),
              **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
@@ -277,16 +328,19 @@ def _interrupted(shutdown: Shutdown, step: int, log) -> int:
 
 
 async def _train(
-    settings, samples, plan: Plan, workers: Workers, evaluate, log, shutdown: Shutdown,
+    settings, samples, plan: Plan, workers: Workers, evaluate, log, *, node, shutdown: Shutdown,
     resume: Resume,
 ):  # fmt: skip
-    """The stage topology in data-flow order; returns (steps done, summary)."""
+    """The stage topology in data-flow order; returns (steps done, summary).
+    On several nodes only rank 0 (the writer) saves and evaluates."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
     lag, summary, progress = LoopLag(), {}, Progress(resume.cursor)
     throughput = _throughput(settings, first.step.objective.drafter.config, workers, lag)
     send_records, receive_records = open_channel(4, "records")
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
+        if not node.is_writer:
+            return
         if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
             await saver.save(step, progress.cursor)
         if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
@@ -304,15 +358,15 @@ async def _train(
                       run=resume.identity, tasks=background, log=log)  # fmt: skip
         saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
-        background.start_soon(_produce, settings, samples, plan, workers, progress.cursor)
+        background.start_soon(_produce, settings, samples, plan, workers, node, progress.cursor)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
                 workers.drafters, workers.rings, send_records, first_step=resume.step,
                 last_step=plan.total_steps, stop=shutdown.stopping, on_step_end=between_steps,
-                progress=progress,
+                across_nodes=NodeReducer() if node.distributed else None, progress=progress,
             )  # fmt: skip
-        if steps > resume.step:  # the final checkpoint, also after a signal
+        if node.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
             await saver.save(steps, progress.cursor)
         await saver.wait()
         background.cancel_scope.cancel()

@@ -26,14 +26,19 @@ async def read_stage(
     start: PackCursor,
     epochs: int | None,
     send: SendChannel[PlannedPack],
+    rank: int = 0,
+    world_size: int = 1,
 ) -> None:
     """Send every pack from `start` on (forever when epochs is None); closing is the end signal.
+    With several nodes, only this rank's share of each epoch (packing.plan_epoch).
 
     Planning one epoch is numpy on the loop thread (~10 ms per 100k samples, under the loop-lag
     budget). The bounded channel is the backpressure: this stage waits while targets are busy.
     """
     try:
-        for cursor, indices in iter_packs(lengths, token_budget, seed, start=start, epochs=epochs):
+        packs = iter_packs(lengths, token_budget, seed, start=start, epochs=epochs, rank=rank,
+                           world_size=world_size)  # fmt: skip
+        for cursor, indices in packs:
             await send.send(PlannedPack(cursor, indices))
     finally:
         send.close()

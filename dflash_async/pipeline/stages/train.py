@@ -10,6 +10,7 @@ seeing all M packs, and keeps the M copies identical.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,17 +196,20 @@ async def train_steps(
     last_step: int,
     stop: anyio.Event,
     on_step_end=None,
+    across_nodes: Callable[[list[DrafterRunner], bool], bool] | None = None,
     progress: Progress | None = None,
 ) -> int:
     """Optimizer steps first_step..last_step-1; returns the next step index.
 
     Ends early when the ring is drained (the data is exhausted) or `stop` is set (a signal).
-    `on_step_end(step)` (async) runs between steps: periodic checkpoints; `progress.cursor`
-    is then the data cursor after that step.
+    `on_step_end(step)` (async) runs between steps: periodic checkpoints; `progress.cursor` is
+    then the data cursor after that step. `across_nodes`, on several nodes, sums the node's
+    combined gradients with the other nodes' and says when all ranks stop (a rank's own `stop`
+    then only votes: distributed.NodeReducer).
     """
-    step = first_step
+    step, agreed_stop = first_step, False
     try:
-        while step < last_step and not stop.is_set():
+        while step < last_step and not (agreed_stop if across_nodes else stop.is_set()):
             try:
                 slots = await rings.receive_step()  # one per drafter, its own ring's first
             except anyio.EndOfStream:
@@ -220,6 +224,8 @@ async def train_steps(
                 rings.release(slot, copied)
             phase_a_done = [a_done for _, a_done in loaded]
             combined = await runners[0].worker.run(combine_gradients, runners, phase_a_done)
+            if across_nodes is not None:  # after the node's combine: one collective a step
+                agreed_stop = await runners[0].worker.run(across_nodes, runners, stop.is_set())
             done = await _each(runners, "update", combined)
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
