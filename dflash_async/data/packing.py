@@ -102,10 +102,12 @@ class PackCursor:
         """The cursor after this pack (an index past the epoch's end rolls to the next epoch)."""
         return PackCursor(self.epoch, self.index + 1)
 
-    def anchor_seed(self, seed: int) -> int:
-        """The seed of this pack's anchor noise: a pure function of (seed, epoch, index), so a
-        pack gets the same anchors on whichever drafter trains it, in any run."""
-        digest = hashlib.blake2b(f"{seed}/{self.epoch}/{self.index}".encode(), digest_size=8)
+    def anchor_seed(self, seed: int, *, rank: int = 0, world_size: int = 1) -> int:
+        """The seed of this pack's anchor noise: a pure function of (seed, epoch, the pack's
+        index in the whole epoch's plan), so a pack gets the same anchors on whichever drafter
+        or node trains it, in any run. `index` is rank `rank`'s share index (plan_epoch)."""
+        index = self.index * world_size + rank  # share i of rank r is pack i*W + r of the plan
+        digest = hashlib.blake2b(f"{seed}/{self.epoch}/{index}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") >> 1  # < 2**63: a generator seed
 
 

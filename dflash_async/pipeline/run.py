@@ -114,7 +114,7 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
 
 
 async def _start_drafters(
-    settings, inputs, workers, total_steps, log, *, node_rank: int = 0
+    settings, inputs, workers, total_steps, log, *, node_rank: int = 0, node=(0, 1)
 ) -> list[DrafterRunner]:
     """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
     drawn per drafter of the whole run (node_rank * drafters per node + local index)."""
@@ -133,7 +133,7 @@ async def _start_drafters(
         log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
                  **{k: round(v, 2) for k, v in timings.items()},
                  startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
-        runners.append(DrafterRunner(worker, step, seed=settings.train.seed * 1000 + node_rank))
+        runners.append(DrafterRunner(worker, step, seed=settings.train.seed, node=node))
     return runners
 
 
@@ -196,7 +196,13 @@ async def _start_workers(
                    total_steps=plan.total_steps)  # fmt: skip
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     steps = await _start_drafters(
-        settings, inputs, drafters, plan.total_steps, log, node_rank=node.rank
+        settings,
+        inputs,
+        drafters,
+        plan.total_steps,
+        log,
+        node_rank=node.rank,
+        node=(node.rank, node.world_size),
     )
     rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
                                feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
@@ -287,7 +293,7 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
             abandon_on_cancel=True,
         )  # fmt: skip
     if shutdown.requested:
-        return _interrupted(shutdown, 0, log)
+        return _interrupted(shutdown, 0, log, node)
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              drafter=cfg.__dict__)  # fmt: skip
@@ -304,7 +310,7 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
             if settings.eval.at_start and node.is_writer and resume.path is None:
                 await evaluate(0)
         if shutdown.requested:  # nothing new to save: no step ran
-            return _interrupted(shutdown, resume.step, log)
+            return _interrupted(shutdown, resume.step, log, node)
         steps, summary = await _train(
             settings, samples, plan, workers, evaluate, log, node=node, shutdown=shutdown,
             resume=resume,
@@ -313,7 +319,7 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
             with shutdown.interruptible():
                 summary["eval_tau"] = (await evaluate(steps)).get("tau")
         if shutdown.requested:  # inside the stack: a hard exit does not wait for busy threads
-            return _interrupted(shutdown, steps, log)
+            return _interrupted(shutdown, steps, log, node)
     if not node.is_writer:
         return 0
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
@@ -322,8 +328,10 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
     return 0
 
 
-def _interrupted(shutdown: Shutdown, step: int, log) -> int:
+def _interrupted(shutdown: Shutdown, step: int, log, node: RankInfo) -> int:
     log.info("train_interrupted", step=step, reason=shutdown.reason)
+    if node.distributed:  # leave the process group properly: the peers wait for this rank
+        return shutdown.exit_code
     return shutdown.finish(shutdown.exit_code)
 
 

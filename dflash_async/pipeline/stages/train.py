@@ -37,6 +37,7 @@ class DrafterRunner:
     step: DrafterStep
     meter: BusyMeter = field(default_factory=BusyMeter)  # device time of the steps
     seed: int | None = None  # the run's seed: anchors seeded per pack (None: the step's stream)
+    node: tuple[int, int] = (0, 1)  # (rank, world size): which share of each plan this node has
     _started: Any = None
 
     def load_and_forward(
@@ -47,7 +48,8 @@ class DrafterRunner:
         event after which phase A is done."""
         _wait(ready)
         if self.seed is not None and cursor is not None:
-            self.step.seed_anchors(cursor.anchor_seed(self.seed))
+            rank, world_size = self.node
+            self.step.seed_anchors(cursor.anchor_seed(self.seed, rank=rank, world_size=world_size))
         self._started = timing_event(self.step.device)
         self.step.batch.copy_(slot_batch)
         copied = timing_event(self.step.device)
