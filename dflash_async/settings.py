@@ -248,9 +248,17 @@ class EvalSettings(_Section):
     at_end: bool = True
     """Measure the final drafter after training."""
     num_prompts: int = Field(16, ge=1)
-    """Prompts decoded per evaluation."""
+    """Prompts decoded per evaluation (the defaults here are also `eval`'s)."""
     max_new_tokens: int = Field(256, ge=1)
     """Tokens generated per prompt."""
+    batch_size: int = Field(64, ge=1)
+    """Prompts decoded together (batched speculative decoding; hybrid targets decode one)."""
+    mode: Literal["overlap", "pause"] = "overlap"
+    """overlap: training continues while the target's worker interleaves decode steps with its
+    training work; pause: training waits for each evaluation (logged as training_waited_s)."""
+    job_ms: int = Field(500, ge=1)
+    """Decode steps per job on the target's worker (about this many ms); its training jobs run
+    between them, so with overlap an evaluation takes about job_ms / (job_ms + a target job)."""
     prompts_path: str = ""
     """A jsonl file of prompts; empty = the built-in held-out demo prompts (built-in target only;
     with another target and no prompts file, evaluation is skipped with a log line)."""

@@ -20,6 +20,7 @@ from transformers import Qwen3Config
 
 from dflash_async.checkpoint import export_drafter
 from dflash_async.data.samples import DataError
+from dflash_async.eval import evaluation, harness
 from dflash_async.eval.harness import (
     check_drafter_fits_target,
     evaluate,
@@ -28,12 +29,9 @@ from dflash_async.eval.harness import (
     prompt_token_ids,
     run_eval,
 )
+from dflash_async.eval.lossless import GreedyResult, LosslessError, SpecResult, check_lossless
 from dflash_async.eval.speculative import (
     DFlashBlockDrafter,
-    GreedyResult,
-    LosslessError,
-    SpecResult,
-    check_lossless,
     greedy_generate,
     speculative_decode,
     speculative_generate,
@@ -385,12 +383,20 @@ def test_eval_command_names_a_bad_path_in_one_line(
 def test_eval_command_logs_a_lossless_failure_and_returns_1(tiny_export, monkeypatch, capsys):
     """A speculative decoder that emits the wrong first token: logged as eval_failed, exit 1."""
     folder, export, _ = tiny_export
+    real = evaluation.speculative_decoders
 
-    def wrong_first_token(*args, **kwargs) -> SpecResult:
-        right = speculative_generate(*args, **kwargs)
-        return SpecResult([right.tokens[0] + 1, *right.tokens[1:]], right.accepted_lengths)
+    def wrong_first_token(*args, **kwargs):
+        def make(factory):
+            decoder = factory()
+            right = decoder.results
+            decoder.results = lambda: [
+                SpecResult([r.tokens[0] + 1, *r.tokens[1:]], r.accepted_lengths) for r in right()
+            ]
+            return decoder
 
-    monkeypatch.setattr("dflash_async.eval.harness.speculative_generate", wrong_first_token)
+        return [lambda f=f: make(f) for f in real(*args, **kwargs)]
+
+    monkeypatch.setattr(harness, "speculative_decoders", wrong_first_token)
     argv = ["--target", str(folder), "--drafter", str(export), "--device", "cpu"]
     with capture_logs() as events:
         assert main([*argv, "--max-new-tokens", "4", "--num-prompts", "1"]) == 1

@@ -1,22 +1,20 @@
-"""Acceptance length (tau) of a drafter export over a prompt set (`python -m dflash_async eval`).
+"""`python -m dflash_async eval`: tau of a drafter export over a prompt set, and its inputs.
 
 Loss and accuracy can look excellent while a served drafter accepts ~1 token; decoding is the only
-honest measure. Every prompt is decoded twice, plainly and speculatively (speculative.py: greedy,
-batch 1, KV caches), each run timed; every speculative output is checked against the greedy one
-(LosslessError unless the first difference is a numerical tie, which is counted). The summary is
-tau, the histogram of accepted lengths, tokens/s of both decoders and the speedup.
-
-Prompts are chat-templated with the generation prompt (trailing assistant turns dropped) and
-stopped by the target's generation config (eos, suppressed tokens): the greedy output is what
-`model.generate`, and so the regenerated training data, would produce.
+honest measure. This module loads the target and the export, reads and chat-templates the prompts
+(generation prompt on, trailing assistant turns dropped) and takes the stop rules from the
+target's generation config, so the greedy output is what `model.generate`, and so the regenerated
+training data, would produce. evaluation.py decodes (plain greedy once, cached by baseline.py;
+then speculatively, batched), checks every sample lossless and reports tau, the accepted-length
+histogram, per-position acceptance and tokens/s. Defaults are EvalSettings' (settings.py): the
+in-run evaluation and this command decode the same way unless told otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,30 +29,29 @@ from dflash_async.data.samples import (
     iter_raw_records,
     parse_record,
 )
-from dflash_async.eval.regenerate import write_jsonl
-from dflash_async.eval.speculative import (
-    GreedyResult,
-    LosslessError,
-    SpecResult,
-    check_lossless,
-    eos_set,
-    greedy_generate,
-    speculative_generate,
-    tie_tolerance_for,
+from dflash_async.eval.baseline import baseline_key, load_baseline, save_baseline
+from dflash_async.eval.evaluation import (
+    DecodeSetup,
+    greedy_decoders,
+    report,
+    run_decoders,
+    speculative_decoders,
 )
+from dflash_async.eval.lossless import LosslessError, eos_set, tie_tolerance_for
+from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.log import get_logger, progress
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.pipeline.devices import cpu_threads
+from dflash_async.settings import EvalSettings
 from dflash_async.target.loading import (
     frozen_embeddings,
-    is_hybrid,
     load_target,
     load_target_tokenizer,
     text_config,
 )
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
-from dflash_async.usage import ArgumentParser, positive_int
+from dflash_async.usage import ArgumentParser, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -87,8 +84,6 @@ def check_drafter_fits_target(config: DrafterConfig, target: PreTrainedModel) ->
     for name, (drafter_value, target_value) in pairs.items():
         if drafter_value != target_value:
             raise ValueError(f"drafter {name}={drafter_value} but the target has {target_value}")
-    if is_hybrid(target):
-        raise ValueError("speculative eval of a hybrid (linear-attention) target is not supported")
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
@@ -143,70 +138,39 @@ def stop_rules(target: PreTrainedModel, tokenizer: Any) -> tuple[frozenset[int],
     return eos_set(eos), suppress
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # Sync point: timing must include queued GPU work
+def prompts_of(
+    tokenizer: Any, records: Sequence[dict[str, Any]], *, enable_thinking: bool
+) -> list[list[int]]:
+    """Token ids of every record's prompt; ValueError naming the record of a bad one."""
+    prompts = []
+    for i, record in enumerate(records):
+        try:
+            prompts.append(prompt_token_ids(tokenizer, record, enable_thinking=enable_thinking))
+        except BadRecord as e:
+            raise ValueError(f"prompt record {i}: {e}") from e
+    return prompts
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    _synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    _synchronize(device)
-    return result, time.perf_counter() - start
-
-
-def _eval_sample(
-    index: int,
-    prompt: list[int],
-    greedy: Callable[[list[int]], GreedyResult],
-    speculative: Callable[[list[int]], SpecResult],
-    *,
-    device: torch.device,
-    tie_tolerance: float,
-) -> dict[str, Any]:
-    """Decode one prompt both ways, check losslessness, return its JSON-ready result."""
-    plain, plain_s = _timed(lambda: greedy(prompt), device)
-    spec, spec_s = _timed(lambda: speculative(prompt), device)
-    tie_at = check_lossless(index, plain, spec, tie_tolerance)
-    return {
-        "index": index,
-        "prompt_tokens": len(prompt),
-        "new_tokens": len(spec.tokens),
-        "plain_new_tokens": len(plain.tokens),  # differs only after a numerical tie
-        "steps": len(spec.accepted_lengths),
-        "tau": spec.tau,
-        "accepted_lengths": spec.accepted_lengths,
-        "plain_s": plain_s,
-        "speculative_s": spec_s,
-        "numerical_tie_at": tie_at,
-        "tokens": spec.tokens,
-    }
-
-
-def summarize(samples: Sequence[dict[str, Any]], block_size: int) -> dict[str, Any]:
-    """tau (mean accepted+1 per step, averaged over samples), the histogram of accepted+1
-    (every length 1..B present) and the tokens/s of plain and speculative decoding."""
-    taus = [s["tau"] for s in samples if s["tau"] is not None]
-    histogram = dict.fromkeys(range(1, block_size + 1), 0)
-    for sample in samples:
-        for length in sample["accepted_lengths"]:
-            histogram[length] += 1
-    new_tokens = sum(s["new_tokens"] for s in samples)
-    plain_tokens = sum(s["plain_new_tokens"] for s in samples)
-    plain_s = sum(s["plain_s"] for s in samples)
-    spec_s = sum(s["speculative_s"] for s in samples)
-    return {
-        "num_samples": len(samples),
-        "block_size": block_size,
-        "tau": sum(taus) / len(taus) if taus else None,
-        "accepted_length_histogram": histogram,
-        "new_tokens": new_tokens,
-        "plain_tokens_per_s": plain_tokens / plain_s if plain_s else None,
-        "speculative_tokens_per_s": new_tokens / spec_s if spec_s else None,
-        "speedup": (new_tokens / spec_s) / (plain_tokens / plain_s) if spec_s and plain_s else None,
-        "numerical_ties": sum(s["numerical_tie_at"] is not None for s in samples),
-    }
+def greedy_baseline(
+    setup: DecodeSetup, *, folder: str | Path | None, target_id: str
+) -> tuple[list, float, bool]:
+    """(greedy results, seconds, read from the cache?) of setup's prompts, decoded once per key
+    and kept in `folder` (None: not kept)."""
+    dtype = frozen_embeddings(setup.target)[0].dtype
+    key = baseline_key(
+        target_id=target_id, dtype=str(dtype), device_type=setup.device.type,
+        prompts=setup.prompts, max_new_tokens=setup.max_new_tokens, eos=setup.eos,
+        suppress=setup.suppress, batch_size=setup.batch_size,
+    )  # fmt: skip
+    cached = load_baseline(folder, key) if folder else None
+    if cached is not None:
+        return *cached, True
+    batches = greedy_decoders(setup)
+    shown = progress(batches, total=len(batches), task="eval baseline (batches)")
+    results, seconds = run_decoders(shown, setup.device)
+    if folder:
+        save_baseline(folder, key, results, seconds)
+    return results, seconds, False
 
 
 def evaluate(
@@ -217,49 +181,44 @@ def evaluate(
     records: Sequence[dict[str, Any]],
     *,
     max_new_tokens: int,
+    batch_size: int = EvalSettings().batch_size,
     enable_thinking: bool = False,
     tie_tolerance: float | None = None,
     warmup: bool = True,
+    baseline_dir: str | Path | None = None,
+    target_id: str = "",
 ) -> dict[str, Any]:
-    """Decode every record greedily, plainly and speculatively; summarize() plus "samples".
+    """Decode every record greedily (or read the cached baseline) and speculatively; the report
+    of evaluation.report (summary, settings and "samples").
 
     Raises LosslessError if a sample's speculative output is not the greedy one (numerical ties
-    aside, see speculative.py; tie_tolerance None = by the target's dtype). `warmup` decodes a
-    few tokens of the first prompt untimed first (CUDA context, kernel selection, allocator).
+    aside, see lossless.py; tie_tolerance None = by the target's dtype). `warmup` decodes a few
+    tokens of the first batch untimed first (CUDA context, kernel selection, allocator).
     """
     if max_new_tokens < 1 or not records:
         raise ValueError(
             f"need max_new_tokens >= 1 and records, got {max_new_tokens}, {len(records)}"
         )
     check_drafter_fits_target(drafter_config, target)
-    embed, lm_head = frozen_embeddings(target)
+    embed, _ = frozen_embeddings(target)
     eos, suppress = stop_rules(target, tokenizer)
-    device = embed.device
     tolerance = tie_tolerance_for(embed.dtype) if tie_tolerance is None else tie_tolerance
-
-    def greedy(prompt: list[int], n: int = max_new_tokens) -> GreedyResult:
-        return greedy_generate(target, prompt, n, eos, suppress_token_ids=suppress)
-
-    def speculative(prompt: list[int], n: int = max_new_tokens) -> SpecResult:
-        return speculative_generate(
-            target, drafter, drafter_config, embed, lm_head, prompt,
-            max_new_tokens=n, eos_token_id=eos, suppress_token_ids=suppress,
-        )  # fmt: skip
-
-    prompts = []
-    for i, record in enumerate(records):
-        try:
-            prompts.append(prompt_token_ids(tokenizer, record, enable_thinking=enable_thinking))
-        except BadRecord as e:
-            raise ValueError(f"prompt record {i}: {e}") from e
+    prompts = prompts_of(tokenizer, records, enable_thinking=enable_thinking)
+    setup = DecodeSetup(target, prompts, max_new_tokens, eos, suppress, batch_size)
     if warmup:
-        greedy(prompts[0], min(max_new_tokens, 2 * drafter_config.block_size))
-        speculative(prompts[0], min(max_new_tokens, 2 * drafter_config.block_size))
-    samples = [
-        _eval_sample(i, p, greedy, speculative, device=device, tie_tolerance=tolerance)
-        for i, p in progress(enumerate(prompts), total=len(prompts), task="eval (prompts)")
-    ]
-    return summarize(samples, drafter_config.block_size) | {"samples": samples}
+        short = min(max_new_tokens, 2 * drafter_config.block_size)
+        trial = DecodeSetup(target, prompts[:batch_size], short, eos, suppress, batch_size)
+        run_decoders(greedy_decoders(trial)[:1], setup.device)
+        run_decoders(speculative_decoders(trial, drafter, drafter_config)[:1], setup.device)
+    plain, plain_s, cached = greedy_baseline(setup, folder=baseline_dir, target_id=target_id)
+    batches = speculative_decoders(setup, drafter, drafter_config)
+    shown = progress(batches, total=len(batches), task="eval speculative (batches)")
+    spec, spec_s = run_decoders(shown, setup.device)
+    result = report(
+        setup, plain, spec, block_size=drafter_config.block_size, plain_s=plain_s,
+        speculative_s=spec_s, tie_tolerance=tolerance,
+    )  # fmt: skip
+    return result | {"baseline_cached": cached}
 
 
 def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -287,18 +246,21 @@ def run_eval(
     prompts_path: str | Path | None,
     *,
     device: torch.device | str,
-    max_new_tokens: int,
-    num_prompts: int,
+    max_new_tokens: int = EvalSettings().max_new_tokens,
+    num_prompts: int = EvalSettings().num_prompts,
+    batch_size: int = EvalSettings().batch_size,
     log: Any = None,
     cache_dir: str | Path = ".cache/dflash_async",
     results_path: str | Path | None = None,
+    baseline_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
     enable_thinking: bool = False,
 ) -> dict[str, Any]:
     """Load the target (empty path = the built-in tiny one, kept under cache_dir) and a drafter
     export, decode `num_prompts` prompts (from prompts_path, or the tiny demo's held-out
-    prompts), log one `eval_completed` event, return the report. Bad inputs raise one-line
-    ValueErrors: TargetError (target folder), DataError (drafter export, prompts file)."""
+    prompts), log one `eval_completed` event, return the report. The greedy baseline is kept in
+    `baseline_dir` (default: the results file's folder; None without one). Bad inputs raise
+    one-line ValueErrors: TargetError (target folder), DataError (drafter export, prompts file)."""
     log = log or get_logger(__name__)
     device = torch.device(device)
     folder = Path(target_path) if target_path else ensure_tiny_target(Path(cache_dir))
@@ -312,7 +274,9 @@ def run_eval(
     with cpu_threads(1 if device.type == "cpu" else None):
         report = evaluate(
             target, tokenizer, drafter, config, records,
-            max_new_tokens=max_new_tokens, enable_thinking=enable_thinking,
+            max_new_tokens=max_new_tokens, batch_size=batch_size, enable_thinking=enable_thinking,
+            baseline_dir=baseline_dir or (Path(results_path).parent if results_path else None),
+            target_id=str(folder.resolve()),
         )  # fmt: skip
     if results_path:
         write_results(report["samples"], results_path)
@@ -333,9 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default="", help="jsonl of {messages} or {prompt}; empty = demo held-out"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
-    parser.add_argument("--num-prompts", type=positive_int, default=16)
+    defaults = EvalSettings()  # the in-run evaluation's defaults (DFLASH_EVAL__*)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens)
+    parser.add_argument("--num-prompts", type=positive_int, default=defaults.num_prompts)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
     parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
+    parser.add_argument(
+        "--baseline-dir",
+        default="",
+        help="keep the greedy baseline here (default: --results' folder)",
+    )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
     return parser
 
@@ -349,12 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_async.pipeline.startup import cache_dir  # lazy: it imports the whole training step
 
     args = build_parser().parse_args(argv)
+    if args.baseline_dir:  # unwritable: one line, exit 2, before the target is loaded
+        check_writable_folder(args.baseline_dir, argument="--baseline-dir")
     log = get_logger(__name__)
     try:
         report = run_eval(
             args.target or None, args.drafter, args.prompts or None,
             device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-            log=log, cache_dir=cache_dir(), results_path=args.results or None,
+            batch_size=args.batch_size, log=log, cache_dir=cache_dir(),
+            results_path=args.results or None, baseline_dir=args.baseline_dir or None,
             dtype=_DTYPES[args.dtype],
         )  # fmt: skip
     except LosslessError as e:

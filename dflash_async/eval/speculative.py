@@ -1,7 +1,8 @@
-"""Greedy speculative decoding with a DFlash drafter, checked against plain greedy decoding.
+"""Greedy speculative decoding of one sequence with a DFlash drafter: the reference decoder.
 
-The algorithm that measures acceptance length (tau, docs/DFLASH.md section 8; the harness that
-runs it over prompts is evaluate.py). Batch 1, greedy, KV caches on both sides:
+The algorithm that measures acceptance length (tau, docs/DFLASH.md section 8). batched.py decodes
+many prompts at once and must give the same tokens and tau; this one is the simple reference it
+is tested against, and the decoder for hybrid targets. Batch 1, greedy, KV caches on both sides:
 
     prefill: the target runs the prompt (HF DynamicCache) and its captured layers become the
              drafter's context; the target's next token is the first committed token.
@@ -13,12 +14,9 @@ runs it over prompts is evaluate.py). Batch 1, greedy, KV caches on both sides:
              crop the target cache to the committed tokens and append their features (block
              rows 0..accepted) to the drafter's context cache.
 
-Every committed token is the target's own argmax given the committed prefix, so the output equals
-plain greedy decoding up to floating point: a verify pass over B tokens and a one-token step run
-different kernels, and where the target's top two logits are within rounding of each other the
-two runs may pick different tokens. `check_lossless` raises LosslessError on a difference unless
-the first difference is such a tie (greedy's runner-up, margin <= tie_tolerance_for(dtype)); the
-caller counts ties (`numerical_ties`), since the rest of that sample legitimately differs.
+Hybrid targets (Gated DeltaNet layers) cannot crop their recurrent state: the verify step
+snapshots it and, after a rejection, restores it and advances by the accepted tokens
+(hybrid_state.py). The output equals plain greedy decoding up to numerical ties (lossless.py).
 
 The last step may commit past `max_new_tokens`; its accepted length is recorded as drafted (it
 measures the drafter), the output is cut. Each step syncs the host once (the accept decision).
@@ -30,7 +28,6 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -38,35 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from dflash_async.eval import hybrid_state
+from dflash_async.eval.lossless import (
+    GreedyResult,
+    SpecResult,
+    cut_at_stop,
+    eos_set,
+    first_difference,
+)
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import decoder_layers
-
-# Largest |logit(greedy) - logit(runner-up)| at which a divergence counts as a numerical tie.
-_TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.1}
-
-
-class LosslessError(RuntimeError):
-    """Speculative decoding produced a token that plain greedy decoding of the target did not."""
-
-
-@dataclass(frozen=True)
-class SpecResult:
-    tokens: list[int]  # new tokens (prompt excluded), cut after eos / max_new_tokens
-    accepted_lengths: list[int]  # accepted drafts + 1 per verify step, each in 1..B
-
-    @property
-    def tau(self) -> float | None:
-        """Mean committed tokens per verify step; None when no step ran (max_new_tokens=1)."""
-        steps = len(self.accepted_lengths)
-        return sum(self.accepted_lengths) / steps if steps else None
-
-
-@dataclass(frozen=True)
-class GreedyResult:
-    tokens: list[int]  # new tokens, cut after eos / max_new_tokens
-    runner_up: list[int]  # the target's second choice at each new token
-    margins: list[float]  # logit(token) - logit(runner_up), >= 0
 
 
 class BlockDrafter(Protocol):
@@ -173,9 +152,9 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
             handle.remove()
 
 
-def _cache_kwarg(target: PreTrainedModel) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` during 5.x; accept both."""
-    return _cache_kwarg_of(type(target))
+    return _cache_kwarg_of(type(model))
 
 
 @functools.cache
@@ -184,38 +163,8 @@ def _cache_kwarg_of(model_class: type) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions >= length. crop(-n) removes n in every 5.x (crop(0) differs)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def _suppressed(logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
     return logits if suppress is None else logits.index_fill(-1, suppress, float("-inf"))
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first index where a and b differ (the shorter one's length if one is a prefix of the
-    other); None if they are equal."""
-    differ = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if differ is None and len(a) != len(b):
-        return min(len(a), len(b))
-    return differ
-
-
-def _cut(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> list[int]:
-    """The generated tokens as plain greedy would return them: up to and including an eos."""
-    tokens = tokens[:max_new_tokens]
-    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    return tokens if stop is None else tokens[: stop + 1]
-
-
-def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    """The stop tokens as a set: a generation config's eos_token_id may be None, an id or a list."""
-    if eos_token_id is None:
-        return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 def _suppress_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor | None:
@@ -256,7 +205,7 @@ def greedy_generate(
     prompt, eos, suppress, cache = _decode_start(
         target, prompt_ids, eos_token_id, suppress_token_ids
     )
-    cache_kw = _cache_kwarg(target)
+    cache_kw = cache_kwarg(target)
     ids, tokens, runner_up, margins = prompt, [], [], []
     while len(tokens) < max_new_tokens and not eos.intersection(tokens[-1:]):
         out = target(input_ids=ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=1)
@@ -285,7 +234,7 @@ def _target_step(
     """One cached target forward -> (logits [m, V], features [n, k*d] of the n input tokens)."""
     out = target(
         input_ids=ids,
-        **{_cache_kwarg(target): cache},
+        **{cache_kwarg(target): cache},
         use_cache=True,
         logits_to_keep=logits_to_keep,
     )
@@ -308,9 +257,22 @@ def _verify(
     # Sync point: drafts and the target's tokens come to the host for the accept decision.
     both = torch.cat([block[0, 1:], verified]).tolist()
     drafted, target_tokens = both[: block.shape[1] - 1], both[block.shape[1] - 1 :]
-    accepted = _first_difference(drafted, target_tokens[:-1])
+    accepted = first_difference(drafted, target_tokens[:-1])
     accepted = len(drafted) if accepted is None else accepted
     return accepted, target_tokens[: accepted + 1], features
+
+
+def _roll_back(
+    target: PreTrainedModel,
+    cache: DynamicCache,
+    snapshot: hybrid_state.LinearStateSnapshot,
+    position: int,
+    committed: torch.Tensor,  # [1, a+1]: the anchor and the accepted drafts
+) -> None:
+    """Linear-attention states as if the target had seen only `committed` after `position`."""
+    hybrid_state.restore_linear_states(snapshot)
+    hybrid_state.crop_attention(cache, position)
+    target(input_ids=committed, **{cache_kwarg(target): cache}, use_cache=True, logits_to_keep=1)
 
 
 @torch.no_grad()
@@ -328,7 +290,7 @@ def speculative_decode(
     prompt, eos, suppress, cache = _decode_start(
         target, prompt_ids, eos_token_id, suppress_token_ids
     )
-    device = prompt.device
+    device, hybrid = prompt.device, hybrid_state.has_linear_layers(cache)
     with captured_layers(target, layer_ids) as outputs:
         logits, features = _target_step(target, outputs, layer_ids, prompt, cache, logits_to_keep=1)
         position = prompt.shape[1]  # of the newest committed token: the next anchor
@@ -339,16 +301,20 @@ def speculative_decode(
         while len(tokens) < max_new_tokens and not eos.intersection(tokens):
             drafts = drafter.draft(tokens[-1], position).to(device)  # [B-1]
             block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]  # [1, B]
+            snapshot = hybrid_state.snapshot_linear_states(cache) if hybrid else None
             accepted, committed, features = _verify(
                 target, outputs, layer_ids, cache, block, suppress
             )
             tokens += committed
             accepted_lengths.append(accepted + 1)
             new_positions = torch.arange(position, position + accepted + 1, device=device)
-            _crop(cache, position + accepted + 1)  # keeps the anchor and the accepted drafts
+            if snapshot is not None and accepted + 1 < block.shape[1]:
+                _roll_back(target, cache, snapshot, position, block[:, : accepted + 1])
+            # keeps the anchor and the accepted drafts
+            hybrid_state.crop_attention(cache, position + accepted + 1)
             drafter.extend_context(features[: accepted + 1], new_positions)
             position += accepted + 1
-    return SpecResult(_cut(tokens, max_new_tokens, eos), accepted_lengths)
+    return SpecResult(cut_at_stop(tokens, max_new_tokens, eos), accepted_lengths)
 
 
 def speculative_generate(
@@ -376,32 +342,4 @@ def speculative_generate(
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         suppress_token_ids=suppress_token_ids,
-    )
-
-
-def tie_tolerance_for(dtype: torch.dtype) -> float:
-    """The numerical-tie margin for a target computing in `dtype` (0.5 for unknown dtypes)."""
-    return _TIE_TOLERANCE.get(dtype, 0.5)
-
-
-def check_lossless(
-    index: int, greedy: GreedyResult, spec: SpecResult, tolerance: float
-) -> int | None:
-    """None if the outputs agree; the first differing position if it is a numerical tie; else
-    LosslessError naming the sample and the position."""
-    differ = _first_difference(greedy.tokens, spec.tokens)
-    if differ is None:
-        return None
-    if differ < min(len(greedy.tokens), len(spec.tokens)):
-        tie = (
-            spec.tokens[differ] == greedy.runner_up[differ] and greedy.margins[differ] <= tolerance
-        )
-        if tie:
-            return differ
-        margin = f"greedy margin {greedy.margins[differ]:.3g}"
-    else:
-        margin = f"lengths {len(greedy.tokens)} vs {len(spec.tokens)}"
-    raise LosslessError(
-        f"sample {index}: speculative output differs from greedy at new token {differ} "
-        f"({spec.tokens[differ : differ + 4]} vs {greedy.tokens[differ : differ + 4]}, {margin})"
     )

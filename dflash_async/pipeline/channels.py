@@ -148,6 +148,7 @@ class Slot:
     batch: PackedBatch
     meta: dict[str, Any] = field(default_factory=dict)
     ready: Completion | None = None  # the producer's "written" event, set by publish
+    published_ns: int = 0  # when publish ran (perf_counter_ns): the publish order across rings
 
 
 @dataclass
@@ -232,7 +233,7 @@ class SlotRing:
         have (a torch.cuda.Event recorded on the producer's stream); None when they are done."""
         if self._closed:
             raise anyio.ClosedResourceError(f"slot ring {self._stats.name} is closed")
-        slot.ready = event
+        slot.ready, slot.published_ns = event, time.perf_counter_ns()
         self._full.append(slot)
         self._stats.published += 1
         self._stats.bytes_published += self._stats.slot_bytes
@@ -302,6 +303,10 @@ class SlotRing:
     @property
     def num_full(self) -> int:
         return len(self._full)
+
+    def oldest_full(self) -> Slot | None:
+        """The slot `take_full_nowait()` would return (None when none is full)."""
+        return self._full[0] if self._full else None
 
     @property
     def num_free(self) -> int:

@@ -8,9 +8,15 @@ each drafter's ring lives on its GPU and targets (no home ring) write into it ov
 Balancing, so that no drafter waits on a dry ring while another ring has packs:
 - a producer takes a free slot of its home ring first, else of the ring with the most free slots
   (its pack goes to the device whose ring has room; the features cross GPUs once);
-- a step takes one full slot per drafter, each from its own ring when it has one, else from the
-  ring with the most full slots. It waits only while fewer full slots than drafters exist.
-Event-loop objects, like SlotRing; ties go to the lowest ring index, so the rule is deterministic.
+- a step takes the M oldest published slots (M drafters), wherever they sit, the j-th oldest to
+  drafter j. It waits only while fewer full slots than drafters exist.
+Why oldest-first rather than each drafter's own ring first: which packs make a step, and which
+drafter (with its own anchor generator) trains on which, then follow the publish order alone.
+With one target that order is the plan's, so a run, and a resumed run, repeat bit for bit; with
+own-ring-first it depended on thread timing (seen: a flaky equality test under load). The price
+is locality: a drafter may read its pack from another GPU's ring (one peer copy, ~5 ms per 2 GB
+over NVLink, docs/GPU.md). With several targets the publish order itself follows their timing.
+Event-loop objects, like SlotRing; ties go to the lowest ring index.
 """
 
 from __future__ import annotations
@@ -83,8 +89,8 @@ class RingSet:
         self.rings[self._ring_of[slot]].publish(slot, event)
 
     async def receive_step(self) -> list[Slot]:
-        """One full slot per drafter (own ring first, else the fullest). Waits while fewer than
-        that many are full; once closed with fewer left, raises anyio.EndOfStream."""
+        """The M oldest full slots, the j-th oldest for drafter j. Waits while fewer than M
+        are full; once closed with fewer left, raises anyio.EndOfStream."""
         started = time.perf_counter()
         try:
             while sum(r.num_full for r in self.rings) < len(self.rings):
@@ -122,16 +128,15 @@ class RingSet:
         return best if free[best] else None
 
     def _assign(self) -> list[Slot]:
-        full = [r.num_full for r in self.rings]
-        owner: list[int | None] = [i if full[i] else None for i in range(len(full))]
-        for i in range(len(full)):
-            full[i] -= owner[i] is not None
-        for i, source in enumerate(owner):
-            if source is None:
-                owner[i] = max(range(len(full)), key=lambda j: (full[j], -j))
-                full[owner[i]] -= 1
-                self._stolen += 1
-        return [self.rings[j].take_full_nowait() for j in owner]  # type: ignore[index]
+        taken = []
+        for drafter in range(len(self.rings)):
+            heads = [
+                (r.oldest_full().published_ns, i) for i, r in enumerate(self.rings) if r.num_full
+            ]
+            _, ring = min(heads)  # each ring is FIFO: the oldest overall heads some ring
+            self._stolen += ring != drafter
+            taken.append(self.rings[ring].take_full_nowait())
+        return taken
 
 
 class RingProducer:

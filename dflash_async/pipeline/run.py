@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from dflash_async.pipeline.distributed import (
 from dflash_async.pipeline.resume import Resume, resume_point
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
-from dflash_async.pipeline.stages.evaluate import eval_stage
+from dflash_async.pipeline.stages.evaluate import eval_setup, open_evaluator
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import GpuBusy, Throughput, report_stage
@@ -137,20 +137,36 @@ async def _start_drafters(
     return runners
 
 
-def _evaluator(settings, inputs: RunInputs, drafter, target_worker, output_dir: Path, log):
-    """`await evaluate(step)`: tau of the drafter now, or a no-op naming why it cannot run."""
+@asynccontextmanager
+async def _evaluator(settings, inputs: RunInputs, workers: Workers, output_dir: Path, log):
+    """`await evaluate(step)`: tau of the drafter now on the run's own target (overlapping
+    training, or a logged pause), or a no-op naming why it cannot run. Refuses a target that
+    evaluation cannot decode before any training (SettingsError)."""
+    ev = settings.eval
+    if not (ev.every or ev.at_start or ev.at_end):
+        yield None
+        return
+    if not (inputs.builtin_target or ev.prompts_path):
 
-    async def evaluate(step: int) -> dict:
-        if not (inputs.builtin_target or settings.eval.prompts_path):
+        async def skipped(step: int, *, wait: bool = False) -> dict:
             log.info("eval_skipped", step=step, reason="set DFLASH_EVAL__PROMPTS_PATH")
             return {}
-        return await eval_stage(
-            drafter, target_worker, target_path=inputs.target_path,
-            prompts_path=settings.eval.prompts_path, num_prompts=settings.eval.num_prompts,
-            max_new_tokens=settings.eval.max_new_tokens, output_dir=output_dir, step=step, log=log,
-        )  # fmt: skip
 
-    return evaluate
+        yield skipped
+        return
+    setup = await anyio.to_thread.run_sync(
+        lambda: eval_setup(
+            ev, target=workers.target_runners[0].model, target_path=inputs.target_path,
+            builtin_target=inputs.builtin_target, drafter_config=inputs.drafter_config,
+        )
+    )  # fmt: skip
+    log.info("eval_ready", prompts=len(setup.prompts), max_new_tokens=ev.max_new_tokens,
+             batch_size=ev.batch_size, mode=ev.mode, decoder="batched" if setup.batched else "reference")  # fmt: skip
+    async with open_evaluator(
+        ev, setup, target_worker=workers.targets[0], drafter=workers.drafters[0],
+        output_dir=output_dir, target_id=inputs.target_path, log=log,
+    ) as evaluate:  # fmt: skip
+        yield evaluate
 
 
 @dataclass
@@ -304,8 +320,8 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
             await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
             log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
                      total_steps=plan.total_steps)  # fmt: skip
-            evaluate = _evaluator(
-                settings, inputs, workers.drafters[0], workers.targets[0], output_dir, log
+            evaluate = await stack.enter_async_context(
+                _evaluator(settings, inputs, workers, output_dir, log)
             )
             if settings.eval.at_start and node.is_writer and resume.path is None:
                 await evaluate(0)
@@ -317,7 +333,7 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
         )  # fmt: skip
         if settings.eval.at_end and not shutdown.requested and node.is_writer:
             with shutdown.interruptible():
-                summary["eval_tau"] = (await evaluate(steps)).get("tau")
+                summary["eval_tau"] = (await evaluate(steps, wait=True)).get("tau")
         if shutdown.requested:  # inside the stack: a hard exit does not wait for busy threads
             return _interrupted(shutdown, steps, log, node)
     if not node.is_writer:

@@ -213,7 +213,7 @@ async def train_steps(
     try:
         while step < last_step and not (agreed_stop if across_nodes else stop.is_set()):
             try:
-                slots = await rings.receive_step()  # one per drafter, its own ring's first
+                slots = await rings.receive_step()  # the oldest packs, the j-th for drafter j
             except anyio.EndOfStream:
                 break
             meta = [dict(s.meta) for s in slots]  # read before release: a producer reuses slots

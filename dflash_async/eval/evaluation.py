@@ -1,0 +1,247 @@
+"""One evaluation as device jobs: baseline (cached), speculative decoding, lossless check, report.
+
+Shared by `python -m dflash_async eval` (harness.py drives the jobs in a plain loop) and the
+in-run evaluation (pipeline/stages/evaluate.py drives them on the target's device worker, where
+they interleave with the target's training work). A job is a short call: build one batch's
+decoder, run one prefill chunk or verify step (`advance`), or collect the batch's results. Dense
+targets decode `batch_size` prompts per batch (batched.py); targets the batched decoder cannot
+serve (hybrids: see batched_unsupported_reason) decode one prompt per job with the reference
+decoder (speculative.py), whose hybrid state rollback keeps them exact.
+
+Every speculative output is checked against the greedy one (lossless.py); the report is tau, the
+accepted-length histogram, the per-position acceptance rate, tokens/s of both decoders and the
+speedup, plus the settings it ran with (max_new_tokens, batch_size).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from dflash_async.eval.batched import (
+    BatchedDecode,
+    RowsBlockDrafter,
+    batched_unsupported_reason,
+    cache_capacity,
+)
+from dflash_async.eval.lossless import GreedyResult, SpecResult, check_lossless
+from dflash_async.eval.speculative import greedy_generate, speculative_generate
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.target.loading import frozen_embeddings
+
+# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row) and
+# Gated DeltaNet linear attention (state rolled back, hybrid_state.py).
+_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+
+
+def evaluation_unsupported_reason(target: PreTrainedModel) -> str | None:
+    """Why speculative decoding cannot verify `target` exactly; None when it can."""
+    config = getattr(target.config, "text_config", None) or target.config
+    unknown = set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES
+    return f"layer types {sorted(unknown)} have no exact verification" if unknown else None
+
+
+class Decoder(Protocol):
+    def advance(self) -> bool: ...
+
+    def results(self) -> list[Any]: ...
+
+
+@dataclass
+class DecodeSetup:
+    """What every decode job of one evaluation needs (all on the target's device)."""
+
+    target: PreTrainedModel
+    prompts: list[list[int]]
+    max_new_tokens: int
+    eos: frozenset[int]
+    suppress: tuple[int, ...]
+    batch_size: int
+
+    @property
+    def batched(self) -> bool:
+        return batched_unsupported_reason(self.target) is None
+
+    @property
+    def device(self) -> torch.device:
+        return frozen_embeddings(self.target)[0].device
+
+
+class _OnePrompt:
+    """The reference decoder as a Decoder: one prompt, decoded whole in one advance()."""
+
+    def __init__(self, decode: Callable[[], Any]) -> None:
+        self._decode = decode
+        self._result: Any = None
+
+    def advance(self) -> bool:
+        self._result = self._decode()
+        return True
+
+    def results(self) -> list[Any]:
+        return [self._result]
+
+
+def _batches(setup: DecodeSetup) -> list[list[list[int]]]:
+    size = setup.batch_size if setup.batched else 1
+    return [setup.prompts[i : i + size] for i in range(0, len(setup.prompts), size)]
+
+
+def greedy_decoders(setup: DecodeSetup) -> list[Callable[[], Decoder]]:
+    """Factories (call them on the target's device thread) of the baseline's decoders."""
+    s = setup
+
+    def make(batch: list[list[int]]) -> Decoder:
+        if s.batched:
+            return BatchedDecode(
+                s.target, batch, draft=None, layer_ids=(), max_new_tokens=s.max_new_tokens,
+                eos=s.eos, suppress=s.suppress,
+            )  # fmt: skip
+        return _OnePrompt(
+            lambda: greedy_generate(
+                s.target, batch[0], s.max_new_tokens, s.eos, suppress_token_ids=s.suppress
+            )
+        )
+
+    return [lambda batch=batch: make(batch) for batch in _batches(s)]
+
+
+def speculative_decoders(
+    setup: DecodeSetup, drafter: DFlashDrafter, config: DrafterConfig
+) -> list[Callable[[], Decoder]]:
+    """Factories of the speculative decoders of `drafter` (on the target's device)."""
+    s = setup
+    embed, lm_head = frozen_embeddings(s.target)
+
+    def make(batch: list[list[int]]) -> Decoder:
+        if s.batched:
+            capacity = cache_capacity(batch, s.max_new_tokens, config.block_size)
+            rows = RowsBlockDrafter(
+                drafter, config, embed, lm_head, batch=len(batch), capacity=capacity
+            )
+            return BatchedDecode(
+                s.target, batch, draft=rows, layer_ids=config.target_layer_ids,
+                max_new_tokens=s.max_new_tokens, eos=s.eos, suppress=s.suppress,
+            )  # fmt: skip
+        return _OnePrompt(
+            lambda: speculative_generate(
+                s.target, drafter, config, embed, lm_head, batch[0],
+                max_new_tokens=s.max_new_tokens, eos_token_id=s.eos, suppress_token_ids=s.suppress,
+            )
+        )  # fmt: skip
+
+    return [lambda batch=batch: make(batch) for batch in _batches(s)]
+
+
+def timed_job(fn: Callable[[], Any], device: torch.device, seconds: list[float]) -> Any:
+    """Run fn, add its duration (queued GPU work included) to seconds[0]."""
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        # Sync point: the job's time includes its GPU work (this thread's stream only: a
+        # drafter sharing the GPU runs on its own stream and is not waited for).
+        torch.cuda.current_stream(device).synchronize()
+    seconds[0] += time.perf_counter() - start
+    return result
+
+
+def advance_for(decoder: Decoder, seconds: float) -> bool:
+    """Advance until done or until `seconds` have passed (each advance ends with a sync)."""
+    end = time.perf_counter() + seconds
+    while not (done := decoder.advance()) and time.perf_counter() < end:
+        pass
+    return done
+
+
+def run_decoders(factories: Iterable[Callable[[], Decoder]], device: torch.device):
+    """Drive decoders in this thread; returns (results in prompt order, device seconds)."""
+    seconds, results = [0.0], []
+    for make in factories:
+        decoder = timed_job(make, device, seconds)
+        while not timed_job(decoder.advance, device, seconds):
+            pass
+        results += decoder.results()
+    return results, seconds[0]
+
+
+def sample_report(
+    index: int, prompt: list[int], plain: GreedyResult, spec: SpecResult, tie_tolerance: float
+) -> dict[str, Any]:
+    """One prompt's JSON-ready result; LosslessError if spec is not plain (ties aside)."""
+    return {
+        "index": index,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(spec.tokens),
+        "plain_new_tokens": len(plain.tokens),  # differs only after a numerical tie
+        "steps": len(spec.accepted_lengths),
+        "tau": spec.tau,
+        "accepted_lengths": spec.accepted_lengths,
+        "numerical_tie_at": check_lossless(index, plain, spec, tie_tolerance),
+        "tokens": spec.tokens,
+    }
+
+
+def summarize(
+    samples: Sequence[dict[str, Any]], block_size: int, *, plain_s: float, speculative_s: float
+) -> dict[str, Any]:
+    """tau (mean accepted+1 per step, averaged over samples), the histogram of accepted+1 (every
+    length 1..B present), acceptance_by_position[k-1] = share of steps whose draft k was
+    accepted (k = 1..B-1), and tokens/s of plain and speculative decoding."""
+    taus = [s["tau"] for s in samples if s["tau"] is not None]
+    histogram = dict.fromkeys(range(1, block_size + 1), 0)
+    for sample in samples:
+        for length in sample["accepted_lengths"]:
+            histogram[length] += 1
+    steps = sum(histogram.values())
+    by_position = [
+        sum(n for length, n in histogram.items() if length > k) / steps if steps else None
+        for k in range(1, block_size)
+    ]
+    new_tokens = sum(s["new_tokens"] for s in samples)
+    plain_tokens = sum(s["plain_new_tokens"] for s in samples)
+    plain_rate = plain_tokens / plain_s if plain_s else None
+    spec_rate = new_tokens / speculative_s if speculative_s else None
+    return {
+        "num_samples": len(samples),
+        "block_size": block_size,
+        "tau": sum(taus) / len(taus) if taus else None,
+        "accepted_length_histogram": histogram,
+        "acceptance_by_position": by_position,
+        "new_tokens": new_tokens,
+        "plain_s": plain_s,
+        "speculative_s": speculative_s,
+        "plain_tokens_per_s": plain_rate,
+        "speculative_tokens_per_s": spec_rate,
+        "speedup": spec_rate / plain_rate if spec_rate and plain_rate else None,
+        "numerical_ties": sum(s["numerical_tie_at"] is not None for s in samples),
+    }
+
+
+def report(
+    setup: DecodeSetup,
+    plain: Sequence[GreedyResult],
+    spec: Sequence[SpecResult],
+    *,
+    block_size: int,
+    plain_s: float,
+    speculative_s: float,
+    tie_tolerance: float,
+) -> dict[str, Any]:
+    """summarize() of the checked samples, the decode settings, and "samples"."""
+    samples = [
+        sample_report(i, p, g, s, tie_tolerance)
+        for i, (p, g, s) in enumerate(zip(setup.prompts, plain, spec, strict=True))
+    ]
+    summary = summarize(samples, block_size, plain_s=plain_s, speculative_s=speculative_s)
+    decoding = {
+        "max_new_tokens": setup.max_new_tokens,
+        "batch_size": setup.batch_size if setup.batched else 1,
+        "decoder": "batched" if setup.batched else "reference",
+    }
+    return summary | decoding | {"samples": samples}
