@@ -314,17 +314,19 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        with shutdown.interruptible():  # loading, placement, compile, capture, first evaluation
+        with shutdown.interruptible():  # loading, placement, compile, capture
             workers = await _start_workers(stack, settings, inputs, samples, log, node=node)
             plan = workers.plan
             await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
             log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
                      total_steps=plan.total_steps)  # fmt: skip
+        if not shutdown.requested:  # its task group lives in the stack, outside that scope
             evaluate = await stack.enter_async_context(
                 _evaluator(settings, inputs, workers, output_dir, log)
             )
             if settings.eval.at_start and node.is_writer and resume.path is None:
-                await evaluate(0)
+                with shutdown.interruptible():
+                    await evaluate(0)
         if shutdown.requested:  # nothing new to save: no step ran
             return _interrupted(shutdown, resume.step, log, node)
         steps, summary = await _train(
