@@ -116,11 +116,10 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def two_drafters(settings: Settings) -> Settings:
-    """Two CPU drafter workers with one slot per ring: each step then trains on the next two
-    packs. (Deeper rings let a pack overtake another, rings.py balancing, so which packs share a
-    step would vary from run to run, resumed or not.) Which drafter gets which of the two is
-    timing: the pack-seeded anchors and a sum of two, the same in either order, keep it exact."""
-    pipeline = {"drafter_devices": ("cpu", "cpu"), "num_slots": 1}
+    """Two CPU drafter workers: each step trains on the two oldest packs (rings.py), whichever
+    drafter's ring they sit in; the pack-seeded anchors and a sum of two (the same in either
+    order) keep that exact."""
+    pipeline = {"drafter_devices": ("cpu", "cpu")}
     return settings.model_copy(update={"pipeline": settings.pipeline.model_copy(update=pipeline)})
 
 

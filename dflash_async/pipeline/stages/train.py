@@ -159,11 +159,11 @@ class StepRecord:
 class Progress:
     """The data cursor of the training loop: the next pack after the last one trained on.
 
-    With one target worker and one drafter (or one slot per ring) packs are trained in plan
+    With one target worker packs are published, and trained (a step takes the oldest), in plan
     order, so resuming from `cursor` replays exactly the packs an uninterrupted run would have
-    trained on next. With several target workers, or deeper rings between several drafters
-    (rings.py balancing), packs can overtake each other by at most the slots in flight; the
-    cursor is then the furthest pack trained on, and resuming skips the few overtaken ones.
+    trained on next. Several target workers can finish packs out of order, by at most the slots
+    in flight; the cursor is then the furthest pack trained on, and resuming skips the few
+    overtaken ones.
     """
 
     cursor: PackCursor = field(default_factory=PackCursor)
