@@ -10,6 +10,8 @@ JSON mode every stdout line is JSON; `settings` prints its JSON document and not
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -50,28 +52,37 @@ def _settings_and_logging() -> Settings:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a drafter with the DFLASH_* settings (no settings: the CPU demo)."""
-    import anyio
+    from dflash_async.pipeline.shutdown import Shutdown  # light: signals handled before imports
 
-    from dflash_async.log import get_logger
-    from dflash_async.pipeline.distributed import rank_info_from_env
-    from dflash_async.pipeline.run import run
-    from dflash_async.runlog.record import RunRecord, open_run_record
+    shutdown = Shutdown()
+    with shutdown.installed():
+        import anyio
 
-    settings = _settings_and_logging()
-    log = get_logger("dflash_async")
-    backend_options = {"use_uvloop": True} if sys.platform != "win32" else {}
-    record_run = (  # several nodes: rank 0 alone keeps the run folder's record
-        open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
-                        log_settings=settings.log, log=log)
-        if rank_info_from_env(os.environ).is_writer
-        else nullcontext(RunRecord(settings.output_dir, 0))
-    )  # fmt: skip
-    with record_run as record:
-        log.info("settings_loaded", **settings.public_dict())
-        record.exit_code = anyio.run(
-            run, settings, log, backend="asyncio", backend_options=backend_options
-        )
-    return record.exit_code
+        from dflash_async.log import get_logger
+        from dflash_async.pipeline.distributed import rank_info_from_env
+        from dflash_async.pipeline.run import run
+        from dflash_async.runlog.record import RunRecord, open_run_record
+
+        settings = _settings_and_logging()
+        log = get_logger("dflash_async")
+        options = {"use_uvloop": True} if sys.platform != "win32" else {}
+        with contextlib.ExitStack() as stack:
+            record = stack.enter_context(  # several nodes: rank 0 alone keeps the run's record
+                open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
+                                log_settings=settings.log, log=log)
+                if rank_info_from_env(os.environ).is_writer
+                else nullcontext(RunRecord(settings.output_dir, 0))
+            )  # fmt: skip
+
+            def close_record(code: int) -> None:  # a signal's exit skips the unwinding below
+                record.exit_code = code
+                stack.close()
+
+            shutdown.before_exit = close_record
+            log.info("settings_loaded", **settings.public_dict())
+            main = functools.partial(run, settings, log, shutdown=shutdown)
+            record.exit_code = anyio.run(main, backend="asyncio", backend_options=options)
+        return record.exit_code
 
 
 def cmd_settings(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Checkpoints: the servable drafter export, and the full training state for resume.
+"""The servable drafter export (the training state for resume is training_state.py).
 
 Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder with a Qwen3
 `config.json` (architectures ["DFlashDraftModel"], a `dflash_config` with mask_token_id and
@@ -7,18 +7,15 @@ A wrong config is the quiet failure here (s.6 bug 5: engines refuse to load, or 
 wrong target layers), so the config is written field by field from the DrafterConfig and loading
 one back validates every field it needs.
 
-Both writers are atomic: they write a temporary sibling, fsync it, then rename it into place, so
-no partial checkpoint is ever where a good one was. Every function here copies device tensors to
-the host (a CPU-GPU sync point): call them between steps, never inside one.
+The export is written atomically (atomic.py): no partial export is ever where a good one was.
+Exporting a module copies device tensors to the host (a CPU-GPU sync point): call it between
+steps, never inside one, or export a host copy of the state dict from another thread.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash_async.atomic import atomic_directory
 from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-TRAINING_STATE_FORMAT = "dflash_async.training_state"
-TRAINING_STATE_VERSION = 1
-_TRAINING_STATE_KEYS = (
-    "drafter_state",
-    "optimizer_state",
-    "step",
-    "cursor",
-    "rng_state",
-    "settings_json",
-)
 
 
 def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -166,12 +154,9 @@ def export_drafter(
     }
     config_json = export_config_json(config, max_position_embeddings=max_position_embeddings)
 
-    def write(tmp: Path) -> None:
-        _write_json(tmp / CONFIG_NAME, config_json)
+    with atomic_directory(out_dir, replaceable=_is_export_dir) as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
         save_file(bf16, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        _fsync_path(tmp / WEIGHTS_NAME)
-
-    _write_dir_atomically(out_dir, write, is_replaceable=_is_export_dir)
     get_logger(__name__).info("drafter_exported", path=str(out_dir), tensors=len(bf16))
     return out_dir
 
@@ -258,115 +243,3 @@ def _block_size(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -
         get_logger(__name__).info("drafter_block_size_defaulted", path=where, block_size=16)
         return 16
     return int(found.pop())
-
-
-def save_training_state(
-    path: Path,
-    *,
-    drafter_state: Mapping[str, torch.Tensor],
-    optimizer_state: Mapping[str, Any],
-    step: int,
-    cursor: dict[str, Any],
-    rng_state: Any,
-    settings_json: str,
-) -> Path:
-    """Save everything a resumed run needs to `path` (torch.save), atomically; return `path`.
-
-    `rng_state` and `cursor` must hold only tensors and plain Python values (dict, list, tuple,
-    int, float, str, None): the loader uses weights_only=True and refuses anything else.
-    """
-    path = Path(path)
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r} must be a non-negative int")
-    if not isinstance(cursor, dict):
-        raise ValueError(f"cursor must be a dict, got {type(cursor).__name__}")
-    json.loads(settings_json)  # raises on a malformed settings snapshot
-    payload = {
-        "format": TRAINING_STATE_FORMAT,
-        "version": TRAINING_STATE_VERSION,
-        "drafter_state": dict(drafter_state),
-        "optimizer_state": dict(optimizer_state),
-        "step": step,
-        "cursor": cursor,
-        "rng_state": rng_state,
-        "settings_json": settings_json,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)  # sync point: device tensors are copied to the host
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_path(path.parent)
-    get_logger(__name__).info("training_state_saved", path=str(path), step=step)
-    return path
-
-
-def load_training_state(path: Path) -> dict[str, Any]:
-    """Load a `save_training_state` file onto the CPU: a dict with keys drafter_state,
-    optimizer_state, step, cursor, rng_state, settings_json. Optimizer.load_state_dict moves the
-    state to the parameters' device."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training state not found: {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != TRAINING_STATE_FORMAT:
-        raise ValueError(f"{path} is not a dflash_async training state")
-    if payload.get("version") != TRAINING_STATE_VERSION:
-        raise ValueError(
-            f"{path}: training state version {payload.get('version')!r}, "
-            f"this code reads version {TRAINING_STATE_VERSION}"
-        )
-    missing = [k for k in _TRAINING_STATE_KEYS if k not in payload]
-    if missing:
-        raise ValueError(f"{path}: training state lacks {missing}")
-    return {k: payload[k] for k in _TRAINING_STATE_KEYS}
-
-
-def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's fsync makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_dir_atomically(
-    out_dir: Path, write: Callable[[Path], None], *, is_replaceable: Callable[[Path], bool]
-) -> None:
-    """Run `write` into a temporary sibling of `out_dir`, then move it to `out_dir`.
-
-    A folder cannot be renamed over a non-empty one, so an old `out_dir` is first renamed aside
-    (`.NAME.old-*`) and deleted after the new one is in place. A crash between the two renames
-    leaves no folder at `out_dir`, but the old checkpoint intact beside it; never a partial one.
-    """
-    if out_dir.exists() and not (out_dir.is_dir() and is_replaceable(out_dir)):
-        raise ValueError(f"refusing to replace {out_dir}: it is not an earlier checkpoint")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
-    old = out_dir.with_name(f".{out_dir.name}.old-{tag}")
-    tmp.mkdir()
-    try:
-        write(tmp)
-        _fsync_path(tmp)
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        _fsync_path(out_dir.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)

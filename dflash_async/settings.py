@@ -171,6 +171,11 @@ class TrainSettings(_Section):
     """Seeds the drafter init, pack planning and anchor sampling."""
     save_every: int = Field(1000, ge=0)
     """Write a checkpoint every this many steps (and always at the end); 0 = only at the end."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Training checkpoints kept in OUTPUT_DIR/checkpoints (the newest ones)."""
+    resume: str = Field("auto", min_length=1)
+    """auto: continue from the newest checkpoint in OUTPUT_DIR if there is one; never: start
+    afresh (refused if OUTPUT_DIR holds a previous run); or the path of a checkpoint folder."""
     cuda_graph: bool = True
     """Capture the drafter step as a CUDA graph (GPU only; ignored on CPU)."""
     compile: bool = True

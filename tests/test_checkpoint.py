@@ -1,14 +1,24 @@
-"""checkpoint.py: the export is exactly the servable format (docs/DFLASH.md s.7, s.6 bug 5), loads back
-identically, tolerates other tools' exports, and both writers are atomic."""
+"""checkpoint.py and training_state.py: the export is exactly the servable format (docs/DFLASH.md s.7,
+s.6 bug 5), loads back identically and tolerates other tools' exports; the training state that
+`run` saves restores a step exactly and in place; every write is atomic and respects the umask."""
 
 from __future__ import annotations
 
 import json
-import random
+import os
+import stat
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    TinySpec,
+    make_objective,
+    tiny_batch,
+    tiny_config,
+    tiny_drafter,
+    tiny_target_weights,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
@@ -16,14 +26,17 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash_async import checkpoint
-from dflash_async.checkpoint import (
-    expected_weight_shapes,
-    export_drafter,
-    load_drafter_export,
-    load_training_state,
-    save_training_state,
-)
+from dflash_async.checkpoint import expected_weight_shapes, export_drafter, load_drafter_export
+from dflash_async.data.packing import PackCursor
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.step import DrafterStep
+from dflash_async.training_state import (
+    list_checkpoints,
+    load_checkpoint,
+    restore,
+    snapshot,
+    write_checkpoint,
+)
 
 CONFIG = DrafterConfig(
     hidden_size=32,
@@ -217,88 +230,111 @@ def test_failed_export_leaves_the_previous_export_intact(
 def test_export_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not an earlier checkpoint"):
+    with pytest.raises(ValueError, match="not an earlier copy of this output"):
         export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "home")
     assert (tmp_path / "home" / "notes.txt").read_text() == "keep me"
 
 
-def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Linear(6, 3)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+def _step(seed: int) -> DrafterStep:
+    """A float32 CPU drafter step of the tiny drafter, its own anchor generator seeded."""
+    spec = TinySpec()
+    config = tiny_config(spec)
+    drafter = tiny_drafter(config, seed=seed, dtype=torch.float32)
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    objective = make_objective(config, drafter, embed, lm_head, num_anchors=8, ce_chunk_size=16)
+    step = DrafterStep.build(
+        objective, token_budget=spec.num_tokens, peak_lr=1e-2, warmup_steps=2, total_steps=10,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    step.batch.copy_(tiny_batch(spec, config, dtype=torch.float32))
+    return step
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    model(torch.randn(4, 6, generator=g)).square().sum().backward()
-    opt.step()
-    opt.zero_grad()
+def _train(step: DrafterStep, n: int) -> list[float]:
+    ce = []
+    for _ in range(n):
+        step.phase_a()
+        ce.append(step.stats[0].item())
+        step.phase_b()
+    return ce
 
 
-def test_resumed_training_state_continues_exactly(tmp_path: Path) -> None:
-    model, opt = _trained(0)
-    _train_step(model, opt, 0)
-    random.seed(3)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    path = save_training_state(
-        tmp_path / "state.pt",
-        drafter_state=model.state_dict(),
-        optimizer_state=opt.state_dict(),
-        step=1,
-        cursor={"epoch": 0, "pack": 17},
-        rng_state=rng,
-        settings_json=json.dumps({"train": {"lr": 6e-4}}),
-    )
-    state = load_training_state(path)
-    assert (state["step"], state["cursor"]) == (1, {"epoch": 0, "pack": 17})
-    assert json.loads(state["settings_json"]) == {"train": {"lr": 6e-4}}
-    assert torch.equal(state["rng_state"]["torch"], rng["torch"])
-    assert state["rng_state"]["python"] == rng["python"]
-    resumed, resumed_opt = _trained(1)  # different init: everything must come from the file
-    resumed.load_state_dict(state["drafter_state"])
-    resumed_opt.load_state_dict(state["optimizer_state"])
-    for step in (1, 2):
-        _train_step(model, opt, step)
-        _train_step(resumed, resumed_opt, step)
-    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+def _state(step: DrafterStep, n: int) -> dict:
+    run = {"DFLASH_TRAIN__SEED": 0}
+    return snapshot([step], step=n, cursor=PackCursor(0, n), seed=0, run=run)
+
+
+def test_restored_step_continues_exactly_and_in_place(tmp_path: Path, single_thread) -> None:
+    original = _step(seed=0)
+    _train(original, 2)
+    folder, size = write_checkpoint(tmp_path, _state(original, 2), keep=2)
+    assert size == sum(f.stat().st_size for f in folder.iterdir())
+    resumed = _step(seed=1)  # other weights and generator: everything must come from the file
+    pointers = [p.data_ptr() for p in resumed.params] + [resumed.schedule.lr.data_ptr()]
+    restore(resumed, load_checkpoint(folder), rank=0)
+    # in place: a captured graph keeps reading the same tensors
+    assert [p.data_ptr() for p in resumed.params] + [resumed.schedule.lr.data_ptr()] == pointers
+    assert resumed.optimizer.param_groups[0]["lr"] is resumed.schedule.lr
+    assert _train(resumed, 3) == _train(original, 3)
+    for p, q in zip(original.params, resumed.params, strict=True):
         assert torch.equal(p, q)
-
-
-def _save(path: Path, step: int) -> Path:
-    return save_training_state(
-        path,
-        drafter_state={"w": torch.full((2,), float(step))},
-        optimizer_state={},
-        step=step,
-        cursor={},
-        rng_state=None,
-        settings_json="{}",
+    # a second restore, now into existing AdamW state, is in place too
+    state_pointers = [v.data_ptr() for s in resumed.optimizer.state.values() for v in s.values()]
+    restore(resumed, load_checkpoint(folder), rank=0)
+    assert [v.data_ptr() for s in resumed.optimizer.state.values() for v in s.values()] == (
+        state_pointers
     )
 
 
-def test_failed_training_state_save_leaves_the_previous_file_intact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = _save(tmp_path / "state.pt", 1)
-
-    def crash(*args: object, **kwargs: object) -> None:
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="No space"):
-        _save(path, 2)
-    assert load_training_state(path)["step"] == 1
-    assert _siblings(path) == []
-
-
-def test_training_state_rejects_bad_input_and_foreign_files(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="step=-1"):
-        _save(tmp_path / "s.pt", -1)
+def test_checkpoints_keep_the_newest_k_and_refuse_foreign_files(tmp_path: Path) -> None:
+    step = _step(seed=0)
+    for n in (1, 2, 3):
+        write_checkpoint(tmp_path, _state(step, n), keep=2)
+    assert [n for n, _ in list_checkpoints(tmp_path)] == [2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-00000002", "step-00000003",
+    ]  # fmt: skip
+    run = json.loads((tmp_path / "checkpoints" / "step-00000003" / "run.json").read_text())
+    assert run["cursor"] == {"epoch": 0, "index": 3, "seed": 0}
     torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a dflash_async training state"):
-        load_training_state(tmp_path / "other.pt")
-    with pytest.raises(FileNotFoundError, match=r"missing\.pt"):
-        load_training_state(tmp_path / "missing.pt")
+        load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_failed_checkpoint_write_leaves_the_previous_one_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = _step(seed=0)
+    write_checkpoint(tmp_path, _state(step, 1), keep=1)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        write_checkpoint(tmp_path, _state(step, 2), keep=1)
+    ((n, folder),) = list_checkpoints(tmp_path)
+    assert n == 1 and sorted(p.name for p in folder.parent.iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_atomic_write_respects_the_umask(tmp_path: Path, umask: int) -> None:
+    """Checkpoints, exports, data caches and jsonl results are readable like any other output
+    (tempfile would make them 0600/0700, unreadable to the group)."""
+    from dflash_async.eval.regenerate import write_jsonl
+
+    previous = os.umask(umask)
+    try:
+        write_checkpoint(tmp_path / "run", _state(_step(seed=0), 1), keep=1)
+        export_drafter(_fake_drafter(CONFIG), CONFIG, tmp_path / "run" / "drafter")
+        write_jsonl([{"a": 1}], tmp_path / "run" / "results.jsonl")
+    finally:
+        os.umask(previous)
+    for path in (tmp_path / "run").rglob("*"):
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
 
 
 def test_the_real_drafter_has_exactly_the_servable_names_and_shapes(tmp_path: Path) -> None:

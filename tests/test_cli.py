@@ -187,11 +187,13 @@ def test_sigint_mid_run_saves_a_checkpoint_and_exits_130(tiny_root: Path) -> Non
             process.communicate()
     assert code == 130, err
     events = head + json_events(rest + out)
-    (saved,) = [e for e in events if e["event"] == "checkpoint_saved"]
-    (completed,) = [e for e in events if e["event"] == "train_completed"]
-    assert 1 <= saved["step"] == completed["steps"] < int(settings["DFLASH_TRAIN__MAX_STEPS"])
+    (saved,) = [e for e in events if e["event"] == "checkpoint_written"]
+    (exported,) = [e for e in events if e["event"] == "export_written"]
+    (interrupted,) = [e for e in events if e["event"] == "train_interrupted"]
+    assert "train_completed" not in [e["event"] for e in events]
+    assert 1 <= saved["step"] == interrupted["step"] < int(settings["DFLASH_TRAIN__MAX_STEPS"])
     export = root / "out" / "drafter"
-    assert saved["path"] == str(export)
+    assert (exported["path"], exported["step"]) == (str(export), saved["step"])
     assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]
 
 

@@ -297,9 +297,6 @@ def test_an_internal_error_exits_1_with_the_traceback_inside_the_json_log(launch
     assert "Traceback" not in err
 
 
-# The fix lands with the resume helper's one atomic-write helper (issue 18 "file modes"); until
-# then both writers create 0600 files. strict=False: the merge of that fix turns this into a pass.
-@pytest.mark.xfail(reason="atomic writers use mkstemp (0600) until the shared helper", strict=False)
 def test_files_a_command_writes_are_readable_as_the_umask_allows(tmp_path: Path) -> None:
     from conftest import TinySpec, tiny_config, tiny_drafter
 

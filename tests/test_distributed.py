@@ -179,9 +179,9 @@ def test_two_ranks_hold_identical_weights_equal_to_one_process_with_both_packs(
         steps = [e for e in log if e["event"] == "step"]
         assert [(e["step"], e["rank"]) for e in steps] == [(s, rank) for s in (1, 2, 3)]
         assert 0 < steps[0]["tokens"] <= 256  # one pack per rank and step
-    writers = [[e["event"] for e in log if e["event"] in ("checkpoint_saved", "train_completed")]
+    writers = [[e["event"] for e in log if e["event"] in ("export_written", "train_completed")]
                for log in logs]  # fmt: skip
-    assert writers == [["checkpoint_saved", "train_completed"], []]  # rank 0 alone writes
+    assert writers == [["export_written", "train_completed"], []]  # rank 0 alone writes
     record = events(tmp_path / "out" / "log.jsonl")  # the run folder's record: rank 0's lines
     assert record and {e.get("rank", 0) for e in record} == {0}
 
@@ -227,7 +227,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     logs = [events(tmp_path / f"rank{r}.log") for r in range(2)]
     last = [[e["step"] for e in log if e["event"] == "step"][-1] for log in logs]
     assert last[0] == last[1]
-    (saved,) = [e for e in logs[0] if e["event"] == "checkpoint_saved"]
+    (saved,) = [e for e in logs[0] if e["event"] == "export_written"]
     assert saved["step"] == last[0] and (tmp_path / "out" / "drafter").is_dir()
 
 

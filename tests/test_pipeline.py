@@ -306,7 +306,7 @@ async def test_short_run_exports_a_servable_drafter_and_logs_every_step_field(
         assert all(math.isfinite(event[f]) for f in STEP_FIELDS)
         assert event["loss"] > 0 and event["lr"] > 0 and 0 < event["tokens"] <= 256
     export = tmp_path / "out" / "drafter"
-    (saved,) = [e for e in events if e["event"] == "checkpoint_saved"]
+    (saved,) = [e for e in events if e["event"] == "export_written"]
     assert saved["path"] == str(export) and saved["step"] == 5
     assert_servable_export(export, drafter_config_for(settings, inputs["target"], builtin=False))
 

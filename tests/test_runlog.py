@@ -58,11 +58,11 @@ def synthetic_log(steps: int = 40, step_s: float = 0.5, first_step: int = 1) -> 
                              demand_tokens_per_s=1000.0 + i))  # fmt: skip
         if step == first_step + 9:
             t += 2.0
-            events.append(_event("checkpoint_saved", t, step=step))
+            events.append(_event("checkpoint_written", t, step=step))
         if step == first_step + 19:
             t += 5.0
             events.append(_event("eval", t, step=step, tau=1.5))
-    events += [_event("checkpoint_saved", t + 1.0, step=step), _event("eval", t + 4.0, step=step,
+    events += [_event("checkpoint_written", t + 1.0, step=step), _event("eval", t + 4.0, step=step,
                                                                          tau=2.0)]  # fmt: skip
     events.append(_event("train_completed", t + 4.0, steps=steps))
     return events
@@ -194,7 +194,7 @@ def test_a_resumed_log_keeps_the_last_line_of_a_repeated_step(tmp_path: Path) ->
 
 
 def test_lost_time_is_zero_without_eval_or_save(tmp_path: Path) -> None:
-    events = [e for e in synthetic_log(8) if e["event"] not in ("eval", "checkpoint_saved")]
+    events = [e for e in synthetic_log(8) if e["event"] not in ("eval", "checkpoint_written")]
     assert lost_seconds(read_run(write_log(tmp_path / "log.jsonl", events))) == {
         "eval": 0.0,
         "save": 0.0,

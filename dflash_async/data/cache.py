@@ -4,9 +4,9 @@ A cache entry is a folder `tokenized-<key>/` of three raw little-endian arrays (
 int32, `loss_mask.bin` bool, `offsets.bin` int64: sample i is tokens[offsets[i]:offsets[i+1]])
 and `summary.json` (counts, dtypes, sizes). The arrays are appended chunk by chunk while
 tokenizing, so a corpus larger than RAM never sits in memory, and opened with np.memmap: loading
-1 M samples costs a few page faults, not a read. Written under a temporary name and renamed, so
-a reader (a later run, another rank) sees a whole entry or none; two writers of one key both
-produce the same bytes and the first rename wins.
+1 M samples costs a few page faults, not a read. Written through the package's one atomic
+helper (dflash_async.atomic: temporary sibling, fsync, rename), so a reader (a later run, another
+rank) sees a whole entry or none; two writers of one key produce the same bytes.
 
 The key hashes the data files (resolved path, size, mtime), the tokenizer's full definition and
 chat template, the options that change the samples (max_len, masking, role map, ...) and the
@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -122,17 +121,9 @@ class ArrayWriter:
         (self.folder / "summary.json").write_text(json.dumps(summary))
 
 
-def publish(temporary: Path, final: Path) -> Path:
-    """Rename a finished folder into place (atomic); another process may have won the race."""
-    if final.is_dir() and not (final / "summary.json").is_file():
-        shutil.rmtree(final)  # not an entry: only a finished folder is renamed into place
-    try:
-        temporary.rename(final)
-    except OSError:
-        if not (final / "summary.json").is_file():
-            raise
-        shutil.rmtree(temporary)
-    return final
+def unfinished(folder: Path) -> bool:
+    """A folder under an entry's name without summary.json (not an entry): safe to replace."""
+    return not (folder / "summary.json").is_file()
 
 
 @contextmanager
@@ -144,7 +135,3 @@ def entry_lock(cache_dir: Path, key: str) -> Iterator[None]:
     with open(cache_dir / f"tokenized-{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
-
-
-def temporary_entry(cache_dir: Path, key: str) -> Path:
-    return cache_dir / f".tokenized-{key}.tmp-{os.getpid()}"

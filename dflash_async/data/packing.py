@@ -7,6 +7,7 @@ CUDA graph and replay it (docs/DESIGN.md, "The fixed drafter layout").
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,14 @@ class PackCursor:
     def next(self) -> PackCursor:
         """The cursor after this pack (an index past the epoch's end rolls to the next epoch)."""
         return PackCursor(self.epoch, self.index + 1)
+
+    def anchor_seed(self, seed: int, *, rank: int = 0, world_size: int = 1) -> int:
+        """The seed of this pack's anchor noise: a pure function of (seed, epoch, the pack's
+        index in the whole epoch's plan), so a pack gets the same anchors on whichever drafter
+        or node trains it, in any run. `index` is rank `rank`'s share index (plan_epoch)."""
+        index = self.index * world_size + rank  # share i of rank r is pack i*W + r of the plan
+        digest = hashlib.blake2b(f"{seed}/{self.epoch}/{index}".encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little") >> 1  # < 2**63: a generator seed
 
 
 def _checked_lengths(lengths: np.ndarray, token_budget: int) -> np.ndarray:

@@ -11,7 +11,6 @@ naming its file and line, or with on_bad_record="skip" a counted skip: nothing i
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_async.atomic import atomic_directory
 from dflash_async.data import cache
 from dflash_async.data.formats import (
     DEFAULT_ROLE_MAP,
@@ -139,13 +139,10 @@ def load_samples(
             entry = cache.read_entry(cache_dir, key)
             cached = entry is not None
             if entry is None:
-                temporary = cache.temporary_entry(cache_dir, key)
-                try:
+                final = cache.entry_path(cache_dir, key)
+                with atomic_directory(final, replaceable=cache.unfinished) as temporary:
                     built = _tokenize_into(temporary, path, files, tokenizer, options, encode, log)
-                    final = cache.publish(temporary, cache.entry_path(cache_dir, key))
-                    entry = cache.open_arrays(final), built.summary
-                finally:
-                    shutil.rmtree(temporary, ignore_errors=True)
+                entry = cache.open_arrays(final), built.summary
         samples = TokenizedSamples(**entry[0], summary=entry[1])
     load_s = round(time.perf_counter() - started, 3)
     log.info("data_loaded", path=path, cached=cached, load_s=load_s, **samples.summary)

@@ -17,7 +17,6 @@ import copy
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -28,6 +27,7 @@ import structlog
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from dflash_async.atomic import atomic_file
 from dflash_async.data.samples import DataError
 from dflash_async.log import progress
 from dflash_async.pipeline.devices import cpu_threads
@@ -220,19 +220,11 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Write one JSON object per line to `path` atomically (temporary file, then rename)."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return final
+    """Write one JSON object per line to `path` atomically (temporary file, fsync, rename)."""
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 def read_conversations(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

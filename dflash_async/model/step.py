@@ -158,6 +158,14 @@ class DrafterStep:
         self.schedule.advance_()
         self.flat_grad.zero_()
 
+    def seed_anchors(self, seed: int) -> None:
+        """Draw the next phase A's anchor noise from `seed` (a pack's, PackCursor.anchor_seed):
+        with several drafters a pack may reach any of them (rings balance), and its anchors
+        must not depend on which. Host-side only (no sync, nothing captured)."""
+        if self.generator is None:
+            raise ValueError("seed_anchors needs the step's own generator")
+        self.generator.manual_seed(seed)
+
     def phase_a(self) -> None:
         """Forward + backward into flat_grad and stats (replay when captured)."""
         self.noise.uniform_(generator=self.generator)  # eager, before the graph: see __init__

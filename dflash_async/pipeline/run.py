@@ -6,13 +6,12 @@
 `run()` is the map of the system: start-up (inputs, workers, compile/capture) and then the stage
 topology in data-flow order. Every task belongs to one task group: a failure anywhere cancels
 everything and propagates; closing a channel is the end signal; SIGINT/SIGTERM stop after the
-current step, save, and exit 130/143.
+current step (start-up and evaluations at once), save, and exit 130/143 (shutdown.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -38,18 +37,19 @@ from dflash_async.pipeline.distributed import (
     rank_info_from_env,
     writer_first,
 )
+from dflash_async.pipeline.resume import Resume, resume_point
 from dflash_async.pipeline.rings import RingSet
+from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.stages.evaluate import eval_setup, open_evaluator
 from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
 from dflash_async.pipeline.stages.read import read_stage
 from dflash_async.pipeline.stages.report import GpuBusy, Throughput, report_stage
-from dflash_async.pipeline.stages.save import export_path, save_stage
-from dflash_async.pipeline.stages.train import DrafterRunner, train_steps
+from dflash_async.pipeline.stages.save import Saver, export_path
+from dflash_async.pipeline.stages.train import DrafterRunner, Progress, train_steps
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
-
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+from dflash_async.usage import check_writable_folder
 
 
 class LoopLag:
@@ -89,13 +89,6 @@ def plan_steps(
     return Plan(max(1, train.epochs * packs // num_drafters), train.epochs)
 
 
-async def _watch_signals(stop: anyio.Event, received: list[int]) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            received.append(signum)
-            stop.set()
-
-
 def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
     data = settings.data
     options = DataOptions(
@@ -122,7 +115,7 @@ def _read_data(settings: Settings, inputs: RunInputs, log) -> TokenizedSamples:
 
 
 async def _start_drafters(
-    settings, inputs, workers, total_steps, log, *, node_rank: int = 0
+    settings, inputs, workers, total_steps, log, *, node_rank: int = 0, node=(0, 1)
 ) -> list[DrafterRunner]:
     """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
     drawn per drafter of the whole run (node_rank * drafters per node + local index)."""
@@ -141,7 +134,7 @@ async def _start_drafters(
         log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
                  **{k: round(v, 2) for k, v in timings.items()},
                  startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
-        runners.append(DrafterRunner(worker, step))
+        runners.append(DrafterRunner(worker, step, seed=settings.train.seed, node=node))
     return runners
 
 
@@ -220,7 +213,13 @@ async def _start_workers(
                    total_steps=plan.total_steps)  # fmt: skip
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     steps = await _start_drafters(
-        settings, inputs, drafters, plan.total_steps, log, node_rank=node.rank
+        settings,
+        inputs,
+        drafters,
+        plan.total_steps,
+        log,
+        node_rank=node.rank,
+        node=(node.rank, node.world_size),
     )
     rings = placing.open_rings(roles, num_slots=pipe.num_slots, token_budget=train.token_budget,
                                feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
@@ -244,7 +243,9 @@ def _throughput(settings: Settings, config, workers: Workers, lag: LoopLag):
     )  # fmt: skip
 
 
-async def _produce(settings, samples, plan: Plan, workers: Workers, node: RankInfo) -> None:
+async def _produce(
+    settings, samples, plan: Plan, workers: Workers, node: RankInfo, start: PackCursor
+) -> None:
     """read -> packs channel -> every target worker -> rings (each target its home ring first,
     else the one with room); closes the rings when all are done."""
     rings = workers.rings
@@ -253,7 +254,7 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, node: RankIn
     async with anyio.create_task_group() as producers:
         producers.start_soon(
             lambda: read_stage(samples.lengths, token_budget=train.token_budget, seed=train.seed,
-                               start=PackCursor(), epochs=plan.epochs, send=send_packs,
+                               start=start, epochs=plan.epochs, send=send_packs,
                                rank=node.rank, world_size=node.world_size)
         )  # fmt: skip
         for worker, runner, home in zip(
@@ -265,14 +266,23 @@ async def _produce(settings, samples, plan: Plan, workers: Workers, node: RankIn
     rings.close()  # all producers done: the consumers drain the rings and stop
 
 
-async def run(settings: Settings, log, environ: Mapping[str, str] | None = None) -> int:
-    """Train a drafter end to end; returns the process exit code (0, or 130/143 on a signal).
+async def run(
+    settings: Settings, log, environ: Mapping[str, str] | None = None, *,
+    shutdown: Shutdown | None = None,
+) -> int:  # fmt: skip
+    """Train a drafter end to end; returns the exit code: 0, or 130/143 after SIGINT/SIGTERM
+    (handled from this first line: shutdown.py; `python -m dflash_async run` passes a Shutdown
+    that ends the process after a signal; without one, run returns the code).
 
     Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
-    started = time.perf_counter()
-    placing.check_devices(settings)  # fail fast, before any loading
-    async with _join_nodes(settings, environ, log) as node:
-        return await _run_node(settings, node, started, log)
+    shutdown = shutdown or Shutdown(hard_exit=False)
+    with shutdown.installed():
+        await shutdown.attach()
+        started = time.perf_counter()
+        check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
+        placing.check_devices(settings)  # fail fast, before any loading
+        async with _join_nodes(settings, environ, log) as node:
+            return await _run_node(settings, node, started, log, shutdown)
 
 
 def _join_nodes(settings: Settings, environ: Mapping[str, str] | None, log):
@@ -286,43 +296,72 @@ def _join_nodes(settings: Settings, environ: Mapping[str, str] | None, log):
     )  # fmt: skip
 
 
-async def _run_node(settings: Settings, node: RankInfo, started: float, log) -> int:
+async def _run_node(settings: Settings, node: RankInfo, started: float, log, shutdown) -> int:
     """This node's part of the run (the whole run on a single node)."""
-    inputs = await writer_first(  # CPU only: files
-        node, lambda: resolve_inputs(settings, log), timeout_s=settings.pipeline.dist_timeout_s
-    )
-    samples = await anyio.to_thread.run_sync(_read_data, settings, inputs, log)
+    with shutdown.interruptible():  # CPU only, files: an abandoned thread is harmless
+        inputs = await writer_first(  # CPU only: files
+            node, lambda: resolve_inputs(settings, log), timeout_s=settings.pipeline.dist_timeout_s
+        )
+        samples = await anyio.to_thread.run_sync(
+            _read_data, settings, inputs, log, abandon_on_cancel=True
+        )
+        resume = await anyio.to_thread.run_sync(
+            resume_point, settings, inputs, samples, Path(settings.output_dir), node,
+            abandon_on_cancel=True,
+        )  # fmt: skip
+    if shutdown.requested:
+        return _interrupted(shutdown, 0, log, node)
     cfg, output_dir = inputs.drafter_config, Path(settings.output_dir)
     log.info("run_started", target=inputs.target_path, data=inputs.data_path, samples=len(samples),
              drafter=cfg.__dict__)  # fmt: skip
     async with AsyncExitStack() as stack:
-        workers = await _start_workers(stack, settings, inputs, samples, log, node=node)
-        plan = workers.plan
-        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
-                 total_steps=plan.total_steps)  # fmt: skip
-        evaluate = await stack.enter_async_context(
-            _evaluator(settings, inputs, workers, output_dir, log)
-        )
-        if settings.eval.at_start and node.is_writer:
-            await evaluate(0)
-        steps, signals, summary = await _train(
-            settings, samples, plan, workers, evaluate, log, node=node
-        )
-        if settings.eval.at_end and not signals and node.is_writer:
-            summary["eval_tau"] = (await evaluate(steps, wait=True)).get("tau")
+        with shutdown.interruptible():  # loading, placement, compile, capture
+            workers = await _start_workers(stack, settings, inputs, samples, log, node=node)
+            plan = workers.plan
+            await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
+            log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
+                     total_steps=plan.total_steps)  # fmt: skip
+        if not shutdown.requested:  # its task group lives in the stack, outside that scope
+            evaluate = await stack.enter_async_context(
+                _evaluator(settings, inputs, workers, output_dir, log)
+            )
+            if settings.eval.at_start and node.is_writer and resume.path is None:
+                with shutdown.interruptible():
+                    await evaluate(0)
+        if shutdown.requested:  # nothing new to save: no step ran
+            return _interrupted(shutdown, resume.step, log, node)
+        steps, summary = await _train(
+            settings, samples, plan, workers, evaluate, log, node=node, shutdown=shutdown,
+            resume=resume,
+        )  # fmt: skip
+        if settings.eval.at_end and not shutdown.requested and node.is_writer:
+            with shutdown.interruptible():
+                summary["eval_tau"] = (await evaluate(steps, wait=True)).get("tau")
+        if shutdown.requested:  # inside the stack: a hard exit does not wait for busy threads
+            return _interrupted(shutdown, steps, log, node)
     if not node.is_writer:
-        return EXIT_CODES[signals[0]] if signals else 0
+        return 0
     log.info("train_completed", steps=steps, export=str(export_path(output_dir)),
              wall_s=round(time.perf_counter() - started, 2),
              **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
-    return EXIT_CODES[signals[0]] if signals else 0
+    return 0
 
 
-async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log, *, node):
-    """The stage topology in data-flow order; returns (steps done, signals received, summary).
+def _interrupted(shutdown: Shutdown, step: int, log, node: RankInfo) -> int:
+    log.info("train_interrupted", step=step, reason=shutdown.reason)
+    if node.distributed:  # leave the process group properly: the peers wait for this rank
+        return shutdown.exit_code
+    return shutdown.finish(shutdown.exit_code)
+
+
+async def _train(
+    settings, samples, plan: Plan, workers: Workers, evaluate, log, *, node, shutdown: Shutdown,
+    resume: Resume,
+):  # fmt: skip
+    """The stage topology in data-flow order; returns (steps done, summary).
     On several nodes only rank 0 (the writer) saves and evaluates."""
     train, output_dir, first = settings.train, Path(settings.output_dir), workers.drafters[0]
-    lag, stop, signals, summary = LoopLag(), anyio.Event(), [], {}
+    lag, summary, progress = LoopLag(), {}, Progress(resume.cursor)
     throughput = _throughput(settings, first.step.objective.drafter.config, workers, lag)
     send_records, receive_records = open_channel(4, "records")
 
@@ -330,9 +369,10 @@ async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log,
         if not node.is_writer:
             return
         if train.save_every and step % train.save_every == 0 and step < plan.total_steps:
-            await save_stage(first, output_dir, step, log)
+            await saver.save(step, progress.cursor)
         if settings.eval.every and step % settings.eval.every == 0 and step < plan.total_steps:
-            await evaluate(step)
+            with shutdown.interruptible():
+                await evaluate(step)
 
     async def report() -> None:
         summary.update(await report_stage(
@@ -341,17 +381,20 @@ async def _train(settings, samples, plan: Plan, workers: Workers, evaluate, log,
         ))  # fmt: skip
 
     async with anyio.create_task_group() as background:
+        saver = Saver(workers.drafters, output_dir, keep=train.keep_checkpoints, seed=train.seed,
+                      run=resume.identity, tasks=background, log=log)  # fmt: skip
+        saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
-        background.start_soon(_watch_signals, stop, signals)
-        background.start_soon(_produce, settings, samples, plan, workers, node)
+        background.start_soon(_produce, settings, samples, plan, workers, node, progress.cursor)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
-                workers.drafters, workers.rings, send_records, first_step=0,
-                last_step=plan.total_steps, stop=stop, on_step_end=between_steps,
-                across_nodes=NodeReducer() if node.distributed else None,
+                workers.drafters, workers.rings, send_records, first_step=resume.step,
+                last_step=plan.total_steps, stop=shutdown.stopping, on_step_end=between_steps,
+                across_nodes=NodeReducer() if node.distributed else None, progress=progress,
             )  # fmt: skip
-        if node.is_writer:  # the final export, also after a signal
-            await save_stage(first, output_dir, steps, log)
+        if node.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
+            await saver.save(steps, progress.cursor)
+        await saver.wait()
         background.cancel_scope.cancel()
-    return steps, signals, summary
+    return steps, summary

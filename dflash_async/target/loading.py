@@ -17,12 +17,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import shutil
-import tempfile
-import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from dflash_async.atomic import atomic_directory
 from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -283,31 +280,6 @@ def fast_kernel_preflight(model: PreTrainedModel) -> list[str]:
     """
     device = next(model.parameters()).device
     return preflight_lines(hybrid=is_hybrid(model), device=device, importable=_kernel_importable)
-
-
-@contextmanager
-def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a fresh temporary folder beside `path`; on success it replaces `path` by renames.
-
-    On an exception the temporary folder is deleted and `path` is left as it was, so a reader
-    never sees a half-written folder where a good one was.
-    """
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tmp.chmod(0o755)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
 
 
 def random_target(

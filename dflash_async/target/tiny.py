@@ -28,7 +28,8 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config
 
-from dflash_async.target.loading import atomic_directory, random_target
+from dflash_async.atomic import atomic_directory
+from dflash_async.target.loading import random_target
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_THINK_TOKENS = ("<think>", "</think>")  # added tokens, not special (decoding keeps them)

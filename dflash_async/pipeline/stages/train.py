@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import torch
 
+from dflash_async.data.packing import PackCursor
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
 from dflash_async.pipeline.channels import SendChannel
@@ -35,12 +36,20 @@ class DrafterRunner:
     worker: DeviceWorker
     step: DrafterStep
     meter: BusyMeter = field(default_factory=BusyMeter)  # device time of the steps
+    seed: int | None = None  # the run's seed: anchors seeded per pack (None: the step's stream)
+    node: tuple[int, int] = (0, 1)  # (rank, world size): which share of each plan this node has
     _started: Any = None
 
-    def load_and_forward(self, slot_batch, ready) -> tuple[Any, Any]:
-        """Phase A on a slot (on this or another device: a peer copy). Returns the event after
-        which the slot may be overwritten and the event after which phase A is done."""
+    def load_and_forward(
+        self, slot_batch, ready, cursor: PackCursor | None = None
+    ) -> tuple[Any, Any]:
+        """Phase A on a slot (on this or another device: a peer copy), its anchors seeded by
+        the pack's `cursor`. Returns the event after which the slot may be overwritten and the
+        event after which phase A is done."""
         _wait(ready)
+        if self.seed is not None and cursor is not None:
+            rank, world_size = self.node
+            self.step.seed_anchors(cursor.anchor_seed(self.seed, rank=rank, world_size=world_size))
         self._started = timing_event(self.step.device)
         self.step.batch.copy_(slot_batch)
         copied = timing_event(self.step.device)
@@ -146,6 +155,25 @@ class StepRecord:
     finished_at: float
 
 
+@dataclass
+class Progress:
+    """The data cursor of the training loop: the next pack after the last one trained on.
+
+    With one target worker packs are published, and trained (a step takes the oldest), in plan
+    order, so resuming from `cursor` replays exactly the packs an uninterrupted run would have
+    trained on next. Several target workers can finish packs out of order, by at most the slots
+    in flight; the cursor is then the furthest pack trained on, and resuming skips the few
+    overtaken ones.
+    """
+
+    cursor: PackCursor = field(default_factory=PackCursor)
+
+    def consumed(self, metas: list[dict]) -> None:
+        cursors = [m["cursor"] for m in metas if "cursor" in m]
+        if cursors:
+            self.cursor = max(self.cursor, max(cursors).next())
+
+
 async def _each(runners: list[DrafterRunner], fn_name: str, *args_per_runner) -> list[Any]:
     """Run one method on every drafter's worker concurrently; results in drafter order."""
     results: list[Any] = [None] * len(runners)
@@ -171,13 +199,15 @@ async def train_steps(
     stop: anyio.Event,
     on_step_end=None,
     across_nodes: Callable[[list[DrafterRunner], bool], bool] | None = None,
+    progress: Progress | None = None,
 ) -> int:
     """Optimizer steps first_step..last_step-1; returns the next step index.
 
     Ends early when the ring is drained (the data is exhausted) or `stop` is set (a signal).
-    `on_step_end(step)` (async) runs between steps: periodic checkpoints. `across_nodes`, on
-    several nodes, sums the node's combined gradients with the other nodes' and says when all
-    ranks stop (a rank's own `stop` then only votes: distributed.NodeReducer).
+    `on_step_end(step)` (async) runs between steps: periodic checkpoints; `progress.cursor` is
+    then the data cursor after that step. `across_nodes`, on several nodes, sums the node's
+    combined gradients with the other nodes' and says when all ranks stop (a rank's own `stop`
+    then only votes: distributed.NodeReducer).
     """
     step, agreed_stop = first_step, False
     try:
@@ -188,7 +218,10 @@ async def train_steps(
                 break
             meta = [dict(s.meta) for s in slots]  # read before release: a producer reuses slots
             batches = [s.batch for s in slots]
-            loaded = await _each(runners, "load_and_forward", batches, [s.ready for s in slots])
+            cursors = [m.get("cursor") for m in meta]
+            loaded = await _each(
+                runners, "load_and_forward", batches, [s.ready for s in slots], cursors
+            )
             for slot, (copied, _) in zip(slots, loaded, strict=True):
                 rings.release(slot, copied)
             phase_a_done = [a_done for _, a_done in loaded]
@@ -199,6 +232,8 @@ async def train_steps(
             report, ready = done[0]  # drafters are identical: drafter 0 reports the step
             await reports.send(StepRecord(step, report, ready, meta, anyio.current_time()))
             step += 1
+            if progress is not None:
+                progress.consumed(meta)
             if on_step_end is not None:
                 await on_step_end(step)
     finally:

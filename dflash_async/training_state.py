@@ -1,0 +1,232 @@
+"""The training state: everything a run needs to continue bit for bit where it stopped.
+
+A checkpoint is a folder OUTPUT_DIR/checkpoints/step-NNNNNNNN (written atomically, atomic.py)
+holding `training_state.pt` (torch.save, read back with weights_only=True) and `run.json` (the
+run identity and position again, for people). The state holds:
+  drafter    every trainable parameter in its training dtype (the fp32 masters), by name
+  optimizer  AdamW's per-parameter state (exp_avg, exp_avg_sq, step), in parameter order
+  step       optimizer steps done, which is also the lr schedule's position
+  cursor     the next pack: epoch, index in that epoch's plan, and the plan's seed
+  rng        each drafter's anchor-noise generator (one per device) and torch's CPU generator
+  run        the settings that define the run (`run_identity`), compared on resume
+
+`snapshot` runs on drafter 0's thread (the device-to-host copy, a sync point, between steps);
+`write_checkpoint` on any thread (serialise, fsync, rename, prune); `restore` on each drafter's
+thread after capture, in place, so that captured graphs keep pointing at the same tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_async.atomic import atomic_directory, remove_directory
+from dflash_async.data.packing import PackCursor
+from dflash_async.model.step import DrafterStep
+from dflash_async.settings import SettingsError
+
+FORMAT = "dflash_async.training_state"
+VERSION = 2
+CHECKPOINTS = "checkpoints"
+STATE_NAME = "training_state.pt"
+RUN_NAME = "run.json"
+_KEYS = ("step", "drafter", "optimizer", "cursor", "rng", "run")
+_FOLDER = re.compile(r"step-(\d{8,})")
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under `output_dir`, oldest first. Hidden
+    temporaries of a writer that was killed are not checkpoints and are never listed."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        match = _FOLDER.fullmatch(folder.name)
+        if match and (folder / STATE_NAME).is_file():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def data_fingerprint(
+    tokens: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, *, max_read: int = 1 << 24
+) -> str:
+    """blake2b of the tokenized samples the run trains on (data files, tokenizer and data options
+    all land here): every sample boundary, and an even sample of at most `max_read` tokens and
+    mask values (hashing 500M tokens in full would add seconds to every start)."""
+    digest = hashlib.blake2b(digest_size=16)
+    stride = max(1, -(-len(tokens) // max_read))
+    for array in (offsets, tokens[::stride], loss_mask[::stride]):
+        digest.update(np.ascontiguousarray(array).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def run_identity(settings: Any, drafter_config: Any, *, target_path: str, data: str) -> dict:
+    """The settings that define a run, keyed by the setting a user changes to alter each one.
+
+    A resumed run must match every value: each changes the weights a step produces (the shapes,
+    the objective, the schedule, the data order). `plan_identity` adds what is known only once
+    the workers are placed.
+    """
+    train = settings.train
+    config_json = Path(target_path) / "config.json"
+    target = (
+        hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.is_file() else ""
+    )
+    identity = {
+        "DFLASH_TARGET__PATH (config.json sha256)": target,
+        "drafter shape (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES, ...)": drafter_config.__dict__,
+        "DFLASH_DATA__PATH (tokenized data blake2b)": data,
+        "DFLASH_TRAIN__TOKEN_BUDGET": train.token_budget,
+        "DFLASH_TRAIN__NUM_ANCHORS": train.num_anchors,
+        "DFLASH_TRAIN__BLOCK_SIZE": train.block_size,
+        "DFLASH_TRAIN__GAMMA": train.gamma,
+        "DFLASH_TRAIN__SEED": train.seed,
+        "DFLASH_TRAIN__LR": train.lr,
+        "DFLASH_TRAIN__WARMUP_FRAC": train.warmup_frac,
+        "DFLASH_TRAIN__WEIGHT_DECAY": train.weight_decay,
+        "DFLASH_TRAIN__GRAD_CLIP": train.grad_clip,
+    }
+    return json.loads(json.dumps(identity))  # tuples become lists, as they come back from disk
+
+
+def plan_identity(*, total_steps: int, num_drafters: int) -> dict:
+    """The run-defining facts of the placed run: the schedule's length and packs per step."""
+    return {
+        "total steps (DFLASH_TRAIN__MAX_STEPS, DFLASH_TRAIN__EPOCHS)": total_steps,
+        "drafter workers (DFLASH_PIPELINE__LAYOUT, __DEVICES, __DRAFTER_DEVICES)": num_drafters,
+    }
+
+
+def check_run_identity(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+    """SettingsError (exit 2, one line) naming the first run-defining setting that differs."""
+    for key in current:
+        if saved.get(key) != current[key]:
+            raise SettingsError(
+                f"{key}: this run has {current[key]!r}, the checkpoint {where} has "
+                f"{saved.get(key)!r}; resume with the same settings, or start a new run in "
+                "another DFLASH_OUTPUT_DIR"
+            )
+
+
+@torch.no_grad()
+def snapshot(
+    steps: Sequence[DrafterStep], *, step: int, cursor: PackCursor, seed: int, run: dict
+) -> dict[str, Any]:
+    """A host copy of the training state after `step` optimizer steps; call on drafter 0's
+    thread between steps. All drafters hold identical weights and optimizer state (step.py), so
+    drafter 0's are saved; each drafter's anchor generator is its own.
+
+    Sync point: every device tensor is copied to the host here (`.to("cpu")` waits for it).
+    """
+    first = steps[0]
+    host = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731 (a copy: training goes on)
+    params = dict(_named_params(first))
+    optimizer = [
+        {k: host(v) if torch.is_tensor(v) else v for k, v in first.optimizer.state[p].items()}
+        for p in params.values()
+    ]  # empty dicts before the first optimizer step
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "drafter": {name: host(p) for name, p in params.items()},
+        "optimizer": optimizer,
+        "schedule_step": int(first.schedule.step.item()),
+        "cursor": {"epoch": cursor.epoch, "index": cursor.index, "seed": seed},
+        "rng": {
+            "anchor_generators": [s.generator.get_state() for s in steps],
+            "torch_cpu": torch.get_rng_state(),
+        },
+        "run": run,
+    }
+
+
+def _named_params(step: DrafterStep) -> list[tuple[str, torch.nn.Parameter]]:
+    named = step.objective.drafter.named_parameters()
+    return [(name.replace("_orig_mod.", ""), p) for name, p in named if p.requires_grad]
+
+
+def write_checkpoint(output_dir: Path, state: dict[str, Any], *, keep: int) -> tuple[Path, int]:
+    """Write `state` as checkpoint folder of its step (atomic), then delete all but the newest
+    `keep` checkpoints. Returns (folder, bytes written)."""
+    folder = checkpoint_dir(output_dir, state["step"])
+    readme = {k: state[k] for k in ("step", "cursor", "run")}
+    with atomic_directory(folder, replaceable=lambda p: (p / STATE_NAME).is_file()) as tmp:
+        torch.save(state, tmp / STATE_NAME)
+        (tmp / RUN_NAME).write_text(json.dumps(readme, indent=2) + "\n")
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+    for _, old in list_checkpoints(output_dir)[:-keep]:
+        remove_directory(old)
+    return folder, size
+
+
+def load_checkpoint(folder: Path) -> dict[str, Any]:
+    """Read a checkpoint folder (or its training_state.pt) onto the CPU; ValueError naming the
+    file for anything that is not a complete training state of this version."""
+    path = Path(folder)
+    path = path / STATE_NAME if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no training state at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dflash_async training state")
+    if state.get("version") != VERSION:
+        raise ValueError(f"{path}: version {state.get('version')!r}, this code reads {VERSION}")
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise ValueError(f"{path}: training state lacks {missing}")
+    return state
+
+
+def cursor_of(state: dict[str, Any]) -> PackCursor:
+    return PackCursor(state["cursor"]["epoch"], state["cursor"]["index"])
+
+
+@torch.no_grad()
+def restore(step: DrafterStep, state: dict[str, Any], *, rank: int) -> None:
+    """Put drafter `rank`'s step exactly where the state was saved; call on its own thread after
+    capture (capture resets the optimizer), before the first step. Tensors are copied in place."""
+    params = _named_params(step)
+    names = {name for name, _ in params}
+    if names != state["drafter"].keys() or len(state["optimizer"]) != len(params):
+        raise ValueError("the checkpoint's drafter parameters differ from this drafter's")
+    for (name, p), saved in zip(params, state["optimizer"], strict=True):
+        p.copy_(state["drafter"][name])
+        _restore_optimizer_state(step.optimizer, p, saved)
+    step.schedule.set_step_(state["schedule_step"])
+    step.flat_grad.zero_()
+    step.generator.set_state(state["rng"]["anchor_generators"][rank])
+    torch.set_rng_state(state["rng"]["torch_cpu"])
+
+
+def _restore_optimizer_state(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, saved: dict
+) -> None:
+    live = optimizer.state.get(p)
+    if live:  # in place: a captured update keeps its pointers
+        for key, value in saved.items():
+            if torch.is_tensor(value):
+                live[key].copy_(value)
+            else:
+                live[key] = value
+        return
+    # No state yet (eager, never stepped): create it where AdamW would (step on the device when
+    # fused or capturable). param_groups are not loaded: their lr is the schedule's live tensor.
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    step_device = p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    optimizer.state[p] = {  # copies: each drafter owns its state (the loaded one is shared)
+        k: v.to(step_device if k == "step" else p.device, copy=True) if torch.is_tensor(v) else v
+        for k, v in saved.items()
+    }
