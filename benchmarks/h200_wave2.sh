@@ -18,10 +18,10 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 
 if [ "$which" = report ]; then
 part "random target"
-[ -d "$work/qwen3-8b-random" ] || timeout 150 python3 benchmarks/make_random_target.py "$work"
+[ -d "$work/qwen3-8b-random" ] || timeout 170 python3 benchmarks/make_random_target.py "$work"
 
 part "200-step co-located run and its report"
-OUT="$work/report_out" timeout 280 bash benchmarks/h200_report.sh "$work" 200
+OUT="$work/report_out" timeout 330 bash benchmarks/h200_report.sh "$work" 200
 grep -E '"event": "(placement|target_path_chosen|drafter_ready|startup_completed|checkpoint_written|export_written|train_completed|run_summary)"' \
   "$work/report_run/log.jsonl" | cut -c1-700
 tar -C "$work/report_out" -czf "$out/report.tgz" report
