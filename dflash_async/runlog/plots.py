@@ -83,6 +83,9 @@ def learning_figure(runs: list[RunLog]) -> Figure:
         axes[1, 1].plot([e.get("step", 0) for e in evals], [e["tau"] for e in evals], "o-",
                         color=color, label=run.name)  # fmt: skip
     axes[1, 1].set_ylabel("τ by decoding (eval)")
+    if not any(run.named("eval") for run in runs):  # say so rather than draw an empty axis
+        axes[1, 1].text(0.5, 0.5, "no evaluation in this run", ha="center", va="center",
+                        transform=axes[1, 1].transAxes, color="gray")  # fmt: skip
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     _legend(fig, runs)
