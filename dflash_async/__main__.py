@@ -18,7 +18,8 @@ import sys
 from contextlib import nullcontext
 
 from dflash_async import __version__
-from dflash_async.settings import Settings, SettingsError, load_settings
+from dflash_async.settings import Settings, SettingsError
+from dflash_async.settings_env import load_settings
 from dflash_async.usage import (
     ArgumentParser,
     UsageError,

@@ -3,7 +3,7 @@
 Names: prefix `DFLASH_`, one group per section joined with `__` (`DFLASH_TRAIN__TOKEN_BUDGET`),
 top-level fields without a group (`DFLASH_OUTPUT_DIR`). Reading them from the environment and a
 preset file, and checking that named paths exist, is `settings_env.py`'s job; `load_settings`,
-`setting_names` and `setting_descriptions` are re-exported here so callers import one module.
+`setting_names` and `setting_descriptions` live there too.
 The recipe defaults are those of docs/DFLASH.md s.5.
 
 The sections are pydantic models and the root is a pydantic-settings `BaseSettings` whose only
@@ -359,16 +359,3 @@ class Settings(BaseSettings):
         The hook for secrets: none exist today; a future `SecretStr` field dumps masked.
         """
         return self.model_dump(mode="json")
-
-
-_LOADING = ("load_settings", "setting_names", "setting_descriptions")
-
-
-def __getattr__(name: str) -> Any:
-    """`from dflash_async.settings import load_settings` keeps working: the loading functions live
-    in settings_env.py, which imports this module, so they are fetched on first use (PEP 562)."""
-    if name in _LOADING:
-        from dflash_async import settings_env
-
-        return getattr(settings_env, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -109,7 +109,7 @@ def reference_weights(env: dict) -> list[torch.Tensor]:
     """Drafter 0's flat weights after every step of ONE process with two CPU drafters."""
     from dflash_async.log import get_logger
     from dflash_async.pipeline import run as pipeline
-    from dflash_async.settings import load_settings
+    from dflash_async.settings_env import load_settings
 
     settings = load_settings(
         env

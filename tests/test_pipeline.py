@@ -35,7 +35,8 @@ from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.stages import produce as target_stage
 from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
 from dflash_async.pipeline.startup import drafter_config_for
-from dflash_async.settings import Settings, load_settings
+from dflash_async.settings import Settings
+from dflash_async.settings_env import load_settings
 from dflash_async.target.loading import load_target_tokenizer
 from dflash_async.target.tiny import ensure_tiny_target
 

@@ -24,7 +24,8 @@ from structlog.testing import capture_logs
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
-from dflash_async.settings import Settings, SettingsError, load_settings
+from dflash_async.settings import Settings, SettingsError
+from dflash_async.settings_env import load_settings
 from dflash_async.target.loading import load_target_tokenizer
 from dflash_async.target.tiny import ensure_tiny_target
 from dflash_async.training_state import list_checkpoints, load_checkpoint

@@ -95,7 +95,8 @@ def test_tensorboard_dir_without_tensorboard_is_a_one_line_settings_error(
 ) -> None:
     import importlib.util
 
-    from dflash_async.settings import SettingsError, load_settings
+    from dflash_async.settings import SettingsError
+    from dflash_async.settings_env import load_settings
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

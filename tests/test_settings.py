@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dflash_async.settings import (
-    SettingsError,
+from dflash_async.settings import SettingsError, parse_device_list, repo_root
+from dflash_async.settings_env import (
     load_settings,
-    parse_device_list,
-    repo_root,
+    missing_paths,
     setting_descriptions,
     setting_names,
 )
-from dflash_async.settings_env import missing_paths
 
 pytestmark = pytest.mark.timeout(30)
 NO_FILE = {"DFLASH_ENV_FILE": "none"}
