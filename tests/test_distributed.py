@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -23,57 +22,28 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from tiny_run import tiny_env, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 RANK_DEADLINE_S = 60  # a rank here starts in ~5 s and trains 3 steps in ~1 s; past this it hangs
 
 
-def tiny_env(target: Path, data: Path, output_dir: Path, mask: int, **extra: str) -> dict:
-    """A tiny CPU run: 256-row packs, 16 anchors of 8, one drafter layer (as test_pipeline)."""
-    return {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_OUTPUT_DIR": str(output_dir),
-        "DFLASH_TARGET__PATH": str(target),
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": str(data),
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(mask),
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__CE_CHUNK_SIZE": "64",
+def run_env(inputs: dict[str, str], output_dir: Path, **extra: str) -> dict:
+    """The tiny CPU run (tiny_run.tiny_env) for STEPS steps, no saves, JSON logs."""
+    return tiny_env(inputs, output_dir) | {
         "DFLASH_TRAIN__MAX_STEPS": str(STEPS),
         "DFLASH_TRAIN__SAVE_EVERY": "0",
         "DFLASH_EVAL__AT_END": "false",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
         "DFLASH_LOG__FORMAT": "json",
         **extra,
     }
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The tiny target and 40 pre-tokenized samples of 24..60 tokens (~7 packs an epoch)."""
-    from dflash_async.target.loading import load_target_tokenizer
-    from dflash_async.target.tiny import ensure_tiny_target
-
-    root = tmp_path_factory.mktemp("distributed")
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    data = root / "data.jsonl"
-    with data.open("w") as f:
-        for _ in range(40):
-            n = rng.randint(24, 60)
-            ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-            f.write(
-                json.dumps({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-            )
-            f.write("\n")
-    return {"target": target, "data": data, "mask": tokenizer.mask_token_id}
+    return tiny_inputs(tmp_path_factory.mktemp("distributed"))
 
 
 def free_port() -> int:
@@ -162,7 +132,7 @@ def one_thread() -> Any:
 def test_two_ranks_hold_identical_weights_equal_to_one_process_with_both_packs(
     tiny: dict, tmp_path: Path, one_thread: None
 ) -> None:
-    env = tiny_env(tiny["target"], tiny["data"], tmp_path / "out", tiny["mask"])
+    env = run_env(tiny, tmp_path / "out")
     procs = launch_ranks(env, tmp_path, tmp_path)
     reference = reference_weights(env | {"DFLASH_OUTPUT_DIR": str(tmp_path / "single")})
     assert wait_all(procs, RANK_DEADLINE_S) == [0, 0], (tmp_path / "rank1.log").read_text()[-3000:]
@@ -191,8 +161,7 @@ def test_two_ranks_hold_identical_weights_equal_to_one_process_with_both_packs(
 def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
     victim: int, tiny: dict, tmp_path: Path
 ) -> None:
-    env = tiny_env(tiny["target"], tiny["data"], tmp_path / "out", tiny["mask"],
-                   DFLASH_TRAIN__MAX_STEPS="100000")  # fmt: skip
+    env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
     deadline = time.monotonic() + RANK_DEADLINE_S
     while not all((tmp_path / f"rank{r}-step2.pt").exists() for r in range(2)):
@@ -215,8 +184,7 @@ def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     tiny: dict, tmp_path: Path
 ) -> None:
-    env = tiny_env(tiny["target"], tiny["data"], tmp_path / "out", tiny["mask"],
-                   DFLASH_TRAIN__MAX_STEPS="100000")  # fmt: skip
+    env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
     deadline = time.monotonic() + RANK_DEADLINE_S
     while not all((tmp_path / f"rank{r}-step2.pt").exists() for r in range(2)):

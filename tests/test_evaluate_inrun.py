@@ -16,7 +16,8 @@ import anyio
 import pytest
 import torch
 from structlog.testing import capture_logs
-from test_pipeline import run_settings, write_pretokenized
+from test_pipeline import run_settings
+from tiny_run import write_pretokenized
 from transformers import Qwen3NextConfig
 
 from dflash_async.log import get_logger

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from conftest import TinySpec, doc_loss_mask, make_objective, tiny_config, tiny_
 from conftest import tiny_target_weights as frozen_weights
 from safetensors import safe_open
 from structlog.testing import capture_logs
+from tiny_run import tiny_env, tiny_inputs
 
 from dflash_async.checkpoint import expected_weight_shapes, load_drafter_export
 from dflash_async.data.packing import PackedBatch, layout_pack
@@ -37,8 +37,6 @@ from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
 from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings
 from dflash_async.settings_env import load_settings
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(60)
 RUN_DEADLINE_S = 30  # a run here takes ~1 s; past this it hangs
@@ -58,49 +56,16 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def write_pretokenized(path: Path, *, records: int, vocab: int, seed: int = 0) -> Path:
-    """`records` pre-tokenized samples of 24..60 tokens, the first quarter unsupervised."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(records):
-            n = rng.randint(24, 60)
-            ids = [rng.randrange(10, vocab) for _ in range(n)]
-            mask = [0] * (n // 4) + [1] * (n - n // 4)
-            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
-    return path
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The tiny target folder, its mask token and a 40-sample data file (~6 packs per epoch)."""
-    root = tmp_path_factory.mktemp("pipeline")
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    data = write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
-    return {"target": str(target), "data": str(data), "mask": str(tokenizer.mask_token_id)}
+    return tiny_inputs(tmp_path_factory.mktemp("pipeline"))
 
 
 def run_settings(inputs: dict[str, str], output_dir: Path, **env: str) -> Settings:
-    """A tiny CPU run: 256-row packs, 16 anchors of 8, 1 drafter layer, no preset file."""
-    base = {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_OUTPUT_DIR": str(output_dir),
-        "DFLASH_TARGET__PATH": inputs["target"],
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": inputs["data"],
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": inputs["mask"],
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__CE_CHUNK_SIZE": "64",
-        "DFLASH_TRAIN__MAX_STEPS": "5",
-        "DFLASH_TRAIN__SAVE_EVERY": "0",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
-    }
-    return load_settings(base | env)
+    """A tiny CPU run (tiny_run.tiny_env) of 5 steps without saves."""
+    steps = {"DFLASH_TRAIN__MAX_STEPS": "5", "DFLASH_TRAIN__SAVE_EVERY": "0"}
+    return load_settings(tiny_env(inputs, output_dir) | steps | env)
 
 
 def worker_threads() -> list[str]:

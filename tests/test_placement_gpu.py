@@ -15,7 +15,7 @@ import torch
 from conftest import TinySpec, make_objective, tiny_config, tiny_drafter, tiny_target_weights
 from structlog.testing import capture_logs
 from test_pipeline import RUN_DEADLINE_S, flat_weights, laid_out, random_docs, run_settings
-from test_placement_pipeline import tiny_inputs
+from tiny_run import tiny_inputs
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.log import get_logger

@@ -23,8 +23,8 @@ from test_pipeline import (
     one_thread,  # noqa: F401 (autouse fixture)
     random_docs,
     run_settings,
-    write_pretokenized,
 )
+from tiny_run import tiny_inputs
 
 from dflash_async.log import get_logger
 from dflash_async.model.objective import Anchors, sample_anchors
@@ -34,8 +34,6 @@ from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -43,14 +41,6 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return tiny_inputs(tmp_path_factory.mktemp("placement"))
-
-
-def tiny_inputs(root: Path) -> dict[str, str]:
-    """test_pipeline's tiny target and 40-sample data file (~6 packs per epoch)."""
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    data = write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
-    return {"target": str(target), "data": str(data), "mask": str(tokenizer.mask_token_id)}
 
 
 async def run_recording_weights(settings, monkeypatch) -> tuple[list, list]:

@@ -11,7 +11,6 @@ generator, AdamW's step counter, the lr schedule, the data cursor) breaks them.
 from __future__ import annotations
 
 import json
-import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,13 @@ import anyio
 import pytest
 import torch
 from structlog.testing import capture_logs
+from tiny_run import tiny_env, tiny_inputs
 
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.settings import Settings, SettingsError
 from dflash_async.settings_env import load_settings
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 from dflash_async.training_state import list_checkpoints, load_checkpoint
 
 RUN_DEADLINE_S = 60  # a run here takes ~1-3 s; past this it hangs
@@ -36,26 +34,10 @@ N = 5  # steps before the resume; 40 samples make 8 packs per epoch: 2N steps cr
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The tiny target, its mask token and 40 pre-tokenized samples of 24..60 tokens."""
+    """The tiny target, its mask token, 40 pre-tokenized samples and one evaluation prompt."""
     root = tmp_path_factory.mktemp("resume")
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    with (root / "data.jsonl").open("w") as f:
-        for _ in range(40):
-            n = rng.randint(24, 60)
-            ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-            f.write(
-                json.dumps({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-            )
-            f.write("\n")
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "Count: one two three"}) + "\n")
-    return {
-        "prompts": str(root / "prompts.jsonl"),
-        "target": str(target),
-        "data": str(root / "data.jsonl"),
-        "mask": str(tokenizer.mask_token_id),
-    }
+    return tiny_inputs(root) | {"prompts": str(root / "prompts.jsonl")}
 
 
 @pytest.fixture
@@ -65,24 +47,10 @@ def anyio_backend() -> tuple[str, dict[str, bool]]:
 
 
 def settings_for(inputs: dict[str, str], output_dir: Path, **env: str) -> Settings:
-    base = {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_OUTPUT_DIR": str(output_dir),
-        "DFLASH_TARGET__PATH": inputs["target"],
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": inputs["data"],
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": inputs["mask"],
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__CE_CHUNK_SIZE": "64",
+    base = tiny_env(inputs, output_dir) | {
         "DFLASH_TRAIN__MAX_STEPS": str(2 * N),
         "DFLASH_TRAIN__SAVE_EVERY": str(N),
         "DFLASH_TRAIN__WARMUP_FRAC": "0.25",  # lr changes every step: a schedule off by one shows
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
         "DFLASH_EVAL__AT_END": "false",
     }
     return load_settings(base | env)

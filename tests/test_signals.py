@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import select
 import signal
 import subprocess
@@ -22,13 +21,12 @@ from typing import Any
 import anyio
 import pytest
 from structlog.testing import capture_logs
+from tiny_run import tiny_env, tiny_inputs
 
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.settings_env import load_settings
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 from dflash_async.training_state import list_checkpoints, load_checkpoint
 from dflash_async.usage import UsageError
 
@@ -42,36 +40,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """DFLASH_* settings of a tiny CPU run (tiny target, 40 pre-tokenized samples) that runs
     until stopped, plus a prompts file for evaluations that last long enough to be interrupted."""
     root = tmp_path_factory.mktemp("signals")
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    with (root / "data.jsonl").open("w") as f:
-        for _ in range(40):
-            n = rng.randint(24, 60)
-            ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-            f.write(
-                json.dumps({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-            )
-            f.write("\n")
     prompts = [{"prompt": f"Tell me about the number {i}."} for i in range(16)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    return {
-        "DFLASH_ENV_FILE": "none",
+    return tiny_env(tiny_inputs(root)) | {
         "DFLASH_LOG__FORMAT": "json",
-        "DFLASH_TARGET__PATH": str(target),
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": str(root / "data.jsonl"),
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(tokenizer.mask_token_id),
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__CE_CHUNK_SIZE": "64",
         "DFLASH_TRAIN__MAX_STEPS": "100000",
         "DFLASH_TRAIN__SAVE_EVERY": "0",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
         "DFLASH_EVAL__PROMPTS_PATH": str(root / "prompts.jsonl"),
         "DFLASH_EVAL__NUM_PROMPTS": "16",
         "DFLASH_EVAL__MAX_NEW_TOKENS": "256",  # ~1 min of decoding on 2 cores: far past 5 s
