@@ -1,4 +1,4 @@
-"""Throughput meters of the running pipeline: rate windows and device-busy time per worker."""
+"""Meters of the running pipeline: rate windows, device-busy time per worker, event-loop lag."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import anyio
 import torch
 
 
@@ -65,3 +66,20 @@ class BusyMeter:
             self._seconds += start.elapsed_time(end) / 1e3
             self.completed.append((start, end))
         return self._seconds
+
+
+class LoopLag:
+    """Measures how late the event loop wakes a 1 ms sleeper: its responsiveness."""
+
+    def __init__(self) -> None:
+        self._max_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            self._max_s = max(self._max_s, time.perf_counter() - start - 0.001)
+
+    def read_max_ms(self) -> float:
+        value, self._max_s = self._max_s * 1e3, 0.0
+        return value

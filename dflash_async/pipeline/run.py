@@ -37,6 +37,7 @@ from dflash_async.pipeline.distributed import (
     rank_info_from_env,
     writer_first,
 )
+from dflash_async.pipeline.meters import LoopLag
 from dflash_async.pipeline.resume import Resume, resume_point
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
@@ -50,23 +51,6 @@ from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve
 from dflash_async.settings import Settings
 from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 from dflash_async.usage import check_writable_folder
-
-
-class LoopLag:
-    """Measures how late the event loop wakes a 1 ms sleeper: its responsiveness."""
-
-    def __init__(self) -> None:
-        self._max_s = 0.0
-
-    async def run(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            self._max_s = max(self._max_s, time.perf_counter() - start - 0.001)
-
-    def read_max_ms(self) -> float:
-        value, self._max_s = self._max_s * 1e3, 0.0
-        return value
 
 
 @dataclass
@@ -207,10 +191,14 @@ async def _start_workers(
     for i, device in enumerate(roles.targets[1:], start=1):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
-    plan = plan_steps(settings, samples.lengths, len(roles.drafters), node=node)
-    check_same_run(node, timeout_s=pipe.dist_timeout_s, samples=len(samples),
-                   tokens=int(samples.lengths.sum()), drafters=len(roles.drafters),
-                   total_steps=plan.total_steps)  # fmt: skip
+    # Off the loop: planning an epoch is seconds at millions of samples; the check waits on peers.
+    plan = await anyio.to_thread.run_sync(
+        lambda: plan_steps(settings, samples.lengths, len(roles.drafters), node=node)
+    )
+    await anyio.to_thread.run_sync(lambda: check_same_run(
+        node, timeout_s=pipe.dist_timeout_s, samples=len(samples),
+        tokens=int(samples.lengths.sum()), drafters=len(roles.drafters),
+        total_steps=plan.total_steps))  # fmt: skip
     drafters = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     steps = await _start_drafters(
         settings,

@@ -265,7 +265,9 @@ async def calibrate(
     through both at once on their threads. One warm-up pack first (compiling). None when the
     data holds fewer than two packs."""  # fmt: skip
     train = settings.train
-    plan = plan_epoch(samples.lengths, train.token_budget, train.seed, 0)
+    plan = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
+        plan_epoch, samples.lengths, train.token_budget, train.seed, 0
+    )
     k = min(settings.pipeline.calibration_packs, len(plan) - 1)
     if k < 1:
         return None
