@@ -114,16 +114,9 @@ async def test_a_failing_worker_cancels_the_run_and_joins_every_thread(
 # ---- 2. data parallel: M drafters' step equals one drafter's step on all M packs -----------
 
 
-@pytest.mark.anyio
-async def test_two_drafter_workers_hold_identical_weights_after_every_step(
-    inputs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    settings = run_settings(inputs, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="3")
-    # The settings refuse `cpu,cpu` (a repeated device); the pipeline itself runs two CPU
-    # drafters fine, so the validated settings are copied with the device list replaced.
-    two = settings.pipeline.model_copy(update={"drafter_devices": ("cpu", "cpu")})
-    settings = settings.model_copy(update={"pipeline": two})
-    weights: list[list[torch.Tensor]] = []  # per step: each drafter's flat weights
+async def run_recording_weights(settings, monkeypatch) -> tuple[list, list]:
+    """Run; return (per step: every drafter's flat weights, the captured log events)."""
+    weights: list[list[torch.Tensor]] = []
     real_train_steps = pipeline.train_steps
 
     async def train_steps_checked(runners, *args, on_step_end=None, **kwargs) -> int:
@@ -138,6 +131,19 @@ async def test_two_drafter_workers_hold_identical_weights_after_every_step(
     monkeypatch.setattr(pipeline, "train_steps", train_steps_checked)
     with capture_logs() as events, anyio.fail_after(RUN_DEADLINE_S):
         assert await pipeline.run(settings, get_logger("test")) == 0
+    return weights, events
+
+
+@pytest.mark.anyio
+async def test_two_drafter_workers_hold_identical_weights_after_every_step(
+    inputs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = run_settings(inputs, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="3")
+    # The settings refuse `cpu,cpu` (a repeated device); the pipeline itself runs two CPU
+    # drafters fine, so the validated settings are copied with the device list replaced.
+    two = settings.pipeline.model_copy(update={"drafter_devices": ("cpu", "cpu")})
+    settings = settings.model_copy(update={"pipeline": two})
+    weights, events = await run_recording_weights(settings, monkeypatch)
     assert len(weights) == 3
     for step in weights:
         assert len(step) == 2 and torch.equal(step[0], step[1])

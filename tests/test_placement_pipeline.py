@@ -8,29 +8,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
-from structlog.testing import capture_logs
 from test_pipeline import (
     NUM_ANCHORS,
     PACK_ROWS,
-    RUN_DEADLINE_S,
     FixedAnchors,
     flat_weights,
     laid_out,
     make_step,
     one_thread,  # noqa: F401 (autouse fixture)
     random_docs,
+    run_recording_weights,
     run_settings,
 )
 from tiny_run import tiny_inputs
 
-from dflash_async.log import get_logger
 from dflash_async.model.objective import Anchors, sample_anchors
 from dflash_async.model.step import STATS
 from dflash_async.pipeline import placement
-from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
@@ -41,26 +37,6 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return tiny_inputs(tmp_path_factory.mktemp("placement"))
-
-
-async def run_recording_weights(settings, monkeypatch) -> tuple[list, list]:
-    """Run; return (per step: every drafter's flat weights, the captured log events)."""
-    weights: list[list[torch.Tensor]] = []
-    real_train_steps = pipeline.train_steps
-
-    async def train_steps_checked(runners, *args, on_step_end=None, **kwargs) -> int:
-        async def after_step(step: int) -> None:
-            # CPU jobs have finished when their await returns: reading from here is safe.
-            weights.append([flat_weights(r.step) for r in runners])
-            if on_step_end is not None:
-                await on_step_end(step)
-
-        return await real_train_steps(runners, *args, on_step_end=after_step, **kwargs)
-
-    monkeypatch.setattr(pipeline, "train_steps", train_steps_checked)
-    with capture_logs() as events, anyio.fail_after(RUN_DEADLINE_S):
-        assert await pipeline.run(settings, get_logger("test")) == 0
-    return weights, events
 
 
 @pytest.mark.anyio
