@@ -21,7 +21,7 @@ import contextvars
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -265,19 +265,3 @@ async def open_device_worker(
 
 def _started() -> None:
     """An empty job: it runs only after the thread state is set."""
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int | None) -> Iterator[None]:
-    """Temporarily set torch's CPU intra-op threads (process-wide; restored on exit; None: as is).
-
-    Decoding a tiny model on the CPU runs [1..64, 128]-row matmuls: with 2 threads on 2 busy cores
-    each waits on the other, 10-20x slower than 1 thread (measured in regenerate and evaluate).
-    """
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
