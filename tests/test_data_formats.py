@@ -159,7 +159,7 @@ def test_with_skip_a_truncated_last_line_is_counted_and_the_rest_kept(tokenizer,
     log = EventLog()
     samples = load(path, tokenizer, log, on_bad_record="skip")
     assert len(samples) == last - 1
-    assert log.events[0]["truncated_last_line"] == 1 and log.events[0]["bad_record"] == 0
+    assert log.events[-1]["truncated_last_line"] == 1 and log.events[-1]["bad_record"] == 0
 
 
 def test_a_malformed_line_with_its_end_is_a_bad_record_not_a_truncation(tokenizer, tmp_path):
@@ -167,7 +167,7 @@ def test_a_malformed_line_with_its_end_is_a_bad_record_not_a_truncation(tokenize
     path.write_bytes(jsonl(openai_records()[:1]) + b'{"messages": [\n' + jsonl(openai_records()))
     log = EventLog()
     load(path, tokenizer, log, on_bad_record="skip")
-    assert (log.events[0]["bad_record"], log.events[0]["truncated_last_line"]) == (1, 0)
+    assert (log.events[-1]["bad_record"], log.events[-1]["truncated_last_line"]) == (1, 0)
 
 
 def test_an_unclosed_json_array_is_an_error(tokenizer, tmp_path):

@@ -80,10 +80,19 @@ def assistant_char_mask(
     enable_thinking: bool,
     loss_turns: str = "all",
     tools: list[dict] | None = None,
+    fast_render: Any = None,
 ) -> tuple[str, np.ndarray]:
-    """The full rendering and its per-character mask of supervised (assistant-generated) text."""
+    """The full rendering and its per-character mask of supervised (assistant-generated) text.
+
+    `fast_render` (fast_template.choose_renderer's pick) renders what it can, jinja the rest.
+    """
 
     def render(msgs: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        if fast_render is not None:
+            text = fast_render(msgs, add_generation_prompt=add_generation_prompt,
+                               enable_thinking=enable_thinking, tools=tools)  # fmt: skip
+            if text is not None:
+                return text
         return render_chat(
             template,
             msgs,

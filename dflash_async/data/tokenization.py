@@ -36,10 +36,12 @@ from dflash_async.data.chat import (
     supervised_turns,
     token_mask,
 )
+from dflash_async.data.fast_template import choose_renderer
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
 Raw = tuple[str, Any]  # (where, raw record) from formats.iter_raw_records
 PROGRESS_EVERY_S = 10.0  # seconds between progress events when stderr is not a terminal
+FAST_RENDER_SAMPLE = 32  # records of the run checked against jinja before the fast renderer
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
 
 
-def _render(raw: Any, tokenizer: Any, options: EncodeOptions) -> tuple:
+def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) -> tuple:
     """One raw record -> ("chat", text, char_mask) | ("ok", ids, mask) | (count name, why)."""
     try:
         record = parse_record(raw)
@@ -96,6 +98,7 @@ def _render(raw: Any, tokenizer: Any, options: EncodeOptions) -> tuple:
             enable_thinking=options.enable_thinking,
             loss_turns=options.loss_turns,
             tools=tools,
+            fast_render=fast_render,
         )
         return ("chat", text, char_mask)
     except TruncatedRecord as exc:
@@ -108,10 +111,24 @@ def tokenize_batch(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, n
     """(ids int32, token end offsets int64) of each text: the tokenizer's batched fast path.
 
     The same ids and offsets as `tokenizer(text, add_special_tokens=False,
-    return_offsets_mapping=True)` one text at a time (a test holds them equal).
+    return_offsets_mapping=True)` one text at a time (a test holds them equal). A fast tokenizer
+    whose backend has no truncation or padding set and splits special tokens as the tokenizer
+    says is called directly: transformers' conversion of each encoding to lists costs as much
+    as a fifth of the tokenization.
     """
     if not texts:
         return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == getattr(tokenizer, "split_special_tokens", False)
+    ):
+        return [
+            (np.array(e.ids, dtype=np.int32), _flat_offsets(e.offsets))
+            for e in backend.encode_batch(texts, add_special_tokens=False)
+        ]
     encoding = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     return [
         (np.asarray(ids, dtype=np.int32), _flat_offsets(offsets))
@@ -125,9 +142,11 @@ def _flat_offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
     return flat.reshape(-1, 2)
 
 
-def encode_chunk(chunk: list[Raw], tokenizer: Any, options: EncodeOptions) -> ChunkResult:
+def encode_chunk(
+    chunk: list[Raw], tokenizer: Any, options: EncodeOptions, fast_render: Any = None
+) -> ChunkResult:
     """Render, tokenize (one batched call), mask and filter the records of one chunk."""
-    rendered = [_render(raw, tokenizer, options) for _, raw in chunk]
+    rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in chunk]
     texts = [r[1] for r in rendered if r[0] == "chat"]
     encoded = iter(tokenize_batch(tokenizer, texts))
     counts, bad, ids_list, mask_list = Counter(records=len(chunk)), [], [], []
@@ -172,14 +191,14 @@ def _filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, options: EncodeOptions) -> None:
+def _init_worker(tokenizer: Any, options: EncodeOptions, fast_render: Any) -> None:
     # One thread of Rust tokenization per process: the processes already fill the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=tokenizer, options=options)
+    _WORKER.update(tokenizer=tokenizer, options=options, fast_render=fast_render)
 
 
 def _encode_chunk_in_worker(chunk: list[Raw]) -> ChunkResult:
-    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"])
+    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], _WORKER["fast_render"])
 
 
 def encode_all(
@@ -195,11 +214,32 @@ def encode_all(
     """encode_chunk of every chunk of `records`, in order; parallel once there are > 2 chunks."""
     chunks = _chunked(iter(records), chunk_records)
     first = list(islice(chunks, 3))
+    fast_render = _fast_renderer(first, tokenizer, options, log)
     if workers > 1 and len(first) > 2:
-        results = _encode_in_pool(chain(first, chunks), tokenizer, options, workers)
+        results = _encode_in_pool(chain(first, chunks), tokenizer, options, workers, fast_render)
     else:
-        results = (encode_chunk(c, tokenizer, options) for c in chain(first, chunks))
+        results = (encode_chunk(c, tokenizer, options, fast_render) for c in chain(first, chunks))
     yield from _with_progress(results, log, progress_every_s)
+
+
+def _fast_renderer(chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, log: Any):
+    """fast_template's renderer if it renders like jinja on probes and the first SAMPLE chats."""
+    sample = []
+    for _, raw in islice(chain.from_iterable(chunks), FAST_RENDER_SAMPLE):
+        try:
+            sample.append(chat_messages(parse_record(raw), dict(options.role_map)))
+        except (BadRecord, TruncatedRecord):
+            continue
+    if not sample:  # pre-tokenized data, or nothing readable: jinja reports what is wrong
+        return None
+    try:
+        template = chat_template_of(tokenizer)
+    except ChatMaskError:
+        return None
+    fast_render, why = choose_renderer(template, sample, enable_thinking=options.enable_thinking)
+    log.info("chat_renderer_chosen", renderer="jinja" if fast_render is None else "python_qwen3",
+             checked_records=len(sample), **({"why": why} if why else {}))  # fmt: skip
+    return fast_render
 
 
 def _chunked(records: Iterator[Raw], size: int) -> Iterator[list[Raw]]:
@@ -208,14 +248,18 @@ def _chunked(records: Iterator[Raw], size: int) -> Iterator[list[Raw]]:
 
 
 def _encode_in_pool(
-    chunks: Iterator[list[Raw]], tokenizer: Any, options: EncodeOptions, workers: int
+    chunks: Iterator[list[Raw]],
+    tokenizer: Any,
+    options: EncodeOptions,
+    workers: int,
+    fast_render: Any,
 ) -> Iterator[ChunkResult]:
     # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, options),
+        initargs=(tokenizer, options, fast_render),
     )
     in_flight: deque[Future] = deque()
     try:
