@@ -14,11 +14,13 @@ Three measurements, each printed as a table:
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import random
 import resource
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -155,60 +157,107 @@ def bench_cached_reload(num_samples: int, mean_len: int = 64) -> dict:
     return figures
 
 
-async def _ticks(lags: list[float], stop: anyio.Event) -> None:
+def _cpu_wait_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat's
+    run-queue time); None where the kernel does not report it."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def _ticks(lags: list[tuple[float, float]], stop: anyio.Event) -> None:
+    """(lag s, of which waiting for a CPU s) of a 1 ms sleep, until `stop`."""
     while not stop.is_set():
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), _cpu_wait_s()
         await anyio.sleep(0.001)
-        lags.append(time.perf_counter() - started - 0.001)
+        lag = time.perf_counter() - started - 0.001
+        lags.append((lag, 0.0 if waited is None else _cpu_wait_s() - waited))
+
+
+class _FullCollections:
+    """Pauses of the garbage collector's full (generation 2) collections while installed."""
+
+    def __init__(self) -> None:
+        self.pauses_s: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif info["generation"] == 2:
+            self.pauses_s.append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> _FullCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self)
 
 
 async def _plan_with_ticks(lengths: np.ndarray, token_budget: int, in_process: bool) -> dict:
     """Loop lag while idle (the machine's floor), while epoch 0 is planned (start to the first
     pack: the planner's start-up included), and while packs are taken at 500/s for `after_s`
-    (the next epoch is planned ahead meanwhile)."""
-    idle: list[float] = []
+    (the next epoch is planned ahead meanwhile). Each tick's lag is also given less the time the
+    loop's thread waited for a CPU (`own`): what this process did to the loop, not what other
+    processes on the machine did to it."""
+    idle: list[tuple[float, float]] = []
     stop = anyio.Event()
     async with anyio.create_task_group() as group:
         group.start_soon(_ticks, idle, stop)
         await anyio.sleep(2.0)
         stop.set()
-    planning: list[float] = []
-    sending: list[float] = []
+    planning: list[tuple[float, float]] = []
+    sending: list[tuple[float, float]] = []
     send, receive = open_channel(4, "packs")
     started = time.perf_counter()
-    async with anyio.create_task_group() as group:
-        stop = anyio.Event()
-        group.start_soon(_ticks, planning, stop)
-        group.start_soon(lambda: read_stage(lengths, token_budget=token_budget, seed=0,
-                                            start=PackCursor(), epochs=None, send=send,
-                                            plan_in_process=in_process))  # fmt: skip
-        await receive.receive()
-        plan_s = time.perf_counter() - started
-        stop.set()
-        stop = anyio.Event()
-        group.start_soon(_ticks, sending, stop)
-        with anyio.move_on_after(max(5.0, 2.5 * plan_s)):
-            async for _ in receive:
-                await anyio.sleep(0.002)
-        stop.set()
-        group.cancel_scope.cancel()
-    ms = lambda xs, q: round(float(np.percentile(np.array(xs) * 1e3, q)), 2)  # noqa: E731
-    over = lambda xs: f"{sum(x > 0.005 for x in xs)} of {len(xs)}"  # noqa: E731
+    with _FullCollections() as collections:
+        async with anyio.create_task_group() as group:
+            stop = anyio.Event()
+            group.start_soon(_ticks, planning, stop)
+            group.start_soon(lambda: read_stage(lengths, token_budget=token_budget, seed=0,
+                                                start=PackCursor(), epochs=None, send=send,
+                                                plan_in_process=in_process))  # fmt: skip
+            await receive.receive()
+            plan_s = time.perf_counter() - started
+            stop.set()
+            stop = anyio.Event()
+            group.start_soon(_ticks, sending, stop)
+            with anyio.move_on_after(max(5.0, 2.5 * plan_s)):
+                async for _ in receive:
+                    await anyio.sleep(0.002)
+            stop.set()
+            group.cancel_scope.cancel()
     figures = {"planner": "process" if in_process else "thread", "samples": len(lengths),
-               "first_pack_s": round(plan_s, 2)}  # fmt: skip
-    for name, lags in (("planning", planning), ("sending", sending), ("idle", idle)):
-        figures |= {f"{name}_lag_max_ms": ms(lags, 100), f"{name}_lag_p99_ms": ms(lags, 99),
-                    f"{name}_ticks_over_5ms": over(lags)}  # fmt: skip
+               "gc_frozen": gc.get_freeze_count() > 0, "first_pack_s": round(plan_s, 2),
+               "full_gc_pauses": len(collections.pauses_s),
+               "full_gc_max_ms": round(max(collections.pauses_s, default=0.0) * 1e3, 1)}  # fmt: skip
+    for name, ticks in (("planning", planning), ("sending", sending), ("idle", idle)):
+        lag = np.array([t[0] for t in ticks]) * 1e3  # [ticks] ms
+        own = lag - np.array([t[1] for t in ticks]) * 1e3  # [ticks] ms, less waiting for a CPU
+        figures |= {
+            f"{name}_lag_max_p99_ms": f"{lag.max():.1f} / {np.percentile(lag, 99):.1f}",
+            f"{name}_own_max_p99_ms": f"{own.max():.1f} / {np.percentile(own, 99):.1f}",
+            f"{name}_ticks_over_5ms_lag_own": f"{(lag > 5).sum()} / {(own > 5).sum()} of {len(lag)}",
+        }
     return figures
 
 
-def bench_planning(num_samples: int, token_budget: int = 49152) -> list[dict]:
+def bench_planning(num_samples: int, token_budget: int = 49152, gc_freeze: bool = False) -> list:
     """The read stage planning one epoch in a process (the default at this size) and, for
-    comparison, in a thread of this process."""
+    comparison, in a thread of this process; on uvloop, as `run` does. gc_freeze: move every
+    object alive after start-up out of the collector's reach first (gc.freeze), so that a full
+    collection does not walk the ~1 M objects of torch and transformers."""
     lengths = synthetic_lengths(num_samples, 3072, seed=0)
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
     rows = []
     for in_process in (True, False):
-        rows.append(anyio.run(_plan_with_ticks, lengths, token_budget, in_process))
+        rows.append(anyio.run(_plan_with_ticks, lengths, token_budget, in_process,
+                              backend_options={"use_uvloop": True}))  # fmt: skip
         print(format_table(rows[-1]), flush=True)
     return rows
 
@@ -222,11 +271,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reload-samples", type=int, default=1_000_000)
     parser.add_argument("--plan-samples", type=int, default=5_000_000)
     parser.add_argument("--only", choices=("tokenize", "reload", "plan"), default=None)
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before planning")
     options = parser.parse_args(argv)
     if options.only in (None, "tokenize"):
         bench_tokenization(options.records, [int(w) for w in options.workers.split(",")])
     if options.only in (None, "reload"):
         bench_cached_reload(options.reload_samples)
     if options.only in (None, "plan"):
-        bench_planning(options.plan_samples)
+        bench_planning(options.plan_samples, gc_freeze=options.gc_freeze)
     return 0
