@@ -11,6 +11,8 @@ through transformers' own data preparation (plain JSON copies, reasoning-field a
 
 `render_chat_reference` is the plain call of transformers' renderer; a test holds the two equal.
 If a transformers release moves the private pieces used here, rendering falls back to it.
+transformers is imported on first use (~1 s): tokenizer processes that render everything with
+fast_template.py never import it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ from functools import lru_cache
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from transformers.utils import chat_template_utils
-from transformers.utils.chat_template_utils import render_jinja_template
 
 Message = dict[str, Any]
 _PRIVATE = ("_compile_jinja_template", "_plain_template_data", "_alias_reasoning_fields")
-FAST_RENDERING = all(hasattr(chat_template_utils, name) for name in _PRIVATE)
+
+
+@lru_cache(maxsize=1)
+def _transformers_rendering() -> tuple[Any, bool]:
+    """(transformers' chat_template_utils, whether its private pieces used here exist)."""
+    from transformers.utils import chat_template_utils
+
+    return chat_template_utils, all(hasattr(chat_template_utils, name) for name in _PRIVATE)
 
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
@@ -63,7 +70,7 @@ class MemoizedSandbox(ImmutableSandboxedEnvironment):
 @lru_cache(maxsize=16)
 def _compiled(template: str) -> Any:
     """The template compiled in a MemoizedSandbox copy of transformers' environment."""
-    base = chat_template_utils._compile_jinja_template(template).environment
+    base = _transformers_rendering()[0]._compile_jinja_template(template).environment
     if type(base) is not ImmutableSandboxedEnvironment:  # another sandbox: do not second-guess
         raise TypeError(f"transformers renders chat templates in a {type(base).__name__}")
     env = MemoizedSandbox(
@@ -85,7 +92,8 @@ def render_chat(
     tools: list[dict] | None = None,
 ) -> str:
     """Render `messages` exactly as `tokenizer.apply_chat_template(tokenize=False)` would."""
-    if not FAST_RENDERING or (tools is not None and not all(isinstance(t, dict) for t in tools)):
+    chat_template_utils, fast = _transformers_rendering()
+    if not fast or (tools is not None and not all(isinstance(t, dict) for t in tools)):
         return render_chat_reference(
             template,
             messages,
@@ -113,7 +121,7 @@ def render_chat_reference(
     tools: list[dict] | None = None,
 ) -> str:
     """transformers' own rendering (the reference for render_chat)."""
-    rendered, _ = render_jinja_template(
+    rendered, _ = _transformers_rendering()[0].render_jinja_template(
         conversations=[list(messages)],
         tools=tools,
         chat_template=template,

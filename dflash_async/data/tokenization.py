@@ -118,13 +118,8 @@ def tokenize_batch(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, n
     """
     if not texts:
         return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (
-        backend is not None
-        and backend.truncation is None
-        and backend.padding is None
-        and backend.encode_special_tokens == getattr(tokenizer, "split_special_tokens", False)
-    ):
+    backend = direct_backend(tokenizer)
+    if backend is not None:
         return [
             (np.array(e.ids, dtype=np.int32), _flat_offsets(e.offsets))
             for e in backend.encode_batch(texts, add_special_tokens=False)
@@ -134,6 +129,44 @@ def tokenize_batch(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, n
         (np.asarray(ids, dtype=np.int32), _flat_offsets(offsets))
         for ids, offsets in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True)
     ]
+
+
+def direct_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` that gives what the plain call gives, if there is one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == getattr(tokenizer, "split_special_tokens", False)
+    ):
+        return backend
+    return None
+
+
+@dataclass(frozen=True)
+class BackendOnly:
+    """What a tokenizer process reads of a tokenizer whose backend tokenize_batch calls: it
+    pickles without transformers, so a process that renders with fast_template never imports
+    transformers (~1 s of start-up per process)."""
+
+    backend_tokenizer: Any  # tokenizers.Tokenizer
+    chat_template: Any
+    name_or_path: str
+    split_special_tokens: bool
+    size: int  # len(tokenizer): the vocabulary with added tokens
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def _for_workers(tokenizer: Any) -> Any:
+    backend = direct_backend(tokenizer)
+    if backend is None:
+        return tokenizer
+    return BackendOnly(backend, getattr(tokenizer, "chat_template", None),
+                       str(getattr(tokenizer, "name_or_path", "")),
+                       bool(getattr(tokenizer, "split_special_tokens", False)), len(tokenizer))  # fmt: skip
 
 
 def _flat_offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
@@ -259,7 +292,7 @@ def _encode_in_pool(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, options, fast_render),
+        initargs=(_for_workers(tokenizer), options, fast_render),
     )
     in_flight: deque[Future] = deque()
     try:
