@@ -7,7 +7,7 @@
 #     in MODE (overlap: training goes on; pause: it waits) and one after training, 64 prompts x
 #     256 tokens each, the baseline decoded once per run (the second reads it back); the training
 #     time each costs is measured from the step log (eval_lost_time.py; goal: <= 60 s).
-# Usage: benchmarks/h200_eval.sh [WORK_DIR] [STEPS] [MODE]
+# Usage: benchmarks/h200_eval.sh [WORK_DIR] [STEPS] [MODE]; SKIP_THROUGHPUT=1 skips part 1.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 work=${1:-/tmp/dflash_bench}; steps=${2:-60}; mode=${3:-overlap}
