@@ -26,7 +26,12 @@ from transformers import Qwen3_5TextConfig
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target.forward import select_target_forward
 from dflash_async.target.loading import capture_features, random_target, text_model
-from dflash_async.target.packed_hybrid import HybridKernels, PackedHybridForward
+from dflash_async.target.packed_hybrid import (
+    HybridKernels,
+    PackedHybridForward,
+    Segments,
+    chunk_table,
+)
 
 LENGTHS = (7, 12, 5, 9)
 TOKEN_BUDGET = 40
@@ -34,15 +39,14 @@ LAYER_IDS = (1, 3, 4)  # a linear layer, the full-attention layer, the linear la
 ATOL = 2e-5  # see the module docstring
 
 
-def _segments(cu_cpu: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu_cpu.tolist()
-    return list(itertools.pairwise(bounds))
+def _segments(segments: Segments) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(segments.cu_cpu.tolist()))
 
 
-def _conv(x, weight, cu, cu_cpu):
+def _conv(x, weight, segments: Segments):
     """silu(depthwise causal conv) per segment, zero history at each segment start."""
     out = torch.empty_like(x)
-    for lo, hi in _segments(cu_cpu):
+    for lo, hi in _segments(segments):
         seg = x[0, lo:hi].T[None]  # [1, C, n]
         y = F.conv1d(seg, weight[:, None], padding=weight.shape[1] - 1, groups=weight.shape[0])
         out[0, lo:hi] = F.silu(y[0, :, : hi - lo].T)
@@ -54,13 +58,13 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
-def _delta(q, k, v, g, beta, cu, cu_cpu):
+def _delta(q, k, v, g, beta, segments: Segments):
     """The gated delta rule, token by token, zero state at each segment start."""
     heads, dk = v.shape[2], q.shape[-1]
     q = _l2norm(q.float()).repeat_interleave(heads // q.shape[2], dim=2) * dk**-0.5
     k = _l2norm(k.float()).repeat_interleave(heads // k.shape[2], dim=2)
     out = torch.empty_like(v, dtype=torch.float32)
-    for lo, hi in _segments(cu_cpu):
+    for lo, hi in _segments(segments):
         state = v.new_zeros(heads, dk, v.shape[-1], dtype=torch.float32)  # [HV, K, V]
         for t in range(lo, hi):
             state = state * g[0, t].exp()[:, None, None]
@@ -125,6 +129,14 @@ def test_packed_rows_equal_each_document_alone_with_reference_kernels() -> None:
     docs = _documents(LENGTHS)
     errors = _per_document_errors(model, docs, _packed(forward, docs, TOKEN_BUDGET, 3 * 64))
     assert max(errors) < ATOL, errors
+
+
+def test_chunk_table_lists_every_64_token_chunk_of_every_segment() -> None:
+    cuts = np.array([0, 70, 170, 173, 236, 256])  # 70 rows = 2 chunks, 100 = 2, 3 = 1, 63 = 1
+    expected = [(s, c) for s, (lo, hi) in enumerate(itertools.pairwise(cuts))
+                for c in range(-(-(hi - lo) // 64))]  # fmt: skip
+    assert chunk_table(cuts).tolist() == [list(r) for r in expected]
+    assert len(expected) == 7
 
 
 def test_cpu_hybrid_keeps_the_hf_path_and_says_why() -> None:
