@@ -149,24 +149,41 @@ def test_cpu_hybrid_keeps_the_hf_path_and_says_why() -> None:
 
 @pytest.mark.gpu
 def test_gpu_fla_packed_rows_equal_each_document_alone() -> None:
-    """fp32, fla kernels, documents across fla's 64-token chunks. Bound 1e-3: fla's triton dots
-    on fp32 inputs may run TF32 (10-bit mantissa, ~5e-4 relative); HF alone uses the same kernels
-    or the torch form. A leaked state moves features by O(0.1)."""
+    """fp32, fla kernels, documents across fla's 64-token chunks, flex attention (compiled).
+
+    The reference, each document alone through HF on the GPU: with fla installed HF's Gated
+    DeltaNet calls the same `chunk_gated_delta_rule` (not varlen: one sequence, the same chunk
+    boundaries relative to the document start), its short convolution is torch's F.conv1d (no
+    causal-conv1d package), its attention SDPA. Bound: relative max difference 5e-3 per document.
+    fla's triton dots on fp32 inputs run TF32 (10-bit mantissa: rounding 2^-11 = 4.9e-4 relative
+    per operand; solve_tril asks for tf32 explicitly), so operands that differ by an fp32 ulp (the
+    triton vs torch conv, flex vs SDPA, fused compiled norms) may round to neighbouring TF32 values;
+    ~2 such dot stages per layer over 5 layers stay within 10 x 4.9e-4. A state leaked across a
+    boundary or a missing gate changes the affected rows by O(1) relative."""
     model = random_target(tiny_qwen35(), seed=0).cuda()
     path = select_target_forward(
         model, LAYER_IDS, token_budget=256, max_batch_tokens=256, packed_hybrid=True
     )
     assert path.name == "packed_hybrid", path.reason
     docs = _documents((70, 100, 3, 50), seed=1)
-    errors = _per_document_errors(model, docs, _packed(path.forward, docs, 256, 3 * 64, "cuda"))
-    assert max(errors) < 1e-3, errors
+    packed = _packed(path.forward, docs, 256, 3 * 64, "cuda")
+    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
+    errors = _per_document_errors(model, docs, packed)
+    scales = [float(packed[lo:hi].abs().max()) for lo, hi in itertools.pairwise(offsets)]
+    relative = [e / s for e, s in zip(errors, scales, strict=True)]
+    print(f"fp32 fla packed vs alone, relative max diff per document: {relative}")  # pytest -s
+    assert max(relative) < 5e-3, (relative, errors)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_is() -> None:
-    """Qwen3.5-9B's layer shapes, 5 layers (3 linear, 1 full, 1 linear), bf16: the packed path
-    may be no farther from the fp32 model than HF's own bf16 path is (x1.5 margin for kernel
-    differences), per document."""
+    """Qwen3.5-9B's layer shapes, 5 layers (3 linear, 1 full, 1 linear), bf16, 4 documents.
+
+    Tolerance from the reference's own bf16 noise: HF in bf16 (fla's chunk_gated_delta_rule, torch
+    conv, SDPA) is some relative distance from the same model in fp32; the packed path does the
+    same ops in the same precision on the same rows (kernel choices and summation order differ:
+    fla's varlen and triton conv, flex attention, fused compiled norms), so its distance may be
+    at most 1.5x HF's, per document (the dense test's margin, tests/test_target_gpu.py)."""
     import copy
 
     config = Qwen3_5TextConfig(
@@ -192,7 +209,9 @@ def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_
         hf = capture_features(model, ids, ones, LAYER_IDS)[0].float()
         packed = out[offsets[j] : offsets[j + 1]].float()
         hf_error, packed_error = (float((x - exact).norm() / exact.norm()) for x in (hf, packed))
+        print(f"bf16 document {j}: packed {packed_error:.3g}, HF {hf_error:.3g} from fp32")
         assert packed_error <= 1.5 * hf_error, (j, packed_error, hf_error)
+    assert not out[offsets[-1] :].any(), "padding rows must be zero"
 
 
 def test_packed_hybrid_is_off_unless_asked_for() -> None:
