@@ -39,6 +39,8 @@ out=${OUT:-$work/out}; mkdir -p "$work" "$out"
 exec > >(tee -a "$out/hybrid.log") 2>&1
 start=$SECONDS
 part() { echo; echo "== $1 ($(date +%T), +$((SECONDS - start)) s)"; }
+budget() {  # seconds for this part: at most $1, leaving $2 for the later parts (535 s in all)
+  local left=$((535 - (SECONDS - start) - $2)); echo $((left < $1 ? (left > 10 ? left : 10) : $1)); }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR="$work/triton_cache" TORCHINDUCTOR_CACHE_DIR="$work/inductor_cache"
 [ -n "$cache_in" ] && mkdir -p "$work" && tar -C "$work" -xzf "$cache_in" && echo "unpacked $cache_in"
@@ -64,11 +66,11 @@ if [ -d "$target" ]; then echo "exists"; make_pid=""; else
 fi
 
 part "GPU tests (fixed fla configs)"
-env "${fixed[@]}" timeout 130 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+env "${fixed[@]}" timeout "$(budget 150 300)" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
   tests/test_target_hybrid.py tests/test_no_host_sync.py -k "hybrid" 2>&1 | tail -25
 
 part "bench target qwen3.5-9b"
-env "${tuned[@]}" timeout 180 python3 -m dflash_async bench target --shapes qwen3.5-9b --repeats 3
+env "${tuned[@]}" timeout "$(budget 200 180)" python3 -m dflash_async bench target --shapes qwen3.5-9b --repeats 3
 echo "bench rc=$?"
 
 part "pipeline, $steps steps, co-located, packed hybrid"
@@ -78,7 +80,7 @@ env "${tuned[@]}" DFLASH_ENV_FILE=settings/qwen3_5_9b_1xh200.env DFLASH_TARGET__
     DFLASH_DATA__PATH="$work/synthetic.jsonl" DFLASH_TRAIN__MAX_STEPS="$steps" \
     DFLASH_TRAIN__SAVE_EVERY=0 DFLASH_EVAL__EVERY=0 DFLASH_LOG__FORMAT=json \
     DFLASH_TARGET__PACKED_HYBRID=true DFLASH_OUTPUT_DIR="$run_dir" \
-    timeout 200 python3 -m dflash_async run > "$work/hybrid_run.log" 2> "$work/hybrid_run.err"
+    timeout "$(budget 260 15)" python3 -m dflash_async run > "$work/hybrid_run.log" 2> "$work/hybrid_run.err"
 echo "run rc=$?"
 cp "$work/hybrid_run.log" "$out/hybrid_run.log" 2>/dev/null
 tail -3 "$work/hybrid_run.err"
