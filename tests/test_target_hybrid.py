@@ -87,11 +87,12 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 def tiny_qwen35(**overrides) -> Qwen3_5TextConfig:
-    """4 Gated DeltaNet + 1 gated attention layers, GVA (4 value heads per 2 key heads)."""
+    """4 Gated DeltaNet + 1 gated attention layers, GVA (4 value heads per 2 key heads); heads of
+    32 (fla's triton kernels tile head dims by 32 or 64: 16 would only test their masking)."""
     shape = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=300,
+        linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=300,
         layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
     )  # fmt: skip
     return Qwen3_5TextConfig(**{**shape, **overrides})
