@@ -39,8 +39,8 @@ out=${OUT:-$work/out}; mkdir -p "$work" "$out"
 exec > >(tee -a "$out/hybrid.log") 2>&1
 start=$SECONDS
 part() { echo; echo "== $1 ($(date +%T), +$((SECONDS - start)) s)"; }
-budget() {  # seconds for this part: at most $1, leaving $2 for the later parts (535 s in all)
-  local left=$((535 - (SECONDS - start) - $2)); echo $((left < $1 ? (left > 10 ? left : 10) : $1)); }
+budget() {  # seconds for this part: at most $1, leaving $2 for the later parts (520 s in all, then ~10 s for the caches)
+  local left=$((520 - (SECONDS - start) - $2)); echo $((left < $1 ? (left > 10 ? left : 10) : $1)); }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR="$work/triton_cache" TORCHINDUCTOR_CACHE_DIR="$work/inductor_cache"
 [ -n "$cache_in" ] && mkdir -p "$work" && tar -C "$work" -xzf "$cache_in" && echo "unpacked $cache_in"
