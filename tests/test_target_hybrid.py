@@ -142,9 +142,7 @@ def test_chunk_table_lists_every_64_token_chunk_of_every_segment() -> None:
 
 def test_cpu_hybrid_keeps_the_hf_path_and_says_why() -> None:
     model = random_target(tiny_qwen35(), seed=0)
-    path = select_target_forward(
-        model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, packed_hybrid=True
-    )
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "hf" and "CUDA" in path.reason
 
 
@@ -215,7 +213,9 @@ def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_
     assert not out[offsets[-1] :].any(), "padding rows must be zero"
 
 
-def test_packed_hybrid_is_off_unless_asked_for() -> None:
+def test_packed_hybrid_can_be_turned_off() -> None:
     model = random_target(tiny_qwen35(), seed=0)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, packed_hybrid=False
+    )
     assert path.name == "hf" and "PACKED_HYBRID" in path.reason
