@@ -97,9 +97,9 @@ class TargetSettings(_Section):
     """k: how many target layers feed the drafter."""
     target_layer_ids: tuple[int, ...] | None = None
     """Comma list of target layers to capture; empty = derived from the layer count (docs/DFLASH.md s.1)."""
-    packed_hybrid: bool = False
-    """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels instead
-    of HF on right-padded batches (opt-in until its GPU tests have passed on this machine)."""
+    packed_hybrid: bool = True
+    """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels; false =
+    HF on right-padded batches."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
 
