@@ -27,6 +27,7 @@ from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.step_ranges import step_range
 
 
 def default_gamma(block_size: int) -> float:
@@ -176,13 +177,12 @@ class DFlashObjective(nn.Module):
 
     def _hidden(self, batch: PackedBatch, anchors: Anchors, tokens, positions) -> torch.Tensor:
         """Drafter output norm(x) for every block slot, [A, B, d]."""
-        embeds = F.embedding(tokens.flatten(), self.embed_weight)  # [Q, d]
+        with step_range("features"):
+            embeds = F.embedding(tokens.flatten(), self.embed_weight)  # [Q, d]
+        with step_range("block_mask"):
+            attend = self._attend(batch, anchors)
         hidden = self.drafter(
-            embeds,
-            positions.flatten(),
-            batch.features,
-            batch.position_ids,
-            self._attend(batch, anchors),
+            embeds, positions.flatten(), batch.features, batch.position_ids, attend
         )
         return hidden.view(*tokens.shape, -1)
 
@@ -191,14 +191,15 @@ class DFlashObjective(nn.Module):
         hidden = self._hidden(batch, anchors, tokens, positions)
         # slot 0 (the anchor) is never trained: decode slots 1..B-1 only
         w = weights[:, 1:].flatten()  # [A*(B-1)]
-        ce_sum, correct_pred = linear_weighted_cross_entropy(
-            hidden[:, 1:].flatten(0, 1),
-            self.lm_head_weight,
-            labels[:, 1:].flatten(),
-            w,
-            self.config.ce_chunk_size,
-            self.ce_elementwise,
-        )
+        with step_range("lm_head_ce"):
+            ce_sum, correct_pred = linear_weighted_cross_entropy(
+                hidden[:, 1:].flatten(0, 1),
+                self.lm_head_weight,
+                labels[:, 1:].flatten(),
+                w,
+                self.config.ce_chunk_size,
+                self.ce_elementwise,
+            )
         trained = w > 0
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
         accepted = hit.long().cumprod(dim=1).sum()  # a miss or an untrained slot ends the run
