@@ -48,6 +48,10 @@ class ObjectiveConfig:
     attention: Literal["sdpa", "flex"] = "sdpa"
     flex_tile: int = 128  # flex BlockMask tile; T and A*B must be multiples of it
     compile: bool = False  # torch.compile the CE elementwise work and the drafter layers (GPU)
+    # flex_attention kernel_options (torch's FlexKernelOptions: tiles, USE_TMA, WRITE_DQ, ...),
+    # as sorted (name, value) pairs; () = torch's defaults
+    flex_kernel_options: tuple[tuple[str, bool | int], ...] = ()
+    flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
 
 
 class Anchors(NamedTuple):
@@ -116,6 +120,16 @@ def sample_anchors(
     return Anchors(torch.where(valid, positions, 0), valid)
 
 
+def compiled_flex_attention(*, autotune: bool = False):
+    """flex_attention compiled (it is fast, and sync-free, only compiled; compiled at the first
+    call). autotune: inductor's max-autotune searches the kernel's block sizes at that call
+    (minutes, once per shape; without CUDA graphs of its own: the step captures its own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mode = "max-autotune-no-cudagraphs" if autotune else None
+    return torch.compile(flex_attention, dynamic=False, mode=mode)
+
+
 class DFlashObjective(nn.Module):
     """Weighted block CE of a DFlash drafter on one packed batch; returns StepSums.
 
@@ -137,10 +151,7 @@ class DFlashObjective(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
         if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
-            # flex is fast (and sync-free) only compiled; compiled at the first call
-            from torch.nn.attention.flex_attention import flex_attention
-
-            flex_fn = torch.compile(flex_attention, dynamic=False)
+            flex_fn = compiled_flex_attention(autotune=config.flex_autotune)
         self.flex_fn = flex_fn
         self.ce_elementwise = ce_and_grad_from_logits
         if config.compile:
@@ -157,7 +168,7 @@ class DFlashObjective(nn.Module):
             mask = flex_block_mask(
                 batch.doc_ids, anchors.positions, anchors.valid, B, self.config.flex_tile
             )
-            return flex_attend(mask, self.flex_fn)
+            return flex_attend(mask, self.flex_fn, dict(self.config.flex_kernel_options))
         return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
 
     def _blocks(self, batch: PackedBatch, anchors: Anchors):
