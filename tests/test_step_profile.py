@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TinySpec, tiny_config
 
-from dflash_async.bench.drafter_bench import build_step, synthetic_pack
+from dflash_async.bench.drafter_bench import bench_drafter, build_step, synthetic_pack
 from dflash_async.bench.step_profile import (
     PARTS,
     KernelRecord,
@@ -107,3 +107,15 @@ def test_a_profiled_cpu_step_fills_every_part_and_backward_follows_its_forward(
     # backward operators were traced back to their forward ranges, not left in "other"
     assert {"attn_bwd", "attn_proj", "mlp", "lm_head_ce"} <= backward_parts
     assert "attn_fwd" not in backward_parts and "attn_bwd" in backward_parts
+
+
+def test_bench_drafter_profile_prints_the_table_and_parts_add_up(single_thread, capsys) -> None:
+    config = tiny_config(TinySpec(block_size=8, intermediate_size=96))
+    result = bench_drafter(config, token_budget=64, num_anchors=8, num_docs=2,
+                           device=torch.device("cpu"), attention="sdpa", cuda_graph=False,
+                           steps=1, warmup=1, profile=True)  # fmt: skip
+    parts = result.parts_ms
+    assert set(parts) == {*PARTS, "total"}
+    assert sum(parts[p] for p in PARTS) == pytest.approx(parts["total"], abs=0.01)
+    table = capsys.readouterr().err
+    assert "| attn_bwd |" in table and "MFU" in table and "780" in table
