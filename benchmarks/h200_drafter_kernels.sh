@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 20: where the drafter step's time goes, and faster kernels, on one H200 in under 9 minutes.
-#   1. GPU parity of every kernel variant with today's path (tests/test_gpu_drafter_kernels.py);
+#   1. GPU parity of the kernel variants with today's path (tests/test_gpu_drafter_kernels.py; all
+#      but flex_autotune, whose compile searches for minutes: `pytest -m gpu -k autotune ...`);
 #   2. the step by part at the Qwen3-8B drafter shape, T=16384 / 1024 anchors (bench drafter
 #      --profile: 2 eager steps of the compiled code, beside the graph-replayed whole step);
 #   3. today's path vs each variant, graph-replayed: step ms, MFU, peak GiB (one process);
@@ -16,16 +17,17 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 bench() { python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph "$@"; }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name(0))'
 
-part "1. parity of the kernel variants with today's path (GPU tests)"
-timeout 110 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu_drafter_kernels.py 2>&1 \
-  | grep -E '^\{|passed|failed|Error|assert' | cut -c1-600
+part "1. parity of the kernel variants with today's path (GPU tests, all but flex_autotune)"
+timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "not autotune" \
+  tests/test_gpu_drafter_kernels.py 2>&1 \
+  | grep -E '\{"check"|passed|failed|Error|assert' | cut -c1-600
 
 part "2. by part: T=16384, 1024 anchors"
 timeout 80 bench --token-budget 16384 --num-anchors 1024 --steps 5 --profile 2>&1 \
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "3. today vs each variant, graph-replayed: T=16384, 1024 anchors"
-timeout 170 bench --token-budget 16384 --num-anchors 1024 --steps 10 \
+timeout 160 bench --token-budget 16384 --num-anchors 1024 --steps 10 \
   --variants today,ce_chunk_4096,ce_chunk_8192,flex_dq_in_dkv_loop,flex_tma,flex_autotune 2>&1 \
   | grep -E '^\{|Error' | cut -c1-900
 
@@ -34,7 +36,7 @@ timeout 75 bench --token-budget 16384 --num-anchors 4096 --steps 5 --profile 2>&
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "5. by part: T=49152, 2048 anchors"
-timeout 85 bench --token-budget 49152 --num-anchors 2048 --steps 5 --profile 2>&1 \
+timeout 80 bench --token-budget 49152 --num-anchors 2048 --steps 5 --profile 2>&1 \
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "summary: whole step by variant and shape (graph-replayed)"
