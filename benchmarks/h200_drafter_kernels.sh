@@ -14,29 +14,30 @@ out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
 log="$out/drafter_kernels.log"
 exec > >(tee -a "$log") 2>&1
 part() { echo; echo "== $1 ($(date +%T))"; }
-bench() { python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph "$@"; }
-python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+bench=(python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph)
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
 part "1. parity of the kernel variants with today's path (GPU tests, all but flex_autotune)"
 timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "not autotune" \
   tests/test_gpu_drafter_kernels.py 2>&1 \
-  | grep -E '\{"check"|passed|failed|Error|assert' | cut -c1-600
+  | grep -E '\{"check"|passed|failed|skipped|Error|assert' | cut -c1-600
 
 part "2. by part: T=16384, 1024 anchors"
-timeout 80 bench --token-budget 16384 --num-anchors 1024 --steps 5 --profile 2>&1 \
+timeout 80 "${bench[@]}" --token-budget 16384 --num-anchors 1024 --steps 5 --profile 2>&1 \
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "3. today vs each variant, graph-replayed: T=16384, 1024 anchors"
-timeout 160 bench --token-budget 16384 --num-anchors 1024 --steps 10 \
+timeout 160 "${bench[@]}" --token-budget 16384 --num-anchors 1024 --steps 10 \
   --variants today,ce_chunk_4096,ce_chunk_8192,flex_dq_in_dkv_loop,flex_tma,flex_autotune 2>&1 \
-  | grep -E '^\{|Error' | cut -c1-900
+  | grep -iE '^\{|error' | cut -c1-900
 
 part "4. by part: T=16384, 4096 anchors"
-timeout 75 bench --token-budget 16384 --num-anchors 4096 --steps 5 --profile 2>&1 \
+timeout 75 "${bench[@]}" --token-budget 16384 --num-anchors 4096 --steps 5 --profile 2>&1 \
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "5. by part: T=49152, 2048 anchors"
-timeout 80 bench --token-budget 49152 --num-anchors 2048 --steps 5 --profile 2>&1 \
+timeout 80 "${bench[@]}" --token-budget 49152 --num-anchors 2048 --steps 5 --profile 2>&1 \
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "summary: whole step by variant and shape (graph-replayed)"
