@@ -3,9 +3,9 @@
 OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (training_state.py), newest K kept
 OUTPUT_DIR/drafter                     the servable export of the newest checkpoint
 
-A save blocks training only for the device-to-host copy, on drafter 0's thread between two
-steps; serialising, fsync and renames run in a worker thread, at most one save in flight (the
-next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
+A save blocks training only for the device-to-host copy (into page-locked buffers reused from
+save to save), on drafter 0's thread between two steps; serialising, fsync and renames run in a
+worker thread, at most one save in flight (the next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
 this run resumes it (`resume_source`).
 """
 
@@ -25,6 +25,7 @@ from dflash_async.settings import SettingsError
 from dflash_async.training_state import (
     CHECKPOINTS,
     STATE_NAME,
+    HostStaging,
     list_checkpoints,
     snapshot,
     write_checkpoint,
@@ -92,6 +93,7 @@ class Saver:
         self.runners, self.output_dir, self.keep = runners, output_dir, keep
         self.seed, self.run, self.tasks, self.log = seed, run, tasks, log
         self.last_step: int | None = None  # the newest checkpoint's step (written or resumed)
+        self.staging = HostStaging()  # reused by every snapshot: one save in flight at most
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -105,7 +107,7 @@ class Saver:
         first = self.runners[0]
         state = await first.worker.run(
             snapshot, [r.step for r in self.runners], step=step, cursor=cursor, seed=self.seed,
-            run=self.run,
+            run=self.run, staging=self.staging,
         )  # fmt: skip
         self.last_step, self._idle = step, anyio.Event()
         self.tasks.start_soon(self._write, state, time.perf_counter() - started)
@@ -113,6 +115,12 @@ class Saver:
     async def wait(self) -> None:
         """Until the save in flight (if any) is on disk."""
         await self._idle.wait()
+
+    async def close(self) -> None:
+        """After the last save: wait for it, then release the page-locked staging buffers. (A
+        run that fails leaves them locked until the process exits, which frees them.)"""
+        await self.wait()
+        self.staging.close()
 
     async def _write(self, state: dict, copy_s: float) -> None:
         try:
