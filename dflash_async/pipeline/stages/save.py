@@ -102,7 +102,8 @@ class Saver:
         the background. Waits first for the previous write."""
         if step == self.last_step:
             return  # that checkpoint exists already
-        await self.wait()
+        asked = time.perf_counter()
+        await self.wait()  # saves closer together than a write takes wait here (logged)
         started = time.perf_counter()
         first = self.runners[0]
         state = await first.worker.run(
@@ -110,7 +111,8 @@ class Saver:
             run=self.run, staging=self.staging,
         )  # fmt: skip
         self.last_step, self._idle = step, anyio.Event()
-        self.tasks.start_soon(self._write, state, time.perf_counter() - started)
+        copy_s, waited_s = time.perf_counter() - started, started - asked
+        self.tasks.start_soon(self._write, state, copy_s, waited_s)
 
     async def wait(self) -> None:
         """Until the save in flight (if any) is on disk."""
@@ -122,7 +124,7 @@ class Saver:
         await self.wait()
         self.staging.close()
 
-    async def _write(self, state: dict, copy_s: float) -> None:
+    async def _write(self, state: dict, copy_s: float, waited_s: float) -> None:
         try:
             started = time.perf_counter()
             folder, size = await anyio.to_thread.run_sync(
@@ -130,7 +132,8 @@ class Saver:
             )
             written = time.perf_counter()
             self.log.info("checkpoint_written", step=state["step"], path=str(folder),
-                          bytes=size, copy_s=round(copy_s, 3), write_s=round(written - started, 3))  # fmt: skip
+                          bytes=size, copy_s=round(copy_s, 3), waited_s=round(waited_s, 3),
+                          write_s=round(written - started, 3))  # fmt: skip
             config = self.runners[0].step.objective.drafter.config
             export = export_path(self.output_dir)
             await anyio.to_thread.run_sync(lambda: export_drafter(state["drafter"], config, export))
