@@ -28,8 +28,8 @@ timeout 80 "${bench[@]}" --token-budget 16384 --num-anchors 1024 --steps 5 --pro
   | grep -vE 'Warning|warn\(|^\s*$' | cut -c1-900
 
 part "3. today vs each variant, graph-replayed: T=16384, 1024 anchors"
-timeout 160 "${bench[@]}" --token-budget 16384 --num-anchors 1024 --steps 10 \
-  --variants today,ce_chunk_4096,ce_chunk_8192,flex_dq_in_dkv_loop,flex_tma,flex_autotune 2>&1 \
+timeout 150 "${bench[@]}" --token-budget 16384 --num-anchors 1024 --steps 10 \
+  --variants today,ce_chunk_4096,ce_chunk_8192,flex_dq_in_dkv_loop,flex_tma 2>&1 \
   | grep -iE '^\{|error' | cut -c1-900
 
 part "4. by part: T=16384, 4096 anchors"
