@@ -7,15 +7,17 @@
 #     in MODE (overlap: training goes on; pause: it waits) and one after training, 64 prompts x
 #     256 tokens each, the baseline decoded once per run (the second reads it back); the training
 #     time each costs is measured from the step log (eval_lost_time.py; goal: <= 60 s).
-# Usage: benchmarks/h200_eval.sh [WORK_DIR] [STEPS] [MODE]
+# Usage: benchmarks/h200_eval.sh [WORK_DIR] [STEPS] [MODE]; SKIP_THROUGHPUT=1 skips part 1.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 work=${1:-/tmp/dflash_bench}; steps=${2:-60}; mode=${3:-overlap}
 mkdir -p "$work"
+if [ -z "${SKIP_THROUGHPUT:-}" ]; then
 echo "== batched decoding throughput"
 python3 benchmarks/eval_throughput.py --prompts 64 --max-new-tokens 256 --batch-size 64 \
   2> "$work/eval_throughput.err" | tee "$work/eval_throughput.jsonl"
 tail -3 "$work/eval_throughput.err"
+fi
 [ -d "$work/qwen3-8b-random" ] || python3 benchmarks/make_random_target.py "$work"
 python3 - "$work" <<'PY'
 import json, random, sys

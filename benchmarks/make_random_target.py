@@ -1,7 +1,11 @@
-"""Write a Qwen3-8B-shaped random-weight target (bf16, initialised on the GPU) and a synthetic
-pre-tokenized data set with realistic lengths, for the H200 pipeline runs in BENCHMARKS.md.
+"""Write a random-weight target of a public model's shape (bf16, initialised on the GPU) and a
+synthetic pre-tokenized data set with realistic lengths, for the H200 pipeline runs in BENCHMARKS.md.
 
-    python benchmarks/make_random_target.py OUT_DIR [--samples 4000]
+    python benchmarks/make_random_target.py OUT_DIR [--samples 4000] [--shape qwen3-8b|qwen3.5-9b]
+
+The target lands in OUT_DIR/<shape>-random (qwen3-8b-random, qwen3.5-9b-random: the Qwen3.5-9B
+text decoder, 24 Gated DeltaNet + 8 gated attention layers), with the config of
+`python -m dflash_async bench target` (dflash_async/bench/target_bench.py).
 
 The folder carries the built-in tiny tokenizer (token ids are drawn below its size): a random
 target's throughput does not depend on which ids it reads.
@@ -13,28 +17,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
+from dflash_async.bench.target_bench import shape_configs
 from dflash_async.target.tiny import tiny_tokenizer
 
-
-def qwen3_8b_config() -> Qwen3Config:
-    return Qwen3Config(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
+SHAPES = ("qwen3-8b", "qwen3.5-9b")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=4000)
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b")
     args = parser.parse_args()
-    target = args.out / "qwen3-8b-random"
+    target = args.out / f"{args.shape}-random"
+    config, _ = shape_configs()[args.shape]
     with torch.device("cuda"):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(qwen3_8b_config(), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(target)
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(target)

@@ -13,6 +13,7 @@ source is explicit values: settings_env.py maps the environment to fields (see i
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -97,9 +98,9 @@ class TargetSettings(_Section):
     """k: how many target layers feed the drafter."""
     target_layer_ids: tuple[int, ...] | None = None
     """Comma list of target layers to capture; empty = derived from the layer count (docs/DFLASH.md s.1)."""
-    packed_hybrid: bool = False
-    """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels instead
-    of HF on right-padded batches (opt-in until its GPU tests have passed on this machine)."""
+    packed_hybrid: bool = True
+    """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels; false =
+    HF on right-padded batches."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
 
@@ -184,6 +185,37 @@ class TrainSettings(_Section):
     """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
     ce_chunk_size: int = Field(2048, ge=1)
     """Block positions per cross-entropy chunk (bounds the logits held at once)."""
+    flex_kernel_options: dict[str, bool | int] = {}
+    """flex_attention kernel options on GPU, JSON (torch's FlexKernelOptions, e.g.
+    {"USE_TMA": true} or {"bwd_BLOCK_M1": 64}); empty = torch's defaults."""
+    flex_autotune: bool = False
+    """Compile flex_attention with max-autotune (searches its block sizes at start-up; GPU)."""
+
+    @field_validator("flex_kernel_options", mode="before")
+    @classmethod
+    def _flex_options_json(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment or an env file
+            try:
+                return json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not JSON ({error.msg})") from None
+        return value
+
+    @field_validator("flex_kernel_options")
+    @classmethod
+    def _known_flex_options(cls, options: dict[str, bool | int]) -> dict[str, bool | int]:
+        if not options:
+            return options
+        from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy
+
+        known = set(FlexKernelOptions.__annotations__)
+        unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
+        if unknown:
+            raise ValueError(
+                f"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: unknown option(s) {', '.join(unknown)} "
+                f"(torch's FlexKernelOptions: {', '.join(sorted(known))})"
+            )
+        return options
 
     @field_validator("gamma")
     @classmethod

@@ -31,6 +31,7 @@ from dflash_async.data.packing import PackCursor
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step import DrafterStep
 from dflash_async.training_state import (
+    HostStaging,
     list_checkpoints,
     load_checkpoint,
     restore,
@@ -284,6 +285,51 @@ def test_restored_step_continues_exactly_and_in_place(tmp_path: Path, single_thr
     assert [v.data_ptr() for s in resumed.optimizer.state.values() for v in s.values()] == (
         state_pointers
     )
+
+
+def test_a_snapshot_is_a_copy_and_a_reused_staging_snapshot_equals_a_fresh_one(
+    single_thread,
+) -> None:
+    """The Saver snapshots into one HostStaging for the whole run: each snapshot must equal a
+    fresh copy of the live state at its step (not an alias of the live tensors, not stale
+    values of the previous save), and reuse the same buffers."""
+    step = _step(seed=0)
+    _train(step, 1)
+    staging = HostStaging()
+    run = {"DFLASH_TRAIN__SEED": 0}
+    first = snapshot([step], step=1, cursor=PackCursor(0, 1), seed=0, run=run, staging=staging)
+    first_weights = {k: v.clone() for k, v in first["drafter"].items()}
+    pointers = [v.data_ptr() for v in first["drafter"].values()]
+    _train(step, 1)  # the live state moves on: an alias would move with it
+    assert all(torch.equal(first["drafter"][k], v) for k, v in first_weights.items())
+    second = snapshot([step], step=2, cursor=PackCursor(0, 2), seed=0, run=run, staging=staging)
+    fresh = _state(step, 2)
+    assert [v.data_ptr() for v in second["drafter"].values()] == pointers  # reused
+    for name, saved in fresh["drafter"].items():
+        assert torch.equal(second["drafter"][name], saved), name
+    for got, want in zip(second["optimizer"], fresh["optimizer"], strict=True):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want if torch.is_tensor(want[k]))
+    assert not any(torch.equal(first_weights[k], v) for k, v in second["drafter"].items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_snapshot_copies_through_page_locked_buffers_exactly() -> None:
+    """On a GPU the large buffers are page-locked (cudaHostRegister) and the copies, enqueued
+    non-blocking, are complete when snapshot returns (it waits on the stream)."""
+    staging = HostStaging()
+    try:
+        big = torch.randn(1 << 19, device="cuda")  # 2 MiB fp32: above the page-locking size
+        small = torch.randn(16, device="cuda")
+        for _ in range(2):  # the second round reuses the buffers
+            big.mul_(2)
+            host_big, host_small = staging.copy("big", big), staging.copy("small", small)
+            staging.wait(big.device)
+            assert host_big.is_pinned() and not host_small.is_pinned()
+            assert torch.equal(host_big, big.cpu()) and torch.equal(host_small, small.cpu())
+    finally:
+        staging.close()
 
 
 def test_checkpoints_keep_the_newest_k_and_refuse_foreign_files(tmp_path: Path) -> None:

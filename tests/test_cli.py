@@ -192,6 +192,7 @@ def test_sigint_mid_run_saves_a_checkpoint_and_exits_130(tiny_root: Path) -> Non
     (interrupted,) = [e for e in events if e["event"] == "train_interrupted"]
     assert "train_completed" not in [e["event"] for e in events]
     assert 1 <= saved["step"] == interrupted["step"] < int(settings["DFLASH_TRAIN__MAX_STEPS"])
+    assert min(saved["copy_s"], saved["waited_s"], saved["write_s"]) >= 0
     export = root / "out" / "drafter"
     assert (exported["path"], exported["step"]) == (str(export), saved["step"])
     assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]

@@ -264,8 +264,9 @@ def test_gpu_target_step_does_not_synchronize(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_hybrid_target_forward_does_not_synchronize() -> None:
-    """Packed Qwen3.5 forward on fla's varlen kernels: the segment boundaries go to fla from the
-    host (cu_seqlens_cpu), so nothing is read back from the device."""
+    """Packed Qwen3.5 forward on fla's varlen kernels: the segment boundaries and fla's chunk table
+    go to fla from pinned host memory without blocking (fla alone would copy its chunk table from
+    pageable memory: a stream synchronisation), so nothing waits on the device."""
     import numpy as np
     from test_target_hybrid import tiny_qwen35
 

@@ -8,6 +8,7 @@ peak memory, eager or replayed as CUDA graphs (step.py). Used for BENCHMARKS.md.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -15,10 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dflash_async.bench.step_profile import format_rows, part_rows, profile_parts
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.model.flops import drafter_step_flops, mfu
+from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig, default_gamma
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline.devices import parse_device
@@ -76,6 +78,8 @@ def build_step(
     ce_chunk_size: int = 2048,
     seed: int = 0,
     compile: bool = False,
+    flex_kernel_options: dict | None = None,
+    flex_autotune: bool = False,
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -92,6 +96,8 @@ def build_step(
             ce_chunk_size=ce_chunk_size,
             attention=attention,
             compile=compile,
+            flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
+            flex_autotune=flex_autotune,
         ),
         drafter,
         embed,
@@ -109,8 +115,10 @@ class DrafterBench:
     step_ms: float
     tflops: float
     mfu: float
-    peak_mem_gib: float
+    peak_mem_gib: float  # max allocated over the timed steps (graph mode: misses the graph pool)
+    peak_all_gib: float  # max allocated from the build on: compile, warm-up, capture, steps
     loss: float
+    parts_ms: dict[str, float] | None = None  # --profile: ms per step of each part
 
 
 def time_steps(step: DrafterStep, steps: int) -> float:
@@ -140,7 +148,11 @@ def bench_drafter(
     ce_chunk_size: int = 2048,
     profile: bool = False,
     compile: bool = False,
+    flex_kernel_options: dict | None = None,
+    flex_autotune: bool = False,
 ) -> DrafterBench:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     step = build_step(
         config,
         token_budget=token_budget,
@@ -150,6 +162,8 @@ def bench_drafter(
         flex_fn=flex_fn,
         ce_chunk_size=ce_chunk_size,
         compile=compile,
+        flex_kernel_options=flex_kernel_options,
+        flex_autotune=flex_autotune,
     )
     step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
@@ -158,39 +172,53 @@ def bench_drafter(
         step.capture(warmup_steps=warmup)
     else:
         time_steps(step, warmup)
+    peak_all = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = time_steps(step, steps)
-    if profile:
-        print_profile(step)
-    stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: report only
-    flops = drafter_step_flops(
-        config,
-        token_budget=token_budget,
-        num_anchors=num_anchors,
-        visible_pairs=stats["visible_pairs"],
-    )
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return DrafterBench(
+    stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: report only
+    kwargs = dict(token_budget=token_budget, num_anchors=num_anchors,
+                  visible_pairs=stats["visible_pairs"])  # fmt: skip
+    flops = drafter_step_flops(config, **kwargs)
+    result = DrafterBench(
         mode="graph" if cuda_graph else "eager",
         step_ms=seconds * 1e3,
         tflops=flops / seconds / 1e12,
         mfu=mfu(flops, seconds),
         peak_mem_gib=peak,
+        peak_all_gib=max(peak_all / 2**30, peak),
         loss=stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
     )
+    if profile:
+        rows = part_rows(profile_parts(step, steps=2), steps=2,
+                         intermediate_size=config.intermediate_size,
+                         flops_by_part=drafter_step_flops_by_part(config, **kwargs))  # fmt: skip
+        result.parts_ms = {r.part: round(r.ms, 3) for r in rows}
+        title = (
+            f"### T={token_budget}, {num_anchors} anchors x {config.block_size}: by part, from "
+            f"2 profiled eager steps of the same code (a CUDA-graph replay hides which operator "
+            f"launched which kernel). Whole step, {result.mode}: {result.step_ms:.1f} ms, "
+            f"MFU {result.mfu:.3f} (peak 780 TFLOP/s, measured H200 bf16)"
+        )
+        print(format_rows(rows, title=title), file=sys.stderr, flush=True)
+    return result
 
 
-def print_profile(step: DrafterStep, steps: int = 3) -> None:
-    """Top CUDA kernels of a few steps, by total device time (where the step's time goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_steps(step, steps)
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
-    )
-    print(table, file=sys.stderr)  # stdout holds only the JSON lines
+# Kernel variants of the step that `--variants` compares in one process (bench_drafter kwargs).
+# Each is exact in math (same loss and gradients up to bf16 rounding order): tests/test_gpu_drafter_
+# kernels.py checks that. Not here: flex_attention's FLASH backend (flash-attn-4 on CuTe DSL: its
+# CUDA 13 libraries wheel is 92 MB, over the 40 MiB the device carries), and fused linear-CE
+# kernels (liger-kernel, cut-cross-entropy): none returns the argmax that the step's accuracy and
+# acceptance metrics need, so each would add a second lm_head pass.
+VARIANTS = {  # the slowest to build (autotune: minutes) last
+    "today": {},
+    "ce_chunk_4096": {"ce_chunk_size": 4096},
+    "ce_chunk_8192": {"ce_chunk_size": 8192},
+    "flex_dq_in_dkv_loop": {"flex_kernel_options": {"WRITE_DQ": False}},
+    "flex_tma": {"flex_kernel_options": {"USE_TMA": True}},
+    "flex_autotune": {"flex_autotune": True},
+}
 
 
 SHAPES = {
@@ -208,7 +236,8 @@ SHAPES = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode.
+    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode
+    (per variant with --variants); --profile adds a table by part on stderr.
 
     GPU only: without CUDA, or with a CPU --device, a UsageError at once (exit 2). The step has no
     CPU flex backward, and the sdpa reference at these shapes takes many minutes on a CPU.
@@ -223,24 +252,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     parser.add_argument("--ce-chunk-size", type=int, default=2048)
-    parser.add_argument("--profile", action="store_true", help="top CUDA kernels (on stderr)")
+    parser.add_argument("--profile", action="store_true", help="time by part (table on stderr)")
     parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
+    parser.add_argument(
+        "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
+    )
     args = parser.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     require_cuda("bench drafter", args.device)
     device = parse_device(args.device, setting="--device")
     torch.cuda.set_device(device)
-    for mode in args.modes.split(","):
-        result = bench_drafter(
-            SHAPES[args.shape](),
-            token_budget=args.token_budget,
-            num_anchors=args.num_anchors,
-            num_docs=args.num_docs,
-            device=device,
-            attention=args.attention,
-            cuda_graph=mode == "graph",
-            steps=args.steps,
-            ce_chunk_size=args.ce_chunk_size,
-            profile=args.profile,
-            compile=args.compile,
-        )
-        print(json.dumps({"shape": args.shape, **vars(args), **asdict(result)}), flush=True)
+    for variant in args.variants.split(","):
+        for mode in args.modes.split(","):
+            options = {"ce_chunk_size": args.ce_chunk_size, **VARIANTS[variant]}
+            try:
+                result = _bench_variant(args, device, mode, options)
+            except Exception as error:  # a candidate kernel may not build here: say so, go on
+                if variant == "today":
+                    raise
+                failed = {"variant": variant, "mode": mode, "error": str(error)[:400]}
+                print(json.dumps(failed), flush=True)
+                continue
+            finally:
+                gc.collect()  # the step's graphs and buffers go before the next one is built
+                torch.cuda.empty_cache()
+            row = {"shape": args.shape, **vars(args), "variant": variant, **asdict(result)}
+            print(json.dumps(row), flush=True)
+
+
+def _bench_variant(args, device: torch.device, mode: str, options: dict) -> DrafterBench:
+    return bench_drafter(
+        SHAPES[args.shape](),
+        token_budget=args.token_budget,
+        num_anchors=args.num_anchors,
+        num_docs=args.num_docs,
+        device=device,
+        attention=args.attention,
+        cuda_graph=mode == "graph",
+        steps=args.steps,
+        profile=args.profile,
+        compile=args.compile,
+        **options,
+    )

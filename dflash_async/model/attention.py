@@ -127,11 +127,15 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], order[None, None]
 
 
-def flex_attend(block_mask: BlockMask, flex_fn: Callable | None = None) -> Attend:
-    """flex_attention under `block_mask`; pass the compiled function on GPU (eager is slow)."""
+def flex_attend(
+    block_mask: BlockMask, flex_fn: Callable | None = None, kernel_options: dict | None = None
+) -> Attend:
+    """flex_attention under `block_mask`; pass the compiled function on GPU (eager is slow).
+    kernel_options: torch's FlexKernelOptions (None or empty: its defaults)."""
     fn = flex_fn or flex_attention
+    options = kernel_options or None
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
     return attend

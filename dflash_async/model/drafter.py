@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.step_ranges import step_range
 
 # attend(q [1, H, Q, hd], k [1, Hkv, S, hd], v [1, Hkv, S, hd]) -> [1, H, Q, hd], S = T + Q.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -203,11 +204,17 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         cfg = self.config
         dtype = compute_dtype(self.fc.weight)
-        context = self.fuse(features)  # [T, d]
+        with step_range("features"):
+            context = self.fuse(features)  # [T, d]
         x = block_embeds.to(dtype)  # the residual stream runs in the compute dtype
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
         for layer in self.layers:
-            q, k, v = self._attention_inputs(layer, x, context, block_rope, context_rope)
-            x = self._attention_output(layer, x, attend(q, k, v))
-        return self.norm(x)
+            with step_range("layer"):
+                q, k, v = self._attention_inputs(layer, x, context, block_rope, context_rope)
+            with step_range("attention"):
+                out = attend(q, k, v)
+            with step_range("layer"):
+                x = self._attention_output(layer, x, out)
+        with step_range("final_norm"):
+            return self.norm(x)

@@ -13,30 +13,42 @@ from dflash_async.model.drafter_config import DrafterConfig
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 
 
-def drafter_step_flops(
+def drafter_step_flops_by_part(
     config: DrafterConfig, *, token_budget: int, num_anchors: int, visible_pairs: float
-) -> float:
-    """Train FLOPs of one drafter step: T context rows, Q = A*B block slots.
+) -> dict[str, float]:
+    """Train FLOPs of one drafter step by part (the parts of bench/step_profile.py that do
+    matmul work; norms, elementwise work and the optimizer count 0): T context rows,
+    Q = A*B block slots.
 
     visible_pairs: attended (query, key) pairs summed over all queries (context + own block).
     """
     d, hd = config.hidden_size, config.head_dim
     H, Hkv, f = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    T, Q = token_budget, num_anchors * config.block_size
-    per_layer = (
-        2
-        * (
-            Q * d * H * hd  # q_proj
-            + 2 * (T + Q) * d * Hkv * hd  # k_proj, v_proj over context and block
-            + Q * H * hd * d  # o_proj
-            + 3 * Q * d * f  # gate, up, down
-        )
-        + 2 * 2 * H * hd * visible_pairs
-    )  # QK^T and PV
-    layers = 3 * config.num_hidden_layers * per_layer
-    fc = 2 * 2 * T * config.num_features * d * d
-    lm_head = 2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size
-    return float(layers + fc + lm_head)
+    T, Q, L = token_budget, num_anchors * config.block_size, config.num_hidden_layers
+    projections = 2 * (
+        Q * d * H * hd  # q_proj
+        + 2 * (T + Q) * d * Hkv * hd  # k_proj, v_proj over context and block
+        + Q * H * hd * d  # o_proj
+    )
+    attention_forward = L * 2 * 2 * H * hd * visible_pairs  # QK^T and PV
+    return {
+        "features": float(2 * 2 * T * config.num_features * d * d),  # fc over frozen features
+        "attn_proj": float(3 * L * projections),
+        "attn_fwd": float(attention_forward),
+        "attn_bwd": float(2 * attention_forward),
+        "mlp": float(3 * L * 2 * 3 * Q * d * f),  # gate, up, down
+        "lm_head_ce": float(2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size),
+    }
+
+
+def drafter_step_flops(
+    config: DrafterConfig, *, token_budget: int, num_anchors: int, visible_pairs: float
+) -> float:
+    """Train FLOPs of one drafter step: the sum of drafter_step_flops_by_part."""
+    parts = drafter_step_flops_by_part(
+        config, token_budget=token_budget, num_anchors=num_anchors, visible_pairs=visible_pairs
+    )
+    return float(sum(parts.values()))
 
 
 def target_forward_flops(

@@ -27,6 +27,7 @@ from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.step_ranges import step_range
 
 
 def default_gamma(block_size: int) -> float:
@@ -47,6 +48,10 @@ class ObjectiveConfig:
     attention: Literal["sdpa", "flex"] = "sdpa"
     flex_tile: int = 128  # flex BlockMask tile; T and A*B must be multiples of it
     compile: bool = False  # torch.compile the CE elementwise work and the drafter layers (GPU)
+    # flex_attention kernel_options (torch's FlexKernelOptions: tiles, USE_TMA, WRITE_DQ, ...),
+    # as sorted (name, value) pairs; () = torch's defaults
+    flex_kernel_options: tuple[tuple[str, bool | int], ...] = ()
+    flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
 
 
 class Anchors(NamedTuple):
@@ -115,6 +120,16 @@ def sample_anchors(
     return Anchors(torch.where(valid, positions, 0), valid)
 
 
+def compiled_flex_attention(*, autotune: bool = False):
+    """flex_attention compiled (it is fast, and sync-free, only compiled; compiled at the first
+    call). autotune: inductor's max-autotune searches the kernel's block sizes at that call
+    (minutes, once per shape; without CUDA graphs of its own: the step captures its own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mode = "max-autotune-no-cudagraphs" if autotune else None
+    return torch.compile(flex_attention, dynamic=False, mode=mode)
+
+
 class DFlashObjective(nn.Module):
     """Weighted block CE of a DFlash drafter on one packed batch; returns StepSums.
 
@@ -136,10 +151,7 @@ class DFlashObjective(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.lm_head_weight = lm_head_weight.detach()
         if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
-            # flex is fast (and sync-free) only compiled; compiled at the first call
-            from torch.nn.attention.flex_attention import flex_attention
-
-            flex_fn = torch.compile(flex_attention, dynamic=False)
+            flex_fn = compiled_flex_attention(autotune=config.flex_autotune)
         self.flex_fn = flex_fn
         self.ce_elementwise = ce_and_grad_from_logits
         if config.compile:
@@ -156,7 +168,7 @@ class DFlashObjective(nn.Module):
             mask = flex_block_mask(
                 batch.doc_ids, anchors.positions, anchors.valid, B, self.config.flex_tile
             )
-            return flex_attend(mask, self.flex_fn)
+            return flex_attend(mask, self.flex_fn, dict(self.config.flex_kernel_options))
         return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
 
     def _blocks(self, batch: PackedBatch, anchors: Anchors):
@@ -176,13 +188,12 @@ class DFlashObjective(nn.Module):
 
     def _hidden(self, batch: PackedBatch, anchors: Anchors, tokens, positions) -> torch.Tensor:
         """Drafter output norm(x) for every block slot, [A, B, d]."""
-        embeds = F.embedding(tokens.flatten(), self.embed_weight)  # [Q, d]
+        with step_range("features"):
+            embeds = F.embedding(tokens.flatten(), self.embed_weight)  # [Q, d]
+        with step_range("block_mask"):
+            attend = self._attend(batch, anchors)
         hidden = self.drafter(
-            embeds,
-            positions.flatten(),
-            batch.features,
-            batch.position_ids,
-            self._attend(batch, anchors),
+            embeds, positions.flatten(), batch.features, batch.position_ids, attend
         )
         return hidden.view(*tokens.shape, -1)
 
@@ -191,14 +202,15 @@ class DFlashObjective(nn.Module):
         hidden = self._hidden(batch, anchors, tokens, positions)
         # slot 0 (the anchor) is never trained: decode slots 1..B-1 only
         w = weights[:, 1:].flatten()  # [A*(B-1)]
-        ce_sum, correct_pred = linear_weighted_cross_entropy(
-            hidden[:, 1:].flatten(0, 1),
-            self.lm_head_weight,
-            labels[:, 1:].flatten(),
-            w,
-            self.config.ce_chunk_size,
-            self.ce_elementwise,
-        )
+        with step_range("lm_head_ce"):
+            ce_sum, correct_pred = linear_weighted_cross_entropy(
+                hidden[:, 1:].flatten(0, 1),
+                self.lm_head_weight,
+                labels[:, 1:].flatten(),
+                w,
+                self.config.ce_chunk_size,
+                self.ce_elementwise,
+            )
         trained = w > 0
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
         accepted = hit.long().cumprod(dim=1).sum()  # a miss or an untrained slot ends the run

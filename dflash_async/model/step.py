@@ -27,6 +27,7 @@ from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
+from dflash_async.model.step_ranges import step_range
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
@@ -149,14 +150,15 @@ class DrafterStep:
         self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
 
     def _update(self) -> None:
-        # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
-        self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
-        # foreach over the flat buffer's views; error_if_nonfinite stays False: True would sync
-        norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
-        self.grad_norm.copy_(norm)
-        self.optimizer.step()
-        self.schedule.advance_()
-        self.flat_grad.zero_()
+        with step_range("optimizer"):
+            # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
+            self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
+            # foreach over the flat buffer's views; error_if_nonfinite stays False: True would sync
+            norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+            self.grad_norm.copy_(norm)
+            self.optimizer.step()
+            self.schedule.advance_()
+            self.flat_grad.zero_()
 
     def seed_anchors(self, seed: int) -> None:
         """Draw the next phase A's anchor noise from `seed` (a pack's, PackCursor.anchor_seed):

@@ -383,6 +383,6 @@ async def _train(
             )  # fmt: skip
         if node.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
             await saver.save(steps, progress.cursor)
-        await saver.wait()
+        await saver.close()
         background.cancel_scope.cancel()
     return steps, summary

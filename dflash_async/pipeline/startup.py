@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from dflash_async.log import get_logger
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig, drafter_config_from_target
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
@@ -168,11 +169,17 @@ def build_drafter_step(
             ce_chunk_size=train.ce_chunk_size,
             attention=attention,
             compile=compile,
+            flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
+            flex_autotune=train.flex_autotune,
         ),
         drafter,
         embed,
         lm_head,
     )
+    if attention == "flex":  # the preflight line of the chosen attention kernel
+        get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
+                 flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
+                 ce_chunk_size=train.ce_chunk_size, torch=torch.__version__)  # fmt: skip
     return DrafterStep.build(
         objective,
         token_budget=train.token_budget,

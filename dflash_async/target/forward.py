@@ -9,8 +9,8 @@ extents on the host; the packed paths never look at it.
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks.
-- `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), when
-  asked for (`packed_hybrid=True`).
+- `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
+  turned off (`packed_hybrid=False`).
 - `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
@@ -129,12 +129,12 @@ def select_target_forward(
     token_budget: int,
     max_batch_tokens: int,
     compile: bool | None = None,
-    packed_hybrid: bool = False,
+    packed_hybrid: bool = True,
 ) -> TargetPath:
     """The fastest exact forward this model, device and token budget allow (see module doc).
 
     compile None means: compile on CUDA, not on the CPU. packed_hybrid: allow the packed fla
-    forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID; off by default until verified on a GPU).
+    forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID, on by default).
     """
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -143,13 +143,8 @@ def select_target_forward(
     model_type = text_config(model).model_type
     hf = lambda why: TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", why)  # noqa: E731
     if is_hybrid(model) or model_type in HYBRID_TYPES:
-        problem = (
-            _hybrid_problem(model, device)
-            if packed_hybrid
-            else (
-                "the packed varlen forward is off (DFLASH_TARGET__PACKED_HYBRID=true turns it on)"
-            )
-        )
+        off = "the packed varlen forward is turned off (DFLASH_TARGET__PACKED_HYBRID=false)"
+        problem = _hybrid_problem(model, device) if packed_hybrid else off
         if problem:
             return hf(f"hybrid {model_type}: {problem}")
         from dflash_async.target.packed_hybrid import PackedHybridForward, fla_kernels

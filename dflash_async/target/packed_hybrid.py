@@ -14,9 +14,12 @@ Everything else (norms, projections, MLP, the gated RMSNorm) is the HF modules' 
 kernels are passed in (`HybridKernels`) so the CPU tests can check the packing with plain torch
 ones; the product uses `fla_kernels()` on CUDA only (triton has no CPU backend).
 
-Sync point: none. The segment boundaries come from the host (the pack's document lengths), are
-copied to the device without blocking, and their host copy is given to fla (`cu_seqlens_cpu`), so
-fla never reads them back from the device.
+Sync point: none. The segment boundaries come from the host (the pack's document lengths) and so
+does fla's chunk table (`chunk_indices`: segment and chunk of each 64-token chunk); both are
+copied to the device from pinned memory without blocking. Left to itself, fla would build that
+table on the host from `cu_seqlens_cpu` and copy it from pageable memory, a blocking copy (a stream
+synchronisation) once per forward. fla's triton kernels autotune on their first call of each shape
+(see benchmarks/h200_hybrid.sh for what that costs and how its results are kept on disk).
 """
 
 from __future__ import annotations
@@ -42,10 +45,31 @@ from dflash_async.target.packed_dense import (
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
 
+FLA_CHUNK = 64  # fla's chunk length for chunk_gated_delta_rule and the triton causal_conv1d
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A pack's segments: `cu` [N+1] int64 on the device, `cu_cpu` its host copy, and `chunks`
+    [NT, 2] int64 on the device: (segment, chunk within it) of every FLA_CHUNK-token chunk."""
+
+    cu: torch.Tensor
+    cu_cpu: torch.Tensor
+    chunks: torch.Tensor
+
+
+def chunk_table(cuts: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
+    """(segment, chunk index) rows of every `chunk`-token chunk of every segment [NT, 2]."""
+    counts = -(-np.diff(cuts) // chunk)  # ceil
+    segment = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([segment, within], axis=1).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class HybridKernels:
-    """conv(x [1,T,C], weight [C,W], cu, cu_cpu) -> silu(causal conv) [1,T,C] per segment;
-    delta(q [1,T,H,K], k, v [1,T,HV,V], g [1,T,HV], beta [1,T,HV], cu, cu_cpu) -> o [1,T,HV,V]
+    """conv(x [1,T,C], weight [C,W], segments) -> silu(causal conv) [1,T,C] per segment;
+    delta(q [1,T,H,K], k, v [1,T,HV,V], g [1,T,HV], beta [1,T,HV], segments) -> o [1,T,HV,V]
     (q and k L2-normalised inside, scale K**-0.5, zero initial state per segment)."""
 
     conv: Callable
@@ -60,14 +84,18 @@ def fla_kernels() -> HybridKernels:
 
     backend = "cuda" if importlib.util.find_spec("causal_conv1d") else "triton"
 
-    def conv(x, weight, cu, cu_cpu):
-        out, _ = causal_conv1d(x, weight, activation="silu", backend=backend,
-                               cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+    # chunk_indices only where the kernel chunks by FLA_CHUNK (the triton conv and the delta rule)
+    table = (lambda s: {"chunk_indices": s.chunks}) if backend == "triton" else (lambda s: {})
+
+    def conv(x, weight, s: Segments):
+        out, _ = causal_conv1d(x, weight, activation="silu", backend=backend, cu_seqlens=s.cu,
+                               cu_seqlens_cpu=s.cu_cpu, **table(s))  # fmt: skip
         return out
 
-    def delta(q, k, v, g, beta, cu, cu_cpu):
+    def delta(q, k, v, g, beta, s: Segments):
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+                                        cu_seqlens=s.cu, cu_seqlens_cpu=s.cu_cpu,
+                                        chunk_indices=s.chunks, chunk_size=FLA_CHUNK)  # fmt: skip
         return out
 
     return HybridKernels(conv, delta, f"fla chunk_gated_delta_rule + causal_conv1d[{backend}]")
@@ -158,39 +186,41 @@ class PackedHybridForward:
         self._attention, self._mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
 
-    def _segments(self, lengths: np.ndarray, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cu_seqlens (device, host): each document, then the padding rows as one segment."""
-        cuts = np.concatenate([[0], np.cumsum(lengths)])
+    @staticmethod
+    def _segments(lengths: np.ndarray, T: int, device) -> Segments:
+        """Each document, then the padding rows as one segment."""
+        cuts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         if cuts[-1] < T:
             cuts = np.append(cuts, T)
-        host = torch.from_numpy(cuts.astype(np.int64))
-        if device.type == "cuda":
-            host = host.pin_memory()  # fresh pinned block: the allocator guards it (see produce)
-        return host.to(device, non_blocking=True), host
+        host, chunks = torch.from_numpy(cuts), torch.from_numpy(chunk_table(cuts))
+        if device.type == "cuda":  # fresh pinned blocks: the allocator guards them (see produce)
+            host, chunks = host.pin_memory(), chunks.pin_memory()
+        to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return Segments(to_device(host), host, to_device(chunks))
 
-    def _delta_layer(self, layer, hidden, cu, cu_cpu):
+    def _delta_layer(self, layer, hidden, segments: Segments):
         gdn = layer.linear_attn
         mixed, z, g, beta = self._delta_in(layer, hidden)
         weight = gdn.conv1d.weight.squeeze(1)  # [C, W]
-        mixed = self.kernels.conv(mixed, weight, cu, cu_cpu)
+        mixed = self.kernels.conv(mixed, weight, segments)
         q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
         T = hidden.shape[1]
         q, k = q.view(1, T, -1, gdn.head_k_dim), k.view(1, T, -1, gdn.head_k_dim)
-        core = self.kernels.delta(q, k, v.view(1, T, -1, gdn.head_v_dim), g, beta, cu, cu_cpu)
+        core = self.kernels.delta(q, k, v.view(1, T, -1, gdn.head_v_dim), g, beta, segments)
         return self._delta_out(layer, hidden, core, z.view(1, T, -1, gdn.head_v_dim))
 
     @torch.no_grad()
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
         d, T = self.hidden_size, input_ids.shape[0]
-        cu, cu_cpu = self._segments(np.asarray(lengths), T, input_ids.device)
+        segments = self._segments(np.asarray(lengths), T, input_ids.device)
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         hidden = self._embed(input_ids[None])  # [1, T, d]
         # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
         cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
         for i, layer in enumerate(self._layers):
             if hasattr(layer, "linear_attn"):
-                hidden = self._mlp(layer, self._delta_layer(layer, hidden, cu, cu_cpu))
+                hidden = self._mlp(layer, self._delta_layer(layer, hidden, segments))
             else:
                 hidden = self._attention(layer, hidden, cos, sin, mask, self._attend)
             if i in self._columns:

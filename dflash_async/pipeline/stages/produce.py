@@ -63,7 +63,7 @@ def load_runner(
     layer_ids: tuple[int, ...],
     token_budget: int,
     max_batch_tokens: int,
-    packed_hybrid: bool = False,
+    packed_hybrid: bool = True,
 ) -> TargetRunner:
     """Load the target on `device`, choose its forward and warm it up (the first call compiles).
 

@@ -3,9 +3,9 @@
 OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (training_state.py), newest K kept
 OUTPUT_DIR/drafter                     the servable export of the newest checkpoint
 
-A save blocks training only for the device-to-host copy, on drafter 0's thread between two
-steps; serialising, fsync and renames run in a worker thread, at most one save in flight (the
-next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
+A save blocks training only for the device-to-host copy (into page-locked buffers reused from
+save to save), on drafter 0's thread between two steps; serialising, fsync and renames run in a
+worker thread, at most one save in flight (the next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
 this run resumes it (`resume_source`).
 """
 
@@ -25,6 +25,7 @@ from dflash_async.settings import SettingsError
 from dflash_async.training_state import (
     CHECKPOINTS,
     STATE_NAME,
+    HostStaging,
     list_checkpoints,
     snapshot,
     write_checkpoint,
@@ -92,6 +93,7 @@ class Saver:
         self.runners, self.output_dir, self.keep = runners, output_dir, keep
         self.seed, self.run, self.tasks, self.log = seed, run, tasks, log
         self.last_step: int | None = None  # the newest checkpoint's step (written or resumed)
+        self.staging = HostStaging()  # reused by every snapshot: one save in flight at most
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -100,21 +102,29 @@ class Saver:
         the background. Waits first for the previous write."""
         if step == self.last_step:
             return  # that checkpoint exists already
-        await self.wait()
+        asked = time.perf_counter()
+        await self.wait()  # saves closer together than a write takes wait here (logged)
         started = time.perf_counter()
         first = self.runners[0]
         state = await first.worker.run(
             snapshot, [r.step for r in self.runners], step=step, cursor=cursor, seed=self.seed,
-            run=self.run,
+            run=self.run, staging=self.staging,
         )  # fmt: skip
         self.last_step, self._idle = step, anyio.Event()
-        self.tasks.start_soon(self._write, state, time.perf_counter() - started)
+        copy_s, waited_s = time.perf_counter() - started, started - asked
+        self.tasks.start_soon(self._write, state, copy_s, waited_s)
 
     async def wait(self) -> None:
         """Until the save in flight (if any) is on disk."""
         await self._idle.wait()
 
-    async def _write(self, state: dict, copy_s: float) -> None:
+    async def close(self) -> None:
+        """After the last save: wait for it, then release the page-locked staging buffers. (A
+        run that fails leaves them locked until the process exits, which frees them.)"""
+        await self.wait()
+        self.staging.close()
+
+    async def _write(self, state: dict, copy_s: float, waited_s: float) -> None:
         try:
             started = time.perf_counter()
             folder, size = await anyio.to_thread.run_sync(
@@ -122,7 +132,8 @@ class Saver:
             )
             written = time.perf_counter()
             self.log.info("checkpoint_written", step=state["step"], path=str(folder),
-                          bytes=size, copy_s=round(copy_s, 3), write_s=round(written - started, 3))  # fmt: skip
+                          bytes=size, copy_s=round(copy_s, 3), waited_s=round(waited_s, 3),
+                          write_s=round(written - started, 3))  # fmt: skip
             config = self.runners[0].step.objective.drafter.config
             export = export_path(self.output_dir)
             await anyio.to_thread.run_sync(lambda: export_drafter(state["drafter"], config, export))

@@ -1,0 +1,201 @@
+"""Where one drafter step's time goes: profiler kernels attributed to the step's parts.
+
+Each kernel (GPU) or operator's own time (CPU) is attributed to one part by, in order:
+- the `dflash::` ranges enclosing the operator that launched it (model/step_ranges.py). Backward
+  operators run in the autograd engine, outside those ranges: each is traced back to the forward
+  operator that made its autograd node (same sequence number and forward thread) and takes that
+  operator's ranges, so `attention` splits into attn_fwd / attn_bwd;
+- inside a decoder layer's compiled pieces: a matmul by its operand shapes (a dimension equal to
+  the MLP width: mlp, else attn_proj), an elementwise kernel by its name (rsqrt or pow: norms;
+  silu or sigmoid: mlp; anything else, RoPE, residuals, casts: layer_other).
+Fused elementwise kernels are named after the ops they fuse, so norms/mlp/layer_other are
+approximate where the compiler fused across them; the matmuls and the ranges are exact.
+
+A CUDA graph replay is one launch to the profiler (its kernels are not tied to the operators that
+captured them), so the breakdown profiles EAGER steps of the same (compiled) code; the bench prints
+the graph-replayed whole-step time beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dflash_async.model.flops import H200_BF16_PEAK_FLOPS
+from dflash_async.model.step_ranges import PREFIX
+
+PARTS = (
+    "features",  # embedding lookup, fc over the target features, hidden_norm, their casts
+    "attn_proj",  # q/k/v/o projections (forward and backward)
+    "attn_fwd",  # the attention kernel, forward
+    "attn_bwd",  # the attention kernel, backward
+    "mlp",  # gate/up/down matmuls and SwiGLU
+    "norms",  # RMSNorms inside the layers and the final norm
+    "layer_other",  # RoPE, residual adds, casts, K/V concatenation inside the layers
+    "lm_head_ce",  # the frozen lm_head and the chunked weighted CE (gradient made in forward)
+    "optimizer",  # grad normalisation, clipping, AdamW, lr schedule, grad zeroing
+    "other",  # anchors, block mask, gradient accumulation, stats, copies
+)
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"})
+BACKWARD_ROOT = "autograd::engine::evaluate_function"
+RANGE_PART = {  # a range that decides the part by itself
+    "features": "features",
+    "block_mask": "other",
+    "final_norm": "norms",
+    "lm_head_ce": "lm_head_ce",
+    "optimizer": "optimizer",
+}
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One kernel (GPU) or one operator's self time (CPU), with what attributes it."""
+
+    name: str  # kernel name (GPU) or operator name (CPU)
+    op: str  # the innermost operator that launched it
+    shapes: tuple  # that operator's input shapes
+    ranges: tuple[str, ...]  # enclosing dflash ranges, outermost first (without the prefix)
+    backward: bool  # launched by the autograd engine
+    us: float  # device (GPU) or self CPU time, microseconds
+
+
+def classify(record: KernelRecord, *, intermediate_size: int) -> str:
+    """The part a kernel's time belongs to (one of PARTS)."""
+    if not record.ranges:
+        return "other"
+    innermost = record.ranges[-1]
+    if innermost in RANGE_PART:
+        return RANGE_PART[innermost]
+    if innermost == "attention":
+        return "attn_bwd" if record.backward else "attn_fwd"
+    if innermost != "layer":
+        return "other"
+    if record.op in GEMM_OPS:
+        dims = {d for shape in record.shapes if isinstance(shape, list | tuple) for d in shape}
+        return "mlp" if intermediate_size in dims else "attn_proj"
+    name = record.name.lower()
+    if "rsqrt" in name or "pow" in name:
+        return "norms"
+    if "silu" in name or "sigmoid" in name:
+        return "mlp"
+    return "layer_other"
+
+
+def _ancestors(event) -> list:
+    """The event and its CPU parents, innermost first."""
+    chain = []
+    while event is not None:
+        chain.append(event)
+        event = event.cpu_parent
+    return chain
+
+
+def _ranges(chain: list) -> tuple[str, ...]:
+    names = [e.name[len(PREFIX) :] for e in reversed(chain) if e.name.startswith(PREFIX)]
+    return tuple(names)
+
+
+def kernel_records(events: Iterable, *, device: bool) -> list[KernelRecord]:
+    """KernelRecords from a profiler's `events()`: each CPU operator's kernels (device=True), or
+    each operator's self CPU time (device=False, for CPU steps and tests)."""
+    events = [e for e in events if e.device_type.name == "CPU" and not e.is_async]
+    chains = {id(e): _ancestors(e) for e in events}
+    roots = {}  # id(event) -> its backward root (evaluate_function), if any
+    forward_ranges = {}  # (sequence_nr, thread) -> ranges of the latest forward op holding it
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        root = next((a for a in chains[id(e)] if a.name.startswith(BACKWARD_ROOT)), None)
+        roots[id(e)] = root
+        if root is None and e.sequence_nr >= 0:
+            forward_ranges[(e.sequence_nr, e.thread)] = _ranges(chains[id(e)])
+    records = []
+    for e in events:
+        root = roots[id(e)]
+        ranges = _ranges(chains[id(e)])
+        if root is not None:  # backward: the forward op's ranges, then any opened inside
+            ranges = forward_ranges.get((root.sequence_nr, root.fwd_thread), ()) + ranges
+        base = dict(op=e.name, shapes=tuple(e.input_shapes or ()), ranges=ranges)
+        if device:
+            records += [
+                KernelRecord(name=k.name, backward=root is not None, us=k.duration, **base)
+                for k in e.kernels
+            ]
+        elif e.self_cpu_time_total > 0:
+            records.append(
+                KernelRecord(
+                    name=e.name, backward=root is not None, us=e.self_cpu_time_total, **base
+                )
+            )
+    return records
+
+
+@dataclass(frozen=True)
+class PartRow:
+    part: str
+    ms: float  # per step
+    share: float  # of the summed kernel time
+    tflop: float  # analytic FLOPs per step (model/flops.py), in TFLOP
+    mfu: float  # tflop / ms against the peak; 0 where the part does no counted matmul work
+
+
+def part_rows(
+    records: Iterable[KernelRecord],
+    *,
+    steps: int,
+    intermediate_size: int,
+    flops_by_part: dict[str, float],
+    peak_flops: float = H200_BF16_PEAK_FLOPS,
+) -> list[PartRow]:
+    """Per-step time, share, FLOPs and own MFU of every part (PARTS order), then a total row."""
+    us = dict.fromkeys(PARTS, 0.0)
+    for record in records:
+        us[classify(record, intermediate_size=intermediate_size)] += record.us
+    total_us = sum(us.values())
+    rows = []
+    for part in (*PARTS, "total"):
+        part_us = total_us if part == "total" else us[part]
+        flops = sum(flops_by_part.values()) if part == "total" else flops_by_part.get(part, 0.0)
+        seconds = part_us / 1e6 / steps
+        rows.append(
+            PartRow(
+                part=part,
+                ms=seconds * 1e3,
+                share=part_us / total_us if total_us else 0.0,
+                tflop=flops / 1e12,
+                mfu=flops / seconds / peak_flops if seconds > 0 else 0.0,
+            )
+        )
+    return rows
+
+
+def format_rows(rows: list[PartRow], *, title: str) -> str:
+    """A markdown table (MFU against the measured H200 bf16 peak, 780 TFLOP/s)."""
+    lines = [
+        f"{title}",
+        "| part | ms/step | share | TFLOP/step | MFU (vs 780 TFLOP/s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{r.mfu:.3f}" if r.tflop else "—"
+        lines.append(f"| {r.part} | {r.ms:.2f} | {r.share:.1%} | {r.tflop:.2f} | {mfu} |")
+    return "\n".join(lines)
+
+
+def profile_parts(step, *, steps: int = 2) -> list[KernelRecord]:
+    """Profile `steps` eager steps (phase A + B) of a DrafterStep; its graphs, if captured, are
+    set aside meanwhile (a replay hides which operator launched which kernel)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = step.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    graphs, step.graphs = step.graphs, None
+    try:
+        with profile(activities=activities, record_shapes=True) as prof:
+            for _ in range(steps):
+                step.phase_a()
+                step.phase_b()
+            if on_gpu:
+                torch.cuda.synchronize(step.device)  # sync point: profiling only
+    finally:
+        step.graphs = graphs
+    return kernel_records(prof.events(), device=on_gpu)

@@ -1,0 +1,105 @@
+"""GPU parity of the drafter step's kernel variants (bench/drafter_bench.py VARIANTS) with today's
+path: one step's loss and gradients, then a 20-step trajectory replayed as CUDA graphs, all in a
+worker thread (as the pipeline runs it). Skipped without CUDA; run on an H200."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from dflash_async.bench.drafter_bench import SHAPES, VARIANTS, build_step, synthetic_pack
+from dflash_async.model.objective import sample_anchors
+from dflash_async.model.step import STATS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+T, A, STEPS = 4096, 256, 20
+# Tolerances. A variant changes how a kernel tiles or orders its work, never its math: each bf16
+# result it produces (attention output, dq/dk/dv, logits) is rounded once in a different order,
+# unit roundoff u = 2^-8 per element, from each of the 2 paths, in each of the 2 layers -> a
+# per-element relative gradient difference r <= 8u; cosine >= 1 - r^2/2. The loss is a weighted
+# mean of A x 15 CE terms with independent rounding signs, N_eff = 11 per anchor for
+# w = exp(-(k-1)/7): relative loss difference <= 8u / sqrt(A * 11) (as tests/test_gpu_drafter.py).
+# Over a trajectory each step adds at most one step's disagreement (earlier steps' weight
+# differences are of that order too, and the loss moves smoothly with the weights at lr 6e-5 to
+# 6e-4), so step k (from 0) is allowed (k + 1) times the one-step bound.
+U = 2.0**-8
+LOSS_RTOL = 8 * U / (A * 11) ** 0.5
+GRAD_COSINE = 1 - (8 * U) ** 2 / 2
+
+
+def _in_worker(fn):
+    """fn() in a fresh thread on its own stream (the pipeline's device workers); re-raises."""
+    out, errors = [], []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(0)
+            with torch.cuda.stream(torch.cuda.Stream(0)):
+                out.append(fn())
+        except BaseException as error:  # re-raised in the test's thread below
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def _run(variant: str) -> dict:
+    """One step's loss and gradients at fixed anchors, then 20 graph-replayed steps' losses."""
+    device = torch.device("cuda", 0)
+    config = SHAPES["small"]()
+    options = {"ce_chunk_size": 2048, **VARIANTS[variant]}
+    step = build_step(config, token_budget=T, num_anchors=A, device=device, attention="flex",
+                      seed=0, **options)  # fmt: skip
+    pack = synthetic_pack(config, token_budget=T, num_docs=4, device=device)
+    pack.loss_mask[100:300] = False  # some unsupervised spans
+    step.batch.copy_(pack)
+    anchors = sample_anchors(
+        pack.loss_mask, pack.doc_ids, A, torch.Generator(device).manual_seed(0)
+    )
+    drafter = step.objective.drafter
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        sums = step.objective(step.batch, anchors)
+    loss = sums.ce_sum / sums.weight_sum
+    loss.backward()
+    grads = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
+    drafter.zero_grad(set_to_none=False)
+    step.flat_grad.zero_()
+    step.generator = torch.Generator(device).manual_seed(1234)
+    step.capture(warmup_steps=2)  # restores weights, AdamW state and the schedule
+    losses = []
+    for _ in range(STEPS):
+        step.phase_a()
+        step.phase_b()
+        stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: test only
+        losses.append(stats["ce_sum"] / stats["weight_sum"])
+    return {"loss": loss.item(), "grads": grads, "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def today() -> dict:
+    return _in_worker(lambda: _run("today"))
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "today"])
+def test_variant_equals_todays_step_in_loss_gradients_and_trajectory(variant, today) -> None:
+    new = _in_worker(lambda: _run(variant))
+    rel = abs(new["loss"] - today["loss"]) / abs(today["loss"])
+    cosine = torch.nn.functional.cosine_similarity(new["grads"], today["grads"], dim=0).item()
+    trajectory = [abs(a - b) / abs(b) for a, b in zip(new["losses"], today["losses"], strict=True)]
+    print(json.dumps({"check": "kernel_variant_parity", "variant": variant, "loss_rel_diff": rel,
+                      "grad_cosine": cosine, "max_trajectory_rel_diff": max(trajectory),
+                      "loss_first": new["losses"][0], "loss_last": new["losses"][-1]}))  # fmt: skip
+    assert rel < LOSS_RTOL, rel
+    assert cosine > GRAD_COSINE, cosine
+    for k, diff in enumerate(trajectory):
+        assert diff < (k + 1) * LOSS_RTOL, (k, diff)
