@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from dflash_async.atomic import atomic_directory
 from dflash_async.bench.packing_bench import format_table, synthetic_lengths
 from dflash_async.data import cache
 from dflash_async.data.fast_template import render_qwen3
@@ -149,15 +150,17 @@ def bench_cached_reload(num_samples: int, mean_len: int = 64) -> dict:
         options = DataOptions(cache_dir=str(Path(folder) / "cache"))
         encode = encode_options(options, block_size=16)
         key = cache.cache_key(resolve_files(str(data)), tokenizer, asdict(encode))
-        temporary = cache.temporary_entry(Path(options.cache_dir), key)
+        final = cache.entry_path(Path(options.cache_dir), key)
         lengths = rng.integers(mean_len // 2, 3 * mean_len // 2, num_samples)  # [n]
         written = time.perf_counter()
-        with cache.ArrayWriter(temporary) as writer:
+        with (
+            atomic_directory(final, replaceable=cache.unfinished) as temporary,
+            cache.ArrayWriter(temporary) as writer,
+        ):  # written and published as load_samples does
             for part in np.array_split(lengths, 100):
                 tokens = rng.integers(0, len(tokenizer), int(part.sum()), dtype=np.int32)
                 writer.append(tokens, tokens % 3 > 0, part)
             writer.finish({"samples": num_samples, "max_token_id": writer.max_token_id})
-        cache.publish(temporary, cache.entry_path(Path(options.cache_dir), key))
         write_s = time.perf_counter() - written
         started = time.perf_counter()
         samples = load_samples(str(data), tokenizer, options=options, block_size=16, log=_Quiet())
