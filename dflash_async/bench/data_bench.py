@@ -90,13 +90,19 @@ def sharegpt_records(num: int, words: list[str], text: Any, seed: int = 0) -> li
     ]
 
 
-def bench_tokenization(num_records: int, workers: list[int]) -> list[dict]:
+def bench_tokenization(
+    num_records: int, workers: list[int], names: tuple[str, ...] = ("tiny", "qwen_style")
+) -> list[dict]:
     fixtures = _fixtures()
     tiny = tiny_tokenizer()
     tokenizers = {
-        "tiny": (tiny, sorted(w for w in tiny.get_vocab() if w.isalpha())),
-        "qwen_style": (fixtures.qwen_style_tokenizer(), fixtures.english_like_words(20_000)),
+        "tiny": lambda: (tiny, sorted(w for w in tiny.get_vocab() if w.isalpha())),
+        "qwen_style": lambda: (
+            fixtures.qwen_style_tokenizer(),
+            fixtures.english_like_words(20_000),
+        ),
     }
+    tokenizers = {name: tokenizers[name]() for name in names}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name, (tokenizer, words) in tokenizers.items():
@@ -287,13 +293,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_async bench data")
     parser.add_argument("--records", type=int, default=2000, help="tokenization records")
     parser.add_argument("--workers", default="1,2", help="comma list of worker counts")
+    parser.add_argument("--tokenizers", default="tiny,qwen_style", help="comma list")
     parser.add_argument("--reload-samples", type=int, default=1_000_000)
     parser.add_argument("--plan-samples", type=int, default=5_000_000)
     parser.add_argument("--only", choices=("tokenize", "reload", "plan"), default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before planning")
     options = parser.parse_args(argv)
     if options.only in (None, "tokenize"):
-        bench_tokenization(options.records, [int(w) for w in options.workers.split(",")])
+        workers = [int(w) for w in options.workers.split(",")]
+        bench_tokenization(options.records, workers, tuple(options.tokenizers.split(",")))
     if options.only in (None, "reload"):
         bench_cached_reload(options.reload_samples)
     if options.only in (None, "plan"):
