@@ -102,8 +102,8 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|graphs|target [...]` (GPU step, graph checks, target paths),
-    `bench packing|data`."""
+    """Benchmarks: `bench drafter|graphs|target|optimizer [...]` (GPU step, graph checks, target
+    paths, the step's optimizer phase alone), `bench packing|data`."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
@@ -113,6 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from dflash_async.bench.target_bench import main
     elif args.what == "data":
         from dflash_async.bench.data_bench import main
+    elif args.what == "optimizer":
+        from dflash_async.bench.optimizer_bench import main
     else:
         from dflash_async.bench.packing_bench import main
     main(args.rest)
@@ -166,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("what", choices=("drafter", "graphs", "packing", "target", "data"))
+    bench.add_argument(
+        "what", choices=("drafter", "graphs", "packing", "target", "data", "optimizer")
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
     regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)
