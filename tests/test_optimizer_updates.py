@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dflash_async.bench import optimizer_bench
+from dflash_async.bench.optimizer_bench import max_rel_diffs, snapshot
 from dflash_async.bench.optimizer_updates import (
     CANDIDATES,
     CLIP_EPS,
@@ -14,9 +15,7 @@ from dflash_async.bench.optimizer_updates import (
     PhaseState,
     adamw_flat_math,
     fold,
-    max_rel_diffs,
     sequence,
-    snapshot,
 )
 
 # Shapes with sizes off the 16-element alignment, so the flat buffers hold padding.

@@ -17,16 +17,10 @@ import time
 from collections import defaultdict
 
 import torch
+from torch import nn
 
 from dflash_async.bench.drafter_bench import SHAPES as DRAFTER_SHAPES
-from dflash_async.bench.optimizer_updates import (
-    REL_TOL,
-    SEQUENCES,
-    PhaseState,
-    max_rel_diffs,
-    sequence,
-    snapshot,
-)
+from dflash_async.bench.optimizer_updates import REL_TOL, SEQUENCES, PhaseState, flat_norm, sequence
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -50,6 +44,50 @@ def drafter_shapes(name: str) -> list[torch.Size]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sync point: benchmark timing only
+
+
+def snapshot(s: PhaseState, *, source: str) -> dict[str, list[torch.Tensor]]:
+    """Copies of p, m, v per parameter and the grad norm (a reference for max_rel_diffs)."""
+    m, v = s.moments(source)
+    return {
+        "p": [p.detach().clone() for p in s.params],
+        "m": [t.clone() for t in m],
+        "v": [t.clone() for t in v],
+        "norm": [s.grad_norm.clone()],
+    }
+
+
+def max_rel_diffs(
+    s: PhaseState, reference: dict[str, list[torch.Tensor]], *, source: str
+) -> dict[str, float]:
+    """Largest |x - ref| / max|ref| over the parameter tensors, per quantity (p, m, v, norm)."""
+    m, v = s.moments(source)
+    mine = {"p": list(s.params), "m": m, "v": v, "norm": [s.grad_norm]}
+    out = {}
+    for key, tensors in mine.items():
+        worst = 0.0
+        for a, b in zip(tensors, reference[key], strict=True):
+            scale = b.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+            worst = max(worst, ((a.detach() - b).abs().max() / scale).item())  # sync: check only
+        out[key] = worst
+    return out
+
+
+@torch.no_grad()
+def norm_errors(s: PhaseState) -> dict[str, float]:
+    """Relative error (in u) of each fp32 way to take the gradient norm, against fp64: today's
+    (per-view _foreach_norm, norm of norms), one flat reduction, one flat _foreach_norm, and
+    flat_norm's two levels (the candidates'). On the current gradients."""
+    s.reset(seed=0, weight_sum=WEIGHT_SUM)
+    s.fill_grads(seed=1, norm=GRAD_NORM)
+    exact = torch.linalg.vector_norm(s.flat_grad.double())  # a float64 copy: check only
+    ways = {
+        "today_views_foreach": nn.utils.get_total_norm(s.grads, foreach=True),
+        "flat_one_reduction": torch.linalg.vector_norm(s.flat_grad),
+        "flat_foreach": torch._foreach_norm([s.flat_grad])[0],
+        "flat_rows": flat_norm(s.flat_grad),
+    }
+    return {k: round(((v.double() - exact) / exact).item() / U, 1) for k, v in ways.items()}
 
 
 def capture(fn, s: PhaseState, *, warmup: int = 2):
@@ -104,6 +142,8 @@ def bench(
     names: list[str], *, shape: str, device: torch.device, replays: int, kernels: bool
 ) -> list[dict]:
     state = PhaseState(drafter_shapes(shape), device=device)
+    errors = {"check": "grad_norm_rel_error_u", "shape": shape, **norm_errors(state)}
+    print(json.dumps(errors), flush=True)
     rows, reference = [], None
     for name in ["today", *[n for n in names if n != "today"]]:
         try:
