@@ -19,7 +19,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
 part "1. the candidate sequences equal today's update (CPU tests)"
-timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_optimizer_updates.py 2>&1 | tail -3
+timeout 30 python3 -m pytest -q -p no:cacheprovider tests/test_optimizer_updates.py 2>&1 | tail -3
 
 part "2. phase B alone, Qwen3-8B drafter parameters, graph-replayed (table at the end)"
 timeout 150 python3 -m dflash_async bench optimizer --shape qwen3-8b --replays 20 --kernels 2>&1 \

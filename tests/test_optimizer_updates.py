@@ -7,13 +7,13 @@ import torch
 
 from dflash_async.bench import optimizer_bench
 from dflash_async.bench.optimizer_bench import max_rel_diffs, snapshot
+from dflash_async.bench.optimizer_compiled import adamw_flat_math
 from dflash_async.bench.optimizer_updates import (
     CANDIDATES,
     CLIP_EPS,
     REL_TOL,
     SEQUENCES,
     PhaseState,
-    adamw_flat_math,
     fold,
     sequence,
 )
@@ -72,6 +72,22 @@ def test_steps_move_the_parameters_and_padding_stays_zero():
         padding[o : o + p.numel()] = False
     assert padding.any() and not state.flat_param[padding].any()
     assert not state.flat_grad.any()  # zeroed at the end of the step
+
+
+def test_compiled_views_keeps_torch_adamw_state_so_torch_can_take_over():
+    # two steps of the compiled per-view update, then one of torch's fused AdamW (via `fold`) on
+    # the same optimizer state: today's three steps (the state is what a checkpoint saves)
+    state = _state()
+    _run(SEQUENCES["today"][0], state, norm=3.0)
+    reference = snapshot(state, source="params")
+    compiled_views = sequence("compiled_views", state, compile=False)
+    state.reset(seed=0, weight_sum=WEIGHT_SUM)
+    for k, fn in enumerate((compiled_views, compiled_views, fold)):
+        state.fill_grads(seed=10 + k, norm=3.0)
+        fn(state)
+    steps = {float(state.optimizer.state[p]["step"]) for p in state.params}
+    assert steps == {3.0}
+    assert max(max_rel_diffs(state, reference, source="params").values()) <= REL_TOL
 
 
 def _division_twice(s: PhaseState) -> None:

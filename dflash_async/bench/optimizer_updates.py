@@ -17,7 +17,9 @@ Bytes each sequence must move per parameter (fp32; the `bytes_per_param` of SEQU
   gradscale: norm 4, AdamW reading g through its AMP `grad_scale` (= W / clip coefficient; the
          fused kernel divides g by it and writes the scaled g back: 32), zero 4 = 40;
   compiled: norm 4, then one compiled pointwise kernel reading p g m v and writing p m v and g = 0
-         (the zeroing folded in): 32; total 36.
+         (the zeroing folded in): 32; total 36. Over the flat buffers (`compiled`), or per
+         parameter on torch AdamW's own state tensors (`compiled_views`: checkpoints unchanged);
+         both in optimizer_compiled.py.
 All are the same math as today's up to fp32 rounding order; tests/test_optimizer_updates.py checks
 each against `today` and against mutants, the bench (optimizer_bench.py) times them on a GPU.
 """
@@ -257,7 +259,7 @@ def scale_flat_foreach(s: PhaseState) -> None:
 # ---- candidates: the same update, fewer passes -----------------------------------------------
 
 
-def _folded_coefficient(s: PhaseState) -> torch.Tensor:
+def folded_coefficient(s: PhaseState) -> torch.Tensor:
     """min(1, clip / (||g/W|| + 1e-6)) / W, with ||g/W|| = ||g|| / W from one two-level norm of
     the flat buffer (padding is zero); the reported grad norm is ||g/W|| as today."""
     weight_sum = s.stats[1].clamp_min(WEIGHT_SUM_FLOOR)
@@ -268,7 +270,7 @@ def _folded_coefficient(s: PhaseState) -> torch.Tensor:
 
 def fold(s: PhaseState) -> None:
     """Division folded into the clip coefficient: one norm, one scale (flat), AdamW, zero."""
-    s.flat_grad.mul_(_folded_coefficient(s))
+    s.flat_grad.mul_(folded_coefficient(s))
     s.optimizer.step()
     s.schedule.advance_()
     s.flat_grad.zero_()
@@ -276,7 +278,7 @@ def fold(s: PhaseState) -> None:
 
 def fold_foreach(s: PhaseState) -> None:
     """`fold` with the scale through multi_tensor_apply (vectorised) instead of mul_."""
-    torch._foreach_mul_([s.flat_grad], _folded_coefficient(s))
+    torch._foreach_mul_([s.flat_grad], folded_coefficient(s))
     s.optimizer.step()
     s.schedule.advance_()
     s.flat_grad.zero_()
@@ -284,7 +286,7 @@ def fold_foreach(s: PhaseState) -> None:
 
 def fold_flat_adamw(s: PhaseState) -> None:
     """`fold_foreach` with fused AdamW over ONE flat parameter instead of one per tensor."""
-    torch._foreach_mul_([s.flat_grad], _folded_coefficient(s))
+    torch._foreach_mul_([s.flat_grad], folded_coefficient(s))
     s.flat_optimizer.step()
     s.schedule.advance_()
     s.flat_grad.zero_()
@@ -293,7 +295,7 @@ def fold_flat_adamw(s: PhaseState) -> None:
 def gradscale(s: PhaseState) -> None:
     """No scaling pass: fused AdamW divides g by its AMP `grad_scale` (= W / clip coefficient)
     inside the update (and writes g back scaled), over the flat parameter."""
-    s.grad_scale.copy_(_folded_coefficient(s).reciprocal())
+    s.grad_scale.copy_(folded_coefficient(s).reciprocal())
     s.flat_optimizer.grad_scale = s.grad_scale  # read by Adam.step -> _fused_adamw_(grad_scale=)
     try:
         s.flat_optimizer.step()
@@ -301,53 +303,6 @@ def gradscale(s: PhaseState) -> None:
         del s.flat_optimizer.grad_scale
     s.schedule.advance_()
     s.flat_grad.zero_()
-
-
-def adamw_flat_math(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    coef: torch.Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step on flat tensors with g scaled by `coef`, then g = 0, all in place: the
-    formula of torch's fused kernel (bias corrections from the fp32 step count, decoupled decay).
-    Compiled (GPU) it is one pointwise kernel: read p g m v, write p m v g."""
-    step.add_(1.0)
-    grad = g * coef
-    bias_correction1 = 1.0 - torch.pow(beta1, step)
-    bias_correction2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt()
-    param = p * (1.0 - lr * weight_decay) if weight_decay else p
-    m.copy_(m * beta1 + grad * (1.0 - beta1))
-    v.copy_(v * beta2 + grad * grad * (1.0 - beta2))
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    p.copy_(param - (lr / bias_correction1) * m / denom)
-    g.zero_()
-
-
-def compiled_sequence(s: PhaseState, *, compile: bool) -> Callable[[PhaseState], None]:
-    """The whole phase B as one norm + `adamw_flat_math` on the flat buffers (torch.compile'd
-    on a GPU: a reduction, then one pointwise kernel with the zeroing folded in)."""
-    math_fn = torch.compile(adamw_flat_math, dynamic=False, fullgraph=True) if compile else None
-    group = s.optimizer.param_groups[0]
-    beta1, beta2 = group["betas"]
-    kwargs = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=s.weight_decay)
-
-    def run(state: PhaseState) -> None:
-        coef = _folded_coefficient(state)
-        fn = math_fn or adamw_flat_math
-        fn(state.flat_param, state.flat_grad, state.exp_avg, state.exp_avg_sq, state.step,
-           state.schedule.lr, coef, **kwargs)  # fmt: skip
-        state.schedule.advance_()
-
-    return run
 
 
 MOMENTS = ("params", "flat", "compiled")
@@ -372,13 +327,17 @@ SEQUENCES: dict[str, tuple[Callable[[PhaseState], None] | None, int, str | None]
     "fold_foreach": (fold_foreach, 44, "params"),
     "fold_flat_adamw": (fold_flat_adamw, 44, "flat"),
     "gradscale": (gradscale, 40, "flat"),
-    "compiled": (None, 36, "compiled"),  # built by compiled_sequence (it compiles)
+    # built by optimizer_compiled.py (they compile):
+    "compiled": (None, 36, "compiled"),
+    "compiled_views": (None, 36, "params"),
 }
 CANDIDATES = tuple(n for n, (_, _, src) in SEQUENCES.items() if src and n != "today")
 
 
 def sequence(name: str, s: PhaseState, *, compile: bool) -> Callable[[PhaseState], None]:
-    """The function of SEQUENCES[name] for `s` (`compiled` compiles only when `compile`)."""
-    if name == "compiled":
-        return compiled_sequence(s, compile=compile)
+    """The function of SEQUENCES[name] for `s` (the compiled ones compile only when `compile`)."""
+    if name in ("compiled", "compiled_views"):
+        from dflash_async.bench.optimizer_compiled import compiled_sequence
+
+        return compiled_sequence(s, flat=name == "compiled", compile=compile)
     return SEQUENCES[name][0]

@@ -1,0 +1,101 @@
+"""The compiled phase-B candidates: one flat gradient norm, then AdamW's update written as torch
+ops and torch.compile'd, so that one pointwise kernel per tensor reads p, g, m, v and writes p, m,
+v and g = 0 (the gradient zeroing folded in): 36 B/param in all, against today's 52.
+
+`compiled`: over the flat buffers (one kernel; needs the parameters as views of one flat buffer
+and flat AdamW moments: a different checkpoint layout). `compiled_views`: per parameter, on the
+very tensors torch's AdamW keeps (`optimizer.state[p]`: step, exp_avg, exp_avg_sq, created as
+Adam._init_group creates them for fused=True), so optimizer.state_dict() and checkpoints stay as
+they are. Same math as torch's fused CUDA kernel up to fp32 rounding order (checked against
+`today` in tests/test_optimizer_updates.py, uncompiled there: CPU, and compiled on the GPU bench).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dflash_async.bench.optimizer_updates import PhaseState, folded_coefficient
+
+
+def adamw_flat_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step with g scaled by `coef`, then g = 0, all in place: the formula of torch's
+    fused kernel (bias corrections from the fp32 step count, decoupled decay)."""
+    step.add_(1.0)
+    grad = g * coef
+    bias_correction1 = 1.0 - torch.pow(beta1, step)
+    bias_correction2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt()
+    param = p * (1.0 - lr * weight_decay) if weight_decay else p
+    m.copy_(m * beta1 + grad * (1.0 - beta1))
+    v.copy_(v * beta2 + grad * grad * (1.0 - beta2))
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    p.copy_(param - (lr / bias_correction1) * m / denom)
+    g.zero_()
+
+
+def adamw_views_math(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    lr: torch.Tensor,
+    coef: torch.Tensor,
+    **kwargs,
+) -> None:
+    """adamw_flat_math on each parameter tensor (one traced graph; a kernel per distinct shape)."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        adamw_flat_math(p, g, m, v, step, lr, coef, **kwargs)
+
+
+@torch.no_grad()
+def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create each parameter's AdamW state as torch's fused Adam does at its first step (fp32
+    0-d step on the device, zero moments like the parameter), where it does not exist yet."""
+    for p in params:
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[PhaseState], None]:
+    """Phase B as folded_coefficient (one flat norm) + the compiled AdamW (flat or per view),
+    then the lr advance. `compile=False` runs the same functions eagerly (CPU tests)."""
+    math_fn = adamw_flat_math if flat else adamw_views_math
+    if compile:
+        math_fn = torch.compile(math_fn, dynamic=False, fullgraph=True)
+    group = s.optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    kwargs = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=s.weight_decay)
+
+    def run(state: PhaseState) -> None:
+        coef = folded_coefficient(state)
+        lr = state.schedule.lr
+        if flat:
+            math_fn(state.flat_param, state.flat_grad, state.exp_avg, state.exp_avg_sq,
+                    state.step, lr, coef, **kwargs)  # fmt: skip
+        else:
+            ensure_adamw_state(state.optimizer, state.params)
+            states = [state.optimizer.state[p] for p in state.params]
+            math_fn([p.detach() for p in state.params], state.grads,
+                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                    [st["step"] for st in states], lr, coef, **kwargs)  # fmt: skip
+        state.schedule.advance_()
+
+    return run
