@@ -164,6 +164,7 @@ def test_bench_cli_runs_on_cpu_and_prints_the_table(capsys):
             "cpu",
             "--replays",
             "1",
+            "--kernels",
             "--variants",
             "today,div,fold,gradscale,compiled",
         ]

@@ -127,7 +127,10 @@ def kernel_table(fn, s: PhaseState) -> list[tuple[str, int, float]]:
     """(kernel name, launches, device µs) of one eager call, largest time first."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if s.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         fn(s)
         _sync(s.device)
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -190,8 +193,11 @@ def _bench_one(name, state: PhaseState, *, device, replays, kernels, reference) 
         diffs = max_rel_diffs(state, reference, source=source)
         row["rel_diff_u"] = {k: round(v / U, 1) for k, v in diffs.items()}
         row["within_tol"] = max(diffs.values()) <= REL_TOL
-        if kernels and device.type == "cuda":
-            row["kernels"] = kernel_table(fn, state)
+        if kernels:
+            try:
+                row["kernels"] = kernel_table(fn, state)
+            except Exception as error:  # the listing is an aid: never lose the row to it
+                row["kernels_error"] = str(error)[:300]
     return row
 
 
@@ -206,6 +212,8 @@ def format_table(rows: list[dict], *, title: str) -> str:
         lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r['gb']:.1f} | {r['gb_per_s']:.0f} | "
                      f"{shown} | {ok} |")  # fmt: skip
     for r in rows:
+        if r.get("kernels_error"):
+            lines += ["", f"kernels of `{r['variant']}`: not listed ({r['kernels_error']})"]
         if r.get("kernels"):
             lines += ["", f"kernels of one eager `{r['variant']}` (name, launches, device ms):"]
             lines += [f"  {n[:90]}  x{c}  {us / 1e3:.3f}" for n, c, us in r["kernels"][:12]]

@@ -177,6 +177,17 @@ class PhaseState:
 
 
 # ---- today's sequence, and its pieces -------------------------------------------------------
+# What each launches on CUDA (read in torch 2.13's sources; the bench's --kernels lists 2.11's).
+# Qwen3-8B drafter: 58 tensors, 1.049 B elements, 16,022 chunks of 64 Ki; M = multi_tensor_apply
+# launches per op: 51 (320 blocks per launch, 4 KB kernel arguments) or 8 (2240, the 32 KB
+# arguments of CUDA >= 13 builds). One block per chunk, 512 threads, 16 B per tensor in flight.
+#   div:   clamp_min (tiny) + div_ by a 0-d device tensor: a stride-0 operand, so TensorIterator's
+#          non-vectorised kernel (4-byte accesses), 2 launches (> 2^31 bytes: 32-bit split). 8 B.
+#   clip:  _foreach_norm (zeros of the chunk partials, M launches, 1 cleanup), stack, norm of 58,
+#          + 1e-6, max_norm / x, clamp (tiny); _foreach_mul_ by the 0-d tensor: M launches. 12 B.
+#   adamw: _foreach_add_ of the 58 fp32 step tensors (1 launch); _fused_adamw_: M launches, fp32
+#          math, bias corrections per block from the step tensor, lr read from its tensor. 28 B.
+#   advance: ~10 tiny fp64 kernels.   zero: a vectorised fill, 2 launches. 4 B.
 
 
 def today(s: PhaseState) -> None:
