@@ -48,9 +48,9 @@ def _sync(device: torch.device) -> None:
 
 def snapshot(s: PhaseState, *, source: str) -> dict[str, list[torch.Tensor]]:
     """Copies of p, m, v per parameter and the grad norm (a reference for max_rel_diffs)."""
-    m, v = s.moments(source)
+    params, m, v = s.tensors(source)
     return {
-        "p": [p.detach().clone() for p in s.params],
+        "p": [p.detach().clone() for p in params],
         "m": [t.clone() for t in m],
         "v": [t.clone() for t in v],
         "norm": [s.grad_norm.clone()],
@@ -61,8 +61,8 @@ def max_rel_diffs(
     s: PhaseState, reference: dict[str, list[torch.Tensor]], *, source: str
 ) -> dict[str, float]:
     """Largest |x - ref| / max|ref| over the parameter tensors, per quantity (p, m, v, norm)."""
-    m, v = s.moments(source)
-    mine = {"p": list(s.params), "m": m, "v": v, "norm": [s.grad_norm]}
+    params, m, v = s.tensors(source)
+    mine = {"p": params, "m": m, "v": v, "norm": [s.grad_norm]}
     out = {}
     for key, tensors in mine.items():
         worst = 0.0

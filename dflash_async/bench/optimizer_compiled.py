@@ -1,12 +1,14 @@
 """The compiled phase-B candidates: one flat gradient norm, then AdamW's update written as torch
-ops and torch.compile'd, so that one pointwise kernel per tensor reads p, g, m, v and writes p, m,
-v and g = 0 (the gradient zeroing folded in): 36 B/param in all, against today's 52.
+ops and torch.compile'd into one pointwise kernel per tensor (read p, g, m, v; write p, m, v),
+and the gradient zeroing: 36 B/param in all, against today's 52.
 
-`compiled`: over the flat buffers (one kernel; needs the parameters as views of one flat buffer
-and flat AdamW moments: a different checkpoint layout). `compiled_views`: per parameter, on the
-very tensors torch's AdamW keeps (`optimizer.state[p]`: step, exp_avg, exp_avg_sq, created as
-Adam._init_group creates them for fused=True), so optimizer.state_dict() and checkpoints stay as
-they are. Same math as torch's fused CUDA kernel up to fp32 rounding order (checked against
+`compiled`: over the flat buffers, g = 0 in the same kernel (needs the parameters as one flat
+buffer and flat AdamW moments: a different checkpoint layout). `compiled_views`: per parameter,
+on the very tensors torch's AdamW keeps (`optimizer.state[p]`: step, exp_avg, exp_avg_sq,
+created as Adam._init_group creates them for fused=True), so optimizer.state_dict() and
+checkpoints stay as they are; the gradients are only read there (they are views of one buffer:
+mutating aliased inputs would make AOTAutograd merge them into a synthetic base) and zeroed by
+one fill of the flat buffer after it, the same 4 B/param. Same math as torch's fused CUDA kernel up to fp32 rounding order (checked against
 `today` in tests/test_optimizer_updates.py, uncompiled there: CPU, and compiled on the GPU bench).
 """
 
@@ -32,9 +34,10 @@ def adamw_flat_math(
     beta2: float,
     eps: float,
     weight_decay: float,
+    zero_grad: bool = True,
 ) -> None:
-    """One AdamW step with g scaled by `coef`, then g = 0, all in place: the formula of torch's
-    fused kernel (bias corrections from the fp32 step count, decoupled decay)."""
+    """One AdamW step with g scaled by `coef` (then g = 0 if `zero_grad`), all in place: the
+    formula of torch's fused kernel (bias corrections from the fp32 step count, decoupled decay)."""
     step.add_(1.0)
     grad = g * coef
     bias_correction1 = 1.0 - torch.pow(beta1, step)
@@ -44,7 +47,8 @@ def adamw_flat_math(
     v.copy_(v * beta2 + grad * grad * (1.0 - beta2))
     denom = v.sqrt() / bias_correction2_sqrt + eps
     p.copy_(param - (lr / bias_correction1) * m / denom)
-    g.zero_()
+    if zero_grad:
+        g.zero_()
 
 
 def adamw_views_math(
@@ -57,9 +61,9 @@ def adamw_views_math(
     coef: torch.Tensor,
     **kwargs,
 ) -> None:
-    """adamw_flat_math on each parameter tensor (one traced graph; a kernel per distinct shape)."""
+    """adamw_flat_math on each parameter tensor, reading the gradients only (one traced graph)."""
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        adamw_flat_math(p, g, m, v, step, lr, coef, **kwargs)
+        adamw_flat_math(p, g, m, v, step, lr, coef, zero_grad=False, **kwargs)
 
 
 @torch.no_grad()
@@ -96,6 +100,7 @@ def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[
             math_fn([p.detach() for p in state.params], state.grads,
                     [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
                     [st["step"] for st in states], lr, coef, **kwargs)  # fmt: skip
+            state.flat_grad.zero_()
         state.schedule.advance_()
 
     return run

@@ -2,12 +2,13 @@
 as candidate sequences that compute the same update with fewer passes over memory.
 
 `PhaseState` holds what phase B touches, laid out as DrafterStep lays it out: one fp32 tensor per
-drafter parameter (here: views of one aligned flat buffer, `flat_param`), their gradients as views
-of the flat gradient buffer (`flat_grad_buffer`, same offsets), the global weight sum in
-`stats[1]`, the lr schedule and AdamW (`build_optimizer`). Its attribute names are DrafterStep's,
-so `today` IS `DrafterStep._update`, run on it. A second fused AdamW over ONE flat parameter
-aliasing the same memory (`flat`, its grad `flat_grad`) serves the flat candidates; padding
-elements of both flat buffers stay zero, so they do not change a norm and AdamW leaves them zero.
+drafter parameter (its own allocation, as the drafter's), their gradients as views of the flat
+gradient buffer (`flat_grad_buffer`), the global weight sum in `stats[1]`, the lr schedule and
+AdamW (`build_optimizer`). Its attribute names are DrafterStep's, so `today` IS
+`DrafterStep._update`, run on it. The flat candidates use ONE flat parameter `flat_param` (same
+offsets as the gradient buffer, so element i of one is element i of the other; its grad is
+`flat_grad`) with a second fused AdamW; both start from the same values. Padding elements of the
+flat buffers stay zero, so they do not change a norm and AdamW leaves them zero.
 
 Bytes each sequence must move per parameter (fp32; the `bytes_per_param` of SEQUENCES):
   today: div_ 8 (read+write g) + foreach norm 4 + foreach scale 8 + fused AdamW 28 (read p g m v,
@@ -16,10 +17,10 @@ Bytes each sequence must move per parameter (fp32; the `bytes_per_param` of SEQU
          coefficient, one scale 8, AdamW 28, zero 4 = 44;
   gradscale: norm 4, AdamW reading g through its AMP `grad_scale` (= W / clip coefficient; the
          fused kernel divides g by it and writes the scaled g back: 32), zero 4 = 40;
-  compiled: norm 4, then one compiled pointwise kernel reading p g m v and writing p m v and g = 0
-         (the zeroing folded in): 32; total 36. Over the flat buffers (`compiled`), or per
-         parameter on torch AdamW's own state tensors (`compiled_views`: checkpoints unchanged);
-         both in optimizer_compiled.py.
+  compiled: norm 4, then compiled pointwise kernels reading p g m v and writing p m v 28, and
+         the zeroing 4 (in the same kernel where g is one flat tensor); total 36. Over the flat
+         buffers (`compiled`), or per parameter on torch AdamW's own state tensors
+         (`compiled_views`: checkpoints unchanged); both in optimizer_compiled.py.
 All are the same math as today's up to fp32 rounding order; tests/test_optimizer_updates.py checks
 each against `today` and against mutants, the bench (optimizer_bench.py) times them on a GPU.
 """
@@ -90,10 +91,7 @@ class PhaseState:
         self.shapes = [torch.Size(s) for s in shapes]
         self.offsets, length = aligned_offsets(self.shapes)
         self.flat_param = torch.zeros(length, dtype=torch.float32, device=device)
-        self.params = [
-            nn.Parameter(self.flat_param[o : o + math.prod(s)].view(s))
-            for o, s in zip(self.offsets, self.shapes, strict=True)
-        ]
+        self.params = [nn.Parameter(torch.zeros(s, device=device)) for s in self.shapes]
         self.flat_grad, self.grads = flat_grad_buffer(self.params)
         for o, p in zip(self.offsets, self.params, strict=True):  # same layout, element for element
             assert p.grad.data_ptr() - self.flat_grad.data_ptr() == o * 4
@@ -107,7 +105,7 @@ class PhaseState:
         self.optimizer = build_optimizer(
             self.params, lr_tensor=self.schedule.lr, weight_decay=weight_decay
         )
-        self.flat = nn.Parameter(self.flat_param)  # one parameter over the same memory
+        self.flat = nn.Parameter(self.flat_param)  # the flat candidates' one parameter
         self.flat.grad = self.flat_grad
         self.flat_optimizer = build_optimizer(
             [self.flat], lr_tensor=self.schedule.lr, weight_decay=weight_decay
@@ -128,6 +126,8 @@ class PhaseState:
         gen = torch.Generator(self.device).manual_seed(seed)
         self.flat_param.normal_(0.0, 0.02, generator=gen)
         self._zero_padding(self.flat_param)
+        for p, view in zip(self.params, self._views(self.flat_param), strict=True):
+            p.copy_(view)
         self.flat_grad.zero_()
         for optimizer in (self.optimizer, self.flat_optimizer):
             for state in optimizer.state.values():
@@ -154,12 +154,14 @@ class PhaseState:
         for end, start in zip(ends, [*self.offsets[1:], flat.numel()], strict=True):
             flat[end:start].zero_()
 
-    def moments(self, source: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(exp_avg, exp_avg_sq) per parameter, from `source` (MOMENTS): the per-parameter AdamW
-        ("params"), or sliced out of the flat AdamW's ("flat") or the compiled sequence's pair."""
+    def tensors(self, source: str) -> tuple[list[torch.Tensor], ...]:
+        """(params, exp_avg, exp_avg_sq) per parameter, from `source` (MOMENTS): the parameters
+        and the per-parameter AdamW ("params"), or sliced out of the flat parameter and the flat
+        AdamW's moments ("flat") or the compiled sequence's pair ("compiled")."""
         if source == "params":
             states = [self.optimizer.state[p] for p in self.params]
-            return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            m, v = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            return list(self.params), m, v
         if source == "flat":
             state = self.flat_optimizer.state[self.flat]
             m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -167,7 +169,7 @@ class PhaseState:
             m, v = self.exp_avg, self.exp_avg_sq
         else:
             raise ValueError(f"unknown moments source {source!r} (known: {', '.join(MOMENTS)})")
-        return self._views(m), self._views(v)
+        return self._views(self.flat_param), self._views(m), self._views(v)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [
