@@ -163,6 +163,7 @@ def bench(
                 torch.cuda.empty_cache()  # the variant's graph pool goes before the next one
         reference = row.pop("reference", reference)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        print(format_kernels(row), flush=True)  # as it goes: a timeout keeps what ran
         rows.append(row)
     return rows
 
@@ -211,12 +212,17 @@ def format_table(rows: list[dict], *, title: str) -> str:
         ok = {True: "yes", False: "NO"}.get(r.get("within_tol"), "—")
         lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r['gb']:.1f} | {r['gb_per_s']:.0f} | "
                      f"{shown} | {ok} |")  # fmt: skip
-    for r in rows:
-        if r.get("kernels_error"):
-            lines += ["", f"kernels of `{r['variant']}`: not listed ({r['kernels_error']})"]
-        if r.get("kernels"):
-            lines += ["", f"kernels of one eager `{r['variant']}` (name, launches, device ms):"]
-            lines += [f"  {n[:90]}  x{c}  {us / 1e3:.3f}" for n, c, us in r["kernels"][:12]]
+    return "\n".join(lines)
+
+
+def format_kernels(row: dict) -> str:
+    """The kernels of one eager call of a full sequence (largest first), or why not listed."""
+    if row.get("kernels_error"):
+        return f"kernels of `{row['variant']}`: not listed ({row['kernels_error']})"
+    if not row.get("kernels"):
+        return ""
+    lines = [f"kernels of one eager `{row['variant']}` (name, launches, device ms):"]
+    lines += [f"  {n[:90]}  x{c}  {us / 1e3:.3f}" for n, c, us in row["kernels"][:14]]
     return "\n".join(lines)
 
 
