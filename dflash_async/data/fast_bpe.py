@@ -15,10 +15,11 @@ The rest must match too, or `check_tokenizer` says why not and the HF tokenizer 
 normalizer none or NFC; pre-tokenizer one Split(regex, isolated) + ByteLevel without prefix space
 or regex, or ByteLevel with its GPT-2 regex, the regex one of KNOWN_PATTERNS; the two regex engines
 (HF's Oniguruma, tiktoken's fancy-regex) agree on \\p{L}, \\p{N} and \\s for every code point below
-CHECKED_BELOW and on the case-insensitive contractions; added tokens split as HF does (no strip, no
-single-word, not normalized, none a prefix of another); no offset trimming. Per text, HF encodes
-what this does not: a text with a code point from CHECKED_BELOW up, a lone surrogate, or one that
-HF's normalizer would change (tried on its non-ASCII runs only: NFC leaves ASCII alone).
+CHECKED_BELOW and on the case-insensitive contractions; added tokens split as HF does (no strip,
+no single-word, not normalized, ASCII under NFC, none a prefix of another); no offset trimming.
+Per text, HF encodes what this does not: a text with a code point from CHECKED_BELOW up, a lone
+surrogate, or one that HF's normalizer would change (tried on its non-ASCII runs only: NFC leaves
+ASCII alone).
 """
 
 from __future__ import annotations
@@ -229,8 +230,10 @@ def _added_tokens(tokens: list[dict], *, normalized_ok: bool) -> tuple[dict | No
     for token in tokens:
         if token["lstrip"] or token["rstrip"] or token["single_word"] or not token["content"]:
             return None, f"added token {token['content']!r} strips or matches single words"
-        if token["normalized"] and not normalized_ok:
-            return None, f"added token {token['content']!r} is matched after normalization"
+        if not normalized_ok and (token["normalized"] or not token["content"].isascii()):
+            # HF normalizes the text between added tokens; encodable() checks NFC on runs that
+            # start at an ASCII character, which are those pieces only if the tokens are ASCII.
+            return None, f"added token {token['content']!r} is normalized or not ASCII under NFC"
     contents = sorted(t["content"] for t in tokens)  # a prefix sorts right before its extensions
     for a, b in pairwise(contents):
         if b.startswith(a):  # HF takes the longest match, tiktoken the first alternative
