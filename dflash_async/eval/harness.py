@@ -49,7 +49,7 @@ from dflash_async.target.loading import (
     load_target_tokenizer,
     text_config,
 )
-from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.target.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
 from dflash_async.usage import ArgumentParser, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
@@ -314,10 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_async eval ...`: print the summary as one JSON line and return 0.
 
     A lossless-check failure is logged (`eval_failed`) and returns 1. Bad paths raise TargetError
-    or DataError (one line; the CLI exits 2); the built-in tiny target is kept in build.cache_dir().
+    or DataError (one line; the CLI exits 2); the built-in tiny target is kept in
+    `builtin_cache_dir()`.
     """
-    from dflash_async.pipeline.startup import cache_dir  # lazy: it imports the whole training step
-
     args = build_parser().parse_args(argv)
     if args.baseline_dir:  # unwritable: one line, exit 2, before the target is loaded
         check_writable_folder(args.baseline_dir, argument="--baseline-dir")
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_eval(
             args.target or None, args.drafter, args.prompts or None,
             device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-            batch_size=args.batch_size, log=log, cache_dir=cache_dir(),
+            batch_size=args.batch_size, log=log, cache_dir=builtin_cache_dir(),
             results_path=args.results or None, baseline_dir=args.baseline_dir or None,
             dtype=_DTYPES[args.dtype],
         )  # fmt: skip

@@ -11,6 +11,7 @@ current step (start-up and evaluations at once), save, and exit 130/143 (shutdow
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -309,6 +310,12 @@ async def _run_node(settings: Settings, node: RankInfo, started: float, log, shu
             await resume.restore(workers.drafters, log, total_steps=plan.total_steps)
             log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
                      total_steps=plan.total_steps)  # fmt: skip
+            # Start-up leaves ~350k long-lived objects (torch, transformers, the target's
+            # modules); a full collection that walks them all took 180-200 ms on the loop
+            # (BENCHMARKS.md, issue 15). Frozen, collections during training see only what
+            # training allocates. Process-wide: undone when the run ends.
+            gc.freeze()
+            stack.callback(gc.unfreeze)
         if not shutdown.requested:  # its task group lives in the stack, outside that scope
             evaluate = await stack.enter_async_context(
                 _evaluator(settings, inputs, workers, output_dir, log)

@@ -9,7 +9,6 @@ second copy of the target), and each drafter's step built inside its own worker 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +27,6 @@ from dflash_async.target.loading import TargetError
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_NAMES = ("lm_head.weight",)
-
-
-def cache_dir() -> Path:
-    """Where the built-in tiny target and demo corpus are built once and reused."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "dflash_async"
 
 
 @dataclass(frozen=True)
@@ -65,13 +58,13 @@ def check_device_combination(pipeline: PipelineSettings) -> None:
 def resolve_inputs(settings: Settings, log) -> RunInputs:
     """Target folder, data path and drafter config (builds the tiny target/corpus if needed)."""
     from dflash_async.eval.regenerate import demo_corpus
-    from dflash_async.target.tiny import ensure_tiny_target
+    from dflash_async.target.tiny import builtin_cache_dir, ensure_tiny_target
 
     builtin = not settings.target.path
-    target_path = str(ensure_tiny_target(cache_dir())) if builtin else settings.target.path
+    target_path = str(ensure_tiny_target(builtin_cache_dir())) if builtin else settings.target.path
     data_path = settings.data.path
     if not data_path:
-        data_path = str(demo_corpus(cache_dir(), target_path, n_train=512))
+        data_path = str(demo_corpus(builtin_cache_dir(), target_path, n_train=512))
         log.info("demo_corpus_ready", path=data_path, target=target_path)
     config = drafter_config_for(settings, target_path, builtin)
     return RunInputs(target_path, data_path, builtin, config)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import string
 from collections.abc import Callable
@@ -268,6 +269,12 @@ def _tiny_key(tokenizer: PreTrainedTokenizerFast, config: Qwen3Config) -> str:
     parts += [tiny_generation_config(tokenizer).to_json_string(use_diff=False)]
     parts += [tokenizer.chat_template, str(TINY_SEED), torch.__version__, transformers.__version__]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=6).hexdigest()
+
+
+def builtin_cache_dir() -> Path:
+    """Where the built-in tiny target and the demo corpus are built once and reused."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "dflash_async"
 
 
 def ensure_tiny_target(cache_dir: Path) -> Path:
