@@ -32,6 +32,7 @@ import numpy as np
 from dflash_async.atomic import atomic_directory
 from dflash_async.bench.packing_bench import format_table, synthetic_lengths
 from dflash_async.data import cache
+from dflash_async.data.fast_bpe import check_tokenizer
 from dflash_async.data.fast_template import render_qwen3
 from dflash_async.data.formats import chat_messages, resolve_files
 from dflash_async.data.packing import PackCursor
@@ -47,8 +48,12 @@ USER_WORDS, ASSISTANT_WORDS = 60, 190  # ~1k tokens per conversation with either
 
 
 class _Quiet:
+    def __init__(self) -> None:
+        self.encoder = ""
+
     def info(self, event: str, **fields: Any) -> None:
-        pass
+        if event == "tokenizer_chosen":
+            self.encoder = fields["encoder"]
 
 
 def _fixtures() -> Any:
@@ -109,17 +114,18 @@ def bench_tokenization(
             path = Path(folder) / f"{name}.jsonl"
             records = sharegpt_records(num_records, words, fixtures.english_like_text)
             path.write_text("".join(json.dumps(r) + "\n" for r in records))
-            floor_ms = _tokenizer_cpu_ms(tokenizer, records[:500])
+            floor_ms, fast_ms = _tokenizer_cpu_ms(tokenizer, records[:500])
             for count in workers:
                 options = DataOptions(max_len=4096, enable_thinking=False, workers=count)
-                started, cpu = time.perf_counter(), _cpu_s()
+                started, cpu, log = time.perf_counter(), _cpu_s(), _Quiet()
                 samples = load_samples(
-                    str(path), tokenizer, options=options, block_size=16, log=_Quiet()
+                    str(path), tokenizer, options=options, block_size=16, log=log
                 )
                 seconds, cpu_s = time.perf_counter() - started, _cpu_s() - cpu
                 rows.append(
                     {
                         "tokenizer": name,
+                        "encoder": log.encoder,
                         "workers": count,
                         "records": num_records,
                         "tokens_per_record": round(len(samples.tokens) / len(samples)),
@@ -128,22 +134,31 @@ def bench_tokenization(
                         "cpu_s": round(cpu_s, 2),  # this process + finished worker processes
                         "records_per_cpu_s": round(num_records / cpu_s),
                         "tokenizer_alone_cpu_ms_per_record": round(floor_ms, 2),
+                        "tiktoken_alone_cpu_ms_per_record": fast_ms,
                     }
                 )
                 print(format_table(rows[-1]), flush=True)
     return rows
 
 
-def _tokenizer_cpu_ms(tokenizer: Any, records: list[dict]) -> float:
+def _tokenizer_cpu_ms(tokenizer: Any, records: list[dict]) -> tuple[float, float | None]:
     """CPU ms per record of the tokenizer's Rust batch alone on the records' renderings: the
-    part of tokenization no rendering or masking work can remove."""
+    part of tokenization no rendering or masking work can remove; and of fast_bpe's tiktoken
+    encoder with its offsets where it is proven exact (else None)."""
     texts = [render_qwen3(chat_messages(r), add_generation_prompt=False, enable_thinking=False)
              for r in records]  # fmt: skip
     assert all(t is not None for t in texts)
     backend = direct_backend(tokenizer)
     cpu = time.process_time()  # all threads of this process: the backend may use several
     backend.encode_batch(texts, add_special_tokens=False)
-    return (time.process_time() - cpu) / len(texts) * 1e3
+    hf_ms = (time.process_time() - cpu) / len(texts) * 1e3
+    fast, _ = check_tokenizer(backend)
+    if fast is None:
+        return hf_ms, None
+    fast.encode_batch(texts[:1])  # builds tiktoken's tables first
+    cpu = time.process_time()
+    fast.encode_batch(texts)
+    return hf_ms, round((time.process_time() - cpu) / len(texts) * 1e3, 2)
 
 
 def bench_cached_reload(num_samples: int, mean_len: int = 64) -> dict:

@@ -36,12 +36,14 @@ from dflash_async.data.chat import (
     supervised_turns,
     token_mask,
 )
+from dflash_async.data.fast_bpe import FastBPE, check_tokenizer
 from dflash_async.data.fast_template import choose_renderer
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
 Raw = tuple[str, Any]  # (where, raw record) from formats.iter_raw_records
 PROGRESS_EVERY_S = 10.0  # seconds between progress events when stderr is not a terminal
 FAST_RENDER_SAMPLE = 32  # records of the run checked against jinja before the fast renderer
+FAST_ENCODE_SAMPLE = 32  # renderings of the run checked against HF before the fast encoder
 
 
 @dataclass(frozen=True)
@@ -107,17 +109,26 @@ def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) 
         return ("bad_record", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def tokenize_batch(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(ids int32, token end offsets int64) of each text: the tokenizer's batched fast path.
+def tokenize_batch(
+    tokenizer: Any, texts: list[str], fast: FastBPE | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids int32, offsets [L, 2] int64) of each text: the tokenizer's batched fast path.
 
     The same ids and offsets as `tokenizer(text, add_special_tokens=False,
-    return_offsets_mapping=True)` one text at a time (a test holds them equal). A fast tokenizer
+    return_offsets_mapping=True)` one text at a time (a test holds them equal). `fast`, a
+    checked fast_bpe encoder, encodes the texts it can, the tokenizer the rest. A fast tokenizer
     whose backend has no truncation or padding set and splits special tokens as the tokenizer
     says is called directly: transformers' conversion of each encoding to lists costs as much
     as a fifth of the tokenization.
     """
     if not texts:
         return []
+    if fast is not None:
+        encoded = fast.encode_batch(texts)
+        rest = [i for i, e in enumerate(encoded) if e is None]
+        for i, e in zip(rest, tokenize_batch(tokenizer, [texts[i] for i in rest]), strict=True):
+            encoded[i] = e
+        return encoded
     backend = direct_backend(tokenizer)
     if backend is not None:
         return [
@@ -176,12 +187,16 @@ def _flat_offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
 
 
 def encode_chunk(
-    chunk: list[Raw], tokenizer: Any, options: EncodeOptions, fast_render: Any = None
+    chunk: list[Raw],
+    tokenizer: Any,
+    options: EncodeOptions,
+    fast_render: Any = None,
+    fast_encode: FastBPE | None = None,
 ) -> ChunkResult:
     """Render, tokenize (one batched call), mask and filter the records of one chunk."""
     rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in chunk]
     texts = [r[1] for r in rendered if r[0] == "chat"]
-    encoded = iter(tokenize_batch(tokenizer, texts))
+    encoded = iter(tokenize_batch(tokenizer, texts, fast_encode))
     counts, bad, ids_list, mask_list = Counter(records=len(chunk)), [], [], []
     for (where, _), result in zip(chunk, rendered, strict=True):
         status = result[0]
@@ -224,14 +239,15 @@ def _filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, options: EncodeOptions, fast_render: Any) -> None:
-    # One thread of Rust tokenization per process: the processes already fill the cores.
+def _init_worker(tokenizer: Any, options: EncodeOptions, fast: tuple) -> None:
+    # One thread of Rust tokenization per process (HF and fast_bpe read it): the processes
+    # already fill the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=tokenizer, options=options, fast_render=fast_render)
+    _WORKER.update(tokenizer=tokenizer, options=options, fast=fast)
 
 
 def _encode_chunk_in_worker(chunk: list[Raw]) -> ChunkResult:
-    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], _WORKER["fast_render"])
+    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], *_WORKER["fast"])
 
 
 def encode_all(
@@ -248,10 +264,11 @@ def encode_all(
     chunks = _chunked(iter(records), chunk_records)
     first = list(islice(chunks, 3))
     fast_render = _fast_renderer(first, tokenizer, options, log)
+    fast = (fast_render, _fast_encoder(first, tokenizer, options, log, fast_render))
     if workers > 1 and len(first) > 2:
-        results = _encode_in_pool(chain(first, chunks), tokenizer, options, workers, fast_render)
+        results = _encode_in_pool(chain(first, chunks), tokenizer, options, workers, fast)
     else:
-        results = (encode_chunk(c, tokenizer, options, fast_render) for c in chain(first, chunks))
+        results = (encode_chunk(c, tokenizer, options, *fast) for c in chain(first, chunks))
     yield from _with_progress(results, log, progress_every_s)
 
 
@@ -275,6 +292,33 @@ def _fast_renderer(chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptio
     return fast_render
 
 
+def _fast_encoder(
+    chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, log: Any, fast_render: Any
+) -> FastBPE | None:
+    """fast_bpe's encoder if it is proven to encode as the tokenizer and gives the tokenizer's
+    ids and offsets on the run's first SAMPLE renderings; logs which encoder and why. Its
+    checks cost ~1 s once (less for a small vocabulary, a few s for a 150k one)."""
+    first = islice(chain.from_iterable(chunks), FAST_ENCODE_SAMPLE)
+    rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in first]
+    texts = [r[1] for r in rendered if r[0] == "chat"]
+    if not texts:  # pre-tokenized data, or nothing readable: nothing to check it on
+        return None
+    backend = direct_backend(tokenizer)
+    no_backend = (None, "the tokenizer has truncation, padding or no fast backend")
+    fast, why = no_backend if backend is None else check_tokenizer(backend)
+    checked = 0
+    if fast is not None:  # texts it leaves to HF (None) are not compared
+        pairs = zip(fast.encode_batch(texts), tokenize_batch(tokenizer, texts), strict=True)
+        for i, (got, want) in enumerate(pairs):
+            checked += got is not None
+            if got is not None and not all(map(np.array_equal, got, want)):
+                fast, why = None, f"rendering {i} of the run encodes to other ids or offsets"
+                break
+    log.info("tokenizer_chosen", encoder="huggingface" if fast is None else "tiktoken",
+             checked_records=checked, **({"why": why} if why else {}))  # fmt: skip
+    return fast
+
+
 def _chunked(records: Iterator[Raw], size: int) -> Iterator[list[Raw]]:
     while chunk := list(islice(records, size)):
         yield chunk
@@ -285,14 +329,14 @@ def _encode_in_pool(
     tokenizer: Any,
     options: EncodeOptions,
     workers: int,
-    fast_render: Any,
+    fast: tuple,
 ) -> Iterator[ChunkResult]:
     # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(_for_workers(tokenizer), options, fast_render),
+        initargs=(_for_workers(tokenizer), options, fast),
     )
     in_flight: deque[Future] = deque()
     try:
