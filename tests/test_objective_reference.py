@@ -217,7 +217,7 @@ def assert_sums_match(sums, ref: ReferenceResult, rtol: float = RTOL, atol: floa
         )
     # the step lines' formulas, on the sums in the order the step reports them (STATS), then
     # visible_pairs, lr and grad_norm, which these three do not read
-    metrics = learning_fields([float(value) for value in sums] + [0.0, 0.0, 0.0])
+    metrics = learning_fields([float(value.detach()) for value in sums] + [0.0, 0.0, 0.0])
     for name in ("loss", "acc", "tau_hat"):
         assert_scalar(metrics[name], getattr(ref, name), name, rtol, atol)
 
