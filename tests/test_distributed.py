@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -120,17 +119,9 @@ def wait_all(procs: list[subprocess.Popen], deadline_s: float) -> list[int]:
                 p.kill()
 
 
-@pytest.fixture
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.timeout(120)
 def test_two_ranks_hold_identical_weights_equal_to_one_process_with_both_packs(
-    tiny: dict, tmp_path: Path, one_thread: None
+    tiny: dict, tmp_path: Path, single_thread: None
 ) -> None:
     env = run_env(tiny, tmp_path / "out")
     procs = launch_ranks(env, tmp_path, tmp_path)

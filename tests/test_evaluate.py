@@ -46,18 +46,10 @@ from dflash_async.target.loading import (
 )
 from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 VOCAB = 96
 MAX_NEW = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding runs [1, 64] x [64, 128] matmuls: with 2 threads on 2 busy cores each waits on
-    the other and a test ran 20x slower (measured); one thread is the fast path here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -28,18 +28,12 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.target.loading import frozen_embeddings, random_target
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 VOCAB = 96
 MAX_NEW = 40
 LENGTHS = (3, 11, 24, 7, 17)
 LAYERS = (1, 3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,11 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.target.loading import is_hybrid, random_target
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 VOCAB = 96
 MAX_NEW = 24
 LAYERS = (0, 2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
