@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from log_state import logging_restored
 from structlog.testing import capture_logs
 
 from dflash_async.log import HANDLER_NAME, bound_context, configure_logging, get_logger
@@ -30,12 +31,8 @@ class _Tty(io.StringIO):
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """configure_logging changes process-wide state: put it all back after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    yield
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
+    with logging_restored(monkeypatch):
+        yield
     structlog.contextvars.clear_contextvars()
 
 

@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import os
-import random
 import statistics
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import structlog
+from tiny_run import write_pretokenized
 
 from dflash_async.__main__ import main
 from dflash_async.eval.regenerate import write_jsonl
@@ -37,13 +37,7 @@ STEPS = 12
 def _settings(root: Path) -> dict[str, str]:
     target = ensure_tiny_target(root / "cache")
     tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(40):
-        n = rng.randint(24, 60)
-        ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-        rows.append({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-    write_jsonl(rows, root / "data.jsonl")
+    write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
     write_jsonl(demo_prompts(2, split="heldout", multi_turn=False), root / "prompts.jsonl")
     return {
         "DFLASH_ENV_FILE": "none",

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import logging
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
+from log_state import logging_restored
 
 from dflash_async.log import close_log_file, configure_logging, get_logger, progress, step_line
 from dflash_async.runlog.record import exit_reason
@@ -26,13 +24,9 @@ class _Tty(io.StringIO):
 
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    yield
-    close_log_file()
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
+    with logging_restored(monkeypatch):
+        yield
+        close_log_file()
 
 
 STEP = {"step": 120, "total_steps": 300, "loss": 4.65213, "acc": 0.5312, "tokens_per_s": 4675.6,
