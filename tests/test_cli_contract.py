@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_run import finish
-from log_state import logging_restored
+from logging_kit import logging_restored
 
 from dflash_async.__main__ import main
 from dflash_async.settings import repo_root

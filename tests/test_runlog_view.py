@@ -9,17 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from log_state import logging_restored
+from logging_kit import Tty, logging_restored
 
 from dflash_async.log import close_log_file, configure_logging, get_logger, progress, step_line
 from dflash_async.runlog.record import exit_reason
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +32,7 @@ def test_console_shows_a_step_as_one_compact_line() -> None:
     assert step_line(STEP) == (
         "step 120/300 | loss 4.6521 | acc 0.531 | 4.68k tok/s | MFU 35.1% | ETA 1:02:05"
     )
-    tty = _Tty()
+    tty = Tty()
     configure_logging("auto", "info", tty)
     get_logger("x").info("step", **STEP)
     assert tty.getvalue() == step_line(STEP) + "\n"

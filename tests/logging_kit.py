@@ -1,12 +1,13 @@
-"""Putting back the process-wide logging state that `configure_logging` (or a CLI command run in
-this process) changes: the root logger's handlers and level, warnings.showwarning and structlog's
-configuration.
+"""What the logging tests share: a stream that says it is a terminal, and putting back the
+process-wide logging state that `configure_logging` (or a CLI command run in this process)
+changes: the root logger's handlers and level, warnings.showwarning and structlog's configuration.
 
-One place for it, so that every test module that configures logging restores the same state.
+One place for them, so that every test module that configures logging restores the same state.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import warnings
 from collections.abc import Iterator
@@ -14,6 +15,13 @@ from contextlib import contextmanager
 
 import pytest
 import structlog
+
+
+class Tty(io.StringIO):
+    """An in-memory stream that the console renderer takes for a terminal."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 @contextmanager
