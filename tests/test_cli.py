@@ -20,12 +20,10 @@ from typing import Any
 import pytest
 from cli_run import PROCESS_DEADLINE_S, finish
 from dotenv import dotenv_values
-from tiny_run import write_pretokenized
+from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import build_parser, main
 from dflash_async.settings import DEFAULT_GAMMA, TrainSettings, repo_root
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = ("run", "settings", "bench", "regenerate", "eval")
@@ -62,32 +60,6 @@ def start(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[b
 def json_events(stdout: str) -> list[dict[str, Any]]:
     """Every stdout line is one JSON event (DFLASH_LOG__FORMAT=json)."""
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-def tiny_run_settings(root: Path, cache: Path) -> dict[str, str]:
-    """A tiny CPU run in `root`: the tiny target (built once under `cache`), 40 pre-tokenized
-    samples, 256-row packs, a 1-layer drafter, steps until stopped."""
-    target = ensure_tiny_target(cache)
-    tokenizer = load_target_tokenizer(target)
-    write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
-    return {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_LOG__FORMAT": "json",
-        "DFLASH_OUTPUT_DIR": str(root / "out"),
-        "DFLASH_TARGET__PATH": str(target),
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": str(root / "data.jsonl"),
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(tokenizer.mask_token_id),
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__MAX_STEPS": "100000",
-        "DFLASH_TRAIN__SAVE_EVERY": "0",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
-    }
 
 
 # case -> (settings, the text the one error line must contain)
