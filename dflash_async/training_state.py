@@ -139,7 +139,8 @@ class HostStaging:
     # Below this a tensor is copied through pageable memory: registering costs more than it saves.
     MIN_PAGE_LOCKED_BYTES = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, *, page_lock: bool = True) -> None:
+        self.page_lock = page_lock  # False: plain host buffers (nothing to unlock, no close())
         self._buffers: dict[str, torch.Tensor] = {}
         self._locked: list[torch.Tensor] = []
 
@@ -149,7 +150,7 @@ class HostStaging:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
             buf = torch.empty(source.shape, dtype=source.dtype)
-            if source.is_cuda and buf.nbytes >= self.MIN_PAGE_LOCKED_BYTES:
+            if self.page_lock and source.is_cuda and buf.nbytes >= self.MIN_PAGE_LOCKED_BYTES:
                 _page_lock(buf)
                 self._locked.append(buf)
             self._buffers[key] = buf
@@ -191,13 +192,13 @@ def snapshot(
     thread between steps. All drafters hold identical weights and optimizer state (step.py), so
     drafter 0's are saved; each drafter's anchor generator is its own. With `staging`, the
     returned tensors are its reused buffers (valid until the next snapshot into it); without,
-    fresh copies.
+    fresh pageable copies (nothing left page-locked for a caller to release).
 
     Sync point: one, at the end: the copies are enqueued on this thread's stream and waited for
     (`HostStaging.wait`), so training goes on only once the host holds the state.
     """
     first = steps[0]
-    staging = staging if staging is not None else HostStaging()
+    staging = staging if staging is not None else HostStaging(page_lock=False)
     host = staging.copy
     params = dict(_named_params(first))
     optimizer = [

@@ -70,15 +70,6 @@ class StepSums(NamedTuple):
     blocks: torch.Tensor  # valid blocks
 
 
-def step_metrics(sums: StepSums) -> dict[str, torch.Tensor]:
-    """loss, acc and the acceptance proxy tau_hat (docs/DFLASH.md s.4), still on the device."""
-    return {
-        "loss": sums.ce_sum / sums.weight_sum.clamp_min(1e-12),
-        "acc": sums.correct.double() / sums.supervised.clamp_min(1).double(),
-        "tau_hat": 1 + sums.accepted.double() / sums.blocks.clamp_min(1).double(),
-    }
-
-
 def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[T] bool: p and p+1 both supervised and in the same document (padding never qualifies)."""
     cand = torch.zeros_like(loss_mask, dtype=torch.bool)

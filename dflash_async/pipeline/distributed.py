@@ -348,7 +348,11 @@ def resumed_cursor(
     """Where this node continues a checkpoint written on `saved_world_size` nodes: the same
     cursor on as many nodes, else `packing.reshard_cursor`'s; SettingsError (exit 2) with the
     reason where no node count change can continue exactly. `epoch_packs`: the cursor epoch's
-    packs before sharding (len(plan_epoch(...)) with the default rank and world size)."""
+    packs before sharding (len(plan_epoch(...)) with the default rank and world size).
+
+    Not called by `run` yet: resuming a run of several nodes is refused at start-up
+    (pipeline/resume.py); this and `packing.reshard_cursor` are the tested half of that feature.
+    """
     try:
         return reshard_cursor(
             cursor, saved_world_size=saved_world_size, world_size=node.world_size,

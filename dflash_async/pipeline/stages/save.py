@@ -5,8 +5,8 @@ OUTPUT_DIR/drafter                     the servable export of the newest checkpo
 
 A save blocks training only for the device-to-host copy (into page-locked buffers reused from
 save to save), on drafter 0's thread between two steps; serialising, fsync and renames run in a
-worker thread, at most one save in flight (the next save, and the end of the run, wait for it). Nothing a previous run wrote is replaced unless
-this run resumes it (`resume_source`).
+worker thread, at most one save in flight (the next save, and the end of the run, wait for it).
+Nothing a previous run wrote is replaced unless this run resumes it (`resume_source`).
 """
 
 from __future__ import annotations
