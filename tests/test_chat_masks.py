@@ -16,11 +16,6 @@ from dflash_async.data.chat import ChatMaskError, assistant_char_mask, encode_ch
 S, U = "<|im_start|>", "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
-
-
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
 

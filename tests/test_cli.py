@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import select
 import signal
 import subprocess
@@ -19,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_run import PROCESS_DEADLINE_S, finish
 from dotenv import dotenv_values
+from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import build_parser, main
 from dflash_async.settings import DEFAULT_GAMMA, TrainSettings, repo_root
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(120)
-PROCESS_DEADLINE_S = 90  # a process here ends in ~5-15 s (imports included); past this it hangs
 COMMANDS = ("run", "settings", "bench", "regenerate", "eval")
 
 # The CLI's own main() with the 4th pack's target forward failing: an internal error mid-run.
@@ -59,54 +57,9 @@ def start(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[b
     )
 
 
-def finish(process: subprocess.Popen[bytes]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); a process that does not end in time fails the test."""
-    try:
-        out, err = process.communicate(timeout=PROCESS_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        pytest.fail(f"{process.args} did not end within {PROCESS_DEADLINE_S} s")
-    return process.returncode, out.decode(), err.decode()
-
-
 def json_events(stdout: str) -> list[dict[str, Any]]:
     """Every stdout line is one JSON event (DFLASH_LOG__FORMAT=json)."""
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-def tiny_run_settings(root: Path, cache: Path) -> dict[str, str]:
-    """A tiny CPU run in `root`: the tiny target (built once under `cache`), 40 pre-tokenized
-    samples, 256-row packs, a 1-layer drafter, steps until stopped."""
-    target = ensure_tiny_target(cache)
-    tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    with (root / "data.jsonl").open("w") as f:
-        for _ in range(40):
-            n = rng.randint(24, 60)
-            ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-            f.write(
-                json.dumps({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-            )
-            f.write("\n")
-    return {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_LOG__FORMAT": "json",
-        "DFLASH_OUTPUT_DIR": str(root / "out"),
-        "DFLASH_TARGET__PATH": str(target),
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": str(root / "data.jsonl"),
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(tokenizer.mask_token_id),
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
-        "DFLASH_TRAIN__MAX_STEPS": "100000",
-        "DFLASH_TRAIN__SAVE_EVERY": "0",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
-    }
 
 
 # case -> (settings, the text the one error line must contain)

@@ -11,17 +11,16 @@ cases that need a real stdout and environment run as two subprocesses started to
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
+from cli_run import finish
+from logging_kit import logging_restored
 
 from dflash_async.__main__ import main
 from dflash_async.settings import repo_root
@@ -29,7 +28,6 @@ from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(120)
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
-PROCESS_DEADLINE_S = 90  # each process here ends in ~2-15 s (imports included); past this it hangs
 
 
 @pytest.fixture(autouse=True)
@@ -39,12 +37,8 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
     for name in [k for k in os.environ if k.upper().startswith("DFLASH_")]:
         monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    yield
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
+    with logging_restored(monkeypatch):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -242,16 +236,6 @@ def launched(tmp_path_factory: pytest.TempPathFactory, files: dict[str, Path]):
         if process.poll() is None:
             process.kill()
             process.communicate()
-
-
-def finish(process: subprocess.Popen[bytes]) -> tuple[int, str, str]:
-    try:
-        out, err = process.communicate(timeout=PROCESS_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        pytest.fail(f"{process.args} did not end within {PROCESS_DEADLINE_S} s")
-    return process.returncode, out.decode(), err.decode()
 
 
 def json_lines(stdout: str) -> list[dict]:

@@ -11,54 +11,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from data_samples import CHATS, EventLog, assert_same, chat_records, load
 from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
 from dflash_async.data.chat import encode_chat
-from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
-
-CHATS = Path(__file__).parent / "fixtures" / "chats.jsonl"
-BLOCK = 2  # a sample needs >= 4 supervised tokens
-
-
-class EventLog:
-    """A stand-in for the structlog logger: records events as dicts."""
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
-
-
-def chat_records() -> list[dict]:
-    return [json.loads(line) for line in CHATS.read_text().splitlines()]
+from dflash_async.data.samples import DataError, DataOptions
 
 
 def write_jsonl(path: Path, records: list, *, gz: bool = False) -> Path:
     text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
     path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
     return path
-
-
-def load(path, tokenizer, log=None, **options) -> TokenizedSamples:
-    return load_samples(
-        str(path),
-        tokenizer,
-        options=DataOptions(**options),
-        block_size=BLOCK,
-        log=log or EventLog(),
-    )
-
-
-def assert_same(a: TokenizedSamples, b: TokenizedSamples) -> None:
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-    np.testing.assert_array_equal(a.offsets, b.offsets)
 
 
 def test_openai_messages_are_rendered_with_the_template_and_masked(tokenizer):

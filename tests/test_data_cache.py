@@ -6,41 +6,20 @@ import json
 import os
 from pathlib import Path
 
+import data_samples
 import numpy as np
 import pytest
+from data_samples import CHATS, EventLog, assert_same
 from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
-from dflash_async.data.samples import DataOptions, TokenizedSamples, load_samples
-
-CHATS = Path(__file__).parent / "fixtures" / "chats.jsonl"
-
-
-class EventLog:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
+from dflash_async.data.samples import TokenizedSamples
 
 
 def load(path, tokenizer, **options) -> tuple[TokenizedSamples, bool]:
     """(samples, whether they came from the cache)."""
     log = EventLog()
-    samples = load_samples(
-        str(path), tokenizer, options=DataOptions(**options), block_size=2, log=log
-    )
+    samples = data_samples.load(path, tokenizer, log, **options)
     return samples, log.events[-1]["cached"]
-
-
-def assert_same(a: TokenizedSamples, b: TokenizedSamples) -> None:
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-    np.testing.assert_array_equal(a.offsets, b.offsets)
 
 
 @pytest.fixture

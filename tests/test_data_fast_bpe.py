@@ -7,10 +7,10 @@ import json
 import pickle
 import random
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from data_samples import EventLog, chat_records
 from fixtures.chat_tokenizer import QWEN_SPLIT, qwen3_like_tokenizer, qwen_style_tokenizer
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -22,7 +22,6 @@ from dflash_async.data.tokenization import encode_all, encode_chunk, tokenize_ba
 from dflash_async.target.tiny import tiny_tokenizer
 
 pytest.importorskip("tiktoken")
-CHATS = Path(__file__).parent / "fixtures" / "chats.jsonl"
 
 TEXTS = [
     "",
@@ -216,19 +215,8 @@ def test_encode_chunk_with_the_fast_encoder_equals_the_hf_path(qwen_style):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
-class EventLog:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-    def of(self, name: str) -> dict:
-        return next(e for e in self.events if e["event"] == name)
-
-
 def run_encode_all(tokenizer, log) -> list:
-    chats = [json.loads(line) for line in CHATS.read_text().splitlines()]
+    chats = chat_records()
     options = encode_options(DataOptions(max_len=100_000, enable_thinking=True), block_size=1)
     records = [(f"line {i}", c) for i, c in enumerate(chats * 3)]
     return list(encode_all(records, tokenizer, options, workers=1, chunk_records=4, log=log))

@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from data_samples import EventLog
 from fixtures.chat_tokenizer import QWEN3_TEMPLATE, qwen3_like_tokenizer
 
 from dflash_async.data.chat import encode_chat
@@ -65,11 +66,6 @@ CONVERSATIONS = [
     ],
     [m("assistant", "I open."), m("user", "ok"), m("assistant", "\n\nleading newlines")],
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
 
 
 @pytest.mark.parametrize("enable_thinking", [False, True])
@@ -135,14 +131,3 @@ def test_batched_tokenization_equals_the_tokenizer_call_per_text(truncation):
         want = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         assert ids.tolist() == want["input_ids"] and len(ids) > 8
         assert offsets.tolist() == [list(o) for o in want["offset_mapping"]]
-
-
-class EventLog:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-    def of(self, event: str) -> dict:
-        return next(e for e in self.events if e["event"] == event)

@@ -7,48 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from fixtures.chat_tokenizer import qwen3_like_tokenizer
+from data_samples import CHATS, EventLog, assert_same, chat_records, load
 
 from dflash_async.data.formats import DataError
-from dflash_async.data.samples import DataOptions, TokenizedSamples, load_samples
 
-FIXTURES = Path(__file__).parent / "fixtures"
-CHATS = FIXTURES / "chats.jsonl"
-HF_DATASET = FIXTURES / "chats_hf_dataset"  # written by datasets' save_to_disk from chats.jsonl
+HF_DATASET = CHATS.parent / "chats_hf_dataset"  # written by datasets' save_to_disk from chats.jsonl
 SHAREGPT_NAMES = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
-
-
-class EventLog:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
-
-
-def load(path, tokenizer, log=None, **options) -> TokenizedSamples:
-    return load_samples(
-        str(path), tokenizer, options=DataOptions(**options), block_size=2, log=log or EventLog()
-    )
-
-
-def assert_same(a: TokenizedSamples, b: TokenizedSamples) -> None:
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-    np.testing.assert_array_equal(a.offsets, b.offsets)
-
-
-def openai_records() -> list[dict]:
-    return [json.loads(line) for line in CHATS.read_text().splitlines()]
 
 
 def sharegpt_records(names=SHAREGPT_NAMES) -> list[dict]:
@@ -60,7 +27,7 @@ def sharegpt_records(names=SHAREGPT_NAMES) -> list[dict]:
                 for m in r["messages"]
             ]
         }
-        for r in openai_records()
+        for r in chat_records()
     ]
 
 
@@ -93,7 +60,7 @@ FORMATS = ["jsonl", "jsonl.gz", "json array", "json lines", "parquet"]
 def test_every_format_loads_the_same_conversations_to_the_same_ids_and_masks(
     tokenizer, tmp_path, kind, form
 ):
-    records = openai_records() if form == "openai" else sharegpt_records()
+    records = chat_records() if form == "openai" else sharegpt_records()
     reference = load(CHATS, tokenizer)
     assert_same(load(write_as(kind, tmp_path, records), tokenizer), reference)
 
@@ -134,15 +101,15 @@ def test_an_unknown_role_is_rejected_with_file_and_line(tokenizer, tmp_path):
 
 def test_crlf_line_ends_and_a_utf8_bom_load(tokenizer, tmp_path):
     path = tmp_path / "windows.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + jsonl(openai_records()).replace(b"\n", b"\r\n"))
+    path.write_bytes(b"\xef\xbb\xbf" + jsonl(chat_records()).replace(b"\n", b"\r\n"))
     assert_same(load(path, tokenizer), load(CHATS, tokenizer))
     array = tmp_path / "windows.json"
-    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(openai_records(), indent=1).encode())
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(chat_records(), indent=1).encode())
     assert_same(load(array, tokenizer), load(CHATS, tokenizer))
 
 
 def truncated_file(tmp_path: Path) -> tuple[Path, int]:
-    lines = jsonl(openai_records()).splitlines(keepends=True)
+    lines = jsonl(chat_records()).splitlines(keepends=True)
     path = tmp_path / "cut.jsonl"
     path.write_bytes(b"".join(lines[:-1]) + lines[-1][:25])  # an interrupted copy
     return path, len(lines)
@@ -164,7 +131,7 @@ def test_with_skip_a_truncated_last_line_is_counted_and_the_rest_kept(tokenizer,
 
 def test_a_malformed_line_with_its_end_is_a_bad_record_not_a_truncation(tokenizer, tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_bytes(jsonl(openai_records()[:1]) + b'{"messages": [\n' + jsonl(openai_records()))
+    path.write_bytes(jsonl(chat_records()[:1]) + b'{"messages": [\n' + jsonl(chat_records()))
     log = EventLog()
     load(path, tokenizer, log, on_bad_record="skip")
     assert (log.events[-1]["bad_record"], log.events[-1]["truncated_last_line"]) == (1, 0)
@@ -172,6 +139,6 @@ def test_a_malformed_line_with_its_end_is_a_bad_record_not_a_truncation(tokenize
 
 def test_an_unclosed_json_array_is_an_error(tokenizer, tmp_path):
     path = tmp_path / "open.json"
-    path.write_text(json.dumps(openai_records())[:-1])
+    path.write_text(json.dumps(chat_records())[:-1])
     with pytest.raises(DataError, match=r"not closed"):
         load(path, tokenizer)

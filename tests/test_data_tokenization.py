@@ -3,37 +3,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.chat_tokenizer import qwen3_like_tokenizer
+from data_samples import CHATS, EventLog, chat_records
 
 from dflash_async.data.chat import encode_chat
 from dflash_async.data.formats import chat_messages
 from dflash_async.data.samples import DataOptions, encode_options, load_samples
 from dflash_async.data.tokenization import encode_all
 
-CHATS = Path(__file__).parent / "fixtures" / "chats.jsonl"
-
-
-class EventLog:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def info(self, event: str, **fields) -> None:
-        self.events.append({"event": event, **fields})
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_like_tokenizer()
-
 
 def mixed_records() -> list[dict]:
     """Chats with records that never reach the tokenizer in between (pre-tokenized, empty,
     bad, no assistant turn): a batched path that pairs texts with the wrong records fails."""
-    chats = [json.loads(line) for line in CHATS.read_text().splitlines()]
+    chats = chat_records()
     return [
         chats[0],
         {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 1]},

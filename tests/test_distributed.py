@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -120,17 +119,18 @@ def wait_all(procs: list[subprocess.Popen], deadline_s: float) -> list[int]:
                 p.kill()
 
 
-@pytest.fixture
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def wait_for_step_2(procs: list[subprocess.Popen], weights_dir: Path) -> None:
+    """Until both ranks have written their step-2 weights; a rank that exits first, or
+    RANK_DEADLINE_S passing, fails the test."""
+    deadline = time.monotonic() + RANK_DEADLINE_S
+    while not all((weights_dir / f"rank{r}-step2.pt").exists() for r in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_hold_identical_weights_equal_to_one_process_with_both_packs(
-    tiny: dict, tmp_path: Path, one_thread: None
+    tiny: dict, tmp_path: Path, single_thread: None
 ) -> None:
     env = run_env(tiny, tmp_path / "out")
     procs = launch_ranks(env, tmp_path, tmp_path)
@@ -163,10 +163,7 @@ def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
 ) -> None:
     env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
-    deadline = time.monotonic() + RANK_DEADLINE_S
-    while not all((tmp_path / f"rank{r}-step2.pt").exists() for r in range(2)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-        time.sleep(0.05)
+    wait_for_step_2(procs, tmp_path)
     procs[victim].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     survivor = procs[1 - victim]
@@ -186,10 +183,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
 ) -> None:
     env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
-    deadline = time.monotonic() + RANK_DEADLINE_S
-    while not all((tmp_path / f"rank{r}-step2.pt").exists() for r in range(2)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-        time.sleep(0.05)
+    wait_for_step_2(procs, tmp_path)
     procs[1].send_signal(signal.SIGTERM)  # rank 1 alone: the ranks agree through the all-reduce
     assert wait_all(procs, 30) == [0, 143]
     logs = [events(tmp_path / f"rank{r}.log") for r in range(2)]

@@ -1,7 +1,7 @@
 """Acceptance length by speculative decoding: lossless, the accept rule, tau, export -> eval.
 
-The target is a tiny random Qwen3 built here from a Qwen3Config (fp32, no download); drafters are
-real DFlashDrafters (random) or oracles that know the target's greedy continuation.
+The target is tiny_decoding.py's tiny random Qwen3 (fp32, no download); drafters are real
+DFlashDrafters (random) or oracles that know the target's greedy continuation.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TinySpec, randomize_, tiny_config, tiny_drafter, tiny_target_weights
 from structlog.testing import capture_logs
+from tiny_decoding import VOCAB, CharTokenizer, tiny_qwen3_target
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint import export_drafter
@@ -46,36 +47,14 @@ from dflash_async.target.loading import (
 )
 from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
 
-VOCAB = 96
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 MAX_NEW = 40
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding runs [1, 64] x [64, 128] matmuls: with 2 threads on 2 busy cores each waits on
-    the other and a test ran 20x slower (measured); one thread is the fast path here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def target():
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # wide enough that greedy output is not one repeated token
-    )
-    return random_target(config, seed=0)
+    return tiny_qwen3_target()
 
 
 def prompts() -> list[list[int]]:
@@ -249,20 +228,6 @@ def test_lossless_check_tolerates_only_a_numerical_tie():
         check_lossless(3, greedy, SpecResult([5, 6], [1, 2]), tolerance=1e-4)
 
 
-class _Tokenizer:
-    """A chat-template stand-in: renders role/content pairs, encodes characters as ids."""
-
-    chat_template = "fake"
-    eos_token_id = None
-
-    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, enable_thinking):
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens):
-        return {"input_ids": [ord(c) % (VOCAB - 1) for c in text]}
-
-
 def test_random_drafter_tau_is_close_to_one_and_the_report_is_complete(target):
     """Untrained drafters (Qwen3's 0.02 init, three seeds) accept ~nothing. Not exactly 1: this
     target repeats some tokens often, and a drafter that happens to emit one of them scores."""
@@ -270,7 +235,7 @@ def test_random_drafter_tau_is_close_to_one_and_the_report_is_complete(target):
     taus = []
     for seed in range(3):
         drafter, cfg = drafter_for(target, 8, randomized=False, seed=seed)
-        report = evaluate(target, _Tokenizer(), drafter, cfg, records, max_new_tokens=MAX_NEW)
+        report = evaluate(target, CharTokenizer(), drafter, cfg, records, max_new_tokens=MAX_NEW)
         taus.append(report["tau"])
     assert 1.0 <= sum(taus) / len(taus) < 1.25, taus
     assert report["num_samples"] == 2 and report["new_tokens"] == 2 * MAX_NEW
@@ -284,7 +249,7 @@ def test_random_drafter_tau_is_close_to_one_and_the_report_is_complete(target):
 
 
 def test_plain_prompt_and_user_message_render_the_same_and_answers_are_dropped():
-    tok = _Tokenizer()
+    tok = CharTokenizer()
     plain = prompt_token_ids(tok, {"prompt": "hi"}, enable_thinking=False)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old answer"}]
     assert prompt_token_ids(tok, {"messages": messages}, enable_thinking=False) == plain
@@ -437,7 +402,7 @@ def test_gpu_speculative_decoding_is_lossless(target, dtype):
     drafter, cfg = drafter_for(gpu_target, 8)
     drafter = drafter.to(device, dtype)
     report = evaluate(
-        gpu_target, _Tokenizer(), drafter, cfg, [{"prompt": "abc"}], max_new_tokens=64
+        gpu_target, CharTokenizer(), drafter, cfg, [{"prompt": "abc"}], max_new_tokens=64
     )
     assert report["num_samples"] == 1
     for prompt in prompts():
@@ -482,7 +447,7 @@ def test_gpu_qwen3_8b_shaped_eval_reports_tokens_per_s():
     assert report["plain_tokens_per_s"] > 0 and summary["oracle_tau"] >= 1
 
 
-class _WideTokenizer(_Tokenizer):
+class _WideTokenizer(CharTokenizer):
     """Prompt ids drawn at random from a large vocabulary (one per character), seeded."""
 
     def __call__(self, text, add_special_tokens):

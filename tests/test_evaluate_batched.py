@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from conftest import randomize_
+from tiny_decoding import VOCAB, CharTokenizer, tiny_qwen3_target
 from transformers import Qwen3Config
 
 from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter
@@ -28,28 +29,16 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.target.loading import frozen_embeddings, random_target
 
-VOCAB = 96
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 MAX_NEW = 40
 LENGTHS = (3, 11, 24, 7, 17)
 LAYERS = (1, 3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.1,
-    )  # fmt: skip
-    return random_target(config, seed=0)
+    return tiny_qwen3_target()
 
 
 def prompts() -> list[list[int]]:
@@ -199,19 +188,6 @@ def test_rows_drafter_logits_equal_the_single_sequence_drafter(target):
             torch.testing.assert_close(batched_logits[b], expected, atol=1e-5, rtol=1e-5)
 
 
-class _Tokenizer:
-    """Characters as ids, a trivial chat template (as in test_evaluate.py)."""
-
-    chat_template = "fake"
-    eos_token_id = None
-
-    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, enable_thinking):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, text, add_special_tokens):
-        return {"input_ids": [ord(c) % (VOCAB - 1) for c in text]}
-
-
 def test_evaluate_reports_the_same_tau_and_tokens_for_every_batch_size(target, tmp_path):
     """evaluate() end to end with a real DFlash drafter: batch 1, 2, 4 give the same samples;
     the greedy baseline is decoded once and then read from the output folder."""
@@ -220,7 +196,7 @@ def test_evaluate_reports_the_same_tau_and_tokens_for_every_batch_size(target, t
     reports = {}
     for size in (1, 2, 4):
         reports[size] = evaluate(
-            target, _Tokenizer(), drafter, cfg, records, max_new_tokens=24, batch_size=size,
+            target, CharTokenizer(), drafter, cfg, records, max_new_tokens=24, batch_size=size,
             warmup=False, baseline_dir=tmp_path / str(size), target_id="tiny",
         )  # fmt: skip
     samples = {
@@ -230,7 +206,7 @@ def test_evaluate_reports_the_same_tau_and_tokens_for_every_batch_size(target, t
     assert reports[1]["tau"] == reports[4]["tau"] and reports[4]["batch_size"] == 4
     assert reports[4]["decoder"] == "batched" and not reports[4]["baseline_cached"]
     again = evaluate(
-        target, _Tokenizer(), drafter, cfg, records, max_new_tokens=24, batch_size=4,
+        target, CharTokenizer(), drafter, cfg, records, max_new_tokens=24, batch_size=4,
         warmup=False, baseline_dir=tmp_path / "4", target_id="tiny",
     )  # fmt: skip
     assert again["baseline_cached"] and again["plain_s"] == reports[4]["plain_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_decoding import VOCAB, CharTokenizer
 from transformers import Qwen3NextConfig
 
 from dflash_async.eval import hybrid_state
@@ -20,17 +21,10 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.target.loading import is_hybrid, random_target
 
-VOCAB = 96
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 MAX_NEW = 24
 LAYERS = (0, 2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +109,6 @@ def test_skipping_the_state_rollback_is_caught(target, greedy, monkeypatch):
             check_lossless(i, plain, spec, tolerance=1e-4)
 
 
-class _Tokenizer:
-    chat_template = "fake"
-    eos_token_id = None
-
-    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, enable_thinking):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, text, add_special_tokens):
-        return {"input_ids": [ord(c) % (VOCAB - 1) for c in text]}
-
-
 def test_evaluate_decodes_a_hybrid_target_with_the_reference_decoder(target):
     config = drafter_config_from_target(
         target.config, num_hidden_layers=1, num_features=1, block_size=4, mask_token_id=VOCAB - 1
@@ -133,7 +116,7 @@ def test_evaluate_decodes_a_hybrid_target_with_the_reference_decoder(target):
     drafter = DFlashDrafter(config).eval().requires_grad_(False)
     records = [{"prompt": "abc"}, {"prompt": "hello world"}]
     report = evaluate(
-        target, _Tokenizer(), drafter, config, records, max_new_tokens=12, warmup=False
+        target, CharTokenizer(), drafter, config, records, max_new_tokens=12, warmup=False
     )
     assert report["decoder"] == "reference" and report["batch_size"] == 1
     assert report["num_samples"] == 2 and report["tau"] >= 1.0

@@ -26,16 +26,8 @@ from dflash_async.settings import SettingsError
 from dflash_async.target.loading import load_target_tokenizer, save_random_target
 from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 60
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_prompts(path: Path) -> Path:

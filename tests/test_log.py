@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from logging_kit import Tty, logging_restored
 from structlog.testing import capture_logs
 
 from dflash_async.log import HANDLER_NAME, bound_context, configure_logging, get_logger
@@ -22,20 +23,11 @@ from dflash_async.pipeline.devices import open_device_worker
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """configure_logging changes process-wide state: put it all back after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    yield
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
+    with logging_restored(monkeypatch):
+        yield
     structlog.contextvars.clear_contextvars()
 
 
@@ -55,7 +47,7 @@ def test_events_are_json_lines_with_level_logger_and_timestamp() -> None:
 
 
 def test_auto_format_is_json_off_a_tty_and_console_on_one() -> None:
-    plain, tty = io.StringIO(), _Tty()
+    plain, tty = io.StringIO(), Tty()
     configure_logging("auto", "info", plain)
     get_logger("x").info("run_started")
     assert _lines(plain)[0]["event"] == "run_started"

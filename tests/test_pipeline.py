@@ -38,22 +38,13 @@ from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings
 from dflash_async.settings_env import load_settings
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 30  # a run here takes ~1 s; past this it hangs
 STEP_FIELDS = (  # docs/DESIGN.md "Settings, logs and errors": every `step` event carries these
     "step", "epoch", "loss", "acc", "tau_hat", "lr", "grad_norm", "tokens", "tokens_per_s",
     "padding_frac", "mfu", "target_busy", "drafter_busy", "slot_queue", "supply_tokens_per_s",
     "demand_tokens_per_s", "step_ms", "mem_gib",
 )  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """Tiny tensors on 2 busy cores: OpenMP spin-waits cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from test_pipeline import (
     flat_weights,
     laid_out,
     make_step,
-    one_thread,  # noqa: F401 (autouse fixture)
     random_docs,
     run_recording_weights,
     run_settings,
@@ -31,7 +30,7 @@ from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("single_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,7 @@ from dflash_async.eval.regenerate import (
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """Tiny matmuls decode ~10x faster on one thread when the two cores are busy (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

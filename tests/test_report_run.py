@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import os
-import random
 import statistics
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import structlog
+from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import main
 from dflash_async.eval.regenerate import write_jsonl
@@ -27,42 +27,19 @@ from dflash_async.log import close_log_file
 from dflash_async.runlog.page import write_report
 from dflash_async.runlog.parse import read_runs
 from dflash_async.runlog.plots import FIGURES
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.target.tiny import demo_prompts
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 12
 
 
 def _settings(root: Path) -> dict[str, str]:
-    target = ensure_tiny_target(root / "cache")
-    tokenizer = load_target_tokenizer(target)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(40):
-        n = rng.randint(24, 60)
-        ids = [rng.randrange(10, len(tokenizer)) for _ in range(n)]
-        rows.append({"input_ids": ids, "loss_mask": [0] * (n // 4) + [1] * (n - n // 4)})
-    write_jsonl(rows, root / "data.jsonl")
+    settings = tiny_run_settings(root, root / "cache")
     write_jsonl(demo_prompts(2, split="heldout", multi_turn=False), root / "prompts.jsonl")
-    return {
-        "DFLASH_ENV_FILE": "none",
-        "DFLASH_LOG__FORMAT": "json",
+    return settings | {
         "DFLASH_LOG__TENSORBOARD_DIR": str(root / "out" / "tb"),
-        "DFLASH_OUTPUT_DIR": str(root / "out"),
-        "DFLASH_TARGET__PATH": str(target),
-        "DFLASH_TARGET__NUM_FEATURES": "3",
-        "DFLASH_DATA__PATH": str(root / "data.jsonl"),
-        "DFLASH_DATA__MAX_LEN": "128",
-        "DFLASH_DRAFTER__NUM_LAYERS": "1",
-        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(tokenizer.mask_token_id),
-        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
-        "DFLASH_TRAIN__NUM_ANCHORS": "16",
-        "DFLASH_TRAIN__BLOCK_SIZE": "8",
         "DFLASH_TRAIN__MAX_STEPS": str(STEPS),
         "DFLASH_TRAIN__SAVE_EVERY": "5",
-        "DFLASH_PIPELINE__NUM_SLOTS": "2",
-        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
         "DFLASH_EVAL__EVERY": "6",
         "DFLASH_EVAL__NUM_PROMPTS": "2",
         "DFLASH_EVAL__MAX_NEW_TOKENS": "8",

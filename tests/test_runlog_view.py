@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import logging
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
+from logging_kit import Tty, logging_restored
 
 from dflash_async.log import close_log_file, configure_logging, get_logger, progress, step_line
 from dflash_async.runlog.record import exit_reason
@@ -19,20 +17,11 @@ from dflash_async.runlog.record import exit_reason
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 @pytest.fixture(autouse=True)
 def _restore_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-    yield
-    close_log_file()
-    root.handlers, root.level = handlers, level
-    structlog.reset_defaults()
+    with logging_restored(monkeypatch):
+        yield
+        close_log_file()
 
 
 STEP = {"step": 120, "total_steps": 300, "loss": 4.65213, "acc": 0.5312, "tokens_per_s": 4675.6,
@@ -43,7 +32,7 @@ def test_console_shows_a_step_as_one_compact_line() -> None:
     assert step_line(STEP) == (
         "step 120/300 | loss 4.6521 | acc 0.531 | 4.68k tok/s | MFU 35.1% | ETA 1:02:05"
     )
-    tty = _Tty()
+    tty = Tty()
     configure_logging("auto", "info", tty)
     get_logger("x").info("step", **STEP)
     assert tty.getvalue() == step_line(STEP) + "\n"

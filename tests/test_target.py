@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,8 @@ from dflash_async.target.loading import (
     save_random_target,
     text_model,
 )
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 D = 64
 _COMMON = dict(
@@ -64,15 +65,6 @@ def _config(kind: str, **overrides: object) -> PretrainedConfig:
     assert kind == "qwen3_5", kind
     vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=D, intermediate_size=64)
     return Qwen3_5Config(text_config={**common, **_LINEAR}, vision_config=vision)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """Tiny matmuls run several times faster on one thread when the two cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 KINDS = ["qwen3", "llama", "qwen3_moe", "qwen3_next", "qwen3_5"]

@@ -15,7 +15,6 @@ a state leaking across a boundary or a missing gate moves them by O(0.1).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -32,6 +31,8 @@ from dflash_async.target.packed_hybrid import (
     Segments,
     chunk_table,
 )
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 LENGTHS = (7, 12, 5, 9)
 TOKEN_BUDGET = 40
@@ -76,14 +77,6 @@ def _delta(q, k, v, g, beta, segments: Segments):
 
 
 REFERENCE = HybridKernels(_conv, _delta, "torch reference")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_qwen35(**overrides) -> Qwen3_5TextConfig:

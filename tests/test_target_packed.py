@@ -10,8 +10,6 @@ position off by the document's offset) moves features by O(0.1) or more.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -27,18 +25,12 @@ from dflash_async.target.packed_dense import (
 )
 from dflash_async.target.tiny import tiny_target_config, tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 ATOL = 1e-5  # see the module docstring
 LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (1, 3, 4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 pre-tokenized data set, and the DFLASH_* settings of a 256-row, 16-anchor, one-layer run.
 
 One place for them, so that a run-defining default changes once for every test that starts a run
-(pipeline, placement, resume, signals, several nodes, in-run evaluation).
+(pipeline, placement, resume, signals, several nodes, in-run evaluation, the CLI, run reports).
 """
 
 from __future__ import annotations
@@ -55,3 +55,30 @@ def tiny_env(inputs: dict[str, str], output_dir: Path | None = None) -> dict[str
     if output_dir is not None:
         env["DFLASH_OUTPUT_DIR"] = str(output_dir)
     return env
+
+
+def tiny_run_settings(root: Path, cache: Path) -> dict[str, str]:
+    """A tiny CPU run in `root` as the CLI starts it (JSON logs, outputs under root/out, the
+    default CE chunk): the tiny target (built once under `cache`), 40 pre-tokenized samples,
+    256-row packs, a 1-layer drafter, steps until stopped."""
+    target = ensure_tiny_target(cache)
+    tokenizer = load_target_tokenizer(target)
+    write_pretokenized(root / "data.jsonl", records=40, vocab=len(tokenizer))
+    return {
+        "DFLASH_ENV_FILE": "none",
+        "DFLASH_LOG__FORMAT": "json",
+        "DFLASH_OUTPUT_DIR": str(root / "out"),
+        "DFLASH_TARGET__PATH": str(target),
+        "DFLASH_TARGET__NUM_FEATURES": "3",
+        "DFLASH_DATA__PATH": str(root / "data.jsonl"),
+        "DFLASH_DATA__MAX_LEN": "128",
+        "DFLASH_DRAFTER__NUM_LAYERS": "1",
+        "DFLASH_DRAFTER__MASK_TOKEN_ID": str(tokenizer.mask_token_id),
+        "DFLASH_TRAIN__TOKEN_BUDGET": "256",
+        "DFLASH_TRAIN__NUM_ANCHORS": "16",
+        "DFLASH_TRAIN__BLOCK_SIZE": "8",
+        "DFLASH_TRAIN__MAX_STEPS": "100000",
+        "DFLASH_TRAIN__SAVE_EVERY": "0",
+        "DFLASH_PIPELINE__NUM_SLOTS": "2",
+        "DFLASH_PIPELINE__TARGET_BATCH_TOKENS": "256",
+    }
