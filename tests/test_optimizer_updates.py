@@ -7,7 +7,7 @@ import torch
 
 from dflash_async.bench import optimizer_bench
 from dflash_async.bench.optimizer_bench import max_rel_diffs, snapshot
-from dflash_async.bench.optimizer_compiled import adamw_flat_math
+from dflash_async.bench.optimizer_compiled import adamw_flat_math, sequence
 from dflash_async.bench.optimizer_updates import (
     CANDIDATES,
     CLIP_EPS,
@@ -15,7 +15,6 @@ from dflash_async.bench.optimizer_updates import (
     SEQUENCES,
     PhaseState,
     fold,
-    sequence,
 )
 
 # Shapes with sizes off the 16-element alignment, so the flat buffers hold padding.

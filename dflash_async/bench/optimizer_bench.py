@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from dflash_async.bench.drafter_bench import SHAPES as DRAFTER_SHAPES
-from dflash_async.bench.optimizer_updates import REL_TOL, SEQUENCES, PhaseState, flat_norm, sequence
+from dflash_async.bench.optimizer_compiled import sequence
+from dflash_async.bench.optimizer_updates import REL_TOL, SEQUENCES, PhaseState, flat_norm
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda

@@ -8,8 +8,11 @@ on the very tensors torch's AdamW keeps (`optimizer.state[p]`: step, exp_avg, ex
 created as Adam._init_group creates them for fused=True), so optimizer.state_dict() and
 checkpoints stay as they are; the gradients are only read there (they are views of one buffer:
 mutating aliased inputs would make AOTAutograd merge them into a synthetic base) and zeroed by
-one fill of the flat buffer after it, the same 4 B/param. Same math as torch's fused CUDA kernel up to fp32 rounding order (checked against
-`today` in tests/test_optimizer_updates.py, uncompiled there: CPU, and compiled on the GPU bench).
+one fill of the flat buffer after it, the same 4 B/param. Same math as torch's fused CUDA kernel
+up to fp32 rounding order (checked against `today` in tests/test_optimizer_updates.py, uncompiled
+there: CPU, and compiled on the GPU bench).
+
+`sequence` resolves any name of optimizer_updates.SEQUENCES, these two included.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflash_async.bench.optimizer_updates import PhaseState, folded_coefficient
+from dflash_async.bench.optimizer_updates import SEQUENCES, PhaseState, folded_coefficient
 
 
 def adamw_flat_math(
@@ -104,3 +107,10 @@ def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[
         state.schedule.advance_()
 
     return run
+
+
+def sequence(name: str, s: PhaseState, *, compile: bool) -> Callable[[PhaseState], None]:
+    """The function of SEQUENCES[name] for `s` (the compiled ones compile only when `compile`)."""
+    if name in ("compiled", "compiled_views"):
+        return compiled_sequence(s, flat=name == "compiled", compile=compile)
+    return SEQUENCES[name][0]

@@ -340,17 +340,8 @@ SEQUENCES: dict[str, tuple[Callable[[PhaseState], None] | None, int, str | None]
     "fold_foreach": (fold_foreach, 44, "params"),
     "fold_flat_adamw": (fold_flat_adamw, 44, "flat"),
     "gradscale": (gradscale, 40, "flat"),
-    # built by optimizer_compiled.py (they compile):
+    # built by optimizer_compiled.py (they compile; its `sequence` resolves every name):
     "compiled": (None, 36, "compiled"),
     "compiled_views": (None, 36, "params"),
 }
 CANDIDATES = tuple(n for n, (_, _, src) in SEQUENCES.items() if src and n != "today")
-
-
-def sequence(name: str, s: PhaseState, *, compile: bool) -> Callable[[PhaseState], None]:
-    """The function of SEQUENCES[name] for `s` (the compiled ones compile only when `compile`)."""
-    if name in ("compiled", "compiled_views"):
-        from dflash_async.bench.optimizer_compiled import compiled_sequence
-
-        return compiled_sequence(s, flat=name == "compiled", compile=compile)
-    return SEQUENCES[name][0]
