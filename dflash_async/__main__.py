@@ -102,8 +102,9 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|graphs|target|optimizer [...]` (GPU step, graph checks, target
-    paths, the step's optimizer phase alone), `bench packing|data`."""
+    """Benchmarks: `bench drafter|attention|graphs|target|optimizer [...]` (GPU step, its
+    attention's tile configurations, graph checks, target paths, the step's optimizer phase
+    alone), `bench packing|data`."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
@@ -115,6 +116,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from dflash_async.bench.data_bench import main
     elif args.what == "optimizer":
         from dflash_async.bench.optimizer_bench import main
+    elif args.what == "attention":
+        from dflash_async.bench.attention_bench import main
     else:
         from dflash_async.bench.packing_bench import main
     main(args.rest)
@@ -169,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
     bench.add_argument(
-        "what", choices=("drafter", "graphs", "packing", "target", "data", "optimizer")
+        "what",
+        choices=("drafter", "attention", "graphs", "packing", "target", "data", "optimizer"),
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
