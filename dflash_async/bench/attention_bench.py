@@ -83,9 +83,11 @@ def attention_inputs(shape: str, *, token_budget: int, num_anchors: int, num_doc
 
 
 def time_config(attend, q, k, v, dout, reps: int) -> tuple[float, float, list[torch.Tensor]]:
-    """(forward ms, backward ms) means over `reps`, and [out, dq, dk, dv] of the last run."""
+    """(forward ms, backward ms) means over `reps`, and copies of [out, dq, dk, dv] of the last
+    run (copies: a later backward accumulates into the .grad tensors in place)."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(3 * reps)]
     for _ in range(2):  # warm-up: compile, autotune, allocator
+        q.grad = k.grad = v.grad = None
         out = attend(q, k, v)
         out.backward(dout)
     for i in range(reps):
@@ -98,7 +100,7 @@ def time_config(attend, q, k, v, dout, reps: int) -> tuple[float, float, list[to
     torch.cuda.synchronize()  # sync point: benchmark timing only
     fwd = sum(events[3 * i].elapsed_time(events[3 * i + 1]) for i in range(reps)) / reps
     bwd = sum(events[3 * i + 1].elapsed_time(events[3 * i + 2]) for i in range(reps)) / reps
-    return fwd, bwd, [out.detach(), q.grad, k.grad, v.grad]
+    return fwd, bwd, [t.detach().clone() for t in (out, q.grad, k.grad, v.grad)]
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
