@@ -63,14 +63,17 @@ def test_flex_path_matches_sdpa_reference_in_bf16():
     assert cosine > 1 - (8 * u) ** 2 / 2, cosine
 
 
-def test_whole_step_captures_with_strict_capture_mode_and_replays_finite():
+@pytest.mark.parametrize("compiled_update", [False, True], ids=["reference_update", "compiled"])
+def test_whole_step_captures_with_strict_capture_mode_and_replays_finite(compiled_update: bool):
+    """Phase B either way: torch's clip + fused AdamW, or update.py's compiled AdamW."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     config = _small_config()
     flex_fn = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
     step = build_step(
-        config, token_budget=4096, num_anchors=256, device=device, attention="flex", flex_fn=flex_fn
-    )
+        config, token_budget=4096, num_anchors=256, device=device, attention="flex",
+        flex_fn=flex_fn, compiled_update=compiled_update,
+    )  # fmt: skip
     step.batch.copy_(synthetic_pack(config, token_budget=4096, num_docs=4, device=device))
     step.capture(warmup_steps=2, error_mode="global")  # strictest: any sync or unsafe call fails
     for _ in range(3):

@@ -16,7 +16,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dflash_async.bench.step_profile import format_rows, part_rows, profile_parts
+from dflash_async.bench.step_profile import (
+    format_kernels,
+    format_rows,
+    graph_kernels,
+    part_rows,
+    profile_parts,
+)
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
@@ -80,6 +86,7 @@ def build_step(
     compile: bool = False,
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
+    compiled_update: bool | None = None,
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -105,8 +112,9 @@ def build_step(
         flex_fn=flex_fn,
     )
     return DrafterStep.build(
-        objective, token_budget=token_budget, peak_lr=6e-4, warmup_steps=10, total_steps=10_000
-    )
+        objective, token_budget=token_budget, peak_lr=6e-4, warmup_steps=10, total_steps=10_000,
+        compiled_update=compiled_update,
+    )  # fmt: skip
 
 
 @dataclass
@@ -150,6 +158,7 @@ def bench_drafter(
     compile: bool = False,
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
+    compiled_update: bool | None = None,
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,6 +173,7 @@ def bench_drafter(
         compile=compile,
         flex_kernel_options=flex_kernel_options,
         flex_autotune=flex_autotune,
+        compiled_update=compiled_update,
     )
     step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
@@ -202,6 +212,11 @@ def bench_drafter(
             f"MFU {result.mfu:.3f} (peak 780 TFLOP/s, measured H200 bf16)"
         )
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
+        if cuda_graph:
+            totals, busy_ms = graph_kernels(step, steps=2)
+            title = (f"### The same step graph-replayed, kernels by name (2 replays): "
+                     f"{busy_ms:.1f} ms of kernels per {result.step_ms:.1f} ms step")  # fmt: skip
+            print(format_kernels(totals, busy_ms, title=title), file=sys.stderr, flush=True)
     return result
 
 
@@ -217,6 +232,10 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     "ce_chunk_8192": {"ce_chunk_size": 8192},
     "flex_dq_in_dkv_loop": {"flex_kernel_options": {"WRITE_DQ": False}},
     "flex_tma": {"flex_kernel_options": {"USE_TMA": True}},
+    # phase B: torch's clip_grad_norm_ + fused AdamW, or model/update.py's compiled AdamW (the
+    # default where the step compiles; `today` is the one the flags pick)
+    "reference_update": {"compiled_update": False},
+    "compiled_update": {"compiled_update": True},
     "flex_autotune": {"flex_autotune": True},
 }
 

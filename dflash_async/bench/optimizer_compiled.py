@@ -22,69 +22,19 @@ from collections.abc import Callable
 import torch
 
 from dflash_async.bench.optimizer_updates import SEQUENCES, PhaseState, folded_coefficient
+from dflash_async.model.update import adamw_all, adamw_math, ensure_adamw_state
 
 
-def adamw_flat_math(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    coef: torch.Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    zero_grad: bool = True,
-) -> None:
-    """One AdamW step with g scaled by `coef` (then g = 0 if `zero_grad`), all in place: the
-    formula of torch's fused kernel (bias corrections from the fp32 step count, decoupled decay)."""
-    step.add_(1.0)
-    grad = g * coef
-    bias_correction1 = 1.0 - torch.pow(beta1, step)
-    bias_correction2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt()
-    param = p * (1.0 - lr * weight_decay) if weight_decay else p
-    m.copy_(m * beta1 + grad * (1.0 - beta1))
-    v.copy_(v * beta2 + grad * grad * (1.0 - beta2))
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    p.copy_(param - (lr / bias_correction1) * m / denom)
-    if zero_grad:
-        g.zero_()
-
-
-def adamw_views_math(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    lr: torch.Tensor,
-    coef: torch.Tensor,
-    **kwargs,
-) -> None:
-    """adamw_flat_math on each parameter tensor, reading the gradients only (one traced graph)."""
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        adamw_flat_math(p, g, m, v, step, lr, coef, zero_grad=False, **kwargs)
-
-
-@torch.no_grad()
-def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """Create each parameter's AdamW state as torch's fused Adam does at its first step (fp32
-    0-d step on the device, zero moments like the parameter), where it does not exist yet."""
-    for p in params:
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def adamw_flat_math(p, g, m, v, step, lr, coef, **hyper) -> None:
+    """update.adamw_math over the flat buffers, then g = 0 in the same kernel."""
+    adamw_math(p, g, m, v, step, lr, coef, **hyper)
+    g.zero_()
 
 
 def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[PhaseState], None]:
     """Phase B as folded_coefficient (one flat norm) + the compiled AdamW (flat or per view),
     then the lr advance. `compile=False` runs the same functions eagerly (CPU tests)."""
-    math_fn = adamw_flat_math if flat else adamw_views_math
+    math_fn = adamw_flat_math if flat else adamw_all
     if compile:
         math_fn = torch.compile(math_fn, dynamic=False, fullgraph=True)
     group = s.optimizer.param_groups[0]

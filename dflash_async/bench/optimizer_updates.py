@@ -35,11 +35,14 @@ from torch import nn
 
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
 from dflash_async.model.step import NUM_STATS, DrafterStep
+from dflash_async.model.update import (
+    CLIP_EPS,
+    WEIGHT_SUM_FLOOR,
+    flat_norm,
+    folded_clip_coefficient,
+)
 
-# The weight-sum floor of DrafterStep._update (stats[1].clamp_min(1e-12)).
-WEIGHT_SUM_FLOOR = 1e-12
-# clip_grad_norm_'s norm offset: coef = max_norm / (norm + 1e-6).
-CLIP_EPS = 1e-6
+__all__ = ["CLIP_EPS", "REL_TOL", "SEQUENCES", "PhaseState", "flat_norm"]
 
 # Tolerance of a candidate against today's sequence, relative to each tensor's largest magnitude
 # (per parameter tensor: params, exp_avg, exp_avg_sq; and the reported grad norm), after a few
@@ -54,7 +57,7 @@ CLIP_EPS = 1e-6
 # stay under ~1000u together: <= ~1050u on the coefficient when clipping is on, x2 on v (it
 # holds g^2): ~2100u < 2^-12 = 4096u.
 # Bias corrections: CUDA's fused kernel computes 1 - beta2^t in fp32 (cancellation: ~800u on the
-# step size at t = 1), and so does `adamw_flat_math`; CPU's fused kernel is more exact, so on CPU
+# step size at t = 1), and so does `update.adamw_math`; CPU's fused kernel is more exact, so on CPU
 # the compiled sequence's p is up to ~800u * |step| / max|p| apart (~100u in the tests).
 # Any slip in the math (a factor W, a missing clamp, a parameter left out) moves some tensor by
 # O(1) relative: 1000x above this. On CPU the bound holds for N <= ~2000 elements (2(N+46)u);
@@ -96,6 +99,7 @@ class PhaseState:
         for o, p in zip(self.offsets, self.params, strict=True):  # same layout, element for element
             assert p.grad.data_ptr() - self.flat_grad.data_ptr() == o * 4
         self.grad_clip = grad_clip
+        self.adamw = None  # `today`: DrafterStep._update's reference path (clip_grad_norm_, fused)
         self.stats = torch.zeros(NUM_STATS, dtype=torch.float32, device=device)  # [1]: sum(w)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_scale = torch.ones((), dtype=torch.float32, device=device)  # gradscale's
@@ -235,15 +239,6 @@ def copy(s: PhaseState) -> None:
     s.flat_grad.copy_(s.flat_param)
 
 
-def flat_norm(flat: torch.Tensor) -> torch.Tensor:
-    """||flat||_2 in two levels: the norms of rows of R elements, then their norm, R the largest
-    power of two <= 4096 dividing the length (>= 16: the layout pads to multiples of 16). One
-    long fp32 sum loses precision with its length where it runs sequentially (CPU, 30 M elements:
-    1.8e-3 off); rows keep every sum short. The partials are 1/R of the buffer."""
-    rows = flat.view(-1, math.gcd(flat.numel(), 4096))
-    return torch.linalg.vector_norm(torch.linalg.vector_norm(rows, dim=1))
-
-
 def norm_flat(s: PhaseState) -> None:
     """One reduction over the whole flat buffer (ATen's reduce kernel)."""
     s.grad_norm.copy_(torch.linalg.vector_norm(s.flat_grad))
@@ -275,10 +270,9 @@ def scale_flat_foreach(s: PhaseState) -> None:
 def folded_coefficient(s: PhaseState) -> torch.Tensor:
     """min(1, clip / (||g/W|| + 1e-6)) / W, with ||g/W|| = ||g|| / W from one two-level norm of
     the flat buffer (padding is zero); the reported grad norm is ||g/W|| as today."""
-    weight_sum = s.stats[1].clamp_min(WEIGHT_SUM_FLOOR)
-    norm = flat_norm(s.flat_grad) / weight_sum
-    s.grad_norm.copy_(norm)
-    return (s.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0) / weight_sum
+    return folded_clip_coefficient(
+        s.flat_grad, s.stats[1], grad_clip=s.grad_clip, norm_out=s.grad_norm
+    )
 
 
 def fold(s: PhaseState) -> None:

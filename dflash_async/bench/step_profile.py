@@ -199,3 +199,46 @@ def profile_parts(step, *, steps: int = 2) -> list[KernelRecord]:
     finally:
         step.graphs = graphs
     return kernel_records(prof.events(), device=on_gpu)
+
+
+@dataclass(frozen=True)
+class KernelTotal:
+    name: str
+    launches: int  # per step
+    ms: float  # device time per step
+
+
+def graph_kernels(step, *, steps: int = 2, top: int = 25) -> tuple[list[KernelTotal], float]:
+    """The kernels of `steps` graph-replayed steps, grouped by name (the `top` longest, per
+    step), and the summed device time per step of all of them. Set against the replayed step's
+    wall time, that sum says how long the GPU sat idle inside the step (launch gaps, the eager
+    anchor noise between the graphs). The parts table above profiles eager steps, whose kernels
+    can differ in time from the replayed ones (allocator state, profiler overhead per launch)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if step.graphs is None:
+        raise ValueError("graph_kernels needs a captured step")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step.phase_a()
+            step.phase_b()
+        torch.cuda.synchronize(step.device)  # sync point: profiling only
+    us: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"):
+            us[e.name] = us.get(e.name, 0.0) + e.device_time_total
+            count[e.name] = count.get(e.name, 0) + 1
+    totals = sorted(
+        (KernelTotal(n, count[n] // steps, t / 1e3 / steps) for n, t in us.items()),
+        key=lambda k: -k.ms,
+    )
+    return totals[:top], sum(k.ms for k in totals)
+
+
+def format_kernels(totals: list[KernelTotal], busy_ms: float, *, title: str) -> str:
+    lines = [title, "| kernel | launches/step | ms/step |", "|---|---|---|"]
+    lines += [f"| `{k.name[:90]}` | {k.launches} | {k.ms:.2f} |" for k in totals]
+    lines.append(f"| all kernels | | {busy_ms:.2f} |")
+    return "\n".join(lines)

@@ -4,7 +4,9 @@ One optimizer step of M drafters (data parallel, each with its own pack):
   phase A (per drafter): sample anchors, forward, backward of sum(w*CE) into one flat fp32 grad
           buffer; the step's sums (StepSums) land in a static vector next to it;
   reduce  (across drafters): sum the grad buffers and the sums vectors (no-op for M = 1);
-  phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance, zero grads.
+  phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance, zero grads;
+          either torch's clip_grad_norm_ and fused AdamW (the reference), or update.py's one
+          norm and compiled AdamW (the GPU default: 36 instead of 52 bytes per parameter).
 Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
 M packs' blocks (docs/DFLASH.md s.4), and keeps all drafters' weights identical.
 
@@ -28,6 +30,7 @@ from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
+from dflash_async.model.update import folded_adamw, folded_clip_coefficient
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
@@ -62,6 +65,7 @@ class DrafterStep:
         grad_clip: float,
         generator: torch.Generator | None = None,
         anchor_sampler: Callable[[PackedBatch], Anchors] | None = None,
+        adamw: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.objective = objective
         self.optimizer = optimizer
@@ -77,6 +81,9 @@ class DrafterStep:
         # None: sample from the noise buffer. Tests inject fixed anchors (M drafters' update must
         # equal one drafter's on the same blocks); a sampler must be sync-free to be captured.
         self.anchor_sampler = anchor_sampler
+        # None: the reference phase B (clip_grad_norm_, optimizer.step()); else
+        # update.folded_adamw(optimizer, params): AdamW of the grads times a folded coefficient.
+        self.adamw = adamw
         self.noise = torch.zeros(
             batch.num_tokens + 1, dtype=torch.float64, device=batch.input_ids.device
         )
@@ -99,9 +106,12 @@ class DrafterStep:
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
         generator: torch.Generator | None = None,
+        compiled_update: bool | None = None,
     ) -> DrafterStep:
         """The step around an objective: lr schedule in a device tensor, AdamW reading it, and
-        all-padding static inputs on the objective's device in the target's dtype."""
+        all-padding static inputs on the objective's device in the target's dtype.
+        compiled_update: phase B through update.py's compiled AdamW; None: where the objective
+        compiles (GPU), else the reference path."""
         weight = objective.lm_head_weight
         schedule = LrSchedule(
             peak_lr=peak_lr,
@@ -117,9 +127,13 @@ class DrafterStep:
         batch = PackedBatch.empty(
             token_budget, feature_dim, device=weight.device, feature_dtype=weight.dtype
         )
+        if compiled_update is None:
+            compiled_update = objective.config.compile and weight.device.type == "cuda"
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        adamw = folded_adamw(optimizer, params, compile=True) if compiled_update else None
         return cls(
             objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
-            num_anchors=objective.config.num_anchors,
+            num_anchors=objective.config.num_anchors, adamw=adamw,
         )  # fmt: skip
 
     @property
@@ -150,13 +164,18 @@ class DrafterStep:
         self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
 
     def _update(self) -> None:
+        # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
         with step_range("optimizer"):
-            # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
-            self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
-            # foreach over the flat buffer's views; error_if_nonfinite stays False: True would sync
-            norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
-            self.grad_norm.copy_(norm)
-            self.optimizer.step()
+            if self.adamw is None:
+                self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
+                # foreach over the flat buffer's views; error_if_nonfinite=True would sync
+                norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+                self.grad_norm.copy_(norm)
+                self.optimizer.step()
+            else:
+                coef = folded_clip_coefficient(self.flat_grad, self.stats[1],
+                                               grad_clip=self.grad_clip, norm_out=self.grad_norm)  # fmt: skip
+                self.adamw(coef)
             self.schedule.advance_()
             self.flat_grad.zero_()
 

@@ -1,0 +1,146 @@
+"""update.py: the step's fast phase B (one flat norm, the weight-sum division folded into the clip
+coefficient, AdamW as torch ops for torch.compile) gives the reference phase B's update
+(clip_grad_norm_ + torch's fused AdamW), keeps torch's optimizer state layout, and a wrong
+coefficient, a parameter left out or other betas are caught.
+
+On the CPU the ops run eagerly (compile=False): the same functions the GPU compiles, whose
+compiled kernels `bench optimizer` and tests/test_gpu_drafter_kernels.py check on an H200."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import (
+    TinySpec,
+    make_anchors,
+    make_objective,
+    tiny_batch,
+    tiny_config,
+    tiny_drafter,
+    tiny_target_weights,
+)
+
+from dflash_async.model.optim import build_optimizer
+from dflash_async.model.step import DrafterStep
+from dflash_async.model.update import flat_norm, folded_adamw
+
+STEPS = 3
+NUM_ANCHORS = 8
+# Largest difference from the reference, relative to each tensor's largest magnitude (params,
+# exp_avg, exp_avg_sq per parameter; the grad norm). The two paths round differently in fp32
+# (u = 2^-24): g/W*c against g*(c/W) and two norm summation orders, a few u on each gradient and
+# up to ~2(N+46)u on a norm of N <= ~2000 squares per level; CPU's fused AdamW takes 1 - beta2^t
+# in higher precision than the CUDA formula adamw_math follows (~800u on the step size at t = 1).
+# Each later step's forward sees parameters a few ulp apart, which moves the next gradients by as
+# little. 2^-12 = 4096u is above all of it; every mutant below is off by O(1).
+REL_TOL = 2.0**-12
+
+
+def _step(*, grad_clip: float, betas=(0.9, 0.999)) -> DrafterStep:
+    """A tiny fp32 drafter step on the CPU, reference phase B, fixed anchors (same for every
+    build: the same seeds)."""
+    spec = TinySpec()
+    config = tiny_config(spec)
+    drafter = tiny_drafter(config, seed=0, dtype=torch.float32)
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    objective = make_objective(config, drafter, embed, lm_head, num_anchors=NUM_ANCHORS)
+    step = DrafterStep.build(
+        objective, token_budget=spec.num_tokens, peak_lr=1e-2, warmup_steps=1, total_steps=10,
+        grad_clip=grad_clip, compiled_update=False,
+    )  # fmt: skip
+    if betas != (0.9, 0.999):
+        step.optimizer = build_optimizer(step.params, lr_tensor=step.schedule.lr,
+                                         weight_decay=0.0, betas=betas)  # fmt: skip
+    step.batch.copy_(tiny_batch(spec, config, dtype=torch.float32))
+    anchors = make_anchors([2, 7, 12, 21, 30, 38, 47, 52], NUM_ANCHORS)
+    step.anchor_sampler = lambda _batch: anchors
+    return step
+
+
+def _run(step: DrafterStep) -> None:
+    for _ in range(STEPS):
+        step.phase_a()
+        step.phase_b()
+
+
+def _max_rel_diff(step: DrafterStep, reference: DrafterStep) -> float:
+    pairs = [(step.grad_norm, reference.grad_norm)]
+    for p, q in zip(step.params, reference.params, strict=True):
+        mine, theirs = step.optimizer.state[p], reference.optimizer.state[q]
+        none = torch.zeros_like(p)  # a parameter never updated has no state
+        pairs += [(p, q), (mine.get("exp_avg", none), theirs["exp_avg"])]
+        pairs += [(mine.get("exp_avg_sq", none), theirs["exp_avg_sq"])]
+    return max(
+        float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
+        for a, b in pairs
+    )
+
+
+def _folded(step: DrafterStep) -> Callable[[torch.Tensor], None]:
+    return folded_adamw(step.optimizer, step.params, compile=False)
+
+
+@pytest.mark.parametrize("grad_clip", [1e-3, 1e3], ids=["clipping", "not_clipping"])
+def test_folded_update_equals_the_reference_phase_b(grad_clip: float) -> None:
+    reference, step = _step(grad_clip=grad_clip), _step(grad_clip=grad_clip)
+    step.adamw = _folded(step)
+    _run(reference)
+    _run(step)
+    assert reference.grad_norm > 0
+    clipped = bool(reference.grad_norm > grad_clip)
+    assert clipped == (grad_clip < 1)  # both regimes are exercised
+    assert _max_rel_diff(step, reference) <= REL_TOL
+    assert int(step.schedule.step) == int(reference.schedule.step) == STEPS
+    assert step.flat_grad.abs().max() == 0  # zeroed for the next phase A
+
+
+def test_folded_update_keeps_torchs_adamw_state_layout() -> None:
+    reference, step = _step(grad_clip=1.0), _step(grad_clip=1.0)
+    step.adamw = _folded(step)
+    _run(reference)
+    _run(step)
+    for p, q in zip(step.params, reference.params, strict=True):
+        mine, theirs = step.optimizer.state[p], reference.optimizer.state[q]
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            assert (mine[key].shape, mine[key].dtype) == (theirs[key].shape, theirs[key].dtype)
+        assert float(mine["step"]) == float(theirs["step"]) == STEPS
+    saved = step.optimizer.state_dict()["state"]
+    assert len(saved) == len(step.params)
+
+
+def _no_weight_sum_division(step: DrafterStep) -> Callable[[torch.Tensor], None]:
+    update = _folded(step)
+    return lambda coef: update(coef * step.stats[1])
+
+
+def _no_clamp_at_one(step: DrafterStep) -> Callable[[torch.Tensor], None]:
+    update = _folded(step)
+    w = lambda: step.stats[1]  # noqa: E731
+    return lambda coef: update(step.grad_clip / (flat_norm(step.flat_grad) / w() + 1e-6) / w())
+
+
+def _last_parameter_left_out(step: DrafterStep) -> Callable[[torch.Tensor], None]:
+    return folded_adamw(step.optimizer, step.params[:-1], compile=False)
+
+
+MUTANTS = {
+    "no division by the weight sum": (_no_weight_sum_division, {}),
+    "coefficient not clamped at 1": (_no_clamp_at_one, {}),
+    "a parameter left out": (_last_parameter_left_out, {}),
+    "betas (0.9, 0.99)": (_folded, {"betas": (0.9, 0.99)}),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_folded_update_comparison_catches_mutant(name: str) -> None:
+    """The comparison above fails on each purpose-made slip (clipping off: grad_clip 1e3, so a
+    missing clamp shows)."""
+    make, kwargs = MUTANTS[name]
+    reference, step = _step(grad_clip=1e3), _step(grad_clip=1e3, **kwargs)
+    step.adamw = make(step)
+    _run(reference)
+    _run(step)
+    assert _max_rel_diff(step, reference) > 1e3 * REL_TOL
