@@ -228,7 +228,7 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25) -> tuple[list[KernelTo
     count: dict[str, int] = {}
     for e in prof.events():
         if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"):
-            us[e.name] = us.get(e.name, 0.0) + e.device_time_total
+            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
             count[e.name] = count.get(e.name, 0) + 1
     totals = sorted(
         (KernelTotal(n, count[n] // steps, t / 1e3 / steps) for n, t in us.items()),
