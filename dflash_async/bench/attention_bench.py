@@ -59,9 +59,12 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
 REL_TOL = 2.0**-7
 
 
-def attention_inputs(shape: str, *, token_budget: int, num_anchors: int, num_docs: int, device):
+def attention_inputs(
+    shape: str, *, token_budget: int, num_anchors: int, num_docs: int, device, strided_q: bool
+):
     """Random q, k, v of one layer (bf16, requiring grad), the step's BlockMask for a synthetic
-    pack with sampled anchors, and that layer's visible (query, key) pairs."""
+    pack with sampled anchors, and that layer's visible (query, key) pairs. strided_q: q laid out
+    as the step lays it out ([rows, heads, hd] transposed: rows heads*hd apart), else contiguous."""
     config = SHAPES[shape]()
     batch = synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device)
     noise = torch.rand(token_budget + 1, generator=torch.Generator(device).manual_seed(0),
@@ -73,11 +76,14 @@ def attention_inputs(shape: str, *, token_budget: int, num_anchors: int, num_doc
     Q, S, hd = num_anchors * B, token_budget + num_anchors * B, config.head_dim
     g = torch.Generator(device).manual_seed(1)
 
-    def rand(heads: int, rows: int) -> torch.Tensor:
+    def rand(heads: int, rows: int, strided: bool = False) -> torch.Tensor:
+        if strided:
+            x = torch.randn(rows, heads, hd, generator=g, device=device, dtype=torch.bfloat16)
+            return x.transpose(0, 1).unsqueeze(0).detach().requires_grad_()
         x = torch.randn(1, heads, rows, hd, generator=g, device=device, dtype=torch.bfloat16)
         return x.requires_grad_()
 
-    q = rand(config.num_attention_heads, Q)
+    q = rand(config.num_attention_heads, Q, strided_q)
     k, v = rand(config.num_key_value_heads, S), rand(config.num_key_value_heads, S)
     return q, k, v, mask, pairs, config
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-anchors", type=int, default=1024)
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--strided-q", action="store_true",
+                        help="q and the output gradient laid out as in the step (not contiguous)")  # fmt: skip
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")  # fmt: skip
@@ -129,10 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     q, k, v, mask, pairs, config = attention_inputs(
         args.shape, token_budget=args.token_budget, num_anchors=args.num_anchors,
-        num_docs=args.num_docs, device=device,
+        num_docs=args.num_docs, device=device, strided_q=args.strided_q,
     )  # fmt: skip
     fwd_flops = 2 * 2 * config.num_attention_heads * config.head_dim * pairs
-    dout = torch.randn_like(q)
+    dout = torch.randn_like(q)  # same strides as q: the step's output gradient is laid out so too
     flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
     reference = None
     for name in ["default", *(n for n in names if n != "default")]:
@@ -149,6 +157,6 @@ def main(argv: list[str] | None = None) -> None:
             "fwd_mfu": round(mfu(fwd_flops, fwd / 1e3), 3),
             "bwd_mfu": round(mfu(2 * fwd_flops, bwd / 1e3), 3),
             "rel_diff_out_dq_dk_dv": [f"{d:.1e}" for d in diffs],
-            "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name],
+            "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name], "strided_q": args.strided_q,
         }  # fmt: skip
         print(json.dumps(row), flush=True)
