@@ -52,6 +52,12 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
     "no_dq_write": {"WRITE_DQ": False},
 }  # fmt: skip
 
+LAYOUTS = {
+    "contiguous": "both [1, H, Q, hd] contiguous",
+    "strided": "both the [Q, H, hd] transpose (the step's layout before q was made contiguous)",
+    "contiguous_q": "q contiguous, the output gradient the transpose (the step's layout now)",
+}
+
 # Largest relative Frobenius difference from the default configuration allowed for the output
 # and each gradient. Both runs accumulate in fp32 (order differences ~1e-6 relative) and round to
 # bf16 once (each element within 2^-9 relative of its fp32 value), so two of them differ by at
@@ -122,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-anchors", type=int, default=1024)
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--strided-q", action="store_true",
-                        help="q and the output gradient laid out as in the step (not contiguous)")  # fmt: skip
+    parser.add_argument("--layout", choices=LAYOUTS, default="contiguous",
+                        help="q and the output gradient: " + "; ".join(LAYOUTS.values()))  # fmt: skip
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")  # fmt: skip
@@ -137,10 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     q, k, v, mask, pairs, config = attention_inputs(
         args.shape, token_budget=args.token_budget, num_anchors=args.num_anchors,
-        num_docs=args.num_docs, device=device, strided_q=args.strided_q,
+        num_docs=args.num_docs, device=device, strided_q=args.layout == "strided",
     )  # fmt: skip
     fwd_flops = 2 * 2 * config.num_attention_heads * config.head_dim * pairs
-    dout = torch.randn_like(q)  # same strides as q: the step's output gradient is laid out so too
+    dout = torch.randn_like(q)  # same strides as q
+    if args.layout == "contiguous_q":  # the step's: q contiguous, its output gradient strided
+        Q, H = q.shape[2], q.shape[1]
+        dout = torch.randn(Q, H, q.shape[3], device=device, dtype=q.dtype).transpose(0, 1)[None]
     flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
     reference = None
     for name in ["default", *(n for n in names if n != "default")]:
@@ -157,6 +166,6 @@ def main(argv: list[str] | None = None) -> None:
             "fwd_mfu": round(mfu(fwd_flops, fwd / 1e3), 3),
             "bwd_mfu": round(mfu(2 * fwd_flops, bwd / 1e3), 3),
             "rel_diff_out_dq_dk_dv": [f"{d:.1e}" for d in diffs],
-            "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name], "strided_q": args.strided_q,
+            "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name], "layout": args.layout,
         }  # fmt: skip
         print(json.dumps(row), flush=True)
