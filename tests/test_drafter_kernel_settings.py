@@ -31,3 +31,28 @@ def test_an_unknown_flex_option_is_one_line_naming_the_setting() -> None:
     message = str(error.value)
     assert "DFLASH_TRAIN__FLEX_KERNEL_OPTIONS" in message and "USE_TMAX" in message
     assert "\n" not in message
+
+
+def test_ce_kernel_defaults_to_compiled_and_names_a_bad_choice() -> None:
+    assert load_settings(NO_FILE).train.ce_kernel == "compiled"
+    assert (
+        load_settings(NO_FILE | {"DFLASH_TRAIN__CE_KERNEL": "triton"}).train.ce_kernel == "triton"
+    )
+    with pytest.raises(SettingsError, match=r"CE_KERNEL|ce_kernel"):
+        load_settings(NO_FILE | {"DFLASH_TRAIN__CE_KERNEL": "liger"})
+
+
+def test_triton_ce_kernel_is_refused_off_the_gpu() -> None:
+    """The Triton pass is GPU-only: an objective on the CPU asking for it fails at build."""
+    import torch
+    from conftest import TinySpec, tiny_config, tiny_drafter, tiny_target_weights
+
+    from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
+
+    config = tiny_config(TinySpec())
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    objective_config = ObjectiveConfig(block_size=config.block_size, num_anchors=4,
+                                       mask_token_id=config.mask_token_id, gamma=4.0,
+                                       ce_kernel="triton")  # fmt: skip
+    with pytest.raises(ValueError, match="CUDA"):
+        DFlashObjective(objective_config, tiny_drafter(config, 0), embed, lm_head)

@@ -87,6 +87,7 @@ def build_step(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
+    ce_kernel: str = "compiled",
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -105,6 +106,7 @@ def build_step(
             compile=compile,
             flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
             flex_autotune=flex_autotune,
+            ce_kernel=ce_kernel,
         ),
         drafter,
         embed,
@@ -159,6 +161,7 @@ def bench_drafter(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
+    ce_kernel: str = "compiled",
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -174,6 +177,7 @@ def bench_drafter(
         flex_kernel_options=flex_kernel_options,
         flex_autotune=flex_autotune,
         compiled_update=compiled_update,
+        ce_kernel=ce_kernel,
     )
     step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
@@ -236,6 +240,7 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # default where the step compiles; `today` is the one the flags pick)
     "reference_update": {"compiled_update": False},
     "compiled_update": {"compiled_update": True},
+    "ce_triton": {"ce_kernel": "triton"},  # model/ce_kernel.py instead of the compiled CE pass
     "flex_autotune": {"flex_autotune": True},
 }
 

@@ -52,6 +52,9 @@ class ObjectiveConfig:
     # as sorted (name, value) pairs; () = torch's defaults
     flex_kernel_options: tuple[tuple[str, bool | int], ...] = ()
     flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
+    # the CE chunk's elementwise pass on GPU: torch.compile'd ce_and_grad_from_logits, or the
+    # hand-written Triton kernel of ce_kernel.py (GPU only)
+    ce_kernel: Literal["compiled", "triton"] = "compiled"
 
 
 class Anchors(NamedTuple):
@@ -148,6 +151,12 @@ class DFlashObjective(nn.Module):
         if config.compile:
             self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
             drafter.compile_layers()
+        if config.ce_kernel == "triton":
+            if not self.lm_head_weight.is_cuda:
+                raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
+            from dflash_async.model.ce_kernel import ce_and_grad_triton  # lazy: needs triton
+
+            self.ce_elementwise = ce_and_grad_triton
         B = config.block_size
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)

@@ -164,6 +164,7 @@ def build_drafter_step(
             compile=compile,
             flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
             flex_autotune=train.flex_autotune,
+            ce_kernel=train.ce_kernel if cuda else "compiled",
         ),
         drafter,
         embed,
@@ -172,7 +173,8 @@ def build_drafter_step(
     if attention == "flex":  # the preflight line of the chosen attention kernel
         get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
                  flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
-                 ce_chunk_size=train.ce_chunk_size, torch=torch.__version__)  # fmt: skip
+                 ce_chunk_size=train.ce_chunk_size, ce_kernel=train.ce_kernel,
+                 torch=torch.__version__)  # fmt: skip
     return DrafterStep.build(
         objective,
         token_budget=train.token_budget,
