@@ -190,9 +190,10 @@ class TrainSettings(_Section):
     {"USE_TMA": true} or {"bwd_BLOCK_M1": 64}); empty = torch's defaults."""
     flex_autotune: bool = False
     """Compile flex_attention with max-autotune (searches its block sizes at start-up; GPU)."""
-    ce_kernel: Literal["compiled", "triton"] = "compiled"
-    """The CE chunk's elementwise pass on GPU: torch.compile'd, or model/ce_kernel.py's Triton
-    kernel (same result up to fp32 rounding order); CPU always runs the plain torch ops."""
+    ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
+    """The CE chunk's elementwise pass: model/ce_kernel.py's Triton kernel (GPU only; `auto`
+    picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
+    rounding order). The CPU always runs the plain torch ops."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod

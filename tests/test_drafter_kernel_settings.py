@@ -33,8 +33,8 @@ def test_an_unknown_flex_option_is_one_line_naming_the_setting() -> None:
     assert "\n" not in message
 
 
-def test_ce_kernel_defaults_to_compiled_and_names_a_bad_choice() -> None:
-    assert load_settings(NO_FILE).train.ce_kernel == "compiled"
+def test_ce_kernel_defaults_to_auto_and_names_a_bad_choice() -> None:
+    assert load_settings(NO_FILE).train.ce_kernel == "auto"
     assert (
         load_settings(NO_FILE | {"DFLASH_TRAIN__CE_KERNEL": "triton"}).train.ce_kernel == "triton"
     )

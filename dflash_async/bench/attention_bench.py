@@ -54,8 +54,8 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
 
 LAYOUTS = {
     "contiguous": "both [1, H, Q, hd] contiguous",
-    "strided": "both the [Q, H, hd] transpose (the step's layout before q was made contiguous)",
-    "contiguous_q": "q contiguous, the output gradient the transpose (the step's layout now)",
+    "strided": "both the [Q, H, hd] transpose (the step's layout)",
+    "contiguous_q": "q contiguous, its output gradient the transpose (q made contiguous)",
 }
 
 # Largest relative Frobenius difference from the default configuration allowed for the output

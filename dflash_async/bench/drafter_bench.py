@@ -87,7 +87,7 @@ def build_step(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
-    ce_kernel: str = "compiled",
+    ce_kernel: str = "auto",
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -161,7 +161,7 @@ def bench_drafter(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
-    ce_kernel: str = "compiled",
+    ce_kernel: str = "auto",
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -240,7 +240,12 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # default where the step compiles; `today` is the one the flags pick)
     "reference_update": {"compiled_update": False},
     "compiled_update": {"compiled_update": True},
-    "ce_triton": {"ce_kernel": "triton"},  # model/ce_kernel.py instead of the compiled CE pass
+    # the CE pass: model/ce_kernel.py's Triton kernel (the GPU default) or the torch ops
+    # (torch.compile'd with --compile)
+    "ce_triton": {"ce_kernel": "triton"},
+    "ce_compiled": {"ce_kernel": "compiled"},
+    # both of the above as they were before issue 20: the whole step's before/after in one run
+    "previous_default": {"compiled_update": False, "ce_kernel": "compiled"},
     "flex_autotune": {"flex_autotune": True},
 }
 

@@ -52,9 +52,9 @@ class ObjectiveConfig:
     # as sorted (name, value) pairs; () = torch's defaults
     flex_kernel_options: tuple[tuple[str, bool | int], ...] = ()
     flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
-    # the CE chunk's elementwise pass on GPU: torch.compile'd ce_and_grad_from_logits, or the
-    # hand-written Triton kernel of ce_kernel.py (GPU only)
-    ce_kernel: Literal["compiled", "triton"] = "compiled"
+    # the CE chunk's elementwise pass: the hand-written Triton kernel of ce_kernel.py (GPU only),
+    # or ce_and_grad_from_logits (torch.compile'd when `compile`); auto: Triton on a GPU
+    ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
 
 
 class Anchors(NamedTuple):
@@ -151,7 +151,10 @@ class DFlashObjective(nn.Module):
         if config.compile:
             self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
             drafter.compile_layers()
-        if config.ce_kernel == "triton":
+        ce_kernel = config.ce_kernel
+        if ce_kernel == "auto":
+            ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
+        if ce_kernel == "triton":
             if not self.lm_head_weight.is_cuda:
                 raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
             from dflash_async.model.ce_kernel import ce_and_grad_triton  # lazy: needs triton

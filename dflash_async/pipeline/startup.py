@@ -164,7 +164,7 @@ def build_drafter_step(
             compile=compile,
             flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
             flex_autotune=train.flex_autotune,
-            ce_kernel=train.ce_kernel if cuda else "compiled",
+            ce_kernel=train.ce_kernel if cuda else "compiled",  # CPU: the plain torch ops
         ),
         drafter,
         embed,
