@@ -112,6 +112,8 @@ BAD_INPUTS = {
         "--results", "{a_file}/r.jsonl"], {}, ["--results", "a_file"]),
     "eval/bad_argument": (["eval", "--drafter", "{root}", "--num-prompts", "0"], {},
                           ["--num-prompts"]),
+    "bench/attention_unknown_config": (["bench", "attention", "--configs", "default,huge"], {},
+                                       ["--configs", "huge"]),
 }  # fmt: skip
 
 NO_CUDA_INPUTS = {
@@ -120,6 +122,7 @@ NO_CUDA_INPUTS = {
     "bench/drafter": (["bench", "drafter"], {}, ["bench drafter", "CUDA"]),
     "bench/drafter_on_cpu": (["bench", "drafter", "--device", "cpu"], {}, ["bench drafter"]),
     "bench/graphs": (["bench", "graphs"], {}, ["bench graphs", "CUDA"]),
+    "bench/attention": (["bench", "attention"], {}, ["bench attention", "CUDA"]),
     "regenerate/cuda_device": (["regenerate", "--input", "{good}", "--output", "{root}/o.jsonl",
         "--target", "{root}", "--device", "cuda:0"], {}, ["--device", "CUDA"]),
     "eval/cuda_device": (["eval", "--drafter", "{root}", "--device", "cuda"], {},
