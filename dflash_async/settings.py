@@ -185,9 +185,10 @@ class TrainSettings(_Section):
     """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
     ce_chunk_size: int = Field(2048, ge=1)
     """Block positions per cross-entropy chunk (bounds the logits held at once)."""
-    flex_kernel_options: dict[str, bool | int] = {}
+    flex_kernel_options: dict[str, bool | int | str] = {}
     """flex_attention kernel options on GPU, JSON (torch's FlexKernelOptions, e.g.
-    {"USE_TMA": true} or {"bwd_BLOCK_M1": 64}); empty = torch's defaults."""
+    {"USE_TMA": true}, {"bwd_BLOCK_M1": 64}, or {"BACKEND": "FLASH"} where flash-attn-4 is
+    installed); empty = torch's defaults."""
     flex_autotune: bool = False
     """Compile flex_attention with max-autotune (searches its block sizes at start-up; GPU)."""
     ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
@@ -207,7 +208,9 @@ class TrainSettings(_Section):
 
     @field_validator("flex_kernel_options")
     @classmethod
-    def _known_flex_options(cls, options: dict[str, bool | int]) -> dict[str, bool | int]:
+    def _known_flex_options(
+        cls, options: dict[str, bool | int | str]
+    ) -> dict[str, bool | int | str]:
         if not options:
             return options
         from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy

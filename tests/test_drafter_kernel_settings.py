@@ -23,6 +23,8 @@ def test_flex_kernel_options_parse_from_json_and_default_to_torchs() -> None:
     ).train
     assert train.flex_kernel_options == {"USE_TMA": True, "bwd_BLOCK_M1": 64}
     assert train.flex_autotune is True
+    backend = {"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'}
+    assert load_settings(NO_FILE | backend).train.flex_kernel_options == {"BACKEND": "FLASH"}
 
 
 def test_an_unknown_flex_option_is_one_line_naming_the_setting() -> None:

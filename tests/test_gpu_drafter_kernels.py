@@ -92,6 +92,8 @@ def today() -> dict:
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "today"])
 def test_variant_equals_todays_step_in_loss_gradients_and_trajectory(variant, today) -> None:
+    if variant == "flex_flash":  # flash-attn-4 is carried to the device only for its experiment
+        pytest.importorskip("flash_attn.cute")
     new = _in_worker(lambda: _run(variant))
     rel = abs(new["loss"] - today["loss"]) / abs(today["loss"])
     cosine = torch.nn.functional.cosine_similarity(new["grads"], today["grads"], dim=0).item()

@@ -27,7 +27,7 @@ from dflash_async.usage import ArgumentParser, require_cuda
 # torch 2.11's Hopper defaults for bf16, head_dim 128: forward (BLOCK_M 128, BLOCK_N 64, 3
 # stages, 8 warps), backward (BLOCK_M1 64, BLOCK_N1 128, BLOCK_M2 128, BLOCK_N2 64, 3 stages, 8
 # warps). The step's BlockMask tile is 128: every block size here divides it.
-CONFIGS: dict[str, dict[str, int | bool]] = {
+CONFIGS: dict[str, dict[str, int | bool | str]] = {
     "default": {},
     "f128x128_s2w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2,
                       "fwd_num_warps": 8},
@@ -50,7 +50,12 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
     "b128x128_s2w8": {"bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
                       "bwd_BLOCK_N2": 128, "bwd_num_stages": 2, "bwd_num_warps": 8},
     "no_dq_write": {"WRITE_DQ": False},
+    # flash-attn-4 (CuTe DSL) through flex_attention: needs flash_attn.cute importable, which
+    # the device does not have (benchmarks/h200_flash_backend.sh carries it); not in the default
+    # list of `--configs`
+    "flash_backend": {"BACKEND": "FLASH"},
 }  # fmt: skip
+DEFAULT_CONFIGS = [name for name in CONFIGS if name != "flash_backend"]
 
 LAYOUTS = {
     "contiguous": "both [1, H, Q, hd] contiguous",
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="contiguous",
                         help="q and the output gradient: " + "; ".join(LAYOUTS.values()))  # fmt: skip
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")  # fmt: skip
     args = parser.parse_args(argv)
     names = args.configs.split(",")

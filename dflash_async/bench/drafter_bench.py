@@ -236,6 +236,9 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     "ce_chunk_8192": {"ce_chunk_size": 8192},
     "flex_dq_in_dkv_loop": {"flex_kernel_options": {"WRITE_DQ": False}},
     "flex_tma": {"flex_kernel_options": {"USE_TMA": True}},
+    # flash-attn-4 (CuTe DSL) through flex_attention, where flash_attn.cute is importable
+    # (benchmarks/h200_flash_backend.sh); not in the GPU parity test's list
+    "flex_flash": {"flex_kernel_options": {"BACKEND": "FLASH"}},
     # phase B: torch's clip_grad_norm_ + fused AdamW, or model/update.py's compiled AdamW (the
     # default where the step compiles; `today` is the one the flags pick)
     "reference_update": {"compiled_update": False},

@@ -50,7 +50,7 @@ class ObjectiveConfig:
     compile: bool = False  # torch.compile the CE elementwise work and the drafter layers (GPU)
     # flex_attention kernel_options (torch's FlexKernelOptions: tiles, USE_TMA, WRITE_DQ, ...),
     # as sorted (name, value) pairs; () = torch's defaults
-    flex_kernel_options: tuple[tuple[str, bool | int], ...] = ()
+    flex_kernel_options: tuple[tuple[str, bool | int | str], ...] = ()
     flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
     # the CE chunk's elementwise pass: the hand-written Triton kernel of ce_kernel.py (GPU only),
     # or ce_and_grad_from_logits (torch.compile'd when `compile`); auto: Triton on a GPU
