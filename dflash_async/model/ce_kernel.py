@@ -75,6 +75,9 @@ def ce_and_grad_triton(
     Sync-free and capturable (one launch, a sum); the gradient comes out contiguous."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [c, V] with contiguous rows, got {tuple(logits.shape)}")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        # the kernel computes in fp32: float64 logits (CPU-style tests) take ce_kernel="compiled"
+        raise ValueError(f"the Triton CE pass takes bf16/fp16/fp32 logits, not {logits.dtype}")
     rows, vocab = logits.shape
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
