@@ -58,3 +58,27 @@ def test_triton_ce_kernel_is_refused_off_the_gpu() -> None:
                                        ce_kernel="triton")  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
         DFlashObjective(objective_config, tiny_drafter(config, 0), embed, lm_head)
+
+
+def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
+    """The preflight line names the resolved choices: on the CPU the plain CE pass and the
+    reference optimizer phase (flex attention forced, as a GPU run would pick it)."""
+    import torch
+    from structlog.testing import capture_logs
+    from tiny_run import tiny_env, tiny_inputs
+
+    from dflash_async.pipeline.startup import build_drafter_step, drafter_config_for
+
+    inputs = tiny_inputs(tmp_path, records=4)
+    settings = load_settings(tiny_env(inputs) | {"DFLASH_TRAIN__ATTENTION": "flex"})
+    config = drafter_config_for(settings, inputs["target"], False)
+    with capture_logs() as logs:
+        step = build_drafter_step(settings, config, inputs["target"], device=torch.device("cpu"),
+                                  rank=0, total_steps=10, compile=False)  # fmt: skip
+    (line,) = [entry for entry in logs if entry["event"] == "drafter_kernels_chosen"]
+    assert (line["attention"], line["ce_kernel"], line["update"]) == (
+        "flex",
+        "compiled",
+        "reference",
+    )
+    assert step.adamw is None

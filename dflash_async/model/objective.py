@@ -147,19 +147,20 @@ class DFlashObjective(nn.Module):
         if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
             flex_fn = compiled_flex_attention(autotune=config.flex_autotune)
         self.flex_fn = flex_fn
+        self.ce_kernel = config.ce_kernel  # resolved: "triton" or "compiled"
+        if self.ce_kernel == "auto":
+            self.ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
         self.ce_elementwise = ce_and_grad_from_logits
-        if config.compile:
-            self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
-            drafter.compile_layers()
-        ce_kernel = config.ce_kernel
-        if ce_kernel == "auto":
-            ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
-        if ce_kernel == "triton":
+        if self.ce_kernel == "triton":
             if not self.lm_head_weight.is_cuda:
                 raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
             from dflash_async.model.ce_kernel import ce_and_grad_triton  # lazy: needs triton
 
             self.ce_elementwise = ce_and_grad_triton
+        elif config.compile:
+            self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
+        if config.compile:
+            drafter.compile_layers()
         B = config.block_size
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)

@@ -170,12 +170,7 @@ def build_drafter_step(
         embed,
         lm_head,
     )
-    if attention == "flex":  # the preflight line of the chosen attention kernel
-        get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
-                 flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
-                 ce_chunk_size=train.ce_chunk_size, ce_kernel=train.ce_kernel,
-                 torch=torch.__version__)  # fmt: skip
-    return DrafterStep.build(
+    step = DrafterStep.build(
         objective,
         token_budget=train.token_budget,
         peak_lr=train.lr,
@@ -185,3 +180,10 @@ def build_drafter_step(
         grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
         generator=torch.Generator(device).manual_seed(train.seed * 1000 + rank),
     )
+    if attention == "flex":  # the preflight line of the kernels chosen for the step
+        get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
+                 flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
+                 ce_chunk_size=train.ce_chunk_size, ce_kernel=objective.ce_kernel,
+                 update="compiled" if step.adamw is not None else "reference",
+                 torch=torch.__version__)  # fmt: skip
+    return step
