@@ -2,8 +2,10 @@
 # Issue 20: flex_attention's FLASH backend (flash-attn-4 on the CuTe DSL) for the drafter's
 # attention, on one H200, in two device calls made back to back (the machine stays warm ~30 s
 # after a call, and what a call leaves outside the repository stays with it):
-#   stage a (carry .fa/a): keep the first half of the CuTe DSL libraries wheel and the small
-#     wheels in /tmp/fa;
+#   stage a (carry .fa/a and .whl): keep the first half of the CuTe DSL libraries wheel and the
+#     small wheels in /tmp/fa; meanwhile `bench linear` (the fp32 master weights' dtype passes
+#     around each of a layer's matmuls, against bf16 copies and fp32-accumulating weight
+#     gradients, ~1 minute);
 #   stage b (carry .fa/b and .whl): join the halves (checked against the sha256), install
 #     everything into /tmp/site, then
 #     1. `bench attention --configs default,flash_backend` at 1024 and 4096 anchors: forward and
@@ -19,7 +21,12 @@ out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
 exec > >(tee -a "$out/flash_backend.log") 2>&1
 case "${1:-}" in
   a)
-    mkdir -p /tmp/fa && cp .fa/a/* /tmp/fa/ && ls -la /tmp/fa && echo "stage a done: now stage b"
+    mkdir -p /tmp/fa && cp .fa/a/* /tmp/fa/ && ls -la /tmp/fa
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+    echo; echo "== bench linear, 1024 anchors ($(date +%T))"
+    timeout 120 python3 -m dflash_async bench linear 2>&1 | grep -E '^\{|rror' | cut -c1-600
+    echo "stage a done: now stage b, at once (the machine stays warm ~30 s)"
     exit 0 ;;
   b) ;;
   *) echo "usage: $0 a|b" >&2; exit 2 ;;

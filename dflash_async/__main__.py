@@ -102,9 +102,9 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks: `bench drafter|attention|graphs|target|optimizer [...]` (GPU step, its
-    attention's tile configurations, graph checks, target paths, the step's optimizer phase
-    alone), `bench packing|data`."""
+    """Benchmarks: `bench drafter|attention|linear|graphs|target|optimizer [...]` (GPU step, its
+    attention's tile configurations, its weights' dtype passes, graph checks, target paths, the
+    step's optimizer phase alone), `bench packing|data`."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
@@ -118,6 +118,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from dflash_async.bench.optimizer_bench import main
     elif args.what == "attention":
         from dflash_async.bench.attention_bench import main
+    elif args.what == "linear":
+        from dflash_async.bench.linear_bench import main
     else:
         from dflash_async.bench.packing_bench import main
     main(args.rest)
@@ -173,7 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
     bench.add_argument(
         "what",
-        choices=("drafter", "attention", "graphs", "packing", "target", "data", "optimizer"),
+        choices=(
+            "drafter",
+            "attention",
+            "linear",
+            "graphs",
+            "packing",
+            "target",
+            "data",
+            "optimizer",
+        ),
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)

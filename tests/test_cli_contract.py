@@ -123,6 +123,7 @@ NO_CUDA_INPUTS = {
     "bench/drafter_on_cpu": (["bench", "drafter", "--device", "cpu"], {}, ["bench drafter"]),
     "bench/graphs": (["bench", "graphs"], {}, ["bench graphs", "CUDA"]),
     "bench/attention": (["bench", "attention"], {}, ["bench attention", "CUDA"]),
+    "bench/linear": (["bench", "linear"], {}, ["bench linear", "CUDA"]),
     "regenerate/cuda_device": (["regenerate", "--input", "{good}", "--output", "{root}/o.jsonl",
         "--target", "{root}", "--device", "cuda:0"], {}, ["--device", "CUDA"]),
     "eval/cuda_device": (["eval", "--drafter", "{root}", "--device", "cuda"], {},
