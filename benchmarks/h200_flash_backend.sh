@@ -38,7 +38,9 @@ echo "$(cat .fa/b/libs_cu13.sha256)  /tmp/fa/$name" | sha256sum -c - || exit 1
 rm /tmp/fa/libs_cu13.part1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl /tmp/fa/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site
+# the CuTe DSL's `cutlass` package sits in a folder a .pth file adds, and PYTHONPATH folders run
+# no .pth files: name it here
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", flash_attn.cute.__file__)'
 part() { echo; echo "== $1 ($(date +%T))"; }
 for anchors in 1024 4096; do
