@@ -43,16 +43,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", flash_attn.cute.__file__)'
 part() { echo; echo "== $1 ($(date +%T))"; }
+# timeouts: 150 + 100 + 120 + 180 s, inside one call's 600 with the install
 for anchors in 1024 4096; do
   part "1. bench attention, $anchors anchors: torch's default vs the FLASH backend"
-  timeout 150 python3 -m dflash_async bench attention --num-anchors "$anchors" \
+  timeout $([ "$anchors" = 1024 ] && echo 150 || echo 100) python3 -m dflash_async bench attention --num-anchors "$anchors" \
     --configs default,flash_backend 2>&1 | grep -E '^\{|Error|error' | cut -c1-700
 done
 part "2. the flex_flash step: GPU parity, then today vs flex_flash (1024 anchors)"
 timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k flex_flash \
   tests/test_gpu_drafter_kernels.py 2>&1 | grep -E '\{"check"|passed|failed|skipped|Error' \
   | cut -c1-600
-timeout 200 python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph \
+timeout 180 python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph \
   --token-budget 16384 --num-anchors 1024 --steps 10 --variants today,flex_flash 2>&1 \
   | grep -E '^\{|rror' | cut -c1-600
 part "done"
