@@ -121,6 +121,7 @@ def time_config(attend, q, k, v, dout, reps: int) -> tuple[float, float, list[to
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius, in fp32); the benches' measure of a candidate's result."""
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 

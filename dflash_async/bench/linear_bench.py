@@ -22,6 +22,7 @@ import json
 
 import torch
 
+from dflash_async.bench.attention_bench import rel_diff
 from dflash_async.bench.drafter_bench import SHAPES
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -73,10 +74,6 @@ def time_path(run, reps: int) -> float:
     end.record()
     torch.cuda.synchronize()  # sync point: benchmark timing only
     return start.elapsed_time(end) / reps
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def bench_shape(uses: tuple[int, ...], fan_in: int, fan_out: int, *, device, reps: int) -> dict:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_async.bench.optimizer_updates import SEQUENCES, PhaseState, folded_coefficient
-from dflash_async.model.update import adamw_all, adamw_math, ensure_adamw_state
+from dflash_async.model.update import adamw_math, folded_adamw
 
 
 def adamw_flat_math(p, g, m, v, step, lr, coef, **hyper) -> None:
@@ -32,31 +32,33 @@ def adamw_flat_math(p, g, m, v, step, lr, coef, **hyper) -> None:
 
 
 def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[PhaseState], None]:
-    """Phase B as folded_coefficient (one flat norm) + the compiled AdamW (flat or per view),
-    then the lr advance. `compile=False` runs the same functions eagerly (CPU tests)."""
-    math_fn = adamw_flat_math if flat else adamw_all
-    if compile:
-        math_fn = torch.compile(math_fn, dynamic=False, fullgraph=True)
+    """Phase B as folded_coefficient (one flat norm) + the compiled AdamW, then the lr advance:
+    per view, the product's own update (model/update.py's folded_adamw); flat, over the flat
+    buffers with the zeroing fused in. `compile=False` runs the same functions eagerly (CPU)."""
+    if not flat:
+        update = folded_adamw(s.optimizer, s.params, compile=compile)
+
+        def run_views(state: PhaseState) -> None:
+            update(folded_coefficient(state))
+            state.flat_grad.zero_()
+            state.schedule.advance_()
+
+        return run_views
+    math_fn = (
+        torch.compile(adamw_flat_math, dynamic=False, fullgraph=True)
+        if compile
+        else adamw_flat_math
+    )
     group = s.optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
-    kwargs = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=s.weight_decay)
+    hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=s.weight_decay)
 
-    def run(state: PhaseState) -> None:
-        coef = folded_coefficient(state)
-        lr = state.schedule.lr
-        if flat:
-            math_fn(state.flat_param, state.flat_grad, state.exp_avg, state.exp_avg_sq,
-                    state.step, lr, coef, **kwargs)  # fmt: skip
-        else:
-            ensure_adamw_state(state.optimizer, state.params)
-            states = [state.optimizer.state[p] for p in state.params]
-            math_fn([p.detach() for p in state.params], state.grads,
-                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                    [st["step"] for st in states], lr, coef, **kwargs)  # fmt: skip
-            state.flat_grad.zero_()
+    def run_flat(state: PhaseState) -> None:
+        math_fn(state.flat_param, state.flat_grad, state.exp_avg, state.exp_avg_sq, state.step,
+                state.schedule.lr, folded_coefficient(state), **hyper)  # fmt: skip
         state.schedule.advance_()
 
-    return run
+    return run_flat
 
 
 def sequence(name: str, s: PhaseState, *, compile: bool) -> Callable[[PhaseState], None]:

@@ -30,7 +30,7 @@ from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
-from dflash_async.model.update import folded_adamw, folded_clip_coefficient
+from dflash_async.model.update import WEIGHT_SUM_FLOOR, folded_adamw, folded_clip_coefficient
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
@@ -65,7 +65,6 @@ class DrafterStep:
         grad_clip: float,
         generator: torch.Generator | None = None,
         anchor_sampler: Callable[[PackedBatch], Anchors] | None = None,
-        adamw: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.objective = objective
         self.optimizer = optimizer
@@ -81,9 +80,10 @@ class DrafterStep:
         # None: sample from the noise buffer. Tests inject fixed anchors (M drafters' update must
         # equal one drafter's on the same blocks); a sampler must be sync-free to be captured.
         self.anchor_sampler = anchor_sampler
-        # None: the reference phase B (clip_grad_norm_, optimizer.step()); else
-        # update.folded_adamw(optimizer, params): AdamW of the grads times a folded coefficient.
-        self.adamw = adamw
+        # None: the reference phase B (clip_grad_norm_, optimizer.step()); else (build() on a
+        # GPU, tests) update.folded_adamw(optimizer, params): AdamW of the grads times a folded
+        # coefficient.
+        self.adamw: Callable[[torch.Tensor], None] | None = None
         self.noise = torch.zeros(
             batch.num_tokens + 1, dtype=torch.float64, device=batch.input_ids.device
         )
@@ -127,14 +127,15 @@ class DrafterStep:
         batch = PackedBatch.empty(
             token_budget, feature_dim, device=weight.device, feature_dtype=weight.dtype
         )
+        step = cls(
+            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
+            num_anchors=objective.config.num_anchors,
+        )  # fmt: skip
         if compiled_update is None:
             compiled_update = objective.config.compile and weight.device.type == "cuda"
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        adamw = folded_adamw(optimizer, params, compile=True) if compiled_update else None
-        return cls(
-            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
-            num_anchors=objective.config.num_anchors, adamw=adamw,
-        )  # fmt: skip
+        if compiled_update:
+            step.adamw = folded_adamw(optimizer, step.params, compile=True)
+        return step
 
     @property
     def device(self) -> torch.device:
@@ -167,7 +168,7 @@ class DrafterStep:
         # grads hold d(sum w*CE)/dθ summed over drafters; stats[1] the global sum(w)
         with step_range("optimizer"):
             if self.adamw is None:
-                self.flat_grad.div_(self.stats[1].clamp_min(1e-12))
+                self.flat_grad.div_(self.stats[1].clamp_min(WEIGHT_SUM_FLOOR))
                 # foreach over the flat buffer's views; error_if_nonfinite=True would sync
                 norm = nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
                 self.grad_norm.copy_(norm)
