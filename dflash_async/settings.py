@@ -185,10 +185,16 @@ class TrainSettings(_Section):
     """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
     ce_chunk_size: int = Field(2048, ge=1)
     """Block positions per cross-entropy chunk (bounds the logits held at once)."""
+    flex_backend: Literal["auto", "triton", "flash"] = "auto"
+    """flex_attention's kernels on GPU: torch's Triton ones, or flash-attn-4's (flex's FLASH
+    backend: `pip install -e ".[flash]"`; Hopper and Blackwell GPUs). auto: flash where it is
+    installed and the GPU is one of those, unless FLEX_KERNEL_OPTIONS or FLEX_AUTOTUNE tune the
+    Triton kernels; else triton. The same result up to bf16 rounding order; flash was 3.5-5.5 ms
+    faster per Qwen3-8B-shaped step on an H200 (BENCHMARKS.md), but not bitwise reproducible."""
     flex_kernel_options: dict[str, bool | int | str] = {}
     """flex_attention kernel options on GPU, JSON (torch's FlexKernelOptions, e.g.
-    {"USE_TMA": true}, {"bwd_BLOCK_M1": 64}, or {"BACKEND": "FLASH"} where flash-attn-4 is
-    installed); empty = torch's defaults."""
+    {"USE_TMA": true}, {"bwd_BLOCK_M1": 64}); empty = torch's defaults. The backend is
+    DFLASH_TRAIN__FLEX_BACKEND's."""
     flex_autotune: bool = False
     """Compile flex_attention with max-autotune (searches its block sizes at start-up; GPU)."""
     ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
@@ -215,6 +221,11 @@ class TrainSettings(_Section):
             return options
         from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy
 
+        if "BACKEND" in options:
+            raise ValueError(
+                "DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: choose the backend with "
+                "DFLASH_TRAIN__FLEX_BACKEND=auto|triton|flash, not BACKEND"
+            )
         known = set(FlexKernelOptions.__annotations__)
         unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
         if unknown:

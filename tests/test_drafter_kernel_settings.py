@@ -1,5 +1,6 @@
 """The drafter's kernel settings: flex_attention options parse from the environment, unknown ones
-fail at load with one line naming the setting, and the objective carries them unchanged."""
+fail at load with one line naming the setting, the objective carries them unchanged, and the
+flex backend and CE kernel resolve to what can run where the drafter is."""
 
 from __future__ import annotations
 
@@ -23,8 +24,46 @@ def test_flex_kernel_options_parse_from_json_and_default_to_torchs() -> None:
     ).train
     assert train.flex_kernel_options == {"USE_TMA": True, "bwd_BLOCK_M1": 64}
     assert train.flex_autotune is True
-    backend = {"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'}
-    assert load_settings(NO_FILE | backend).train.flex_kernel_options == {"BACKEND": "FLASH"}
+    tiles = {"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS": '{"fwd_BLOCK_M": 64, "PRESCALE_QK": "0"}'}
+    assert load_settings(NO_FILE | tiles).train.flex_kernel_options["PRESCALE_QK"] == "0"
+
+
+def test_flex_backend_defaults_to_auto_and_is_not_chosen_through_kernel_options() -> None:
+    assert load_settings(NO_FILE).train.flex_backend == "auto"
+    flash = {"DFLASH_TRAIN__FLEX_BACKEND": "flash"}
+    assert load_settings(NO_FILE | flash).train.flex_backend == "flash"
+    with pytest.raises(SettingsError, match="FLEX_BACKEND"):
+        load_settings(NO_FILE | {"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'})
+    with pytest.raises(SettingsError, match=r"FLEX_BACKEND|flex_backend"):
+        load_settings(NO_FILE | {"DFLASH_TRAIN__FLEX_BACKEND": "cute"})
+
+
+def test_flex_backend_auto_is_triton_off_the_gpu_and_flash_there_is_refused() -> None:
+    """flash-attn-4 runs only on a CUDA GPU: auto falls back to torch's Triton kernels, and an
+    explicit flash says why it cannot run instead of failing inside the first compile."""
+    import torch
+
+    from dflash_async.model.attention import flash_unavailable_reason, resolve_flex_backend
+
+    cpu = torch.device("cpu")
+    assert "CUDA" in flash_unavailable_reason(cpu)
+    assert resolve_flex_backend("auto", device=cpu) == "triton"
+    assert resolve_flex_backend("triton", device=cpu) == "triton"
+    with pytest.raises(ValueError, match="flex_backend='flash': it needs a CUDA GPU"):
+        resolve_flex_backend("flash", device=cpu)
+
+
+def test_flash_backend_refuses_triton_tuning_and_auto_keeps_triton_for_it() -> None:
+    """Kernel options and autotuning tune torch's Triton kernels: asking for them with flash is
+    an error (they would be dropped silently), and auto then stays on Triton."""
+    import torch
+
+    from dflash_async.model.attention import resolve_flex_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_flex_backend("auto", device=cpu, tunes_triton=True) == "triton"
+    with pytest.raises(ValueError, match="tune torch's Triton kernels"):
+        resolve_flex_backend("flash", device=cpu, tunes_triton=True)
 
 
 def test_an_unknown_flex_option_is_one_line_naming_the_setting() -> None:
@@ -76,8 +115,9 @@ def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
         step = build_drafter_step(settings, config, inputs["target"], device=torch.device("cpu"),
                                   rank=0, total_steps=10, compile=False)  # fmt: skip
     (line,) = [entry for entry in logs if entry["event"] == "drafter_kernels_chosen"]
-    assert (line["attention"], line["ce_kernel"], line["update"]) == (
+    assert (line["attention"], line["flex_backend"], line["ce_kernel"], line["update"]) == (
         "flex",
+        "triton",
         "compiled",
         "reference",
     )

@@ -92,7 +92,7 @@ def today() -> dict:
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "today"])
 def test_variant_equals_todays_step_in_loss_gradients_and_trajectory(variant, today) -> None:
-    if variant == "flex_flash":  # flash-attn-4 is carried to the device only for its experiment
+    if variant == "flex_flash":  # flash-attn-4 is optional (the device has it only when carried)
         pytest.importorskip("flash_attn.cute")
     new = _in_worker(lambda: _run(variant))
     rel = abs(new["loss"] - today["loss"]) / abs(today["loss"])

@@ -11,11 +11,16 @@ T context rows followed by the Q = A*B block slots.
 usable on CPU with autograd. `flex_block_mask` builds a flex_attention BlockMask for the same rule
 directly from fixed-shape tensors (no compile, no host sync, so it can live inside a CUDA graph):
 since documents are contiguous, the visible context of block j is the interval [start(d_j), a_j).
+`resolve_flex_backend` picks flex_attention's kernels: torch's Triton ones, or flash-attn-4's
+(CuTe DSL) through flex's FLASH backend where that is installed and the GPU is a Hopper or
+Blackwell.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -93,22 +98,27 @@ def flex_block_mask(
     Q, S = A * B, doc_ids.shape[0] + A * B
     if T % tile or Q % tile:
         raise ValueError(f"flex attention needs T={T} and Q={Q} to be multiples of {tile}")
-    lo, hi, block_lo = _visible_intervals(doc_ids, anchors, valid, B)  # [Q] each
-    tile_lo = torch.arange(0, S, tile, device=doc_ids.device)  # [S/tile]
+    # int32 per-row bounds: the mask_mod reads them at q_idx, which the kernels carry as int32
+    lo, hi, block_lo = (x.to(torch.int32) for x in _visible_intervals(doc_ids, anchors, valid, B))
+    block_hi = block_lo + B  # [Q] each
+    tile_lo = torch.arange(0, S, tile, device=doc_ids.device, dtype=torch.int32)  # [S/tile]
     tile_hi = tile_lo + tile
-    lo, hi, block_lo = lo[:, None], hi[:, None], block_lo[:, None]
-    sees_some = ((lo < tile_hi) & (tile_lo < hi) & (lo < hi)) | (
-        (block_lo < tile_hi) & (tile_lo < block_lo + B)
+    rows = lambda x: x[:, None]  # noqa: E731  [Q] -> [Q, 1], against [S/tile]
+    sees_some = ((rows(lo) < tile_hi) & (tile_lo < rows(hi)) & rows(lo < hi)) | (
+        (rows(block_lo) < tile_hi) & (tile_lo < rows(block_hi))
     )  # [Q, S/tile]
-    sees_all = (lo <= tile_lo) & (tile_hi <= hi)  # a B-slot block never covers a whole tile
+    sees_all = (rows(lo) <= tile_lo) & (tile_hi <= rows(hi))  # a B-slot block never fills a tile
     any_row = sees_some.view(Q // tile, tile, -1).any(1)  # [Q/tile, S/tile]
     full = sees_all.view(Q // tile, tile, -1).all(1)
     partial = any_row & ~full
 
-    def mask_mod(b, h, q_idx, kv_idx):  # the same rule, per element, for partial tiles
-        q_lo, q_hi, q_block = lo[q_idx, 0], hi[q_idx, 0], block_lo[q_idx, 0]
-        in_context = (kv_idx >= q_lo) & (kv_idx < q_hi)
-        in_block = (kv_idx >= q_block) & (kv_idx < q_block + B)
+    # The same rule, per element, for partial tiles. It reads only 1-D captured tensors at q_idx
+    # and holds no Python constants: torch 2.11's CuTe DSL code generation (flex_attention's
+    # FLASH backend) fails on a literal index such as `lo[q_idx, 0]` ("Expected TensorSSA, but
+    # got int"), measured on the H200.
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_context = (kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])
+        in_block = (kv_idx >= block_lo[q_idx]) & (kv_idx < block_hi[q_idx])
         return in_context | in_block
 
     return BlockMask.from_kv_blocks(
@@ -125,6 +135,58 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return num[None, None], order[None, None]
+
+
+FlexBackend = Literal["auto", "triton", "flash"]
+
+
+def flash_unavailable_reason(device: torch.device) -> str | None:
+    """Why flex_attention's FLASH backend (flash-attn-4) cannot run on `device`, or None if it can.
+
+    Measured exact and faster on an H200 (torch 2.11, flash-attn-4 4.0.0b36: BENCHMARKS.md);
+    flash-attn-4 targets compute capability 9.x and 10.x only.
+    """
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU (the drafter is on {device})"
+    if "BACKEND" not in FlexKernelOptions.__annotations__:
+        return f"torch {torch.__version__} has no FLASH backend for flex_attention"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"flash-attn-4 runs on Hopper (9.x) and Blackwell (10.x), not {major}.{minor}"
+    try:  # find_spec of a submodule imports its parent package; a broken install is "absent"
+        installed = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:
+        installed = False
+    if not installed:
+        return 'flash-attn-4 is not installed (pip install -e ".[flash]")'
+    return None
+
+
+def resolve_flex_backend(
+    requested: FlexBackend, *, device: torch.device, tunes_triton: bool = False
+) -> str:
+    """The kernels of the drafter's flex_attention on `device`, "triton" or "flash".
+
+    tunes_triton: kernel options or autotuning were asked for; they tune torch's Triton kernels
+    (tiles, stages, TMA), so auto keeps those and flash refuses them rather than drop them
+    silently. Otherwise auto is flash wherever `flash_unavailable_reason` finds nothing against
+    it, else triton; flash where it cannot run raises ValueError saying why.
+    """
+    if requested == "triton":
+        return "triton"
+    if tunes_triton:
+        if requested == "flash":
+            raise ValueError(
+                "flex_backend='flash' with flex kernel options or autotuning, which tune torch's "
+                "Triton kernels: drop them, or choose flex_backend='triton'"
+            )
+        return "triton"
+    reason = flash_unavailable_reason(device)
+    if requested == "flash" and reason is not None:
+        raise ValueError(f"flex_backend='flash': {reason}")
+    return "flash" if reason is None else "triton"
 
 
 def flex_attend(

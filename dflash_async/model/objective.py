@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.data.packing import PackedBatch
-from dflash_async.model.attention import dense_rule_mask, flex_attend, flex_block_mask, sdpa_attend
+from dflash_async.model.attention import (
+    FlexBackend,
+    dense_rule_mask,
+    flex_attend,
+    flex_block_mask,
+    resolve_flex_backend,
+    sdpa_attend,
+)
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
 from dflash_async.model.step_ranges import step_range
@@ -51,6 +58,9 @@ class ObjectiveConfig:
     # flex_attention kernel_options (torch's FlexKernelOptions: tiles, USE_TMA, WRITE_DQ, ...),
     # as sorted (name, value) pairs; () = torch's defaults
     flex_kernel_options: tuple[tuple[str, bool | int | str], ...] = ()
+    # flex_attention's kernels: torch's Triton ones or flash-attn-4's (FLASH backend); auto:
+    # flash where it runs (attention.resolve_flex_backend)
+    flex_backend: FlexBackend = "auto"
     flex_autotune: bool = False  # compile flex_attention with max-autotune (block-size search)
     # the CE chunk's elementwise pass: the hand-written Triton kernel of ce_kernel.py (GPU only),
     # or ce_and_grad_from_logits (torch.compile'd when `compile`); auto: Triton on a GPU
@@ -147,6 +157,18 @@ class DFlashObjective(nn.Module):
         if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
             flex_fn = compiled_flex_attention(autotune=config.flex_autotune)
         self.flex_fn = flex_fn
+        # resolved ("triton" or "flash") and the options flex_attention gets, BACKEND included
+        self.flex_backend, self.flex_kernel_options = "triton", dict(config.flex_kernel_options)
+        if config.attention == "flex":
+            if "BACKEND" in self.flex_kernel_options:
+                raise ValueError("choose flex_attention's backend with flex_backend, not BACKEND")
+            device = self.lm_head_weight.device
+            tunes_triton = bool(self.flex_kernel_options) or config.flex_autotune
+            self.flex_backend = resolve_flex_backend(
+                config.flex_backend, device=device, tunes_triton=tunes_triton
+            )
+            if self.flex_backend == "flash":
+                self.flex_kernel_options["BACKEND"] = "FLASH"
         self.ce_kernel = config.ce_kernel  # resolved: "triton" or "compiled"
         if self.ce_kernel == "auto":
             self.ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
@@ -172,7 +194,7 @@ class DFlashObjective(nn.Module):
             mask = flex_block_mask(
                 batch.doc_ids, anchors.positions, anchors.valid, B, self.config.flex_tile
             )
-            return flex_attend(mask, self.flex_fn, dict(self.config.flex_kernel_options))
+            return flex_attend(mask, self.flex_fn, self.flex_kernel_options)
         return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
 
     def _blocks(self, batch: PackedBatch, anchors: Anchors):

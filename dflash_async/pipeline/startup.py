@@ -163,6 +163,7 @@ def build_drafter_step(
             attention=attention,
             compile=compile,
             flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
+            flex_backend=train.flex_backend,
             flex_autotune=train.flex_autotune,
             ce_kernel=train.ce_kernel if cuda else "compiled",  # CPU: the plain torch ops
         ),
@@ -182,6 +183,7 @@ def build_drafter_step(
     )
     if attention == "flex":  # the preflight line of the kernels chosen for the step
         get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
+                 flex_backend=objective.flex_backend,
                  flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
                  ce_chunk_size=train.ce_chunk_size, ce_kernel=objective.ce_kernel,
                  update="compiled" if step.adamw is not None else "reference",
