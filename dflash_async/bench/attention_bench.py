@@ -12,6 +12,7 @@ torch's default configuration (output and the three gradients). Cheaper than `be
 from __future__ import annotations
 
 import json
+import traceback
 
 import torch
 
@@ -120,6 +121,25 @@ def time_config(attend, q, k, v, dout, reps: int) -> tuple[float, float, list[to
     return fwd, bwd, [t.detach().clone() for t in (out, q.grad, k.grad, v.grad)]
 
 
+def forward_only_ms(mask, flex, options, q, k, v, reps: int = 10) -> float | str:
+    """A failed configuration's forward alone (no autograd), to tell which pass failed: its mean
+    ms, or the forward's own error."""
+    attend = flex_attend(mask, flex, options)
+    q, k, v = (x.detach() for x in (q, k, v))
+    try:
+        with torch.no_grad():
+            attend(q, k, v)  # compile
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                attend(q, k, v)
+            end.record()
+        torch.cuda.synchronize()  # sync point: benchmark timing only
+        return round(start.elapsed_time(end) / reps, 3)
+    except Exception as error:
+        return f"forward fails too: {str(error)[:200]}"
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (Frobenius, in fp32); the benches' measure of a candidate's result."""
     a, b = a.float(), b.float()
@@ -163,7 +183,11 @@ def main(argv: list[str] | None = None) -> None:
             fwd, bwd, results = time_config(flex_attend(mask, flex, CONFIGS[name]), q, k, v,
                                             dout, args.reps)  # fmt: skip
         except Exception as error:  # a configuration may not fit (shared memory): say so
-            print(json.dumps({"config": name, "error": str(error)[:300]}), flush=True)
+            where = traceback.extract_tb(error.__traceback__)[-4:]
+            print(json.dumps({"config": name, "error": str(error)[:300],
+                              "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where],
+                              "forward_only_ms": forward_only_ms(mask, flex, CONFIGS[name], q, k, v)}),
+                  flush=True)  # fmt: skip
             continue
         reference = reference or results
         diffs = [rel_diff(a, b) for a, b in zip(results, reference, strict=True)]

@@ -88,6 +88,7 @@ def build_step(
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
     ce_kernel: str = "auto",
+    flex_backend: str = "auto",
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
     torch.manual_seed(seed)
@@ -107,6 +108,7 @@ def build_step(
             flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
             flex_autotune=flex_autotune,
             ce_kernel=ce_kernel,
+            flex_backend=flex_backend,
         ),
         drafter,
         embed,
@@ -128,6 +130,7 @@ class DrafterBench:
     peak_mem_gib: float  # max allocated over the timed steps (graph mode: misses the graph pool)
     peak_all_gib: float  # max allocated from the build on: compile, warm-up, capture, steps
     loss: float
+    flex_backend: str  # the resolved one: "triton" or "flash" ("triton" under sdpa)
     parts_ms: dict[str, float] | None = None  # --profile: ms per step of each part
 
 
@@ -162,6 +165,7 @@ def bench_drafter(
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
     ce_kernel: str = "auto",
+    flex_backend: str = "auto",
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -178,6 +182,7 @@ def bench_drafter(
         flex_autotune=flex_autotune,
         compiled_update=compiled_update,
         ce_kernel=ce_kernel,
+        flex_backend=flex_backend,
     )
     step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
@@ -203,6 +208,7 @@ def bench_drafter(
         peak_mem_gib=peak,
         peak_all_gib=max(peak_all / 2**30, peak),
         loss=stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
+        flex_backend=step.objective.flex_backend,
     )
     if profile:
         rows = part_rows(profile_parts(step, steps=2), steps=2,
@@ -226,19 +232,19 @@ def bench_drafter(
 
 # Kernel variants of the step that `--variants` compares in one process (bench_drafter kwargs).
 # Each is exact in math (same loss and gradients up to bf16 rounding order): tests/test_gpu_drafter_
-# kernels.py checks that. Not here: flex_attention's FLASH backend (flash-attn-4 on CuTe DSL: its
-# CUDA 13 libraries wheel is 92 MB, over the 40 MiB the device carries), and fused linear-CE
-# kernels (liger-kernel, cut-cross-entropy): none returns the argmax that the step's accuracy and
-# acceptance metrics need, so each would add a second lm_head pass.
+# kernels.py checks that. Not here: fused linear-CE kernels (liger-kernel, cut-cross-entropy):
+# none returns the argmax that the step's accuracy and acceptance metrics need, so each would
+# add a second lm_head pass.
 VARIANTS = {  # the slowest to build (autotune: minutes) last
     "today": {},
     "ce_chunk_4096": {"ce_chunk_size": 4096},
     "ce_chunk_8192": {"ce_chunk_size": 8192},
     "flex_dq_in_dkv_loop": {"flex_kernel_options": {"WRITE_DQ": False}},
     "flex_tma": {"flex_kernel_options": {"USE_TMA": True}},
-    # flash-attn-4 (CuTe DSL) through flex_attention, where flash_attn.cute is importable
-    # (benchmarks/h200_flash_backend.sh); not in the GPU parity test's list
-    "flex_flash": {"flex_kernel_options": {"BACKEND": "FLASH"}},
+    # flex_attention's kernels: flash-attn-4's (CuTe DSL; where flash_attn.cute is importable,
+    # benchmarks/h200_flash_backend.sh carries it; `today` where it is) or torch's Triton ones
+    "flex_flash": {"flex_backend": "flash"},
+    "flex_triton": {"flex_backend": "triton"},
     # phase B: torch's clip_grad_norm_ + fused AdamW, or model/update.py's compiled AdamW (the
     # default where the step compiles; `today` is the one the flags pick)
     "reference_update": {"compiled_update": False},
@@ -247,8 +253,12 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # (torch.compile'd with --compile)
     "ce_triton": {"ce_kernel": "triton"},
     "ce_compiled": {"ce_kernel": "compiled"},
-    # both of the above as they were before issue 20: the whole step's before/after in one run
-    "previous_default": {"compiled_update": False, "ce_kernel": "compiled"},
+    # all of the above as they were before issue 20: the whole step's before/after in one run
+    "previous_default": {
+        "compiled_update": False,
+        "ce_kernel": "compiled",
+        "flex_backend": "triton",
+    },
     "flex_autotune": {"flex_autotune": True},
 }
 
