@@ -12,9 +12,14 @@ from conftest import TinySpec, tiny_config
 from dflash_async.bench.drafter_bench import bench_drafter, build_step, synthetic_pack
 from dflash_async.bench.step_profile import (
     PARTS,
+    Gap,
+    GraphProfile,
     KernelRecord,
+    KernelTotal,
     classify,
+    format_kernels,
     format_rows,
+    idle_gaps,
     part_rows,
     profile_parts,
 )
@@ -119,3 +124,35 @@ def test_bench_drafter_profile_prints_the_table_and_parts_add_up(single_thread, 
     assert sum(parts[p] for p in PARTS) == pytest.approx(parts["total"], abs=0.01)
     table = capsys.readouterr().err
     assert "| attn_bwd |" in table and "MFU" in table and "780" in table
+
+
+def test_idle_gaps_count_overlaps_once_and_name_both_sides_of_each_gap() -> None:
+    """GPU busy time is the union of activity intervals (two streams at once count once, a
+    kernel inside another's span adds nothing), and each idle stretch is named by what ended
+    last before it and what started after it, longest first."""
+    spans = [
+        (0.0, 10.0, "gemm"),
+        (2.0, 4.0, "nested"),  # inside gemm: adds nothing, and does not end the merged run
+        (8.0, 12.0, "overlap"),  # extends the run to 12
+        (15.0, 16.0, "memcpy"),  # gap 3 after "overlap"
+        (26.0, 30.0, "attn_bwd"),  # gap 10 after "memcpy"
+        (30.0, 31.0, "touching"),  # starts where the run ends: no gap
+    ]
+    busy, gaps = idle_gaps(reversed(spans))  # any order
+    assert busy == 12.0 + 1.0 + 5.0
+    assert [(g.us, g.before, g.after) for g in gaps] == [
+        (10.0, "memcpy", "attn_bwd"),
+        (3.0, "overlap", "memcpy"),
+    ]
+    assert idle_gaps(spans, top=1)[1] == gaps[:1]
+    assert idle_gaps([]) == (0.0, [])
+
+
+def test_the_graph_kernels_table_shows_busy_time_and_the_gaps() -> None:
+    gap = Gap(us=1234.0, before="Memcpy DtoD (Device -> Device)", after="flash_bwd")
+    text = format_kernels(
+        GraphProfile([KernelTotal("nvjet", 3, 12.5)], 20.0, 18.5, [gap]), title="### t"
+    )
+    assert "| `nvjet` | 3 | 12.50 |" in text
+    assert "| GPU busy (their union) | | 18.50 |" in text
+    assert "| 1234 | `Memcpy DtoD (Device -> Device)` | `flash_bwd` |" in text

@@ -223,10 +223,10 @@ def bench_drafter(
         )
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
         if cuda_graph:
-            totals, busy_ms = graph_kernels(step, steps=2)
-            title = (f"### The same step graph-replayed, kernels by name (2 replays): "
-                     f"{busy_ms:.1f} ms of kernels per {result.step_ms:.1f} ms step")  # fmt: skip
-            print(format_kernels(totals, busy_ms, title=title), file=sys.stderr, flush=True)
+            graph = graph_kernels(step, steps=2)
+            title = (f"### The same step graph-replayed, GPU activity by name (2 replays): "
+                     f"busy {graph.busy_ms:.1f} ms per {result.step_ms:.1f} ms step")  # fmt: skip
+            print(format_kernels(graph, title=title), file=sys.stderr, flush=True)
     return result
 
 

@@ -208,12 +208,47 @@ class KernelTotal:
     ms: float  # device time per step
 
 
-def graph_kernels(step, *, steps: int = 2, top: int = 25) -> tuple[list[KernelTotal], float]:
-    """The kernels of `steps` graph-replayed steps, grouped by name (the `top` longest, per
-    step), and the summed device time per step of all of them. Set against the replayed step's
-    wall time, that sum says how long the GPU sat idle inside the step (launch gaps, the eager
-    anchor noise between the graphs). The parts table above profiles eager steps, whose kernels
-    can differ in time from the replayed ones (allocator state, profiler overhead per launch)."""
+@dataclass(frozen=True)
+class Gap:
+    """A stretch inside the profiled replays where nothing ran on the GPU."""
+
+    us: float
+    before: str  # the activity that ended last before it
+    after: str  # the activity that started it again
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    totals: list[KernelTotal]  # the `top` longest names, kernels and copies, per step
+    summed_ms: float  # per step, every activity's time added (overlaps counted twice)
+    busy_ms: float  # per step, the union of the activities' intervals
+    gaps: list[Gap]  # the longest idle stretches, longest first
+
+
+def idle_gaps(
+    spans: Iterable[tuple[float, float, str]], *, top: int = 10
+) -> tuple[float, list[Gap]]:
+    """(busy time, the `top` longest gaps) of GPU activity spans (start, end, name) in one
+    timeline: busy is the length of their union (kernels on two streams at once count once)."""
+    busy, gaps = 0.0, []
+    reach, last = None, ""  # the end of the merged activity so far, and what ended there
+    for start, end, name in sorted(spans):
+        if reach is None or start > reach:
+            if reach is not None:
+                gaps.append(Gap(start - reach, last, name))
+            busy, reach, last = busy + end - start, end, name
+        elif end > reach:
+            busy, reach, last = busy + end - reach, end, name
+    return busy, sorted(gaps, key=lambda g: -g.us)[:top]
+
+
+def graph_kernels(step, *, steps: int = 2, top: int = 25) -> GraphProfile:
+    """The GPU activity (kernels, copies, memsets) of `steps` graph-replayed steps, grouped by
+    name, with how long the GPU was busy and where it sat idle. Set against the replayed step's
+    wall time, the busy time says how long the GPU waited inside the step; the gaps say between
+    which activities (a copy node, a launch dependency, the eager anchor noise between the
+    graphs). The parts table above profiles eager steps, whose kernels can differ in time from
+    the replayed ones (allocator state, profiler overhead per launch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -224,21 +259,29 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25) -> tuple[list[KernelTo
             step.phase_a()
             step.phase_b()
         torch.cuda.synchronize(step.device)  # sync point: profiling only
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    ]
     us: dict[str, float] = {}
     count: dict[str, int] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"):
-            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
-            count[e.name] = count.get(e.name, 0) + 1
+    for start, end, name in spans:
+        us[name] = us.get(name, 0.0) + end - start
+        count[name] = count.get(name, 0) + 1
     totals = sorted(
         (KernelTotal(n, count[n] // steps, t / 1e3 / steps) for n, t in us.items()),
         key=lambda k: -k.ms,
     )
-    return totals[:top], sum(k.ms for k in totals)
+    busy_us, gaps = idle_gaps(spans)
+    return GraphProfile(totals[:top], sum(k.ms for k in totals), busy_us / 1e3 / steps, gaps)
 
 
-def format_kernels(totals: list[KernelTotal], busy_ms: float, *, title: str) -> str:
+def format_kernels(profile: GraphProfile, *, title: str) -> str:
     lines = [title, "| kernel | launches/step | ms/step |", "|---|---|---|"]
-    lines += [f"| `{k.name[:90]}` | {k.launches} | {k.ms:.2f} |" for k in totals]
-    lines.append(f"| all kernels | | {busy_ms:.2f} |")
+    lines += [f"| `{k.name[:90]}` | {k.launches} | {k.ms:.2f} |" for k in profile.totals]
+    lines.append(f"| all, added | | {profile.summed_ms:.2f} |")
+    lines.append(f"| GPU busy (their union) | | {profile.busy_ms:.2f} |")
+    lines += ["", "| idle gap us (all replays) | after | before |", "|---|---|---|"]
+    lines += [f"| {g.us:.0f} | `{g.before[:60]}` | `{g.after[:60]}` |" for g in profile.gaps]
     return "\n".join(lines)
