@@ -188,7 +188,7 @@ class TrainSettings(_Section):
     flex_backend: Literal["auto", "triton", "flash"] = "auto"
     """flex_attention's kernels on GPU: torch's Triton ones, or flash-attn-4's (flex's FLASH
     backend: `pip install -e ".[flash]"`; Hopper and Blackwell GPUs). auto: flash where it is
-    installed and the GPU is one of those, unless FLEX_KERNEL_OPTIONS or FLEX_AUTOTUNE tune the
+    installed, torch is 2.11 or newer and the GPU is one of those, unless FLEX_KERNEL_OPTIONS or FLEX_AUTOTUNE tune the
     Triton kernels; else triton. The same result up to bf16 rounding order; flash was 3.5-5.5 ms
     faster per Qwen3-8B-shaped step on an H200 (BENCHMARKS.md), but not bitwise reproducible."""
     flex_kernel_options: dict[str, bool | int | str] = {}

@@ -282,6 +282,10 @@ def format_kernels(profile: GraphProfile, *, title: str) -> str:
     lines += [f"| `{k.name[:90]}` | {k.launches} | {k.ms:.2f} |" for k in profile.totals]
     lines.append(f"| all, added | | {profile.summed_ms:.2f} |")
     lines.append(f"| GPU busy (their union) | | {profile.busy_ms:.2f} |")
-    lines += ["", "| idle gap us (all replays) | after | before |", "|---|---|---|"]
+    lines += [
+        "",
+        "| idle gap us (all replays) | the GPU had just run | then ran |",
+        "|---|---|---|",
+    ]
     lines += [f"| {g.us:.0f} | `{g.before[:60]}` | `{g.after[:60]}` |" for g in profile.gaps]
     return "\n".join(lines)

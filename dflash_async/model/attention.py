@@ -138,6 +138,9 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 FlexBackend = Literal["auto", "triton", "flash"]
+# The oldest torch whose FLASH backend was measured exact on the drafter's mask (2.11 on an H200):
+# auto picks flash only from there on.
+FLASH_AUTO_MIN_TORCH = "2.11"
 
 
 def flash_unavailable_reason(device: torch.device) -> str | None:
@@ -186,6 +189,8 @@ def resolve_flex_backend(
     reason = flash_unavailable_reason(device)
     if requested == "flash" and reason is not None:
         raise ValueError(f"flex_backend='flash': {reason}")
+    if torch.torch_version.TorchVersion(torch.__version__) < FLASH_AUTO_MIN_TORCH:
+        return "triton"  # auto takes only what was measured; flash can still be asked for
     return "flash" if reason is None else "triton"
 
 
