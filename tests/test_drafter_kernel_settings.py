@@ -122,3 +122,30 @@ def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
         "reference",
     )
     assert step.adamw is None
+
+
+def test_flash_resolved_objective_keeps_full_precision_attention_on_triton_or_refuses_it() -> None:
+    """flash-attn-4 takes bf16/fp16 only. With flash resolved (set by hand here: the CPU never
+    resolves it), bf16 attention (the step's autocast) gets the FLASH backend; full-precision
+    attention gets torch's Triton kernels under auto and a clear error when flash was asked for."""
+    import dataclasses
+
+    import torch
+    from conftest import TinySpec, tiny_config, tiny_drafter, tiny_target_weights
+
+    from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
+
+    config = tiny_config(TinySpec())
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    objective_config = ObjectiveConfig(block_size=config.block_size, num_anchors=4,
+                                       mask_token_id=config.mask_token_id, gamma=4.0,
+                                       attention="flex")  # fmt: skip
+    objective = DFlashObjective(objective_config, tiny_drafter(config, 0), embed, lm_head)
+    assert objective.flex_backend == "triton" and objective._flex_options_for_this_call() == {}
+    objective.flex_backend, objective.flex_kernel_options = "flash", {"BACKEND": "FLASH"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert objective._flex_options_for_this_call() == {"BACKEND": "FLASH"}
+    assert objective._flex_options_for_this_call() == {}  # the tiny drafter is fp64; auto: Triton
+    objective.config = dataclasses.replace(objective_config, flex_backend="flash")
+    with pytest.raises(ValueError, match=r"bf16 or fp16 attention, not torch\.float64"):
+        objective._flex_options_for_this_call()

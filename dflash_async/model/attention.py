@@ -141,6 +141,7 @@ FlexBackend = Literal["auto", "triton", "flash"]
 # The oldest torch whose FLASH backend was measured exact on the drafter's mask (2.11 on an H200):
 # auto picks flash only from there on.
 FLASH_AUTO_MIN_TORCH = "2.11"
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # what flash-attn-4's kernels take
 
 
 def flash_unavailable_reason(device: torch.device) -> str | None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import (
+    FLASH_DTYPES,
     FlexBackend,
     dense_rule_mask,
     flex_attend,
@@ -32,7 +33,7 @@ from dflash_async.model.attention import (
     resolve_flex_backend,
     sdpa_attend,
 )
-from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter import DFlashDrafter, compute_dtype
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
 from dflash_async.model.step_ranges import step_range
 
@@ -194,8 +195,19 @@ class DFlashObjective(nn.Module):
             mask = flex_block_mask(
                 batch.doc_ids, anchors.positions, anchors.valid, B, self.config.flex_tile
             )
-            return flex_attend(mask, self.flex_fn, self.flex_kernel_options)
+            return flex_attend(mask, self.flex_fn, self._flex_options_for_this_call())
         return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
+
+    def _flex_options_for_this_call(self) -> dict:
+        """The resolved kernel options, except that flash-attn-4 takes bf16/fp16 only: attention
+        in another dtype (fp32 on a GPU: tests and library use; the step runs under bf16
+        autocast) gets torch's Triton kernels under auto and an error under flash."""
+        dtype = compute_dtype(self.drafter.fc.weight)  # q, k and v's dtype: metadata, no sync
+        if self.flex_backend != "flash" or dtype in FLASH_DTYPES:
+            return self.flex_kernel_options
+        if self.config.flex_backend == "flash":
+            raise ValueError(f"flex_backend='flash' runs bf16 or fp16 attention, not {dtype}")
+        return {k: v for k, v in self.flex_kernel_options.items() if k != "BACKEND"}
 
     def _blocks(self, batch: PackedBatch, anchors: Anchors):
         """Block tokens, positions, labels and weights, each [A, B]."""
