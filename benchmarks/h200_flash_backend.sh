@@ -18,6 +18,8 @@
 #     flex_triton,flex_flash`;
 #   step: the default step (auto = flash here) against flex_triton at 1024 anchors in both
 #     orders and at 4096 anchors;
+#   profile: `bench drafter --profile` of the default step at 1024 anchors (by part, and the
+#     graph-replayed GPU activity with the longest idle gaps);
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
 # $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK] | TASK
@@ -80,6 +82,11 @@ step() {  # the default (auto: flash, installed here) against triton, whole step
     --token-budget 16384 --num-anchors 4096 --steps 10 --variants today,flex_triton 2>&1 \
     | grep -E '^\{|rror' | cut -c1-700
 }
+profile() {  # the default step by part and its graph-replayed GPU activity with the idle gaps
+  timeout 240 python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph \
+    --token-budget 16384 --num-anchors 1024 --steps 10 --variants today --profile 2>&1 \
+    | grep -vE 'Warning|warn' | tail -80 | cut -c1-400
+}
 resume() {  # `run` and resume with every default, flash included (benchmarks/h200_resume.sh)
   timeout 420 bash benchmarks/h200_resume.sh /tmp/dflash_bench
   grep -h drafter_kernels_chosen /tmp/dflash_bench/resume_a.log | cut -c1-600
@@ -87,8 +94,8 @@ resume() {  # `run` and resume with every default, flash included (benchmarks/h2
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
   b) install || exit 1; task=${2:-experiment} ;;
-  experiment|step|resume) task=$1 ;;
-  *) echo "usage: $0 a [checks] | b [experiment|step|resume] | experiment|step|resume" >&2
+  experiment|step|profile|resume) task=$1 ;;
+  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, resume)" >&2
      exit 2 ;;
 esac
 [ -d /tmp/site/flash_attn ] || { echo "flash-attn-4 is not installed here: run a, then b"; exit 1; }
