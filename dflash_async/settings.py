@@ -188,9 +188,10 @@ class TrainSettings(_Section):
     flex_backend: Literal["auto", "triton", "flash"] = "auto"
     """flex_attention's kernels on GPU: torch's Triton ones, or flash-attn-4's (flex's FLASH
     backend: `pip install -e ".[flash]"`; Hopper and Blackwell GPUs). auto: flash where it is
-    installed, torch is 2.11 or newer and the GPU is one of those, unless FLEX_KERNEL_OPTIONS or FLEX_AUTOTUNE tune the
-    Triton kernels; else triton. The same result up to bf16 rounding order; flash was 3.5-5.5 ms
-    faster per Qwen3-8B-shaped step on an H200 (BENCHMARKS.md), but not bitwise reproducible."""
+    installed, torch is 2.11 or newer and the GPU is one of those, unless FLEX_KERNEL_OPTIONS or
+    FLEX_AUTOTUNE tune the Triton kernels; else triton. The same result up to bf16 rounding
+    order; flash was 3.5-5.5 ms faster per Qwen3-8B-shaped step on an H200 (BENCHMARKS.md), but
+    is not bitwise reproducible."""
     flex_kernel_options: dict[str, bool | int | str] = {}
     """flex_attention kernel options on GPU, JSON (torch's FlexKernelOptions, e.g.
     {"USE_TMA": true}, {"bwd_BLOCK_M1": 64}); empty = torch's defaults. The backend is
@@ -219,13 +220,13 @@ class TrainSettings(_Section):
     ) -> dict[str, bool | int | str]:
         if not options:
             return options
-        from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy
-
         if "BACKEND" in options:
             raise ValueError(
                 "DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: choose the backend with "
                 "DFLASH_TRAIN__FLEX_BACKEND=auto|triton|flash, not BACKEND"
             )
+        from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy
+
         known = set(FlexKernelOptions.__annotations__)
         unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
         if unknown:

@@ -183,11 +183,13 @@ def main(argv: list[str] | None = None) -> None:
             fwd, bwd, results = time_config(flex_attend(mask, flex, CONFIGS[name]), q, k, v,
                                             dout, args.reps)  # fmt: skip
         except Exception as error:  # a configuration may not fit (shared memory): say so
-            where = traceback.extract_tb(error.__traceback__)[-4:]
-            print(json.dumps({"config": name, "error": str(error)[:300],
-                              "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where],
-                              "forward_only_ms": forward_only_ms(mask, flex, CONFIGS[name], q, k, v)}),
-                  flush=True)  # fmt: skip
+            where = traceback.extract_tb(error.__traceback__)[-4:]  # the innermost frames
+            row = {
+                "config": name, "error": str(error)[:300],
+                "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where],
+                "forward_only_ms": forward_only_ms(mask, flex, CONFIGS[name], q, k, v),
+            }  # fmt: skip
+            print(json.dumps(row), flush=True)
             continue
         reference = reference or results
         diffs = [rel_diff(a, b) for a, b in zip(results, reference, strict=True)]
