@@ -142,7 +142,7 @@ def test_flash_resolved_objective_keeps_full_precision_attention_on_triton_or_re
                                        attention="flex")  # fmt: skip
     objective = DFlashObjective(objective_config, tiny_drafter(config, 0), embed, lm_head)
     assert objective.flex_backend == "triton" and objective._flex_options_for_this_call() == {}
-    objective.flex_backend, objective.flex_kernel_options = "flash", {"BACKEND": "FLASH"}
+    objective.flex_backend = "flash"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert objective._flex_options_for_this_call() == {"BACKEND": "FLASH"}
     assert objective._flex_options_for_this_call() == {}  # the tiny drafter is fp64; auto: Triton

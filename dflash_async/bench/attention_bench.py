@@ -128,16 +128,22 @@ def forward_only_ms(mask, flex, options, q, k, v, reps: int = 10) -> float | str
     q, k, v = (x.detach() for x in (q, k, v))
     try:
         with torch.no_grad():
-            attend(q, k, v)  # compile
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                attend(q, k, v)
-            end.record()
-        torch.cuda.synchronize()  # sync point: benchmark timing only
-        return round(start.elapsed_time(end) / reps, 3)
+            return round(time_path(lambda: attend(q, k, v), reps), 3)
     except Exception as error:
         return f"forward fails too: {str(error)[:200]}"
+
+
+def time_path(run, reps: int) -> float:
+    """Mean ms of run() over `reps` after 2 warm-up calls (compile, autotune; CUDA events)."""
+    for _ in range(2):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()  # sync point: benchmark timing only
+    return start.elapsed_time(end) / reps
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

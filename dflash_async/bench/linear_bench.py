@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from dflash_async.bench.attention_bench import rel_diff
+from dflash_async.bench.attention_bench import rel_diff, time_path
 from dflash_async.bench.drafter_bench import SHAPES
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -61,19 +61,6 @@ def layer_linears(
         ("o_proj", (queries,), q, d), ("gate_proj", (queries,), d, f),
         ("down_proj", (queries,), f, d),
     ]  # fmt: skip
-
-
-def time_path(run, reps: int) -> float:
-    """Mean ms of run() over `reps` after 2 warm-up calls (CUDA events)."""
-    for _ in range(2):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()  # sync point: benchmark timing only
-    return start.elapsed_time(end) / reps
 
 
 def bench_shape(uses: tuple[int, ...], fan_in: int, fan_out: int, *, device, reps: int) -> dict:

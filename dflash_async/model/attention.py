@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from dflash_async.model.drafter import Attend
 
 try:  # flex_attention exists on every torch we support; keep the import local to this module
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 except ImportError:  # pragma: no cover
-    BlockMask = None
+    BlockMask = FlexKernelOptions = None
     flex_attention = None
 
 
@@ -150,8 +150,6 @@ def flash_unavailable_reason(device: torch.device) -> str | None:
     Measured exact and faster on an H200 (torch 2.11, flash-attn-4 4.0.0b36: BENCHMARKS.md);
     flash-attn-4 targets compute capability 9.x and 10.x only.
     """
-    from torch.nn.attention.flex_attention import FlexKernelOptions
-
     if device.type != "cuda":
         return f"it needs a CUDA GPU (the drafter is on {device})"
     if "BACKEND" not in FlexKernelOptions.__annotations__:

@@ -158,18 +158,15 @@ class DFlashObjective(nn.Module):
         if config.attention == "flex" and flex_fn is None and self.lm_head_weight.is_cuda:
             flex_fn = compiled_flex_attention(autotune=config.flex_autotune)
         self.flex_fn = flex_fn
-        # resolved ("triton" or "flash") and the options flex_attention gets, BACKEND included
+        # resolved: "triton" or "flash" (_flex_options_for_this_call adds BACKEND for flash)
         self.flex_backend, self.flex_kernel_options = "triton", dict(config.flex_kernel_options)
         if config.attention == "flex":
             if "BACKEND" in self.flex_kernel_options:
                 raise ValueError("choose flex_attention's backend with flex_backend, not BACKEND")
-            device = self.lm_head_weight.device
             tunes_triton = bool(self.flex_kernel_options) or config.flex_autotune
             self.flex_backend = resolve_flex_backend(
-                config.flex_backend, device=device, tunes_triton=tunes_triton
+                config.flex_backend, device=self.lm_head_weight.device, tunes_triton=tunes_triton
             )
-            if self.flex_backend == "flash":
-                self.flex_kernel_options["BACKEND"] = "FLASH"
         self.ce_kernel = config.ce_kernel  # resolved: "triton" or "compiled"
         if self.ce_kernel == "auto":
             self.ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
@@ -199,15 +196,18 @@ class DFlashObjective(nn.Module):
         return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
 
     def _flex_options_for_this_call(self) -> dict:
-        """The resolved kernel options, except that flash-attn-4 takes bf16/fp16 only: attention
-        in another dtype (fp32 on a GPU: tests and library use; the step runs under bf16
-        autocast) gets torch's Triton kernels under auto and an error under flash."""
-        dtype = compute_dtype(self.drafter.fc.weight)  # q, k and v's dtype: metadata, no sync
-        if self.flex_backend != "flash" or dtype in FLASH_DTYPES:
+        """flex_attention's kernel options: BACKEND=FLASH where flash was resolved, except that
+        flash-attn-4 takes bf16/fp16 only: attention in another dtype (fp32 on a GPU: tests and
+        library use; the step runs under bf16 autocast) gets torch's Triton kernels under auto
+        and an error under flash."""
+        if self.flex_backend != "flash":
             return self.flex_kernel_options
+        dtype = compute_dtype(self.drafter.fc.weight)  # q, k and v's dtype: metadata, no sync
+        if dtype in FLASH_DTYPES:
+            return {**self.flex_kernel_options, "BACKEND": "FLASH"}
         if self.config.flex_backend == "flash":
             raise ValueError(f"flex_backend='flash' runs bf16 or fp16 attention, not {dtype}")
-        return {k: v for k, v in self.flex_kernel_options.items() if k != "BACKEND"}
+        return self.flex_kernel_options
 
     def _blocks(self, batch: PackedBatch, anchors: Anchors):
         """Block tokens, positions, labels and weights, each [A, B]."""
