@@ -19,7 +19,8 @@
 #   step: the default step (auto = flash here) against flex_triton at 1024 anchors in both
 #     orders and at 4096 anchors;
 #   profile: `bench drafter --profile` of the default step at 1024 anchors (by part, and the
-#     graph-replayed GPU activity with the longest idle gaps);
+#     graph-replayed GPU activity with the idle gaps), its Chrome trace in $OUT;
+#   tests: the GPU tests of the drafter step with flash-attn-4 installed (auto = flash);
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
 # $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK] | TASK
@@ -84,8 +85,15 @@ step() {  # the default (auto: flash, installed here) against triton, whole step
 }
 profile() {  # the default step by part and its graph-replayed GPU activity with the idle gaps
   timeout 240 python3 -m dflash_async bench drafter --shape qwen3-8b --compile --modes graph \
-    --token-budget 16384 --num-anchors 1024 --steps 10 --variants today --profile 2>&1 \
-    | grep -vE 'Warning|warn' | tail -80 | cut -c1-400
+    --token-budget 16384 --num-anchors 1024 --steps 10 --variants today --profile \
+    --trace "$out/profile_trace.json.gz" 2>&1 | grep -vE 'Warning|warn' | tail -90 | cut -c1-400
+}
+tests() {  # the drafter step's GPU tests, with auto resolving to flash
+  timeout 500 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "not hybrid" \
+    tests/test_gpu_drafter.py tests/test_no_host_sync.py tests/test_checkpoint.py \
+    tests/test_objective_reference.py tests/test_gpu_ce_kernel.py \
+    tests/test_gpu_drafter_kernels.py 2>&1 | grep -E '\{"check"|passed|failed|skipped|Error' \
+    | cut -c1-500
 }
 resume() {  # `run` and resume with every default, flash included (benchmarks/h200_resume.sh)
   timeout 420 bash benchmarks/h200_resume.sh /tmp/dflash_bench
@@ -94,8 +102,8 @@ resume() {  # `run` and resume with every default, flash included (benchmarks/h2
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
   b) install || exit 1; task=${2:-experiment} ;;
-  experiment|step|profile|resume) task=$1 ;;
-  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, resume)" >&2
+  experiment|step|profile|tests|resume) task=$1 ;;
+  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, tests, resume)" >&2
      exit 2 ;;
 esac
 [ -d /tmp/site/flash_attn ] || { echo "flash-attn-4 is not installed here: run a, then b"; exit 1; }

@@ -105,3 +105,22 @@ def test_variant_equals_todays_step_in_loss_gradients_and_trajectory(variant, to
     assert cosine > GRAD_COSINE, cosine
     for k, diff in enumerate(trajectory):
         assert diff < (k + 1) * LOSS_RTOL, (k, diff)
+
+
+def test_auto_picks_flash_here_only_when_untuned_and_for_half_precision() -> None:
+    """On this GPU with flash-attn-4 installed, auto resolves to flash for the step's bf16
+    attention, and to Triton when Triton tuning is set or the attention runs in fp32."""
+    pytest.importorskip("flash_attn.cute")
+    from dflash_async.model.attention import FLASH_AUTO_MIN_TORCH, resolve_flex_backend
+
+    if torch.torch_version.TorchVersion(torch.__version__) < FLASH_AUTO_MIN_TORCH:
+        pytest.skip(f"auto takes flash from torch {FLASH_AUTO_MIN_TORCH}")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    assert resolve_flex_backend("auto", device=cuda) == "flash"
+    assert resolve_flex_backend("auto", device=cuda, tunes_triton=True) == "triton"
+    step = build_step(SHAPES["small"](), token_budget=1024, num_anchors=32, device=cuda,
+                      attention="flex")  # fmt: skip
+    assert step.objective.flex_backend == "flash"
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as the step runs it
+        assert step.objective._flex_options_for_this_call() == {"BACKEND": "FLASH"}
+    assert step.objective._flex_options_for_this_call() == {}  # fp32 attention: Triton's

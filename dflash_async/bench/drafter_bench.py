@@ -166,6 +166,7 @@ def bench_drafter(
     compiled_update: bool | None = None,
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
+    trace: str | None = None,
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -223,7 +224,7 @@ def bench_drafter(
         )
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
         if cuda_graph:
-            graph = graph_kernels(step, steps=2)
+            graph = graph_kernels(step, steps=2, trace=trace)
             title = (f"### The same step graph-replayed, GPU activity by name (2 replays): "
                      f"busy {graph.busy_ms:.1f} ms per {result.step_ms:.1f} ms step")  # fmt: skip
             print(format_kernels(graph, title=title), file=sys.stderr, flush=True)
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     parser.add_argument("--ce-chunk-size", type=int, default=2048)
     parser.add_argument("--profile", action="store_true", help="time by part (table on stderr)")
+    parser.add_argument(
+        "--trace", help="with --profile: write the graph replays' Chrome trace here (.json.gz)"
+    )
     parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
     parser.add_argument(
         "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
@@ -336,5 +340,6 @@ def _bench_variant(args, device: torch.device, mode: str, options: dict) -> Draf
         steps=args.steps,
         profile=args.profile,
         compile=args.compile,
+        trace=args.trace,
         **options,
     )

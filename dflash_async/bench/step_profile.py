@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS
 from dflash_async.model.step_ranges import PREFIX
@@ -223,13 +224,34 @@ class GraphProfile:
     summed_ms: float  # per step, every activity's time added (overlaps counted twice)
     busy_ms: float  # per step, the union of the activities' intervals
     gaps: list[Gap]  # the longest idle stretches, longest first
+    gap_sizes: list[tuple[str, int, float]] = ()  # per step: (size range, count, idle ms)
+
+
+# Idle stretches by size: launch latency between graph nodes is ~1-2 us each, so thousands of
+# short gaps and a few long waits are different problems.
+GAP_SIZES_US = (2.0, 5.0, 20.0, 100.0)
+
+
+def gap_histogram(
+    spans: Iterable[tuple[float, float, str]], *, steps: int = 1
+) -> list[tuple[str, int, float]]:
+    """(size range in us, gaps per step, idle ms per step) for every gap of the spans' union."""
+    _, gaps = idle_gaps(spans, top=None)
+    edges = (0.0, *GAP_SIZES_US, float("inf"))
+    rows = []
+    for lo, hi in pairwise(edges):
+        inside = [g.us for g in gaps if lo <= g.us < hi]
+        label = f"{lo:g}-{hi:g}" if hi != float("inf") else f">={lo:g}"
+        rows.append((label, len(inside) // steps, sum(inside) / 1e3 / steps))
+    return rows
 
 
 def idle_gaps(
-    spans: Iterable[tuple[float, float, str]], *, top: int = 10
+    spans: Iterable[tuple[float, float, str]], *, top: int | None = 10
 ) -> tuple[float, list[Gap]]:
-    """(busy time, the `top` longest gaps) of GPU activity spans (start, end, name) in one
-    timeline: busy is the length of their union (kernels on two streams at once count once)."""
+    """(busy time, the `top` longest gaps, or all with None) of GPU activity spans (start, end,
+    name) in one timeline: busy is the length of their union (kernels on two streams at once
+    count once)."""
     busy, gaps = 0.0, []
     reach, last = None, ""  # the end of the merged activity so far, and what ended there
     for start, end, name in sorted(spans):
@@ -242,12 +264,13 @@ def idle_gaps(
     return busy, sorted(gaps, key=lambda g: -g.us)[:top]
 
 
-def graph_kernels(step, *, steps: int = 2, top: int = 25) -> GraphProfile:
+def graph_kernels(step, *, steps: int = 2, top: int = 25, trace: str | None = None) -> GraphProfile:
     """The GPU activity (kernels, copies, memsets) of `steps` graph-replayed steps, grouped by
     name, with how long the GPU was busy and where it sat idle. Set against the replayed step's
     wall time, the busy time says how long the GPU waited inside the step; the gaps say between
     which activities (a copy node, a launch dependency, the eager anchor noise between the
-    graphs). The parts table above profiles eager steps, whose kernels can differ in time from
+    graphs). `trace`: a path to write the replays' Chrome trace to (gzipped if it ends in .gz),
+    for a look at the timeline elsewhere. The parts table above profiles eager steps, whose kernels can differ in time from
     the replayed ones (allocator state, profiler overhead per launch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -259,6 +282,8 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25) -> GraphProfile:
             step.phase_a()
             step.phase_b()
         torch.cuda.synchronize(step.device)  # sync point: profiling only
+    if trace:
+        prof.export_chrome_trace(trace)
     spans = [
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -274,7 +299,13 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25) -> GraphProfile:
         key=lambda k: -k.ms,
     )
     busy_us, gaps = idle_gaps(spans)
-    return GraphProfile(totals[:top], sum(k.ms for k in totals), busy_us / 1e3 / steps, gaps)
+    return GraphProfile(
+        totals[:top],
+        sum(k.ms for k in totals),
+        busy_us / 1e3 / steps,
+        gaps,
+        gap_histogram(spans, steps=steps),
+    )
 
 
 def format_kernels(profile: GraphProfile, *, title: str) -> str:
@@ -288,4 +319,6 @@ def format_kernels(profile: GraphProfile, *, title: str) -> str:
         "|---|---|---|",
     ]
     lines += [f"| {g.us:.0f} | `{g.before[:60]}` | `{g.after[:60]}` |" for g in profile.gaps]
+    lines += ["", "| idle gap us | gaps/step | idle ms/step |", "|---|---|---|"]
+    lines += [f"| {label} | {n} | {ms:.2f} |" for label, n, ms in profile.gap_sizes]
     return "\n".join(lines)
