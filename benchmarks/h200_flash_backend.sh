@@ -20,6 +20,8 @@
 #     orders and at 4096 anchors;
 #   profile: `bench drafter --profile` of the default step at 1024 anchors (by part, and the
 #     graph-replayed GPU activity with the idle gaps), its Chrome trace in $OUT;
+#   clocks: benchmarks/step_clocks.py, today (flash) then flex_triton: per-step wall time over 30
+#     back-to-back replays and after rests, with the SM clock and power from nvidia-smi;
 #   tests: the GPU tests of the drafter step with flash-attn-4 installed (auto = flash);
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
@@ -88,6 +90,10 @@ profile() {  # the default step by part and its graph-replayed GPU activity with
     --token-budget 16384 --num-anchors 1024 --steps 10 --variants today --profile \
     --trace "$out/profile_trace.json.gz" 2>&1 | grep -vE 'Warning|warn' | tail -90 | cut -c1-400
 }
+clocks() {  # per-step time against the GPU's clock and power
+  timeout 400 python3 benchmarks/step_clocks.py --variants today,flex_triton 2>&1 \
+    | grep -E '^\{|rror' | cut -c1-900
+}
 tests() {  # the drafter step's GPU tests, with auto resolving to flash
   timeout 500 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "not hybrid" \
     tests/test_gpu_drafter.py tests/test_no_host_sync.py tests/test_checkpoint.py \
@@ -102,8 +108,8 @@ resume() {  # `run` and resume with every default, flash included (benchmarks/h2
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
   b) install || exit 1; task=${2:-experiment} ;;
-  experiment|step|profile|tests|resume) task=$1 ;;
-  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, tests, resume)" >&2
+  experiment|step|profile|clocks|tests|resume) task=$1 ;;
+  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, clocks, tests, resume)" >&2
      exit 2 ;;
 esac
 [ -d /tmp/site/flash_attn ] || { echo "flash-attn-4 is not installed here: run a, then b"; exit 1; }
