@@ -19,6 +19,7 @@ import subprocess
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from dflash_async.bench.drafter_bench import SHAPES, VARIANTS, build_step, synthetic_pack
 
@@ -27,7 +28,9 @@ SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reason
 
 def smi_samples(path: str) -> list[dict]:
     rows = []
-    for line in open(path).read().splitlines()[1:]:
+    with open(path) as f:
+        lines = f.read().splitlines()[1:]
+    for line in lines:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 5:
             continue
@@ -61,46 +64,56 @@ def main() -> None:
     parser.add_argument("--smi", default="/tmp/smi.csv")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
-    smi = subprocess.Popen(
-        ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv", "-lms", "100"],
-        stdout=open(args.smi, "w"),
-    )
     config = SHAPES["qwen3-8b"]()
-    try:
-        for variant in args.variants.split(","):
-            step = build_step(config, token_budget=16384, num_anchors=args.num_anchors,
-                              device=device, attention="flex", compile=True,
-                              **VARIANTS[variant])  # fmt: skip
-            step.batch.copy_(synthetic_pack(config, token_budget=16384, num_docs=4, device=device))
-            step.capture(warmup_steps=3)
-            phases = {}
-            for phase, rest, n in (("cool_first", 3.0, 3), ("run", 0.0, args.steps),
-                                   ("cool_again", 3.0, 3)):  # fmt: skip
-                time.sleep(rest)
-                t0 = time.time()
-                ms = per_step_ms(step, n)
-                phases[phase] = (t0, time.time(), ms)
-            time.sleep(0.5)  # the sampler's last rows
-            samples = smi_samples(args.smi)
-            for phase, (t0, t1, ms) in phases.items():
-                inside = [s for s in samples if t0 <= s["t"] <= t1]
-                row = {"variant": variant, "phase": phase, "steps": len(ms),
-                       "ms_first": round(ms[0], 2), "ms_last": round(ms[-1], 2),
-                       "ms_mean": round(sum(ms) / len(ms), 2), "ms_min": round(min(ms), 2),
-                       "ms_all": [round(m, 1) for m in ms] if len(ms) > 3 else None}  # fmt: skip
-                if inside:
-                    row |= {
-                        "sm_mhz_min": min(s["sm"] for s in inside),
-                        "sm_mhz_mean": round(sum(s["sm"] for s in inside) / len(inside)),
-                        "power_w_max": max(s["w"] for s in inside),
-                        "temp_max": max(s["temp"] for s in inside),
-                        "reasons": sorted({s["reasons"] for s in inside}),
-                    }
-                print(json.dumps(row), flush=True)
-            del step
-            torch.cuda.empty_cache()
-    finally:
-        smi.terminate()
+    with (
+        open(args.smi, "w") as log,
+        subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv", "-lms", "100"],
+            stdout=log,
+        ) as smi,
+    ):
+        try:
+            run(args, config, device, smi_path=args.smi)
+        finally:
+            smi.terminate()  # else the with-block waits on the sampler forever
+
+
+def run(args, config, device, *, smi_path: str) -> None:
+    for variant in args.variants.split(","):
+        step = build_step(config, token_budget=16384, num_anchors=args.num_anchors,
+                          device=device, attention="flex", compile=True,
+                          **VARIANTS[variant])  # fmt: skip
+        step.batch.copy_(synthetic_pack(config, token_budget=16384, num_docs=4, device=device))
+        step.capture(warmup_steps=3)
+        phases = {}
+        for phase, rest, n in (("cool_first", 3.0, 3), ("run", 0.0, args.steps),
+                               ("cool_again", 3.0, 3)):  # fmt: skip
+            time.sleep(rest)
+            t0 = time.time()
+            ms = per_step_ms(step, n)
+            phases[phase] = (t0, time.time(), ms)
+        with profile(activities=[ProfilerActivity.CUDA]):  # as `bench drafter --profile` does
+            t0 = time.time()
+            phases["profiled"] = (t0, time.time(), per_step_ms(step, 3))
+        time.sleep(0.5)  # the sampler's last rows
+        samples = smi_samples(smi_path)
+        for phase, (t0, t1, ms) in phases.items():
+            inside = [s for s in samples if t0 <= s["t"] <= t1]
+            row = {"variant": variant, "phase": phase, "steps": len(ms),
+                   "ms_first": round(ms[0], 2), "ms_last": round(ms[-1], 2),
+                   "ms_mean": round(sum(ms) / len(ms), 2), "ms_min": round(min(ms), 2),
+                   "ms_all": [round(m, 1) for m in ms] if len(ms) > 3 else None}  # fmt: skip
+            if inside:
+                row |= {
+                    "sm_mhz_min": min(s["sm"] for s in inside),
+                    "sm_mhz_mean": round(sum(s["sm"] for s in inside) / len(inside)),
+                    "power_w_max": max(s["w"] for s in inside),
+                    "temp_max": max(s["temp"] for s in inside),
+                    "reasons": sorted({s["reasons"] for s in inside}),
+                }
+            print(json.dumps(row), flush=True)
+        del step
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
