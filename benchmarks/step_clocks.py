@@ -94,7 +94,8 @@ def run(args, config, device, *, smi_path: str) -> None:
             phases[phase] = (t0, time.time(), ms)
         with profile(activities=[ProfilerActivity.CUDA]):  # as `bench drafter --profile` does
             t0 = time.time()
-            phases["profiled"] = (t0, time.time(), per_step_ms(step, 3))
+            ms = per_step_ms(step, 3)
+            phases["profiled"] = (t0, time.time(), ms)
         time.sleep(0.5)  # the sampler's last rows
         samples = smi_samples(smi_path)
         for phase, (t0, t1, ms) in phases.items():
