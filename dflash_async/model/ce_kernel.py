@@ -14,21 +14,34 @@ tests/test_gpu_ce_kernel.py compares it with the reference and with mutants on a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-# Elements of a row per loop iteration: 8 warps x 32 threads x 16 bf16 (two 16-byte loads) each.
-BLOCK = 4096
 
 
 @triton.jit
 def _ce_row_kernel(
     logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
-    V, stride_row,
+    rows, V, stride_row,
     BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    # programs stride over the rows: fewer rows in flight than one program per row, so that
+    # more of each row is still in L2 when pass 2 reads it again
+    for row in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
+        _ce_row(logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
+                tl.cast(row, tl.int64), V, stride_row, BLOCK, REVERSE)  # fmt: skip
+
+
+@triton.jit
+def _ce_row(
+    logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
+    row, V, stride_row,
+    BLOCK: tl.constexpr,
+    REVERSE: tl.constexpr,
+):  # fmt: skip
     base = logits_ptr + row * stride_row
     offsets = tl.arange(0, BLOCK)
     label = tl.load(labels_ptr + row)
@@ -55,21 +68,40 @@ def _ce_row_kernel(
     x_label = tl.load(base + label).to(tl.float32)
     tl.store(ce_ptr + row, tl.where(trained, weight * (lse - x_label), 0.0))
     tl.store(hit_ptr + row, argmax == label)
-    # pass 2: the gradient, exactly 0 on untrained rows
+    # pass 2: the gradient, exactly 0 on untrained rows. REVERSE walks the row back from its
+    # end: the blocks pass 1 read last are the likeliest to be in L2 still.
     w = tl.where(trained, weight, 0.0)
     out = grad_ptr + row * V
-    for start in tl.range(0, V, BLOCK):
-        cols = start + offsets
+    blocks = tl.cdiv(V, BLOCK)
+    for i in tl.range(0, blocks):
+        if REVERSE:
+            cols = (blocks - 1 - i) * BLOCK + offsets
+        else:
+            cols = i * BLOCK + offsets
         x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
         g = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
         g = tl.where(trained, g * w, 0.0)
         tl.store(out + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
+@dataclass(frozen=True)
+class CeLaunch:
+    """How _ce_row_kernel is launched: `programs_per_sm` programs per SM striding over the rows
+    (0: one program per row), `num_warps` each, pass 2 reversed or not."""
+
+    programs_per_sm: int = 0
+    num_warps: int = 8
+    reverse: bool = False
+
+
+CE_LAUNCH = CeLaunch()
+
+
 def ce_and_grad_triton(
     logits: torch.Tensor,  # [c, V], rows contiguous
     labels: torch.Tensor,  # [c]
     weights: torch.Tensor,  # [c]
+    launch: CeLaunch = CE_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ce_and_grad_from_logits through _ce_row_kernel: (sum of w*CE fp32, hit [c], grad [c, V]).
     Sync-free and capturable (one launch, a sum); the gradient comes out contiguous."""
@@ -82,8 +114,14 @@ def ce_and_grad_triton(
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     hit = torch.empty(rows, dtype=torch.bool, device=logits.device)
-    _ce_row_kernel[(rows,)](
-        logits, grad, labels, weights, ce, hit, vocab, logits.stride(0), BLOCK=BLOCK,
-        num_warps=8,
+    programs = rows
+    if launch.programs_per_sm:
+        # CPU tensors reach here only under Triton's interpreter (tests): any count will do
+        sms = (torch.cuda.get_device_properties(logits.device).multi_processor_count
+               if logits.is_cuda else 4)  # fmt: skip
+        programs = min(rows, launch.programs_per_sm * sms)
+    _ce_row_kernel[(programs,)](
+        logits, grad, labels, weights, ce, hit, rows, vocab, logits.stride(0),
+        BLOCK=launch.num_warps * 512, REVERSE=launch.reverse, num_warps=launch.num_warps,
     )  # fmt: skip
     return ce.sum(), hit, grad
