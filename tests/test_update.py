@@ -93,7 +93,33 @@ def test_folded_update_equals_the_reference_phase_b(grad_clip: float) -> None:
     assert clipped == (grad_clip < 1)  # both regimes are exercised
     assert _max_rel_diff(step, reference) <= REL_TOL
     assert int(step.schedule.step) == int(reference.schedule.step) == STEPS
-    assert step.flat_grad.abs().max() == 0  # zeroed for the next phase A
+
+
+def test_each_backward_writes_the_gradients_into_the_flat_buffer_without_adding() -> None:
+    """Phase A overwrites every gradient view (no zeroing between steps): two phase As on the
+    same weights and anchors leave the same buffer, equal to plain autograd's gradients."""
+    step = _step(grad_clip=1.0)
+    step.phase_a()
+    first = step.flat_grad.clone()
+    step.phase_a()  # no phase B: a leftover sum would double the buffer
+    assert torch.equal(step.flat_grad, first)
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in
+               zip(step.params, step.grad_views, strict=True))  # fmt: skip
+    plain = _step(grad_clip=1.0)
+    sums = plain.objective(plain.batch, plain.anchor_sampler(plain.batch))
+    grads = torch.autograd.grad(sums.ce_sum, plain.params)  # no .grad, no hooks involved
+    for view, grad in zip(step.grad_views, grads, strict=True):
+        torch.testing.assert_close(view, grad, rtol=0, atol=0)  # same ops, same order
+
+
+def test_a_parameter_without_a_gradient_stops_the_step() -> None:
+    """A view nobody writes would carry the last step's gradient into this one's update."""
+    step = _step(grad_clip=1.0)
+    unused = step.objective.drafter.norm.weight
+    step.objective.drafter._final_norm = lambda drafter, x: x  # the final norm drops out
+    (index,) = [i for i, p in enumerate(step.params) if p is unused]
+    with pytest.raises(RuntimeError, match=f"parameters \\[{index}\\] got no gradient"):
+        step.phase_a()
 
 
 def test_folded_update_keeps_torchs_adamw_state_layout() -> None:
