@@ -437,3 +437,24 @@ def test_reference_layer_equals_a_hf_qwen3_layer(with_context: bool) -> None:
     theirs = theirs[0] if isinstance(theirs, tuple) else theirs
     # HF's RMSNorm rounds through float32 and its eps perturbs the unit-RMS context: ~1e-6.
     torch.testing.assert_close(ours, theirs[0, n_ctx:].double(), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_drafter_equals_the_reference_and_compiles_once() -> None:
+    """compile_layers() (each layer one graph, attention included; the context and final norms)
+    on the CPU with the dense-mask attention: the reference's sums and gradients, and a second
+    step with other anchors (a new attention closure and mask) reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    case = CASES["d32_hd16_B4_invalid_slots"]
+    s = build(case)
+    ref, ref_grads = reference_for(s)
+    torch._dynamo.reset()
+    s.drafter.compile_layers()
+    sums, grads = run_objective(s)
+    assert_sums_match(sums, ref)
+    assert_grads_match(grads, ref_grads)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 3  # the layer, the context, the final norm
+    other = make_anchors(sorted({max(a - 1, 0) for a in s.anchors}), s.num_anchors)
+    run_objective(s, other)
+    assert counters["stats"]["unique_graphs"] == graphs

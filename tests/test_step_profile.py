@@ -46,6 +46,18 @@ def rec(name="k", op="aten::mm", shapes=(), ranges=(), backward=False, us=1.0) -
         ),
         (rec(name="triton_tem_fused_0", op="CompiledFunction", ranges=("attention",)), "attn_fwd"),
         (rec(name="triton_tem_fused_1", ranges=("attention",), backward=True), "attn_bwd"),
+        # attention compiled inside the layer's graph: known by its kernel's name
+        (rec(name="triton_tem_fused_flex_attention_0", op="X", ranges=("layer",)), "attn_fwd"),
+        (
+            rec(name="triton_tem_fused_flex_attention_backward_1", op="X", ranges=("layer",)),
+            "attn_bwd",
+        ),
+        (rec(name="flash_fwd_sm90FlashAttentionForwardSm90_o", ranges=("layer",)), "attn_fwd"),
+        (
+            rec(name="flash_bwd_postprocessFlashAttentionBackwardPostprocess_o",
+                ranges=("layer",), backward=True),
+            "attn_bwd",
+        ),  # fmt: skip
         (rec(shapes=([128, 32], [32, F]), ranges=("layer",)), "mlp"),
         (rec(shapes=([F, 128], [128, 32]), ranges=("layer",), backward=True), "mlp"),
         (rec(shapes=([128, 32], [32, 16]), ranges=("layer",)), "attn_proj"),

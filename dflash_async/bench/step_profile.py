@@ -64,6 +64,9 @@ def classify(record: KernelRecord, *, intermediate_size: int) -> str:
     """The part a kernel's time belongs to (one of PARTS)."""
     if not record.ranges:
         return "other"
+    name = record.name.lower()
+    if "flex_attention" in name or "flashattention" in name:  # also inside a compiled layer
+        return "attn_bwd" if record.backward or "backward" in name else "attn_fwd"
     innermost = record.ranges[-1]
     if innermost in RANGE_PART:
         return RANGE_PART[innermost]
@@ -74,7 +77,6 @@ def classify(record: KernelRecord, *, intermediate_size: int) -> str:
     if record.op in GEMM_OPS:
         dims = {d for shape in record.shapes if isinstance(shape, list | tuple) for d in shape}
         return "mlp" if intermediate_size in dims else "attn_proj"
-    name = record.name.lower()
     if "rsqrt" in name or "pow" in name:
         return "norms"
     if "silu" in name or "sigmoid" in name:

@@ -157,6 +157,14 @@ def layer_attention_output(layer: DraftLayer, x: torch.Tensor, out: torch.Tensor
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def layer_forward(
+    layer: DraftLayer, x, context, block_rope, context_rope, attend: Attend
+) -> torch.Tensor:
+    """One whole layer, attention included: what compile_layers() compiles as one graph."""
+    q, k, v = layer_attention_inputs(layer, x, context, block_rope, context_rope)
+    return layer_attention_output(layer, x, attend(q, k, v))
+
+
 def fused_context(drafter: DFlashDrafter, features: torch.Tensor) -> torch.Tensor:
     """The drafter's context C (DFlashDrafter.fuse) as the training step computes it."""
     return drafter.fuse(features)
@@ -177,24 +185,23 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        # The pieces around attention; compile_layers() swaps in compiled versions.
-        self._attention_inputs = layer_attention_inputs
-        self._attention_output = layer_attention_output
+        # The pieces around the layers; compile_layers() swaps in compiled versions.
         self._fused_context = fused_context
         self._final_norm = final_norm
+        self._layer: Callable | None = None  # compiled layer_forward, once compile_layers() ran
         self.reset_parameters()
 
     def compile_layers(self) -> None:
-        """torch.compile the elementwise-heavy pieces around attention (norms, RoPE, SwiGLU,
-        residuals) once for all layers: the layer module is an input, so one graph serves every
-        layer. Also the context's and the output's RMSNorms: eager, each is seven fp32 passes
-        over a [16384, 4096] tensor forward and more backward, ~6.5 ms of a 268 ms Qwen3-8B
-        step on an H200; fused, one pass each way. GPU only (CPU inductor needs a C++
-        toolchain and buys nothing for tests). `fuse` itself stays eager: evaluation calls it
-        at other shapes."""
+        """torch.compile each layer, attention included, as one graph: the layer module is an
+        input, so one graph serves every layer. One graph rather than one on either side of a
+        separately compiled attention: across such a boundary AOTAutograd makes the gradients
+        of q and of the attention output contiguous, two [Q, H, hd] copies per layer, ~1.9 ms
+        of a Qwen3-8B step on an H200 (BENCHMARKS.md). Also the context's and the output's
+        RMSNorms: eager, each is seven fp32 passes over a [T, d] tensor forward and more
+        backward. GPU only (CPU inductor needs a C++ toolchain and buys nothing for tests).
+        `fuse` itself stays eager: evaluation calls it at other shapes."""
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
-        self._attention_inputs = compiled(layer_attention_inputs)
-        self._attention_output = compiled(layer_attention_output)
+        self._layer = compiled(layer_forward)
         self._fused_context = compiled(fused_context)
         self._final_norm = compiled(final_norm)
 
@@ -228,11 +235,15 @@ class DFlashDrafter(nn.Module):
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
         for layer in self.layers:
+            if self._layer is not None:  # compiled: attention inside the layer's range
+                with step_range("layer"):
+                    x = self._layer(layer, x, context, block_rope, context_rope, attend)
+                continue
             with step_range("layer"):
-                q, k, v = self._attention_inputs(layer, x, context, block_rope, context_rope)
+                q, k, v = layer_attention_inputs(layer, x, context, block_rope, context_rope)
             with step_range("attention"):
                 out = attend(q, k, v)
             with step_range("layer"):
-                x = self._attention_output(layer, x, out)
+                x = layer_attention_output(layer, x, out)
         with step_range("final_norm"):
             return self._final_norm(self, x)
