@@ -54,10 +54,13 @@ def rec(name="k", op="aten::mm", shapes=(), ranges=(), backward=False, us=1.0) -
         ),
         (rec(name="flash_fwd_sm90FlashAttentionForwardSm90_o", ranges=("layer",)), "attn_fwd"),
         (
-            rec(name="flash_bwd_postprocessFlashAttentionBackwardPostprocess_o",
-                ranges=("layer",), backward=True),
+            rec(
+                name="flash_bwd_postprocessFlashAttentionBackwardPostprocess_o",
+                ranges=("layer",),
+                backward=True,
+            ),
             "attn_bwd",
-        ),  # fmt: skip
+        ),
         (rec(shapes=([128, 32], [32, F]), ranges=("layer",)), "mlp"),
         (rec(shapes=([F, 128], [128, 32]), ranges=("layer",), backward=True), "mlp"),
         (rec(shapes=([128, 32], [32, 16]), ranges=("layer",)), "attn_proj"),
