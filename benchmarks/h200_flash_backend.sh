@@ -7,9 +7,10 @@
 #     the small wheels in /tmp/fa; with `checks`, also `bench linear` (the fp32 master weights'
 #     dtype passes around a layer's matmuls, against bf16 copies and fp32-accumulating weight
 #     gradients, ~1 minute) and the GPU tests of the drafter step's defaults (~1 minute);
-#   b [TASK]  (carry .fa/b and .whl): join the halves (checked against the sha256), install
-#     everything into /tmp/site, then run TASK (default: experiment);
-#   TASK  (carry .whl): one more task on the same warm machine.
+#   b [TASK...]  (carry .fa/b and .whl): join the halves (checked against the sha256), install
+#     everything into /tmp/site, then run the TASKs (default: experiment);
+#   TASK...  (carry .whl, and .ab for ab*): more tasks on the same warm machine, or on a fresh
+#     one without flash-attn-4 (auto is then Triton).
 # Tasks:
 #   experiment: `bench attention --configs default,flash_backend` at 1024 and 4096 anchors
 #     (forward and backward ms and MFU on the step's block mask; output and gradients against
@@ -23,9 +24,13 @@
 #   clocks: benchmarks/step_clocks.py, today (flash) then flex_triton: per-step wall time over 30
 #     back-to-back replays and after rests, with the SM clock and power from nvidia-smi;
 #   tests: the GPU tests of the drafter step with flash-attn-4 installed (auto = flash);
+#   ce: benchmarks/ce_launch_sweep.py (the CE pass's launch shapes);
+#   ab1, ab2, ab4096: `bench drafter` of this tree's default step against .ab/base's (a git
+#     worktree of the revision before, carried), one process each, base first (ab1) or second;
+#   triton_step: this tree's step with torch's Triton kernels for flex_attention;
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
-# $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK] | TASK
+# $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK...] | TASK...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
@@ -105,15 +110,37 @@ resume() {  # `run` and resume with every default, flash included (benchmarks/h2
   timeout 420 bash benchmarks/h200_resume.sh /tmp/dflash_bench
   grep -h drafter_kernels_chosen /tmp/dflash_bench/resume_a.log | cut -c1-600
 }
+ce() {  # launch shapes of the CE pass's kernel, each checked against the reference, timed
+  timeout 200 python3 benchmarks/ce_launch_sweep.py 2>&1 | grep -E '^\{|rror' | cut -c1-400
+}
+bench_tree() {  # TREE ANCHORS [VARIANTS]: the default step of this tree (new) or of .ab/base
+  local dir=$PWD; [ "$1" = base ] && dir=$PWD/.ab/base
+  part "bench drafter, $2 anchors, ${3:-today}: $1"
+  (cd "$dir" && timeout 240 python3 -m dflash_async bench drafter --shape qwen3-8b --compile \
+    --modes graph --token-budget 16384 --num-anchors "$2" --steps 10 --variants "${3:-today}" \
+    2>&1 | grep -E '^\{|rror' | cut -c1-700)
+}
+# the step before this round's changes (.ab/base: `git worktree add .ab/base REV`, carried)
+# against this tree's, one process each, in both orders
+ab1() { bench_tree base 1024; bench_tree new 1024; }
+ab2() { bench_tree new 1024; bench_tree base 1024; }
+ab4096() { bench_tree new 4096; bench_tree base 4096; }
+triton_step() { bench_tree new 1024 flex_triton; }
+tasks="experiment step profile clocks tests resume ce ab1 ab2 ab4096 triton_step"
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
-  b) install || exit 1; task=${2:-experiment} ;;
-  experiment|step|profile|clocks|tests|resume) task=$1 ;;
-  *) echo "usage: $0 a [checks] | b [TASK] | TASK (experiment, step, profile, clocks, tests, resume)" >&2
-     exit 2 ;;
+  b) install || exit 1; shift; run=${*:-experiment} ;;
+  *) run=$* ;;
 esac
-[ -d /tmp/site/flash_attn ] || { echo "flash-attn-4 is not installed here: run a, then b"; exit 1; }
+for task in $run; do
+  [[ " $tasks " == *" $task "* ]] || { echo "usage: $0 a [checks] | b [TASK...] | TASK..." \
+    "(tasks: $tasks)" >&2; exit 2; }
+done
+[ -d /tmp/site/structlog ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d /tmp/site/flash_attn ] || echo "flash-attn-4 is not installed here (a, then b): auto = Triton"
 export PYTHONPATH=$site
-python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", flash_attn.cute.__file__)'
-$task
+python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", flash_attn.cute.__file__)' \
+  2>/dev/null
+for task in $run; do $task; done
 part "done"

@@ -55,6 +55,9 @@ def _in_worker(fn):
 
 def _run(variant: str) -> dict:
     """One step's loss and gradients at fixed anchors, then 20 graph-replayed steps' losses."""
+    # each variant compiles the same functions anew: past dynamo's recompile limit (8) they
+    # would silently run eagerly, and eager flex_attention cannot be captured
+    torch._dynamo.reset()
     device = torch.device("cuda", 0)
     config = SHAPES["small"]()
     options = {"ce_chunk_size": 2048, **VARIANTS[variant]}
