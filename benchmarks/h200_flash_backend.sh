@@ -126,7 +126,8 @@ ab1() { bench_tree base 1024; bench_tree new 1024; }
 ab2() { bench_tree new 1024; bench_tree base 1024; }
 ab4096() { bench_tree new 4096; bench_tree base 4096; }
 triton_step() { bench_tree new 1024 flex_triton; }
-tasks="experiment step profile clocks tests resume ce ab1 ab2 ab4096 triton_step"
+triton_ab() { bench_tree new 1024 flex_triton; bench_tree base 1024 flex_triton; }
+tasks="experiment step profile clocks tests resume ce ab1 ab2 ab4096 triton_step triton_ab"
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
   b) install || exit 1; shift; run=${*:-experiment} ;;
