@@ -4,9 +4,10 @@ Same contract as objective.ce_and_grad_from_logits (the reference, and what torc
 by default): for bf16 logits [c, V], labels and weights [c], return sum(w*CE) (fp32), whether
 argmax == label [c], and the gradient (softmax - onehot) * w as bf16 [c, V]. One program per row
 reads the row twice (pass 1: running max, rescaled sum of exp and the first argmax; pass 2: the
-gradient) and writes it once: 1.87 GB per 2048 x 151936 chunk. The compiled reference moves the
-same bytes at ~2 TB/s (0.94 ms per chunk on an H200, `bench drafter --profile` kernels table);
-this kernel is for the rest of the HBM bandwidth. Rows with w == 0 still get their argmax, and
+gradient, from the row's end back, where L2 still holds what pass 1 read last) and writes it
+once: at most 1.87 GB per 2048 x 151936 chunk. The compiled reference moves the same bytes at
+~2 TB/s (0.94 ms per chunk on an H200); this kernel takes 0.73 ms (`benchmarks/
+ce_launch_sweep.py`, which also times the launch shapes CeLaunch offers). Rows with w == 0 still get their argmax, and
 their gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must
 not leak in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
 tests/test_gpu_ce_kernel.py compares it with the reference and with mutants on a GPU.
@@ -97,9 +98,11 @@ class CeLaunch:
     reverse: bool = False
 
 
-# `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): 0.869 ms per
-# chunk against 0.942 for one 8-warp program per row, the launch of the first version
-CE_LAUNCH = CeLaunch(programs_per_sm=2, num_warps=16, reverse=True)
+# `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): with pass 1's
+# single exp, one 8-warp program per row with pass 2 reversed took 0.730 ms per chunk, the same
+# launch forward 0.748, 2 programs per SM x 16 warps reversed 0.859 (the fastest before the
+# single exp), 1 program per SM x 8 warps 1.53-1.64 (too few loads in flight).
+CE_LAUNCH = CeLaunch(programs_per_sm=0, num_warps=8, reverse=True)
 
 
 def ce_and_grad_triton(
