@@ -198,8 +198,9 @@ class DFlashDrafter(nn.Module):
         of q and of the attention output contiguous, two [Q, H, hd] copies per layer, ~1.9 ms
         of a Qwen3-8B step on an H200 (BENCHMARKS.md). Also the context's and the output's
         RMSNorms: eager, each is seven fp32 passes over a [T, d] tensor forward and more
-        backward. GPU only (CPU inductor needs a C++ toolchain and buys nothing for tests).
-        `fuse` itself stays eager: evaluation calls it at other shapes."""
+        backward. The objective compiles on a GPU only (on the CPU, inductor needs a C++
+        toolchain and buys nothing; one CPU test compiles to check the graphs). `fuse` itself
+        stays eager: evaluation calls it at other shapes."""
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
         self._layer = compiled(layer_forward)
         self._fused_context = compiled(fused_context)
