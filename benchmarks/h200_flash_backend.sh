@@ -27,7 +27,8 @@
 #   ce: benchmarks/ce_launch_sweep.py (the CE pass's launch shapes);
 #   ab1, ab2, ab4096: `bench drafter` of this tree's default step against .ab/base's (a git
 #     worktree of the revision before, carried), one process each, base first (ab1) or second;
-#   triton_step: this tree's step with torch's Triton kernels for flex_attention;
+#   triton_step: this tree's step with torch's Triton kernels for flex_attention; triton_ab: that
+#     step against .ab/base's, this tree first;
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
 # $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK...] | TASK...
