@@ -40,10 +40,13 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 # the CuTe DSL's `cutlass` package sits in a folder a .pth file adds, and PYTHONPATH folders run
 # no .pth files: name it here
 site=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+wheels() {  # WHEEL...: into /tmp/site, offline
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$@"
+}
 stage_a() {
   mkdir -p /tmp/fa && cp .fa/a/* /tmp/fa/ && ls -la /tmp/fa
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+  wheels .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
   [ "${1:-}" = checks ] || { echo "stage a done: now stage b, at once"; return 0; }
   part "bench linear, 1024 anchors"
   timeout 120 python3 -m dflash_async bench linear 2>&1 | grep -E '^\{|rror' | cut -c1-600
@@ -60,8 +63,7 @@ install() {  # stage b: join the halves, check them, install everything in one g
   cat /tmp/fa/libs_cu13.part1 .fa/b/libs_cu13.part2 > "/tmp/fa/$name"
   echo "$(cat .fa/b/libs_cu13.sha256)  /tmp/fa/$name" | sha256sum -c - || return 1
   rm /tmp/fa/libs_cu13.part1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl /tmp/fa/*.whl
+  wheels .whl/*.whl /tmp/fa/*.whl
 }
 experiment() {  # the FLASH backend against torch's Triton kernels, as first tried
   # timeouts: 150 + 100 + 120 + 180 s, inside one call's 600 with the install
@@ -138,8 +140,7 @@ for task in $run; do
   [[ " $tasks " == *" $task "* ]] || { echo "usage: $0 a [checks] | b [TASK...] | TASK..." \
     "(tasks: $tasks)" >&2; exit 2; }
 done
-[ -d /tmp/site/structlog ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d /tmp/site/structlog ] || wheels .whl/*.whl
 [ -d /tmp/site/flash_attn ] || echo "flash-attn-4 is not installed here (a, then b): auto = Triton"
 export PYTHONPATH=$site
 python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", flash_attn.cute.__file__)' \

@@ -168,13 +168,14 @@ def test_gap_histogram_sorts_every_idle_stretch_by_size_per_step() -> None:
     """Each gap of the union lands in exactly one size range, counted and summed per step."""
     # gaps: 1 us (3 -> 4), 3 us (5 -> 8), 150 us (9 -> 159), over 2 steps
     spans = [(0.0, 3.0, "a"), (4.0, 5.0, "b"), (8.0, 9.0, "c"), (159.0, 160.0, "d")]
-    rows = {label: (n, ms) for label, n, ms in gap_histogram(spans, steps=1)}
+    gaps = idle_gaps(spans, top=None)[1]
+    rows = {label: (n, ms) for label, n, ms in gap_histogram(gaps, steps=1)}
     assert list(rows) == ["0-2", "2-5", "5-20", "20-100", ">=100"]
     assert rows["0-2"] == (1, pytest.approx(0.001))
     assert rows["2-5"] == (1, pytest.approx(0.003))
     assert rows["5-20"] == rows["20-100"] == (0, 0.0)
     assert rows[">=100"] == (1, pytest.approx(0.150))
-    assert gap_histogram(spans, steps=2)[-1] == (">=100", 0, pytest.approx(0.075))
+    assert gap_histogram(gaps, steps=2)[-1] == (">=100", 0, pytest.approx(0.075))
 
 
 def test_the_graph_kernels_table_shows_busy_time_and_the_gaps() -> None:

@@ -226,7 +226,7 @@ class GraphProfile:
     summed_ms: float  # per step, every activity's time added (overlaps counted twice)
     busy_ms: float  # per step, the union of the activities' intervals
     gaps: list[Gap]  # the longest idle stretches, longest first
-    gap_sizes: list[tuple[str, int, float]] = ()  # per step: (size range, count, idle ms)
+    gap_sizes: list[tuple[str, int, float]]  # per step: (size range, count, idle ms)
 
 
 # Idle stretches by size: launch latency between graph nodes is ~1-2 us each, so thousands of
@@ -234,11 +234,8 @@ class GraphProfile:
 GAP_SIZES_US = (2.0, 5.0, 20.0, 100.0)
 
 
-def gap_histogram(
-    spans: Iterable[tuple[float, float, str]], *, steps: int = 1
-) -> list[tuple[str, int, float]]:
-    """(size range in us, gaps per step, idle ms per step) for every gap of the spans' union."""
-    _, gaps = idle_gaps(spans, top=None)
+def gap_histogram(gaps: list[Gap], *, steps: int = 1) -> list[tuple[str, int, float]]:
+    """(size range in us, gaps per step, idle ms per step) of all the gaps (idle_gaps's)."""
     edges = (0.0, *GAP_SIZES_US, float("inf"))
     rows = []
     for lo, hi in pairwise(edges):
@@ -272,8 +269,9 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25, trace: str | None = No
     wall time, the busy time says how long the GPU waited inside the step; the gaps say between
     which activities (a copy node, a launch dependency, the eager anchor noise between the
     graphs). `trace`: a path to write the replays' Chrome trace to (gzipped if it ends in .gz),
-    for a look at the timeline elsewhere. The parts table above profiles eager steps, whose kernels can differ in time from
-    the replayed ones (allocator state, profiler overhead per launch)."""
+    for a look at the timeline elsewhere. The parts table above profiles eager steps, whose
+    kernels can differ in time from the replayed ones (allocator state, profiler overhead per
+    launch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -300,13 +298,13 @@ def graph_kernels(step, *, steps: int = 2, top: int = 25, trace: str | None = No
         (KernelTotal(n, count[n] // steps, t / 1e3 / steps) for n, t in us.items()),
         key=lambda k: -k.ms,
     )
-    busy_us, gaps = idle_gaps(spans)
+    busy_us, gaps = idle_gaps(spans, top=None)  # every gap, longest first
     return GraphProfile(
         totals[:top],
         sum(k.ms for k in totals),
         busy_us / 1e3 / steps,
-        gaps,
-        gap_histogram(spans, steps=steps),
+        gaps[:10],
+        gap_histogram(gaps, steps=steps),
     )
 
 
