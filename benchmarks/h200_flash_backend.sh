@@ -29,6 +29,7 @@
 #     worktree of the revision before, carried), one process each, base first (ab1) or second;
 #   triton_step: this tree's step with torch's Triton kernels for flex_attention; triton_ab: that
 #     step against .ab/base's, this tree first;
+#   working: this tree's step with and without the matmul weights' working copies, both orders;
 #   resume: benchmarks/h200_resume.sh (a `run`, then a resumed one) with every default.
 # Make the wheels first, here: benchmarks/fa4_wheels.sh. Everything printed lands in
 # $OUT/flash_backend.log. Usage: benchmarks/h200_flash_backend.sh a [checks] | b [TASK...] | TASK...
@@ -129,8 +130,10 @@ ab1() { bench_tree base 1024; bench_tree new 1024; }
 ab2() { bench_tree new 1024; bench_tree base 1024; }
 ab4096() { bench_tree new 4096; bench_tree base 4096; }
 triton_step() { bench_tree new 1024 flex_triton; }
+# this tree's step with the matmul weights' working copies (today) and without, both orders
+working() { bench_tree new 1024 master_weights,today; bench_tree new 1024 today,master_weights; }
 triton_ab() { bench_tree new 1024 flex_triton; bench_tree base 1024 flex_triton; }
-tasks="experiment step profile clocks tests resume ce ab1 ab2 ab4096 triton_step triton_ab"
+tasks="experiment step profile clocks tests resume ce ab1 ab2 ab4096 triton_step triton_ab working"
 case "${1:-}" in
   a) stage_a "${2:-}"; exit $? ;;
   b) install || exit 1; shift; run=${*:-experiment} ;;

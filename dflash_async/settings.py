@@ -202,6 +202,12 @@ class TrainSettings(_Section):
     """The CE chunk's elementwise pass: model/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). The CPU always runs the plain torch ops."""
+    working_weights: bool = True
+    """Keep bf16 working copies of the drafter's matmul weights, written by the optimizer with
+    the fp32 weights, and the gradients in bf16 (GPU with `compile`; ignored elsewhere). The
+    forward and the matmul weights' gradients are the same; the norm weights' gradients and the
+    sums across drafters are rounded to bf16. Off: autocast casts the fp32 weights at every use
+    and the gradients are fp32 (the same memory; slower, BENCHMARKS.md)."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod

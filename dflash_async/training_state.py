@@ -279,6 +279,7 @@ def restore(step: DrafterStep, state: dict[str, Any], *, rank: int) -> None:
         p.copy_(state["drafter"][name])
         _restore_optimizer_state(step.optimizer, p, saved)
     step.schedule.set_step_(state["schedule_step"])
+    step.sync_working_weights()
     step.flat_grad.zero_()
     step.generator.set_state(state["rng"]["anchor_generators"][rank])
     torch.set_rng_state(state["rng"]["torch_cpu"])

@@ -236,8 +236,10 @@ def test_export_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path: P
     assert (tmp_path / "home" / "notes.txt").read_text() == "keep me"
 
 
-def _step(seed: int) -> DrafterStep:
-    """A float32 CPU drafter step of the tiny drafter, its own anchor generator seeded."""
+def _step(seed: int, *, working_weights: bool = False) -> DrafterStep:
+    """A float32 CPU drafter step of the tiny drafter, its own anchor generator seeded
+    (working_weights: the matmul weights' working copies, fp32 on the CPU, and the folded
+    update they need)."""
     spec = TinySpec()
     config = tiny_config(spec)
     drafter = tiny_drafter(config, seed=seed, dtype=torch.float32)
@@ -245,7 +247,7 @@ def _step(seed: int) -> DrafterStep:
     objective = make_objective(config, drafter, embed, lm_head, num_anchors=8, ce_chunk_size=16)
     step = DrafterStep.build(
         objective, token_budget=spec.num_tokens, peak_lr=1e-2, warmup_steps=2, total_steps=10,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(seed), working_weights=working_weights,
     )  # fmt: skip
     step.batch.copy_(tiny_batch(spec, config, dtype=torch.float32))
     return step
@@ -265,12 +267,18 @@ def _state(step: DrafterStep, n: int) -> dict:
     return snapshot([step], step=n, cursor=PackCursor(0, n), seed=0, run=run)
 
 
-def test_restored_step_continues_exactly_and_in_place(tmp_path: Path, single_thread) -> None:
-    original = _step(seed=0)
+@pytest.mark.parametrize("working_weights", [False, True], ids=["masters", "working_copies"])
+def test_restored_step_continues_exactly_and_in_place(
+    tmp_path: Path, single_thread, working_weights: bool
+) -> None:
+    """With working copies, restore must set them from the restored masters too: copies left
+    at the fresh step's weights would make the next forward use them."""
+    original = _step(seed=0, working_weights=working_weights)
     _train(original, 2)
     folder, size = write_checkpoint(tmp_path, _state(original, 2), keep=2)
     assert size == sum(f.stat().st_size for f in folder.iterdir())
-    resumed = _step(seed=1)  # other weights and generator: everything must come from the file
+    # other weights and generator: everything must come from the file
+    resumed = _step(seed=1, working_weights=working_weights)
     pointers = [p.data_ptr() for p in resumed.params] + [resumed.schedule.lr.data_ptr()]
     restore(resumed, load_checkpoint(folder), rank=0)
     # in place: a captured graph keeps reading the same tensors

@@ -38,8 +38,9 @@ NUM_ANCHORS = 8
 REL_TOL = 2.0**-12
 
 
-def _step(*, grad_clip: float, betas=(0.9, 0.999)) -> DrafterStep:
-    """A tiny fp32 drafter step on the CPU, reference phase B, fixed anchors (same for every
+def _step(*, grad_clip: float, betas=(0.9, 0.999), working_weights: bool = False) -> DrafterStep:
+    """A tiny fp32 drafter step on the CPU, reference phase B (working_weights: with the
+    working copies, fp32 here, and the eager folded update), fixed anchors (same for every
     build: the same seeds)."""
     spec = TinySpec()
     config = tiny_config(spec)
@@ -48,7 +49,7 @@ def _step(*, grad_clip: float, betas=(0.9, 0.999)) -> DrafterStep:
     objective = make_objective(config, drafter, embed, lm_head, num_anchors=NUM_ANCHORS)
     step = DrafterStep.build(
         objective, token_budget=spec.num_tokens, peak_lr=1e-2, warmup_steps=1, total_steps=10,
-        grad_clip=grad_clip, compiled_update=False,
+        grad_clip=grad_clip, compiled_update=False, working_weights=working_weights,
     )  # fmt: skip
     if betas != (0.9, 0.999):
         step.optimizer = build_optimizer(step.params, lr_tensor=step.schedule.lr,
@@ -170,3 +171,68 @@ def test_folded_update_comparison_catches_mutant(name: str) -> None:
     _run(reference)
     _run(step)
     assert _max_rel_diff(step, reference) > 1e3 * REL_TOL
+
+
+def test_working_copies_give_the_masters_trajectory_bitwise() -> None:
+    """The forward on working copies (fp32 on the CPU: the same values as the masters), their
+    gradients in the buffer and AdamW writing them: the same ops as the plain step on the same
+    values, so three steps agree bit for bit, and the copies equal the masters after each."""
+    plain = _step(grad_clip=1.0)
+    plain.adamw = _folded(plain)
+    working = _step(grad_clip=1.0, working_weights=True)
+    copies = [w for w in working.working if w is not None]
+    assert len(copies) == sum(p.ndim == 2 for p in working.params) > 0
+    for _ in range(STEPS):
+        for step in (plain, working):
+            step.phase_a()
+            step.phase_b()
+        assert torch.equal(working.flat_grad, plain.flat_grad)
+        for p, w in zip(working.params, working.working, strict=True):
+            assert w is None or torch.equal(w, p)
+    assert _max_rel_diff(working, plain) == 0.0
+    pairs = zip(working.params, working.working, strict=True)
+    assert all(p.grad is None for p, w in pairs if w is not None)  # the copies take them
+
+
+def test_working_copies_stale_after_the_update_are_caught() -> None:
+    """Mutant: an update that does not write the copies leaves the forward on step 0's weights
+    (the trajectory comparison above fails by far more than rounding)."""
+    plain = _step(grad_clip=1e3)
+    plain.adamw = _folded(plain)
+    stale = _step(grad_clip=1e3, working_weights=True)
+    stale.adamw = folded_adamw(stale.optimizer, stale.params, compile=False, grads=stale.grad_views)
+    for step in (plain, stale):
+        _run(step)
+    assert _max_rel_diff(stale, plain) > 1e3 * REL_TOL
+
+
+def test_working_copies_refuse_the_reference_update() -> None:
+    """The masters hold no .grad with working copies: the reference AdamW would skip them."""
+    step = _step(grad_clip=1.0, working_weights=True)
+    step.adamw = None
+    step.phase_a()
+    with pytest.raises(RuntimeError, match="working weights need the folded update"):
+        step.phase_b()
+
+
+def test_compiled_layers_read_the_working_copies_and_compile_once() -> None:
+    """compile_layers() (CPU inductor) under the step's functional_call swap: the same three
+    steps as the compiled layers on the masters, bit for bit (fp32 copies, the same kernels),
+    and the graphs compiled for the first step serve the later ones (a recompile per step would
+    be slow, and past dynamo's limit the layers would run eagerly)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    plain, working = _step(grad_clip=1.0), _step(grad_clip=1.0, working_weights=True)
+    plain.adamw = _folded(plain)
+    for step in (plain, working):
+        step.objective.drafter.compile_layers()
+        step.phase_a()
+        step.phase_b()
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(STEPS - 1):
+        for step in (plain, working):
+            step.phase_a()
+            step.phase_b()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert _max_rel_diff(working, plain) == 0.0

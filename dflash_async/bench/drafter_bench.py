@@ -87,6 +87,7 @@ def build_step(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
+    working_weights: bool | None = None,
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
 ) -> DrafterStep:
@@ -117,7 +118,7 @@ def build_step(
     )
     return DrafterStep.build(
         objective, token_budget=token_budget, peak_lr=6e-4, warmup_steps=10, total_steps=10_000,
-        compiled_update=compiled_update,
+        compiled_update=compiled_update, working_weights=working_weights,
     )  # fmt: skip
 
 
@@ -250,6 +251,10 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # default where the step compiles; `today` is the one the flags pick)
     "reference_update": {"compiled_update": False},
     "compiled_update": {"compiled_update": True},
+    # the matmul weights: bf16 working copies with bf16 gradients (the default with the
+    # compiled update, model/step.py) or autocast's casts of the fp32 masters
+    "working_weights": {"working_weights": True},
+    "master_weights": {"working_weights": False},
     # the CE pass: model/ce_kernel.py's Triton kernel (the GPU default) or the torch ops
     # (torch.compile'd with --compile)
     "ce_triton": {"ce_kernel": "triton"},

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-# Each gradient view starts on a multiple of 16 fp32 elements (64 bytes) of the flat buffer, so
-# vectorised kernels (fused AdamW, foreach norm) see aligned views. Padding elements stay zero.
+# Each gradient view starts on a multiple of 16 elements (64 bytes in fp32, 32 in bf16) of the flat
+# buffer, so vectorised kernels (fused AdamW, foreach norm) see aligned views. Padding elements stay zero.
 _GRAD_ALIGN_ELEMS = 16
 
 
@@ -173,16 +173,26 @@ def flat_grad_buffer(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list
             raise ValueError(
                 f"params must be fp32 on {device}: param {i} is {p.dtype} on {p.device}"
             )
-    offsets, end = [], 0
-    for p in params:
-        offsets.append(end)
-        end += -(-p.numel() // _GRAD_ALIGN_ELEMS) * _GRAD_ALIGN_ELEMS
-    flat = torch.zeros(end, dtype=torch.float32, device=device)
-    views = []
-    for p, start in zip(params, offsets, strict=True):
-        view = flat[start : start + p.numel()].view(p.shape)
+    flat, views = flat_buffer([p.shape for p in params], dtype=torch.float32, device=device)
+    for p, view in zip(params, views, strict=True):
         p.grad = view
-        views.append(view)
+    return flat, views
+
+
+def flat_buffer(
+    shapes: Sequence[torch.Size], *, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A zeroed contiguous buffer and one view of each shape in it, each view starting on a
+    multiple of 16 elements (the padding between them stays zero)."""
+    offsets, end = [], 0
+    for shape in shapes:
+        offsets.append(end)
+        end += -(-math.prod(shape) // _GRAD_ALIGN_ELEMS) * _GRAD_ALIGN_ELEMS
+    flat = torch.zeros(end, dtype=dtype, device=device)
+    views = [
+        flat[start : start + math.prod(shape)].view(shape)
+        for shape, start in zip(shapes, offsets, strict=True)
+    ]
     return flat, views
 
 

@@ -11,6 +11,13 @@ One optimizer step of M drafters (data parallel, each with its own pack):
 Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
 M packs' blocks (docs/DFLASH.md s.4), and keeps all drafters' weights identical.
 
+Working weights (GPU default, `working_weights`): the forward uses a bf16 copy of each matmul
+weight instead of autocast's cast of the fp32 master at every use; phase B's AdamW writes the copy
+with the master. The copies are the values autocast would make, so the forward does not change;
+their gradients are bf16 GEMM outputs, which backward no longer casts to fp32, and the gradient
+buffer is bf16 (the RMSNorm weights' fp32 gradients are rounded into it). Memory: the copies take
+the bytes the buffer gives up. Time: MEASURE ms of a Qwen3-8B step on an H200 (BENCHMARKS.md).
+
 Both phases have fixed shapes and no host syncs, so each is captured once as a CUDA graph
 (docs/GPU.md: in the replaying thread, after warm-up, one capture at a time) and replayed; eager
 mode runs the very same functions. Static buffers are never reallocated after construction.
@@ -29,7 +36,7 @@ from torch import nn
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention import document_starts
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
-from dflash_async.model.optim import LrSchedule, build_optimizer, flat_grad_buffer
+from dflash_async.model.optim import LrSchedule, build_optimizer, flat_buffer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
 from dflash_async.model.update import WEIGHT_SUM_FLOOR, folded_adamw, folded_clip_coefficient
 
@@ -66,6 +73,7 @@ class DrafterStep:
         grad_clip: float,
         generator: torch.Generator | None = None,
         anchor_sampler: Callable[[PackedBatch], Anchors] | None = None,
+        working_weights: bool = False,
     ) -> None:
         self.objective = objective
         self.optimizer = optimizer
@@ -88,17 +96,43 @@ class DrafterStep:
         self.noise = torch.zeros(
             batch.num_tokens + 1, dtype=torch.float64, device=batch.input_ids.device
         )
-        self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
-        self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
+        named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # Working copies of the matmul weights (2-D) in the dtype the matmuls run in (bf16 under
+        # the step's autocast on a GPU, fp32 on the CPU); None where a parameter has none (the
+        # norms) or working_weights is off. Keyed by the objective's names for functional_call.
+        device = self.params[0].device
+        self.grad_dtype = torch.float32
+        self.working: list[torch.Tensor | None] = [None] * len(self.params)
+        if working_weights:
+            self.grad_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            self.working = [
+                p.detach().to(self.grad_dtype, copy=True).requires_grad_() if p.ndim == 2 else None
+                for p in self.params
+            ]
+        self._working_by_name = {
+            f"drafter.{n}": w
+            for (n, _), w in zip(named, self.working, strict=True)
+            if w is not None
+        }
+        # The tensors backward makes gradients for: the working copy where there is one.
+        leaves = zip(self.params, self.working, strict=True)
+        self._grad_leaves = [p if w is None else w for p, w in leaves]
+        if working_weights:
+            self.flat_grad, self.grad_views = flat_buffer(
+                [p.shape for p in self.params], dtype=self.grad_dtype, device=device
+            )
+        else:
+            self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
         # Backward writes each gradient into its view instead of adding to it (_forward_backward
         # sets .grad to None first, the hook copies the new gradient in): no zeroing of the
         # buffer and a copy instead of an add, 8 instead of 16 bytes per parameter: 3.0 instead
-        # of 5.8 ms of kernels in a Qwen3-8B step on an H200 (BENCHMARKS.md). _grads_written counts, per backward, the
-        # hooks that ran: a parameter without a gradient would keep the last step's values.
-        self._grads_written = 0
-        for p, view in zip(self.params, self.grad_views, strict=True):
-            p.register_post_accumulate_grad_hook(self._gradient_writer(view))
-        device = self.flat_grad.device
+        # of 5.8 ms of kernels in a Qwen3-8B step on an H200 (BENCHMARKS.md). _written records,
+        # per backward, the hooks that ran: a parameter without a gradient would keep the last
+        # step's values.
+        self._written: set[int] = set()
+        for i, (leaf, view) in enumerate(zip(self._grad_leaves, self.grad_views, strict=True)):
+            leaf.register_post_accumulate_grad_hook(self._gradient_writer(i, view))
         self.stats = torch.zeros(NUM_STATS, dtype=torch.float32, device=device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
@@ -116,11 +150,14 @@ class DrafterStep:
         grad_clip: float = 1.0,
         generator: torch.Generator | None = None,
         compiled_update: bool | None = None,
+        working_weights: bool | None = None,
     ) -> DrafterStep:
         """The step around an objective: lr schedule in a device tensor, AdamW reading it, and
         all-padding static inputs on the objective's device in the target's dtype.
         compiled_update: phase B through update.py's compiled AdamW; None: where the objective
-        compiles (GPU), else the reference path."""
+        compiles (GPU), else the reference path. working_weights: the matmul weights' working
+        copies (see the module docstring); None: with the compiled update. They need update.py's
+        AdamW (compiled or not), never the reference path."""
         weight = objective.lm_head_weight
         schedule = LrSchedule(
             peak_lr=peak_lr,
@@ -136,15 +173,25 @@ class DrafterStep:
         batch = PackedBatch.empty(
             token_budget, feature_dim, device=weight.device, feature_dtype=weight.dtype
         )
-        step = cls(
-            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
-            num_anchors=objective.config.num_anchors,
-        )  # fmt: skip
         if compiled_update is None:
             compiled_update = objective.config.compile and weight.device.type == "cuda"
-        if compiled_update:
-            step.adamw = folded_adamw(optimizer, step.params, compile=True)
+        if working_weights is None:
+            working_weights = compiled_update
+        step = cls(
+            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
+            num_anchors=objective.config.num_anchors, working_weights=working_weights,
+        )  # fmt: skip
+        if compiled_update or working_weights:
+            step.use_folded_update(compile=compiled_update)
         return step
+
+    def use_folded_update(self, *, compile: bool) -> None:
+        """Phase B through update.py's folded AdamW over this step's gradient views, writing the
+        working copies (compile: torch.compile'd at its first call; GPU)."""
+        self.adamw = folded_adamw(
+            self.optimizer, self.params, compile=compile, grads=self.grad_views,
+            working=self.working,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:
@@ -164,26 +211,42 @@ class DrafterStep:
             self.batch.loss_mask, self.batch.doc_ids, self.num_anchors, noise=self.noise
         )
 
-    def _gradient_writer(self, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def write(param: torch.Tensor) -> None:
-            if param.grad.data_ptr() != view.data_ptr():  # host metadata: no sync
-                view.copy_(param.grad)
-                param.grad = view
-            self._grads_written += 1
+    def _gradient_writer(self, index: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def write(leaf: torch.Tensor) -> None:
+            if leaf.grad.data_ptr() != view.data_ptr():  # host metadata: no sync
+                view.copy_(leaf.grad)  # an fp32 norm gradient into a bf16 buffer: rounded
+                leaf.grad = view if leaf.dtype == view.dtype else None
+            self._written.add(index)
 
         return write
+
+    @torch.no_grad()
+    def sync_working_weights(self) -> None:
+        """Set each working copy to its master weight (after anything but AdamW wrote the
+        masters: construction, undoing the warm-up, resume). No-op without copies."""
+        for p, w in zip(self.params, self.working, strict=True):
+            if w is not None:
+                w.copy_(p)
+
+    def _objective_sums(self, anchors: Anchors) -> StepSums:
+        if not self._working_by_name:
+            return self.objective(self.batch, anchors)
+        # The forward reads the working copies in place of the masters (a swap of module
+        # attributes for the call; the compiled layers see bf16 weights, autocast casts nothing).
+        return torch.func.functional_call(self.objective, self._working_by_name,
+                                          (self.batch, anchors))  # fmt: skip
 
     def _forward_backward(self) -> None:
         batch = self.batch
         anchors = self._anchors()
         with self._autocast():
-            sums: StepSums = self.objective(batch, anchors)
-        for p in self.params:
-            p.grad = None  # AccumulateGrad then hands the new gradient to the writer hook
-        self._grads_written = 0
+            sums = self._objective_sums(anchors)
+        for leaf in self._grad_leaves:
+            leaf.grad = None  # AccumulateGrad then hands the new gradient to the writer hook
+        self._written.clear()
         sums.ce_sum.backward()
-        if self._grads_written != len(self.params):
-            missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if len(self._written) != len(self.params):
+            missing = sorted(set(range(len(self.params))) - self._written)
             raise RuntimeError(f"drafter parameters {missing} got no gradient in this step")
         pairs = visible_pairs(batch.doc_ids, anchors.positions, anchors.valid, self.block_size)
         self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
@@ -219,8 +282,13 @@ class DrafterStep:
         else:
             self._forward_backward()
 
+    def _check_update(self) -> None:
+        if self.adamw is None and self._working_by_name:  # the masters hold no .grad to read
+            raise RuntimeError("working weights need the folded update (use_folded_update)")
+
     def phase_b(self) -> None:
         """Normalise, clip, AdamW, advance the lr (replay when captured)."""
+        self._check_update()
         if self.graphs is not None:
             self.graphs[1].replay()
         else:
@@ -237,6 +305,7 @@ class DrafterStep:
         """
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self._check_update()
         weights = [p.detach().clone() for p in self.params]
         start_step = int(self.schedule.step.item())  # sync point: start-up only
         started = time.perf_counter()
@@ -265,6 +334,7 @@ class DrafterStep:
         """Undo warm-up steps in place (graphs keep pointing at the same tensors)."""
         for p, w in zip(self.params, weights, strict=True):
             p.copy_(w)
+        self.sync_working_weights()
         for state in self.optimizer.state.values():
             for value in state.values():
                 if torch.is_tensor(value):

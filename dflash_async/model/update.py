@@ -12,6 +12,10 @@ rounding order; tests/test_update.py compares it with the reference path.
 
 `optimizer.state` keeps torch's layout (step, exp_avg, exp_avg_sq per parameter), so
 checkpoints, resume and `optimizer.state_dict()` do not change. Sync-free and capturable.
+
+Working copies (step.py, GPU): where a parameter has a bf16 copy that the forward uses, the same
+kernel writes the new weight into it too (2 more bytes per parameter, instead of the forward
+casting each fp32 weight at every use, 6 bytes a use, and backward casting it again).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ CLIP_EPS = 1e-6
 
 
 def flat_norm(flat: torch.Tensor) -> torch.Tensor:
-    """||flat||_2 in two levels: the norms of rows of R elements, then their norm, R the largest
-    power of two <= 4096 dividing the length (>= 16: flat_grad_buffer pads to multiples of 16).
-    One long fp32 sum loses precision with its length where it runs sequentially (CPU, 30 M
-    elements: 1.8e-3 off); rows keep every sum short. The partials are 1/R of the buffer."""
+    """||flat||_2 (fp32, whatever the buffer's dtype) in two levels: the norms of rows of R
+    elements, then their norm, R the largest power of two <= 4096 dividing the length (>= 16:
+    flat_grad_buffer pads to multiples of 16). One long fp32 sum loses precision with its length
+    where it runs sequentially (CPU, 30 M elements: 1.8e-3 off); rows keep every sum short. The
+    partials are 1/R of the buffer. A bf16 buffer is summed in fp32 (dtype=), never rounded."""
     rows = flat.view(-1, math.gcd(flat.numel(), 4096))
-    return torch.linalg.vector_norm(torch.linalg.vector_norm(rows, dim=1))
+    return torch.linalg.vector_norm(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32))
 
 
 def folded_clip_coefficient(
@@ -61,9 +66,11 @@ def adamw_math(
     beta2: float,
     eps: float,
     weight_decay: float,
+    working: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step of p with gradient g * coef, in place on p, m, v and the fp32 step count;
-    g is only read. The formula of torch's fused CUDA kernel."""
+    g is only read (any float dtype; the math is fp32). The formula of torch's fused CUDA
+    kernel. `working`: p's lower-precision copy, set to the new p rounded to its dtype."""
     step.add_(1.0)
     grad = g * coef
     bias_correction1 = 1.0 - torch.pow(beta1, step)
@@ -72,15 +79,20 @@ def adamw_math(
     m.copy_(m * beta1 + grad * (1.0 - beta1))
     v.copy_(v * beta2 + grad * grad * (1.0 - beta2))
     denom = v.sqrt() / bias_correction2_sqrt + eps
-    p.copy_(param - (lr / bias_correction1) * m / denom)
+    new = param - (lr / bias_correction1) * m / denom
+    p.copy_(new)
+    if working is not None:
+        working.copy_(new)  # the cast autocast made of p: round to nearest even
 
 
-def adamw_all(params, grads, exp_avgs, exp_avg_sqs, steps, lr, coef, **hyper) -> None:
+def adamw_all(params, grads, exp_avgs, exp_avg_sqs, steps, lr, coef, working, **hyper) -> None:
     """adamw_math over every parameter tensor: one traced graph, one kernel per tensor shape
     group. Gradients are views of one buffer and are only read (mutating aliased inputs would
-    make AOTAutograd merge them into a synthetic base)."""
-    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        adamw_math(p, g, m, v, step, lr, coef, **hyper)
+    make AOTAutograd merge them into a synthetic base). `working`: each p's working copy, or
+    None."""
+    tensors = zip(params, grads, exp_avgs, exp_avg_sqs, steps, working, strict=True)
+    for p, g, m, v, step, w in tensors:
+        adamw_math(p, g, m, v, step, lr, coef, working=w, **hyper)
 
 
 @torch.no_grad()
@@ -96,24 +108,35 @@ def ensure_adamw_state(optimizer: torch.optim.Optimizer, params: list[torch.Tens
 
 
 def folded_adamw(
-    optimizer: torch.optim.AdamW, params: list[torch.Tensor], *, compile: bool
+    optimizer: torch.optim.AdamW,
+    params: list[torch.Tensor],
+    *,
+    compile: bool,
+    grads: list[torch.Tensor] | None = None,
+    working: list[torch.Tensor | None] | None = None,
 ) -> Callable[[torch.Tensor], None]:
     """`update(coef)`: one AdamW step of `params` (one param group, torch's AdamW) with their
     gradients times `coef`, lr read from the group's lr tensor. compile=True: torch.compile'd at
-    the first call (GPU; compile before capture); False: the same ops eagerly (CPU, tests)."""
+    the first call (GPU; compile before capture); False: the same ops eagerly (CPU, tests).
+    grads: the gradient tensors, one per param (None: each param's `.grad` at call time);
+    working: each param's working copy to write, or None (None: no copies)."""
     (group,) = optimizer.param_groups
     if group.get("amsgrad") or group.get("maximize"):
         raise ValueError("folded_adamw implements plain AdamW (no amsgrad, no maximize)")
     beta1, beta2 = group["betas"]
     hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
     math_fn = torch.compile(adamw_all, dynamic=False, fullgraph=True) if compile else adamw_all
+    # detached: the copies are autograd leaves that the forward reads; writing them is not math
+    working = [None if w is None else w.detach() for w in working or [None] * len(params)]
+    if len(working) != len(params) or (grads is not None and len(grads) != len(params)):
+        raise ValueError("folded_adamw needs one gradient and one working entry per parameter")
 
     def update(coef: torch.Tensor) -> None:
         ensure_adamw_state(optimizer, params)
         # read each call: resume may have created the state since (training_state.restore)
         states = [optimizer.state[p] for p in params]
-        math_fn([p.detach() for p in params], [p.grad for p in params],
+        math_fn([p.detach() for p in params], grads or [p.grad for p in params],
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], group["lr"], coef, **hyper)  # fmt: skip
+                [s["step"] for s in states], group["lr"], coef, working, **hyper)  # fmt: skip
 
     return update

@@ -180,6 +180,7 @@ def build_drafter_step(
         weight_decay=train.weight_decay,
         grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
         generator=torch.Generator(device).manual_seed(train.seed * 1000 + rank),
+        working_weights=None if train.working_weights else False,  # None: with the compiled update
     )
     if attention == "flex":  # the preflight line of the kernels chosen for the step
         get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
@@ -187,5 +188,7 @@ def build_drafter_step(
                  flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
                  ce_chunk_size=train.ce_chunk_size, ce_kernel=objective.ce_kernel,
                  update="compiled" if step.adamw is not None else "reference",
+                 working_weights=any(w is not None for w in step.working),
+                 grad_dtype=str(step.grad_dtype).removeprefix("torch."),
                  torch=torch.__version__)  # fmt: skip
     return step
