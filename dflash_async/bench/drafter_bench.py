@@ -165,6 +165,7 @@ def bench_drafter(
     flex_kernel_options: dict | None = None,
     flex_autotune: bool = False,
     compiled_update: bool | None = None,
+    working_weights: bool | None = None,
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
     trace: str | None = None,
@@ -183,6 +184,7 @@ def bench_drafter(
         flex_kernel_options=flex_kernel_options,
         flex_autotune=flex_autotune,
         compiled_update=compiled_update,
+        working_weights=working_weights,
         ce_kernel=ce_kernel,
         flex_backend=flex_backend,
     )
