@@ -2,12 +2,13 @@
 (objective.ce_and_grad_from_logits, the tolerances of tests/test_gpu_ce_kernel.py) and timed on
 one chunk of the step (2048 x 151936 bf16 logits), CUDA events over 20 launches after 3 warm-up
 ones. Prints one JSON line per launch shape, fastest last. Usage:
-  python benchmarks/ce_launch_sweep.py [--rows 2048] [--vocab 151936]
+  python benchmarks/ce_launch_sweep.py [--rows 2048] [--vocab 151936] [--launches block|grid]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -22,6 +23,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--launches", choices=("grid", "block"), default="block")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device).manual_seed(0)
@@ -30,8 +32,15 @@ def main() -> None:
     weights = torch.rand(args.rows, generator=g, device=device, dtype=torch.float64)
     weights[::7] = 0.0
     ce_ref, hit_ref, grad_ref = ce_and_grad_from_logits(logits, labels, weights)
-    launches = [CeLaunch(p, w, r) for p, w, r in
-                itertools.product((0, 1, 2, 4), (8, 16), (False, True))]  # fmt: skip
+    launch_sets = {
+        # the first sweeps' grid: programs per SM, warps, pass 2 reversed
+        "grid": [CeLaunch(p, w, r) for p, w, r in
+                 itertools.product((0, 1, 2, 4), (8, 16), (False, True))],
+        # one program per row, reversed: warps, columns per warp per loop step, pipelining
+        "block": [CeLaunch(0, w, True, e, st) for w, e, st in
+                  itertools.product((4, 8, 16), (256, 512, 1024), (None, 1, 3))],
+    }  # fmt: skip
+    launches = launch_sets[args.launches]
     rows = []
     for launch in launches:
         ce, hit, grad = ce_and_grad_triton(logits, labels, weights, launch)
@@ -53,8 +62,7 @@ def main() -> None:
             torch.cuda.synchronize()  # sync point: timing only
             ms = start.elapsed_time(end) / args.reps
         moved = 3 * logits.numel() * logits.element_size()  # read twice, write once
-        rows.append({"programs_per_sm": launch.programs_per_sm, "num_warps": launch.num_warps,
-                     "reverse": launch.reverse, "equal_to_reference": ok, "ms": round(ms, 4),
+        rows.append({**dataclasses.asdict(launch), "equal_to_reference": ok, "ms": round(ms, 4),
                      "tb_per_s_if_read_twice": round(moved / ms / 1e9, 2)})  # fmt: skip
     for row in sorted(rows, key=lambda r: -r["ms"] if r["ms"] == r["ms"] else 0):
         print(json.dumps(row), flush=True)

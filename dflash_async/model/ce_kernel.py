@@ -28,13 +28,14 @@ def _ce_row_kernel(
     rows, V, stride_row,
     BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     # programs stride over the rows (one row each by default). Fewer programs than rows, to keep
     # more of each row in L2 for pass 2, lost in the sweep and in the step (CE_LAUNCH below);
     # the loop stays so that benchmarks/ce_launch_sweep.py can retry them
     for row in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
         _ce_row(logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
-                tl.cast(row, tl.int64), V, stride_row, BLOCK, REVERSE)  # fmt: skip
+                tl.cast(row, tl.int64), V, stride_row, BLOCK, REVERSE, STAGES)  # fmt: skip
 
 
 @triton.jit
@@ -43,6 +44,7 @@ def _ce_row(
     row, V, stride_row,
     BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     base = logits_ptr + row * stride_row
     offsets = tl.arange(0, BLOCK)
@@ -53,7 +55,7 @@ def _ce_row(
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK], tl.float32)
     run_arg = tl.zeros([BLOCK], tl.int32)
-    for start in tl.range(0, V, BLOCK):
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         cols = start + offsets
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(run_max, x)
@@ -78,7 +80,7 @@ def _ce_row(
     w = tl.where(trained, weight, 0.0)
     out = grad_ptr + row * V
     blocks = tl.cdiv(V, BLOCK)
-    for i in tl.range(0, blocks):
+    for i in tl.range(0, blocks, num_stages=STAGES):
         if REVERSE:
             cols = (blocks - 1 - i) * BLOCK + offsets
         else:
@@ -92,11 +94,15 @@ def _ce_row(
 @dataclass(frozen=True)
 class CeLaunch:
     """How _ce_row_kernel is launched: `programs_per_sm` programs per SM striding over the rows
-    (0: one program per row), `num_warps` each, pass 2 reversed or not."""
+    (0: one program per row), `num_warps` each, pass 2 reversed or not, `elems_per_warp`
+    columns per warp per loop step, `stages`: Triton's software pipelining of each pass's loop
+    (None: Triton's default)."""
 
     programs_per_sm: int = 0
     num_warps: int = 8
     reverse: bool = False
+    elems_per_warp: int = 512
+    stages: int | None = None
 
 
 # `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): with pass 1's
@@ -131,6 +137,7 @@ def ce_and_grad_triton(
         programs = min(rows, launch.programs_per_sm * sms)
     _ce_row_kernel[(programs,)](
         logits, grad, labels, weights, ce, hit, rows, vocab, logits.stride(0),
-        BLOCK=launch.num_warps * 512, REVERSE=launch.reverse, num_warps=launch.num_warps,
+        BLOCK=launch.num_warps * launch.elems_per_warp, REVERSE=launch.reverse,
+        STAGES=launch.stages, num_warps=launch.num_warps,
     )  # fmt: skip
     return ce.sum(), hit, grad
