@@ -6,7 +6,7 @@ argmax == label [c], and the gradient (softmax - onehot) * w as bf16 [c, V]. One
 reads the row twice (pass 1: running max, rescaled sum of exp and the first argmax; pass 2: the
 gradient, from the row's end back, where L2 still holds what pass 1 read last) and writes it
 once: at most 1.87 GB per 2048 x 151936 chunk. The compiled reference moves the same bytes at
-~2 TB/s (0.94 ms per chunk on an H200); this kernel takes 0.73 ms (`benchmarks/
+~2 TB/s (0.94 ms per chunk on an H200); this kernel takes 0.59 ms (`benchmarks/
 ce_launch_sweep.py`, which also times the launch shapes CeLaunch offers). Rows with w == 0 still get their argmax, and
 their gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must
 not leak in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
@@ -105,11 +105,12 @@ class CeLaunch:
     stages: int | None = None
 
 
-# `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): with pass 1's
-# single exp, one 8-warp program per row with pass 2 reversed took 0.730 ms per chunk, the same
-# launch forward 0.748, 2 programs per SM x 16 warps reversed 0.859 (the fastest before the
-# single exp), 1 program per SM x 8 warps 1.53-1.64 (too few loads in flight).
-CE_LAUNCH = CeLaunch(programs_per_sm=0, num_warps=8, reverse=True)
+# `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): one 8-warp
+# program per row, pass 2 reversed, 256 columns per warp per loop step: 0.593 ms per chunk; 512
+# columns 0.730, 1024 1.25; 4 or 16 warps 0.611-0.615; Triton's loop pipelining (stages 3) slower
+# everywhere (0.67-1.32). Before: 2 programs per SM x 16 warps 0.859, 1 per SM 1.53-1.64 (too few
+# loads in flight).
+CE_LAUNCH = CeLaunch(programs_per_sm=0, num_warps=8, reverse=True, elems_per_warp=256)
 
 
 def ce_and_grad_triton(
