@@ -107,8 +107,8 @@ class CeLaunch:
 
 # `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): one 8-warp
 # program per row, pass 2 reversed, 256 columns per warp per loop step: 0.593 ms per chunk; 512
-# columns 0.730, 1024 1.25; 4 or 16 warps 0.611-0.615; Triton's loop pipelining (stages 3) slower
-# everywhere (0.67-1.32). Before: 2 programs per SM x 16 warps 0.859, 1 per SM 1.53-1.64 (too few
+# columns 0.730, 1024 1.25; 4 or 16 warps 0.611-0.615; Triton's loop pipelining (stages 3) at
+# best 0.669, slower than without at 256 columns. Before: 2 programs per SM x 16 warps 0.859, 1 per SM 1.53-1.64 (too few
 # loads in flight).
 CE_LAUNCH = CeLaunch(programs_per_sm=0, num_warps=8, reverse=True, elems_per_warp=256)
 
