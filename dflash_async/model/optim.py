@@ -13,8 +13,9 @@ error_if_nonfinite=False (always multiplies by min(1, max_norm / (norm + 1e-6)),
 capturable; its math is what a hand-written version here used to do, op for op.
 
 With several drafter devices (data parallel, one process), each drafter keeps its gradients in one
-flat fp32 buffer (`flat_grad_buffer`) so that a single `all_reduce_sum` over those buffers moves
-every gradient between backward and the optimizer (docs/GPU.md: graph A, all-reduce, graph B).
+flat buffer (`flat_grad_buffer`, fp32; with step.py's working weights `flat_buffer`, bf16) so that
+a single `all_reduce_sum` over those buffers moves every gradient between backward and the
+optimizer (docs/GPU.md: graph A, all-reduce, graph B).
 """
 
 from __future__ import annotations
