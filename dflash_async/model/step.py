@@ -8,7 +8,7 @@ One optimizer step of M drafters (data parallel, each with its own pack):
   phase B (per drafter): grads /= global sum(w), clip, AdamW, lr schedule advance (the next
           backward overwrites the grads: no zeroing);
           either torch's clip_grad_norm_ and fused AdamW (the reference), or update.py's one
-          norm and compiled AdamW (the GPU default: 36 instead of 52 bytes per parameter).
+          norm and compiled AdamW (the GPU default: 30 instead of 52 bytes per parameter).
 Dividing by the GLOBAL weight sum is what makes M drafters' update equal to one drafter seeing all
 M packs' blocks (docs/DFLASH.md s.4), and keeps all drafters' weights identical.
 
