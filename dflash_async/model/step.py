@@ -50,6 +50,18 @@ NUM_STATS = len(STATS)
 CAPTURE_LOCK = threading.Lock()
 
 
+def working_copies(
+    params: list[nn.Parameter], *, dtype: torch.dtype, enabled: bool
+) -> list[torch.Tensor | None]:
+    """A working copy of each matmul weight (2-D) in `dtype`, an autograd leaf the forward
+    reads instead of the fp32 weight; None for the rest (the norms) and for all when disabled."""
+    if not enabled:
+        return [None] * len(params)
+    return [
+        p.detach().to(dtype, copy=True).requires_grad_() if p.ndim == 2 else None for p in params
+    ]
+
+
 def visible_pairs(
     doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -100,18 +112,14 @@ class DrafterStep:
         )
         named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        # Working copies of the matmul weights (2-D) in the dtype the matmuls run in (bf16 under
-        # the step's autocast on a GPU, fp32 on the CPU); None where a parameter has none (the
-        # norms) or working_weights is off. Keyed by the objective's names for functional_call.
+        # Working copies of the matmul weights in the dtype the matmuls run in (bf16 under the
+        # step's autocast on a GPU, fp32 on the CPU), or none; keyed by the objective's names
+        # for functional_call.
         device = self.params[0].device
         self.grad_dtype = torch.float32
-        self.working: list[torch.Tensor | None] = [None] * len(self.params)
-        if working_weights:
-            self.grad_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            self.working = [
-                p.detach().to(self.grad_dtype, copy=True).requires_grad_() if p.ndim == 2 else None
-                for p in self.params
-            ]
+        if working_weights and device.type == "cuda":
+            self.grad_dtype = torch.bfloat16
+        self.working = working_copies(self.params, dtype=self.grad_dtype, enabled=working_weights)
         self._working_by_name = {
             f"drafter.{n}": w
             for (n, _), w in zip(named, self.working, strict=True)
@@ -121,18 +129,12 @@ class DrafterStep:
         leaves = zip(self.params, self.working, strict=True)
         self._grad_leaves = [p if w is None else w for p, w in leaves]
         if working_weights:
-            self.flat_grad, self.grad_views = flat_buffer(
-                [p.shape for p in self.params], dtype=self.grad_dtype, device=device
-            )
+            shapes = [p.shape for p in self.params]
+            self.flat_grad, self.grad_views = flat_buffer(shapes, dtype=self.grad_dtype,
+                                                          device=device)  # fmt: skip
         else:
             self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
-        # Backward writes each gradient into its view instead of adding to it (_forward_backward
-        # sets .grad to None first, the hook copies the new gradient in): no zeroing of the
-        # buffer and a copy instead of an add, 8 instead of 16 bytes per parameter: 3.0 instead
-        # of 5.8 ms of kernels in a Qwen3-8B step on an H200 (BENCHMARKS.md). _written records,
-        # per backward, the hooks that ran: a parameter without a gradient would keep the last
-        # step's values.
-        self._written: set[int] = set()
+        self._written: set[int] = set()  # the views the gradient writers filled this backward
         for i, (leaf, view) in enumerate(zip(self._grad_leaves, self.grad_views, strict=True)):
             leaf.register_post_accumulate_grad_hook(self._gradient_writer(i, view))
         self.stats = torch.zeros(NUM_STATS, dtype=torch.float32, device=device)
@@ -214,6 +216,13 @@ class DrafterStep:
         )
 
     def _gradient_writer(self, index: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The hook that writes a leaf's new gradient into its view. Backward writes each
+        gradient instead of adding it (_forward_backward sets .grad to None first, so autograd
+        hands the new gradient over): no zeroing of the buffer and a copy instead of an add, 8
+        instead of 16 bytes per fp32 parameter: 3.0 instead of 5.8 ms of kernels in a Qwen3-8B
+        step on an H200 (BENCHMARKS.md). A parameter no hook ran for would keep the last step's
+        values: _forward_backward checks `_written`."""
+
         def write(leaf: torch.Tensor) -> None:
             if leaf.grad.data_ptr() != view.data_ptr():  # host metadata: no sync
                 view.copy_(leaf.grad)  # an fp32 norm gradient into a bf16 buffer: rounded
