@@ -1,15 +1,15 @@
 """The chunked CE's elementwise pass as one hand-written Triton kernel (GPU only, imported lazily).
 
-Same contract as objective.ce_and_grad_from_logits (the reference, and what torch.compile fuses
-by default): for bf16 logits [c, V], labels and weights [c], return sum(w*CE) (fp32), whether
-argmax == label [c], and the gradient (softmax - onehot) * w as bf16 [c, V]. One program per row
-reads the row twice (pass 1: running max, rescaled sum of exp and the first argmax; pass 2: the
-gradient, from the row's end back, where L2 still holds what pass 1 read last) and writes it
-once: at most 1.87 GB per 2048 x 151936 chunk. The compiled reference moves the same bytes at
-~2 TB/s (0.94 ms per chunk on an H200); this kernel takes 0.59 ms (`benchmarks/
-ce_launch_sweep.py`, which also times the launch shapes CeLaunch offers). Rows with w == 0 still get their argmax, and
-their gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must
-not leak in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
+Same contract as objective.ce_and_grad_from_logits (the reference, and what torch.compile fuses by
+default): for bf16 logits [c, V], labels and weights [c], return sum(w*CE) (fp32), whether argmax
+== label [c], and the gradient (softmax - onehot) * w as bf16 [c, V]. One program per row reads the
+row twice (pass 1: running max, rescaled sum of exp and the first argmax; pass 2: the gradient,
+from the row's end back, where L2 still holds what pass 1 read last) and writes it once: at most
+1.87 GB per 2048 x 151936 chunk. The compiled reference moves the same bytes at ~2 TB/s (0.94 ms
+per chunk on an H200); this kernel takes 0.59 ms (`benchmarks/ce_launch_sweep.py`, which also
+times the launch shapes CeLaunch offers). Rows with w == 0 still get their argmax, and their
+gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must not leak
+in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
 tests/test_gpu_ce_kernel.py compares it with the reference and with mutants on a GPU.
 """
 
@@ -107,9 +107,9 @@ class CeLaunch:
 
 # `benchmarks/ce_launch_sweep.py` on an H200 (2048 x 151936 chunk, BENCHMARKS.md): one 8-warp
 # program per row, pass 2 reversed, 256 columns per warp per loop step: 0.593 ms per chunk; 512
-# columns 0.730, 1024 1.25; 4 or 16 warps 0.611-0.615; Triton's loop pipelining (stages 3) at
-# best 0.669, slower than without at 256 columns. Before: 2 programs per SM x 16 warps 0.859, 1 per SM 1.53-1.64 (too few
-# loads in flight).
+# columns 0.730, 1024 1.25; 4 or 16 warps 0.611-0.615; Triton's loop pipelining (stages 3) at best
+# 0.669, slower than without at 256 columns. Before: 2 programs per SM x 16 warps 0.859, 1 per SM
+# 1.53-1.64 (too few loads in flight).
 CE_LAUNCH = CeLaunch(programs_per_sm=0, num_warps=8, reverse=True, elems_per_warp=256)
 
 

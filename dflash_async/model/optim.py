@@ -26,8 +26,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-# Each gradient view starts on a multiple of 16 elements (64 bytes in fp32, 32 in bf16) of the flat
-# buffer, so vectorised kernels (fused AdamW, foreach norm) see aligned views. Padding elements stay zero.
+# Each gradient view starts on a multiple of 16 elements (64 bytes in fp32, 32 in bf16) of the
+# flat buffer, so vectorised kernels (fused AdamW, foreach norm) see aligned views. Padding
+# elements stay zero.
 _GRAD_ALIGN_ELEMS = 16
 
 

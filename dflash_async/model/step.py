@@ -272,8 +272,10 @@ class DrafterStep:
                 self.grad_norm.copy_(norm)
                 self.optimizer.step()
             else:
-                coef = folded_clip_coefficient(self.flat_grad, self.stats[1],
-                                               grad_clip=self.grad_clip, norm_out=self.grad_norm)  # fmt: skip
+                coef = folded_clip_coefficient(
+                    self.flat_grad, self.stats[1], grad_clip=self.grad_clip,
+                    norm_out=self.grad_norm,
+                )  # fmt: skip
                 self.adamw(coef)
             self.schedule.advance_()
 

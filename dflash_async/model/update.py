@@ -2,18 +2,18 @@
 the global weight sum folded in, and AdamW written as torch ops that torch.compile turns into one
 pointwise kernel per parameter tensor, on the very state tensors torch's AdamW keeps.
 
-Why not `clip_grad_norm_` + the fused `torch.optim.AdamW` (step.py's reference path): that
-sequence moves 52 bytes per parameter (divide 8, foreach norm 4, foreach scale 8, fused AdamW 28,
-zero 4) through multi_tensor_apply kernels at ~3.3 TB/s: 16.4 ms per step at the Qwen3-8B
-drafter's 1.05 B parameters on an H200. This one moves 36 (norm 4, read p g m v and write p m v
-28, zero 4) at ~4 TB/s: 9.4 ms (`bench optimizer`, BENCHMARKS.md). In the step, whose backward
-writes the gradients instead of adding them, nothing is zeroed: 32 bytes; with step.py's working
-weights 30 (the norm and AdamW read 2-byte gradients; AdamW writes the 2-byte copy). The math is AdamW's (fused CUDA
+Why not `clip_grad_norm_` + the fused `torch.optim.AdamW` (step.py's reference path): that sequence
+moves 52 bytes per parameter (divide 8, foreach norm 4, foreach scale 8, fused AdamW 28, zero 4)
+through multi_tensor_apply kernels at ~3.3 TB/s: 16.4 ms per step at the Qwen3-8B drafter's 1.05 B
+parameters on an H200. This one moves 36 (norm 4, read p g m v and write p m v 28, zero 4) at ~4
+TB/s: 9.4 ms (`bench optimizer`, BENCHMARKS.md). In the step, whose backward writes the gradients
+instead of adding them, nothing is zeroed: 32 bytes; with step.py's working weights 30 (the norm
+and AdamW read 2-byte gradients; AdamW writes the 2-byte copy). The math is AdamW's (fused CUDA
 kernel's formula, bias corrections from the fp32 step count, decoupled weight decay) up to fp32
 rounding order; tests/test_update.py compares it with the reference path.
 
-`optimizer.state` keeps torch's layout (step, exp_avg, exp_avg_sq per parameter), so
-checkpoints, resume and `optimizer.state_dict()` do not change. Sync-free and capturable.
+`optimizer.state` keeps torch's layout (step, exp_avg, exp_avg_sq per parameter), so checkpoints,
+resume and `optimizer.state_dict()` do not change. Sync-free and capturable.
 
 Working copies (step.py, GPU): where a parameter has a bf16 copy that the forward uses, the same
 kernel writes the new weight into it too (2 more bytes per parameter, instead of the forward
