@@ -50,13 +50,9 @@ NUM_STATS = len(STATS)
 CAPTURE_LOCK = threading.Lock()
 
 
-def working_copies(
-    params: list[nn.Parameter], *, dtype: torch.dtype, enabled: bool
-) -> list[torch.Tensor | None]:
+def working_copies(params: list[nn.Parameter], *, dtype: torch.dtype) -> list[torch.Tensor | None]:
     """A working copy of each matmul weight (2-D) in `dtype`, an autograd leaf the forward
-    reads instead of the fp32 weight; None for the rest (the norms) and for all when disabled."""
-    if not enabled:
-        return [None] * len(params)
+    reads instead of the fp32 weight; None for the rest (the norms)."""
     return [
         p.detach().to(dtype, copy=True).requires_grad_() if p.ndim == 2 else None for p in params
     ]
@@ -113,13 +109,20 @@ class DrafterStep:
         named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         # Working copies of the matmul weights in the dtype the matmuls run in (bf16 under the
-        # step's autocast on a GPU, fp32 on the CPU), or none; keyed by the objective's names
-        # for functional_call.
+        # step's autocast on a GPU, fp32 on the CPU) and a gradient buffer in that dtype, or none
+        # and an fp32 buffer.
         device = self.params[0].device
-        self.grad_dtype = torch.float32
-        if working_weights and device.type == "cuda":
-            self.grad_dtype = torch.bfloat16
-        self.working = working_copies(self.params, dtype=self.grad_dtype, enabled=working_weights)
+        self.working: list[torch.Tensor | None] = [None] * len(self.params)
+        if working_weights:
+            self.grad_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            self.working = working_copies(self.params, dtype=self.grad_dtype)
+            shapes = [p.shape for p in self.params]
+            self.flat_grad, self.grad_views = flat_buffer(shapes, dtype=self.grad_dtype,
+                                                          device=device)  # fmt: skip
+        else:
+            self.grad_dtype = torch.float32
+            self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
+        # keyed by the objective's parameter names, for functional_call
         self._working_by_name = {
             f"drafter.{n}": w
             for (n, _), w in zip(named, self.working, strict=True)
@@ -128,12 +131,6 @@ class DrafterStep:
         # The tensors backward makes gradients for: the working copy where there is one.
         leaves = zip(self.params, self.working, strict=True)
         self._grad_leaves = [p if w is None else w for p, w in leaves]
-        if working_weights:
-            shapes = [p.shape for p in self.params]
-            self.flat_grad, self.grad_views = flat_buffer(shapes, dtype=self.grad_dtype,
-                                                          device=device)  # fmt: skip
-        else:
-            self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
         self._written: set[int] = set()  # the views the gradient writers filled this backward
         for i, (leaf, view) in enumerate(zip(self._grad_leaves, self.grad_views, strict=True)):
             leaf.register_post_accumulate_grad_hook(self._gradient_writer(i, view))
