@@ -1,4 +1,4 @@
-"""checkpoint.py and training_state.py: the export is exactly the servable format (docs/DFLASH.md s.7,
+"""checkpoint/export.py and checkpoint/state.py: the export is exactly the servable format (docs/DFLASH.md s.7,
 s.6 bug 5), loads back identically and tolerates other tools' exports; the training state that
 `run` saves restores a step exactly and in place; every write is atomic and respects the umask."""
 
@@ -25,12 +25,13 @@ from structlog.testing import capture_logs
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash_async import checkpoint
-from dflash_async.checkpoint import expected_weight_shapes, export_drafter, load_drafter_export
-from dflash_async.data.packing import PackCursor
-from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.model.step import DrafterStep
-from dflash_async.training_state import (
+from dflash_async.checkpoint import export as checkpoint
+from dflash_async.checkpoint.export import (
+    expected_weight_shapes,
+    export_drafter,
+    load_drafter_export,
+)
+from dflash_async.checkpoint.state import (
     HostStaging,
     list_checkpoints,
     load_checkpoint,
@@ -38,6 +39,9 @@ from dflash_async.training_state import (
     snapshot,
     write_checkpoint,
 )
+from dflash_async.data.packing import PackCursor
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.step import DrafterStep
 
 CONFIG = DrafterConfig(
     hidden_size=32,

@@ -31,7 +31,7 @@ COMMANDS = ("run", "settings", "bench", "regenerate", "eval")
 # The CLI's own main() with the 4th pack's target forward failing: an internal error mid-run.
 FAILING_RUN = """
 import sys
-import dflash_async.pipeline.stages.produce as stage
+import dflash_async.stages.produce as stage
 real, calls = stage.fill_slot, []
 def fill_slot(*args):
     calls.append(1)

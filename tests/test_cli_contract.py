@@ -288,7 +288,7 @@ def test_an_internal_error_exits_1_with_the_traceback_inside_the_json_log(launch
 def test_files_a_command_writes_are_readable_as_the_umask_allows(tmp_path: Path) -> None:
     from conftest import TinySpec, tiny_config, tiny_drafter
 
-    from dflash_async.checkpoint import export_drafter
+    from dflash_async.checkpoint.export import export_drafter
     from dflash_async.eval.regenerate import write_jsonl
 
     config = tiny_config(TinySpec())

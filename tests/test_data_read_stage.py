@@ -11,7 +11,7 @@ import pytest
 from dflash_async.data import packing
 from dflash_async.data.packing import PackCursor, iter_packs
 from dflash_async.pipeline.channels import open_channel
-from dflash_async.pipeline.stages import read
+from dflash_async.stages import read
 
 LENGTHS = np.random.default_rng(0).integers(1, 100, 500)
 BUDGET = 256

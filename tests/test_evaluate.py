@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from tiny_decoding import VOCAB, CharTokenizer, tiny_qwen3_target
 from transformers import Qwen3Config
 
-from dflash_async.checkpoint import export_drafter
+from dflash_async.checkpoint.export import export_drafter
 from dflash_async.data.samples import DataError
 from dflash_async.eval import evaluation, harness
 from dflash_async.eval.harness import (

@@ -156,7 +156,7 @@ async def test_a_target_evaluation_cannot_verify_is_refused_before_training(
 ) -> None:
     """A layer kind with no exact verification (simulated): SettingsError (exit 2, one line)
     at start-up, naming how to train without evaluation; not one training step ran."""
-    from dflash_async.pipeline.stages import evaluate as stage
+    from dflash_async.stages import evaluate as stage
 
     monkeypatch.setattr(stage, "evaluation_unsupported_reason", lambda target: "layer types ['x']")
     settings = hybrid_settings(inputs, hybrid_target, tmp_path / "out")
@@ -229,7 +229,7 @@ def test_the_evaluation_copy_holds_the_exported_bf16_weights() -> None:
     from conftest import TinySpec, randomize_, tiny_config
 
     from dflash_async.model.drafter import DFlashDrafter
-    from dflash_async.pipeline.stages.evaluate import copy_weights
+    from dflash_async.stages.evaluate import copy_weights
 
     source = DFlashDrafter(tiny_config(TinySpec()))
     randomize_(source, 0)

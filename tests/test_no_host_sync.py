@@ -217,8 +217,8 @@ def _target_step(device: str, tmp_path) -> Callable[[], None]:
 
     from dflash_async.data.packing import PackCursor, PackedBatch
     from dflash_async.data.samples import TokenizedSamples
-    from dflash_async.pipeline.stages.produce import fill_slot, load_runner, stage_inputs
-    from dflash_async.pipeline.stages.read import PlannedPack
+    from dflash_async.stages.produce import fill_slot, load_runner, stage_inputs
+    from dflash_async.stages.read import PlannedPack
     from dflash_async.target.tiny import ensure_tiny_target
 
     runner = load_runner(

@@ -207,7 +207,7 @@ def assert_scalar(actual, expected: float, what: str, rtol: float = RTOL, atol: 
 
 
 def assert_sums_match(sums, ref: ReferenceResult, rtol: float = RTOL, atol: float = ATOL) -> None:
-    from dflash_async.pipeline.stages.report import learning_fields
+    from dflash_async.stages.report import learning_fields
 
     for name in ("ce_sum", "weight_sum"):
         assert_scalar(getattr(sums, name), float(getattr(ref, name)), name, rtol, atol)

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from structlog.testing import capture_logs
 from tiny_run import tiny_env, tiny_inputs
 
-from dflash_async.checkpoint import expected_weight_shapes, load_drafter_export
+from dflash_async.checkpoint.export import expected_weight_shapes, load_drafter_export
 from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.log import get_logger
 from dflash_async.model.objective import Anchors, sample_anchors
@@ -32,11 +32,11 @@ from dflash_async.model.optim import LrSchedule, build_optimizer
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.stages import produce as target_stage
-from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
 from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings
 from dflash_async.settings_env import load_settings
+from dflash_async.stages import produce as target_stage
+from dflash_async.stages.train import DrafterRunner, combine_gradients
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 30  # a run here takes ~1 s; past this it hangs

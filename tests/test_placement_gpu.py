@@ -23,7 +23,7 @@ from dflash_async.model.optim import LrSchedule, build_optimizer
 from dflash_async.model.step import DrafterStep
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.devices import open_device_worker
-from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
+from dflash_async.stages.train import DrafterRunner, combine_gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 CASES = ["two_on_one_gpu", "one_per_gpu"]

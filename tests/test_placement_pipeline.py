@@ -28,7 +28,7 @@ from dflash_async.model.step import STATS
 from dflash_async.pipeline import placement
 from dflash_async.pipeline import workers as placing
 from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.stages.train import DrafterRunner, combine_gradients
+from dflash_async.stages.train import DrafterRunner, combine_gradients
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("single_thread")]
 

@@ -135,7 +135,7 @@ def test_tensorboard_event_file_holds_the_step_scalars(run: dict[str, Any]) -> N
 def test_a_failed_run_ends_its_log_with_the_reason_and_the_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dflash_async.pipeline.stages.produce as produce
+    import dflash_async.stages.produce as produce
 
     real, calls = produce.fill_slot, []
 

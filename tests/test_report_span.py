@@ -3,8 +3,8 @@ the report stage happens to read them (records queued behind a pause arrive micr
 
 from __future__ import annotations
 
-from dflash_async.pipeline.stages.report import Throughput
-from dflash_async.pipeline.stages.train import StepRecord
+from dflash_async.stages.report import Throughput
+from dflash_async.stages.train import StepRecord
 
 
 class FakeRing:

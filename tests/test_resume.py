@@ -21,12 +21,12 @@ import torch
 from structlog.testing import capture_logs
 from tiny_run import tiny_env, tiny_inputs
 
+from dflash_async.checkpoint.state import list_checkpoints, load_checkpoint
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.settings import Settings, SettingsError
 from dflash_async.settings_env import load_settings
-from dflash_async.training_state import list_checkpoints, load_checkpoint
 
 RUN_DEADLINE_S = 60  # a run here takes ~1-3 s; past this it hangs
 N = 5  # steps before the resume; 40 samples make 8 packs per epoch: 2N steps cross epochs

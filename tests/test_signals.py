@@ -23,11 +23,11 @@ import pytest
 from structlog.testing import capture_logs
 from tiny_run import tiny_env, tiny_inputs
 
+from dflash_async.checkpoint.state import list_checkpoints, load_checkpoint
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.settings_env import load_settings
-from dflash_async.training_state import list_checkpoints, load_checkpoint
 from dflash_async.usage import UsageError
 
 STOP_WITHIN_S = 5.0  # the issue's bound, from the signal to the exit
@@ -176,11 +176,11 @@ def anyio_backend() -> tuple[str, dict[str, bool]]:
     return ("asyncio", {"use_uvloop": True})
 
 
-# A child that writes the next checkpoint for real (training_state.write_checkpoint, keep=1) but
+# A child that writes the next checkpoint for real (checkpoint/state.write_checkpoint, keep=1) but
 # whose torch.save stops half-way through training_state.pt, says so, and waits to be killed.
 HALF_WRITER = """
 import io, sys, time, torch
-from dflash_async import training_state as ts
+from dflash_async.checkpoint import state as ts
 state = ts.load_checkpoint(sys.argv[2])
 state["step"] += 1
 def half_save(obj, path):

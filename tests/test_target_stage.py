@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from dflash_async.pipeline.stages.produce import load_runner
+from dflash_async.stages.produce import load_runner
 from dflash_async.target.loading import resolve_target_dtype
 from dflash_async.target.tiny import ensure_tiny_target
 

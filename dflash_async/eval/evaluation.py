@@ -1,7 +1,7 @@
 """One evaluation as device jobs: baseline (cached), speculative decoding, lossless check, report.
 
 Shared by `python -m dflash_async eval` (harness.py drives the jobs in a plain loop) and the
-in-run evaluation (pipeline/stages/evaluate.py drives them on the target's device worker, where
+in-run evaluation (stages/evaluate.py drives them on the target's device worker, where
 they interleave with the target's training work). A job is a short call: build one batch's
 decoder, run one prefill chunk or verify step (`advance`), or collect the batch's results. Dense
 targets decode `batch_size` prompts per batch (batched.py); targets the batched decoder cannot

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from dflash_async.checkpoint import load_drafter_export
+from dflash_async.checkpoint.export import load_drafter_export
 from dflash_async.data.formats import (
     BadRecord,
     DataError,

@@ -351,7 +351,7 @@ def resumed_cursor(
     packs before sharding (len(plan_epoch(...)) with the default rank and world size).
 
     Not called by `run` yet: resuming a run of several nodes is refused at start-up
-    (pipeline/resume.py); this and `packing.reshard_cursor` are the tested half of that feature.
+    (checkpoint/resume.py); this and `packing.reshard_cursor` are the tested half of that feature.
     """
     try:
         return reshard_cursor(

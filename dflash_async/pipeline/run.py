@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 import torch
 
+from dflash_async.checkpoint.resume import Resume, resume_point
 from dflash_async.data.packing import PackCursor, plan_epoch
 from dflash_async.data.samples import DataError, DataOptions, TokenizedSamples, load_samples
 from dflash_async.model.flops import drafter_step_flops
@@ -39,17 +40,16 @@ from dflash_async.pipeline.distributed import (
     writer_first,
 )
 from dflash_async.pipeline.meters import LoopLag
-from dflash_async.pipeline.resume import Resume, resume_point
 from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
-from dflash_async.pipeline.stages.evaluate import eval_setup, open_evaluator
-from dflash_async.pipeline.stages.produce import TargetRunner, load_runner, target_stage
-from dflash_async.pipeline.stages.read import read_stage
-from dflash_async.pipeline.stages.report import GpuBusy, Throughput, report_stage
-from dflash_async.pipeline.stages.save import Saver, export_path
-from dflash_async.pipeline.stages.train import DrafterRunner, Progress, train_steps
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, resolve_inputs
 from dflash_async.settings import Settings
+from dflash_async.stages.evaluate import eval_setup, open_evaluator
+from dflash_async.stages.produce import TargetRunner, load_runner, target_stage
+from dflash_async.stages.read import read_stage
+from dflash_async.stages.report import GpuBusy, Throughput, report_stage
+from dflash_async.stages.save import Saver, export_path
+from dflash_async.stages.train import DrafterRunner, Progress, train_steps
 from dflash_async.target.loading import load_target_tokenizer, resolve_target_dtype
 from dflash_async.usage import check_writable_folder
 

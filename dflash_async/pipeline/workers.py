@@ -28,10 +28,10 @@ from dflash_async.pipeline.channels import Notifier, SlotRing
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
 from dflash_async.pipeline.meters import BusyMeter
 from dflash_async.pipeline.rings import RingSet
-from dflash_async.pipeline.stages import produce
-from dflash_async.pipeline.stages.read import PlannedPack
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, check_device_combination
 from dflash_async.settings import Settings, SettingsError
+from dflash_async.stages import produce
+from dflash_async.stages.read import PlannedPack
 
 ASSUMED_TARGET_MFU = 0.5  # FLOP estimates before any measurement (docs/GPU.md: 0.36 .. 0.70)
 ASSUMED_DRAFTER_MFU = 0.6  # (docs/GPU.md: 0.48 .. 0.67)

@@ -21,7 +21,7 @@ from typing import Any
 from dflash_async.runlog.parse import RunLog, timestamp_s
 
 EVAL_EVENTS = frozenset({"eval"})
-SAVE_EVENTS = frozenset({"checkpoint_written", "export_written"})  # pipeline/stages/save.py
+SAVE_EVENTS = frozenset({"checkpoint_written", "export_written"})  # stages/save.py
 STEADY_SKIP_FRAC = 0.1
 
 

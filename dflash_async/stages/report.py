@@ -24,7 +24,7 @@ from dflash_async.pipeline.channels import ReceiveChannel
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.meters import BusyMeter, RateWindow
 from dflash_async.pipeline.rings import RingSet
-from dflash_async.pipeline.stages.train import StepRecord
+from dflash_async.stages.train import StepRecord
 
 Workers = list[tuple[DeviceWorker, BusyMeter]]
 

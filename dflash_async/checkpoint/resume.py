@@ -1,6 +1,6 @@
 """Resume: where a run starts (a checkpoint, or scratch) and putting the drafters back there.
 
-`resume_point` computes the run identity (training_state.run_identity), picks the checkpoint
+`resume_point` computes the run identity (checkpoint/state.run_identity), picks the checkpoint
 (DFLASH_TRAIN__RESUME, stages/save.resume_source) and refuses one whose run-defining settings
 differ (exit 2 naming the setting). `Resume.restore` loads the state into every drafter.
 """
@@ -10,13 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_async.data.packing import PackCursor
-from dflash_async.pipeline.distributed import RankInfo
-from dflash_async.pipeline.stages.save import resume_source
-from dflash_async.pipeline.stages.train import DrafterRunner
-from dflash_async.pipeline.startup import RunInputs
-from dflash_async.settings import Settings, SettingsError
-from dflash_async.training_state import (
+from dflash_async.checkpoint.state import (
     check_run_identity,
     cursor_of,
     data_fingerprint,
@@ -25,6 +19,12 @@ from dflash_async.training_state import (
     restore,
     run_identity,
 )
+from dflash_async.data.packing import PackCursor
+from dflash_async.pipeline.distributed import RankInfo
+from dflash_async.pipeline.startup import RunInputs
+from dflash_async.settings import Settings, SettingsError
+from dflash_async.stages.save import resume_source
+from dflash_async.stages.train import DrafterRunner
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Save stage: training checkpoints (resumable) and the servable export, off the training thread.
 
-OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (training_state.py), newest K kept
+OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (checkpoint/state.py), newest K kept
 OUTPUT_DIR/drafter                     the servable export of the newest checkpoint
 
 A save blocks training only for the device-to-host copy (into page-locked buffers reused from
@@ -18,11 +18,8 @@ from pathlib import Path
 import anyio
 
 from dflash_async.atomic import stale_siblings
-from dflash_async.checkpoint import export_drafter
-from dflash_async.data.packing import PackCursor
-from dflash_async.pipeline.stages.train import DrafterRunner
-from dflash_async.settings import SettingsError
-from dflash_async.training_state import (
+from dflash_async.checkpoint.export import export_drafter
+from dflash_async.checkpoint.state import (
     CHECKPOINTS,
     STATE_NAME,
     HostStaging,
@@ -30,6 +27,9 @@ from dflash_async.training_state import (
     snapshot,
     write_checkpoint,
 )
+from dflash_async.data.packing import PackCursor
+from dflash_async.settings import SettingsError
+from dflash_async.stages.train import DrafterRunner
 
 
 def export_path(output_dir: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The servable drafter export (the training state for resume is training_state.py).
+"""The servable drafter export (the training state for resume is checkpoint/state.py).
 
 Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder with a Qwen3
 `config.json` (architectures ["DFlashDraftModel"], a `dflash_config` with mask_token_id and
