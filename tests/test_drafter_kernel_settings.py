@@ -101,19 +101,24 @@ def test_triton_ce_kernel_is_refused_off_the_gpu() -> None:
 
 def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
     """The preflight line names the resolved choices: on the CPU the plain CE pass and the
-    reference optimizer phase (flex attention forced, as a GPU run would pick it)."""
+    reference optimizer phase (flex attention forced into the spec, as a GPU run would pick it)."""
+    import dataclasses
+
     import torch
     from structlog.testing import capture_logs
     from tiny_run import tiny_env, tiny_inputs
 
-    from dflash_async.pipeline.startup import build_drafter_step, drafter_config_for
+    from dflash_async.pipeline.specs import run_spec
+    from dflash_async.pipeline.startup import drafter_config_for
+    from dflash_async.stages.train import drafter_step_on
 
     inputs = tiny_inputs(tmp_path, records=4)
-    settings = load_settings(tiny_env(inputs) | {"DFLASH_TRAIN__ATTENTION": "flex"})
-    config = drafter_config_for(settings, inputs["target"], False)
+    spec = run_spec(load_settings(tiny_env(inputs)))
+    config = drafter_config_for(spec.drafter, inputs["target"], False)
+    step_spec = dataclasses.replace(spec.step, attention="flex")
     with capture_logs() as logs:
-        step = build_drafter_step(settings, config, inputs["target"], device=torch.device("cpu"),
-                                  rank=0, total_steps=10, compile=False)  # fmt: skip
+        step = drafter_step_on(torch.device("cpu"), step_spec, config, target_path=inputs["target"],
+                               rank=0, total_steps=10)  # fmt: skip
     (line,) = [entry for entry in logs if entry["event"] == "drafter_kernels_chosen"]
     assert (line["attention"], line["flex_backend"], line["ce_kernel"], line["update"]) == (
         "flex",
@@ -122,6 +127,18 @@ def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
         "reference",
     )
     assert step.adamw is None
+
+
+def test_flex_attention_on_cpu_drafters_is_a_settings_error(tmp_path) -> None:
+    """flex_attention has no backward on a CPU: the border refuses it (exit 2), not the step."""
+    from tiny_run import tiny_env, tiny_inputs
+
+    from dflash_async.pipeline.specs import run_spec
+
+    inputs = tiny_inputs(tmp_path, records=4)
+    settings = load_settings(tiny_env(inputs) | {"DFLASH_TRAIN__ATTENTION": "flex"})
+    with pytest.raises(SettingsError, match="DFLASH_TRAIN__ATTENTION=flex needs GPU drafters"):
+        run_spec(settings)
 
 
 def test_flash_resolved_objective_keeps_full_precision_attention_on_triton_or_refuses_it() -> None:

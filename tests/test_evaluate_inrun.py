@@ -22,6 +22,7 @@ from transformers import Qwen3NextConfig
 
 from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
+from dflash_async.pipeline import startup
 from dflash_async.settings import SettingsError
 from dflash_async.target.loading import load_target_tokenizer, save_random_target
 from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
@@ -70,14 +71,13 @@ async def test_run_evaluates_on_its_own_target_and_keeps_results_not_models(
     """One target load for training and evaluation; the baseline decoded once; every
     evaluation leaves a results file and no model copy; the final one runs after training."""
     loads = []
-    real_load = pipeline.load_runner if hasattr(pipeline, "load_runner") else None
-    assert real_load is not None
+    real_load = startup.load_runner
 
     def counted(*args, **kwargs):
         loads.append(args)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "load_runner", counted)
+    monkeypatch.setattr(startup, "load_runner", counted)
     settings = run_settings(inputs, tmp_path / "out", **eval_env(inputs))
     code, events = await run_logged(settings)
     assert code == 0 and len(loads) == 1

@@ -32,6 +32,7 @@ from dflash_async.model.optim import LrSchedule, build_optimizer
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.pipeline.specs import run_spec
 from dflash_async.pipeline.startup import drafter_config_for
 from dflash_async.settings import Settings
 from dflash_async.settings_env import load_settings
@@ -271,7 +272,8 @@ async def test_short_run_exports_a_servable_drafter_and_logs_every_step_field(
     export = tmp_path / "out" / "drafter"
     (saved,) = [e for e in events if e["event"] == "export_written"]
     assert saved["path"] == str(export) and saved["step"] == 5
-    assert_servable_export(export, drafter_config_for(settings, inputs["target"], builtin=False))
+    config = drafter_config_for(run_spec(settings).drafter, inputs["target"], builtin=False)
+    assert_servable_export(export, config)
 
 
 def assert_servable_export(folder: Path, expected_config: Any) -> None:

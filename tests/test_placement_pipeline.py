@@ -25,8 +25,7 @@ from tiny_run import tiny_inputs
 
 from dflash_async.model.objective import Anchors, sample_anchors
 from dflash_async.model.step import STATS
-from dflash_async.pipeline import placement
-from dflash_async.pipeline import workers as placing
+from dflash_async.pipeline import placement, placing
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.stages.train import DrafterRunner, combine_gradients
 

@@ -1,30 +1,36 @@
-"""Resume: where a run starts (a checkpoint, or scratch) and putting the drafters back there.
+"""Resume policy: where a run starts (a checkpoint, or scratch) and which folders it may write.
 
-`resume_point` computes the run identity (checkpoint/state.run_identity), picks the checkpoint
-(DFLASH_TRAIN__RESUME, stages/save.resume_source) and refuses one whose run-defining settings
-differ (exit 2 naming the setting). `Resume.restore` loads the state into every drafter.
+OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (state.py), newest K kept
+OUTPUT_DIR/drafter                     the servable export of the newest checkpoint (export.py)
+
+`resume_point` picks the checkpoint (DFLASH_TRAIN__RESUME) and refuses one whose run-defining
+settings differ (exit 2 naming the setting); `Resume.placed` completes that check with what is
+known once the workers are placed. Nothing a previous run wrote is replaced unless this run
+resumes it. Putting the state back into the drafters is the start-up's (pipeline/startup.py).
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_async.atomic import stale_siblings
 from dflash_async.checkpoint.state import (
+    CHECKPOINTS,
+    STATE_NAME,
     check_run_identity,
     cursor_of,
-    data_fingerprint,
+    list_checkpoints,
     load_checkpoint,
     plan_identity,
-    restore,
-    run_identity,
 )
 from dflash_async.data.packing import PackCursor
-from dflash_async.pipeline.distributed import RankInfo
-from dflash_async.pipeline.startup import RunInputs
-from dflash_async.settings import Settings, SettingsError
-from dflash_async.stages.save import resume_source
-from dflash_async.stages.train import DrafterRunner
+from dflash_async.settings import SettingsError
+
+
+def export_path(output_dir: Path) -> Path:
+    return output_dir / "drafter"
 
 
 @dataclass
@@ -37,36 +43,29 @@ class Resume:
     cursor: PackCursor = field(default_factory=PackCursor)
     state: dict | None = None  # the loaded training state, dropped once restored (host memory)
 
-    async def restore(self, runners: list[DrafterRunner], log, *, total_steps: int) -> None:
+    def placed(self, *, total_steps: int, num_drafters: int) -> dict | None:
         """Complete the identity with the placed run's plan (SettingsError if it differs from
-        the checkpoint's), then put each drafter (in its thread, after capture) back to the
-        checkpoint's state."""
-        self.identity |= plan_identity(total_steps=total_steps, num_drafters=len(runners))
-        if self.state is None:
-            return
-        check_run_identity(self.state["run"], self.identity, self.path)
-        for rank, runner in enumerate(runners):
-            await runner.worker.run(restore, runner.step, self.state, rank=rank)
-        self.state = None  # a Qwen3-8B-shaped drafter's state is ~12 GB
-        log.info("resumed", step=self.step, epoch=self.cursor.epoch, pack=self.cursor.index,
-                 path=str(self.path))  # fmt: skip
+        the checkpoint's); the state to restore, handed over once (None: from scratch)."""
+        self.identity |= plan_identity(total_steps=total_steps, num_drafters=num_drafters)
+        state, self.state = self.state, None  # a Qwen3-8B-shaped drafter's state is ~12 GB
+        if state is not None:
+            check_run_identity(state["run"], self.identity, self.path)
+        return state
 
 
 def resume_point(
-    settings: Settings, inputs: RunInputs, samples, output_dir: Path, node: RankInfo | None = None
-) -> Resume:
-    """The run identity, and the checkpoint to resume (DFLASH_TRAIN__RESUME); SettingsError
-    (exit 2, before any model is loaded) naming a run-defining setting that differs from the
-    checkpoint's (the placed run's plan is checked by `Resume.restore`)."""
-    fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
-    identity = run_identity(settings, inputs.drafter_config, target_path=inputs.target_path,
-                            data=fingerprint)  # fmt: skip
-    if node is not None and not node.is_writer:
-        return Resume(identity)  # rank 0 alone writes (and owns) the output folder
-    path = resume_source(settings.train.resume, output_dir)
+    mode: str, identity: dict, output_dir: Path, *, is_writer: bool = True,
+    distributed: bool = False,
+) -> Resume:  # fmt: skip
+    """The checkpoint to resume for DFLASH_TRAIN__RESUME=`mode`; SettingsError (exit 2, before
+    any model is loaded) naming a run-defining setting that differs from the checkpoint's (the
+    placed run's plan is checked by `Resume.placed`). Only the writer (rank 0) owns the folder."""
+    if not is_writer:
+        return Resume(identity)
+    path = resume_source(mode, output_dir)
     if path is None:
         return Resume(identity)
-    if node is not None and node.distributed:
+    if distributed:
         raise SettingsError(
             f"{path}: resuming a run of several nodes is not supported yet; resume it on one "
             "node, or start afresh in another DFLASH_OUTPUT_DIR"
@@ -79,3 +78,49 @@ def resume_point(
         ) from None
     check_run_identity(state["run"], identity, path)
     return Resume(identity, path, state["step"], cursor_of(state), state)
+
+
+def resume_source(mode: str, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from for DFLASH_TRAIN__RESUME=`mode`, or None to start afresh.
+
+    auto: the newest checkpoint in `output_dir`. never: none, and an `output_dir` holding a
+    previous run is refused (it would be overwritten). A path: that checkpoint folder; refused
+    when `output_dir` holds another run's checkpoints. SettingsError (exit 2) for each refusal.
+    """
+    existing = list_checkpoints(output_dir)
+    previous = bool(existing) or export_path(output_dir).exists()
+    if mode != "never" or not previous:  # this run owns the folder: a killed writer's leftovers go
+        _remove_leftovers(output_dir)
+    if mode == "never":
+        if previous:
+            raise SettingsError(
+                f"DFLASH_TRAIN__RESUME=never: {output_dir} holds a previous run, which this run "
+                "would overwrite; choose another DFLASH_OUTPUT_DIR or resume it (auto)"
+            )
+        return None
+    if mode == "auto":
+        if existing:
+            return existing[-1][1]
+        if previous:
+            raise SettingsError(
+                f"DFLASH_OUTPUT_DIR={output_dir} holds a drafter export but no training "
+                "checkpoint to resume; choose another DFLASH_OUTPUT_DIR"
+            )
+        return None
+    path = Path(mode)
+    if not (path / STATE_NAME).is_file():
+        raise SettingsError(f"DFLASH_TRAIN__RESUME={mode}: no {STATE_NAME} in that folder")
+    if existing and path.resolve().parent != existing[0][1].resolve().parent:
+        raise SettingsError(
+            f"DFLASH_TRAIN__RESUME={mode}: {output_dir} holds another run's checkpoints; "
+            "choose another DFLASH_OUTPUT_DIR"
+        )
+    return path
+
+
+def _remove_leftovers(output_dir: Path) -> None:
+    """Temporaries of a checkpoint or export write that was killed (never a complete copy)."""
+    root = output_dir / CHECKPOINTS
+    hidden = [p for p in root.iterdir() if p.name.startswith(".step-")] if root.is_dir() else []
+    for path in [*hidden, *stale_siblings(export_path(output_dir))]:
+        shutil.rmtree(path, ignore_errors=True)

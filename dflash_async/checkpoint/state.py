@@ -73,14 +73,13 @@ def data_fingerprint(
     return digest.hexdigest()
 
 
-def run_identity(settings: Any, drafter_config: Any, *, target_path: str, data: str) -> dict:
+def run_identity(recipe: Any, drafter_config: Any, *, target_path: str, data: str) -> dict:
     """The settings that define a run, keyed by the setting a user changes to alter each one.
 
-    A resumed run must match every value: each changes the weights a step produces (the shapes,
-    the objective, the schedule, the data order). `plan_identity` adds what is known only once
-    the workers are placed.
+    `recipe`: the step's spec (model/build.StepSpec). A resumed run must match every value: each
+    changes the weights a step produces (the shapes, the objective, the schedule, the data
+    order). `plan_identity` adds what is known only once the workers are placed.
     """
-    train = settings.train
     config_json = Path(target_path) / "config.json"
     target = (
         hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.is_file() else ""
@@ -89,15 +88,15 @@ def run_identity(settings: Any, drafter_config: Any, *, target_path: str, data: 
         "DFLASH_TARGET__PATH (config.json sha256)": target,
         "drafter shape (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES, ...)": drafter_config.__dict__,
         "DFLASH_DATA__PATH (tokenized data blake2b)": data,
-        "DFLASH_TRAIN__TOKEN_BUDGET": train.token_budget,
-        "DFLASH_TRAIN__NUM_ANCHORS": train.num_anchors,
-        "DFLASH_TRAIN__BLOCK_SIZE": train.block_size,
-        "DFLASH_TRAIN__GAMMA": train.gamma,
-        "DFLASH_TRAIN__SEED": train.seed,
-        "DFLASH_TRAIN__LR": train.lr,
-        "DFLASH_TRAIN__WARMUP_FRAC": train.warmup_frac,
-        "DFLASH_TRAIN__WEIGHT_DECAY": train.weight_decay,
-        "DFLASH_TRAIN__GRAD_CLIP": train.grad_clip,
+        "DFLASH_TRAIN__TOKEN_BUDGET": recipe.token_budget,
+        "DFLASH_TRAIN__NUM_ANCHORS": recipe.num_anchors,
+        "DFLASH_TRAIN__BLOCK_SIZE": drafter_config.block_size,
+        "DFLASH_TRAIN__GAMMA": recipe.gamma,
+        "DFLASH_TRAIN__SEED": recipe.seed,
+        "DFLASH_TRAIN__LR": recipe.lr,
+        "DFLASH_TRAIN__WARMUP_FRAC": recipe.warmup_frac,
+        "DFLASH_TRAIN__WEIGHT_DECAY": recipe.weight_decay,
+        "DFLASH_TRAIN__GRAD_CLIP": recipe.grad_clip,
     }
     return json.loads(json.dumps(identity))  # tuples become lists, as they come back from disk
 

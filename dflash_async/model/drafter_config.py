@@ -84,6 +84,19 @@ def _text_config(target_config: Any) -> Any:
     return getattr(target_config, "text_config", None) or target_config
 
 
+@dataclass(frozen=True)
+class DrafterSpec:
+    """The drafter's own shape settings (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES and
+    TARGET_LAYER_IDS, DFLASH_TRAIN__BLOCK_SIZE); the rest of its config comes from the target's
+    config.json at start-up (`drafter_config_from_target`), which the settings never read."""
+
+    num_layers: int
+    num_features: int
+    block_size: int
+    target_layer_ids: tuple[int, ...] | None  # None: spread over the target's layers
+    mask_token_id: int | None  # None: the tokenizer's mask token (built-in target) or family's
+
+
 def drafter_config_from_target(
     target_config: Any,
     *,

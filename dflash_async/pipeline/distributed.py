@@ -65,6 +65,15 @@ class RankInfo:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class NodesSpec:
+    """How the nodes of a torchrun/srun launch talk (settings.py: DFLASH_PIPELINE__DIST_*)."""
+
+    backend: str  # nccl | gloo, resolved (pick_backend)
+    timeout_s: float  # longest wait in a collective or at start-up
+    silence_s: float  # a peer whose watchdog is this quiet is dead
+
+
 def rank_info_from_env(environ: Mapping[str, str]) -> RankInfo:
     """torchrun's variables first, then srun's; neither: a single node (RankInfo())."""
     if "WORLD_SIZE" in environ:

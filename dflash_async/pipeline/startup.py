@@ -1,95 +1,147 @@
-"""Start-up: turn settings into the run's inputs and each worker's state.
+"""Start-up: one node's run from its specs to one typed record, `Node`, before the first step.
 
-Everything here runs once, before the first step: resolving the target and data (the built-in
-tiny target and demo corpus when the paths are empty), the drafter config derived from the
-target's, the target's frozen embedding and lm_head read straight from its safetensors (no
-second copy of the target), and each drafter's step built inside its own worker thread.
+Two phases, each interruptible by a signal (run.py):
+1. `prepare_node` (CPU and files only): the target folder and corpus (the built-in tiny target
+   and demo corpus when the paths are empty; built by rank 0 first), the drafter config derived
+   from the target's, the tokenized samples, and where the run resumes.
+2. `start_node`: the worker threads. Target 0 loads first (placement may calibrate on it), the
+   roles are placed, the other targets load, the run's length is planned and checked against the
+   other nodes, each drafter's step is built (and captured) in its own thread, one device at a
+   time, then restored from the checkpoint; the slot rings and the evaluator come last.
+Every thread and task is entered into the caller's AsyncExitStack, so leaving it stops them all.
 """
 
 from __future__ import annotations
 
-import json
+import gc
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
+import anyio
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig
 
-from dflash_async.log import get_logger
-from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.model.drafter_config import DrafterConfig, drafter_config_from_target
-from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
-from dflash_async.model.optim import warmup_steps_for
-from dflash_async.model.step import DrafterStep
-from dflash_async.settings import PipelineSettings, Settings, SettingsError
-from dflash_async.target.loading import TargetError
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-LM_HEAD_NAMES = ("lm_head.weight",)
+from dflash_async.checkpoint.resume import Resume, resume_point
+from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
+from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
+from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
+from dflash_async.pipeline import placing
+from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
+from dflash_async.pipeline.distributed import RankInfo, check_same_run, writer_first
+from dflash_async.pipeline.rings import RingSet
+from dflash_async.pipeline.shutdown import Shutdown
+from dflash_async.pipeline.specs import RunSpec
+from dflash_async.settings import SettingsError
+from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_evaluator
+from dflash_async.stages.produce import TargetRunner, load_runner
+from dflash_async.stages.read import Plan, plan_run
+from dflash_async.stages.train import DrafterRunner, drafter_step_on
+from dflash_async.target.loading import TargetError, load_target_tokenizer
 
 
 @dataclass(frozen=True)
 class RunInputs:
+    """The run's target, corpus and drafter shape, as found on disk."""
+
     target_path: str
     data_path: str
     builtin_target: bool
     drafter_config: DrafterConfig
 
 
-def check_device_combination(pipeline: PipelineSettings) -> None:
-    """SettingsError (exit 2) for a CUDA target with a CPU drafter, a combination not supported.
+@dataclass
+class Prepared:
+    """Phase 1's result: everything of the node that lives on the host."""
 
-    The hidden-state slots then live in pinned host memory, written by the target's asynchronous
-    device-to-host copies, and a CPU drafter has no CUDA stream to wait on the producer's event:
-    it could read a slot before the copy landed. Refused at start-up rather than raced.
-    """
-    cpu_drafters = "cpu" in pipeline.drafter_devices
-    cuda_targets = [d for d in pipeline.target_devices if d != "cpu"]
-    if cpu_drafters and cuda_targets:
-        raise SettingsError(
-            f"DFLASH_PIPELINE__TARGET_DEVICES={','.join(pipeline.target_devices)} with "
-            f"DFLASH_PIPELINE__DRAFTER_DEVICES={','.join(pipeline.drafter_devices)}: a CPU "
-            "drafter cannot follow a CUDA target (it would read hidden-state slots before the "
-            "target's GPU copies land); put every drafter on a GPU, or the targets on cpu"
-        )
+    spec: RunSpec
+    rank: RankInfo
+    inputs: RunInputs
+    samples: TokenizedSamples
+    resume: Resume
 
 
-def resolve_inputs(settings: Settings, log) -> RunInputs:
+@dataclass
+class Node:
+    """The running node: its inputs, plan, workers, rings, resume point and evaluator."""
+
+    spec: RunSpec
+    rank: RankInfo
+    inputs: RunInputs
+    samples: TokenizedSamples
+    resume: Resume
+    plan: Plan
+    targets: list[DeviceWorker]
+    target_runners: list[TargetRunner]
+    homes: tuple[int | None, ...]  # per target: the ring it fills first
+    drafters: list[DrafterRunner]
+    rings: RingSet
+    target_flops: Callable[[int, int], float]  # (tokens, documents) -> one pack's target FLOPs
+    # `await evaluate(step)`: tau now; a no-op when evaluation is off (and until start_node
+    # opens the evaluator, its last act)
+    evaluate: Evaluate = evaluation_off
+
+
+async def prepare_node(
+    spec: RunSpec, rank: RankInfo, *, log, shutdown: Shutdown
+) -> Prepared | None:
+    """Phase 1: inputs (rank 0 first), tokenized samples and the resume point, in threads;
+    None after a signal (CPU only and files: an abandoned thread is harmless)."""
+    with shutdown.interruptible():
+        prepared = await _prepare(spec, rank, log)
+    return None if shutdown.requested else prepared
+
+
+async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
+    inputs = await writer_first(  # CPU only: files
+        rank, lambda: resolve_inputs(spec, log), timeout_s=spec.nodes.timeout_s
+    )
+    samples = await anyio.to_thread.run_sync(
+        read_samples, spec, inputs, log, abandon_on_cancel=True
+    )
+
+    def resume() -> Resume:
+        fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
+        identity = run_identity(spec.step, inputs.drafter_config, target_path=inputs.target_path,
+                                data=fingerprint)  # fmt: skip
+        return resume_point(spec.save.resume, identity, spec.output_dir,
+                            is_writer=rank.is_writer, distributed=rank.distributed)  # fmt: skip
+
+    point = await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
+    return Prepared(spec, rank, inputs, samples, point)
+
+
+def resolve_inputs(spec: RunSpec, log) -> RunInputs:
     """Target folder, data path and drafter config (builds the tiny target/corpus if needed)."""
     from dflash_async.eval.regenerate import demo_corpus
     from dflash_async.target.tiny import builtin_cache_dir, ensure_tiny_target
 
-    builtin = not settings.target.path
-    target_path = str(ensure_tiny_target(builtin_cache_dir())) if builtin else settings.target.path
-    data_path = settings.data.path
+    builtin = not spec.target_path
+    target_path = str(ensure_tiny_target(builtin_cache_dir())) if builtin else spec.target_path
+    data_path = spec.data_path
     if not data_path:
         data_path = str(demo_corpus(builtin_cache_dir(), target_path, n_train=512))
         log.info("demo_corpus_ready", path=data_path, target=target_path)
-    config = drafter_config_for(settings, target_path, builtin)
+    config = drafter_config_for(spec.drafter, target_path, builtin)
     return RunInputs(target_path, data_path, builtin, config)
 
 
-def drafter_config_for(settings: Settings, target_path: str, builtin: bool) -> DrafterConfig:
-    """The drafter's shapes from the target's config.json and the drafter/train settings."""
+def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
+    """The drafter's shapes from the target's config.json and the drafter's own settings."""
     try:
         target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot read the config of target {target_path!r}: {e}") from e
-    mask_token_id = settings.drafter.mask_token_id
+    mask_token_id = spec.mask_token_id
     if mask_token_id is None and builtin:
-        from dflash_async.target.loading import load_target_tokenizer
-
         mask_token_id = load_target_tokenizer(target_path).mask_token_id
     try:
         return drafter_config_from_target(
-            target_config,
-            num_hidden_layers=settings.drafter.num_layers,
-            num_features=settings.target.num_features,
-            block_size=settings.train.block_size,
-            mask_token_id=mask_token_id,
-            target_layer_ids=settings.target.target_layer_ids,
-        )
+            target_config, num_hidden_layers=spec.num_layers, num_features=spec.num_features,
+            block_size=spec.block_size, mask_token_id=mask_token_id,
+            target_layer_ids=spec.target_layer_ids,
+        )  # fmt: skip
     except ValueError as e:  # the target cannot host this drafter: name the settings involved
         raise SettingsError(
             f"drafter for target {target_path!r}: {e} (see DFLASH_TARGET__NUM_FEATURES, "
@@ -97,98 +149,127 @@ def drafter_config_for(settings: Settings, target_path: str, builtin: bool) -> D
         ) from None
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    names = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
+def read_samples(spec: RunSpec, inputs: RunInputs, log) -> TokenizedSamples:
+    """The corpus tokenized with the target's tokenizer (DataError for an id past its vocab)."""
+    tokenizer = load_target_tokenizer(inputs.target_path)
+    samples = load_samples(inputs.data_path, tokenizer, options=spec.data,
+                           block_size=spec.drafter.block_size, log=log)  # fmt: skip
+    vocab = inputs.drafter_config.vocab_size
+    if samples.max_token_id >= vocab:  # would index past the embedding
+        raise DataError(
+            f"{inputs.data_path}: token id {samples.max_token_id} is outside the target's "
+            f"vocabulary ({vocab} ids)"
+        )
+    return samples
 
 
-def load_frozen_embeddings(
-    folder: str, *, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embed_tokens and lm_head weights [V, d] (the same tensor when tied)."""
-    files = _weight_files(Path(folder))
-
-    def read(names: tuple[str, ...]) -> torch.Tensor | None:
-        name = next((n for n in names if n in files), None)
-        if name is None:
-            return None
-        with safe_open(files[name], framework="pt") as f:
-            return f.get_tensor(name).to(device=device, dtype=dtype)
-
-    embed = read(EMBED_NAMES)
-    if embed is None:
-        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
-    lm_head = read(LM_HEAD_NAMES)
-    return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor
+async def start_node(
+    stack: AsyncExitStack, prepared: Prepared, *, log, shutdown: Shutdown
+) -> Node | None:
+    """Phase 2: the worker threads, placed, loaded, built and restored, then the evaluator (see
+    the module doc); None after a signal (loading, compile and capture stop at once)."""
+    with shutdown.interruptible():
+        node = await _start_workers(stack, prepared, log)
+    if shutdown.requested:
+        return None
+    # Entered outside the interruptible scope: the evaluator's task group lives in the stack.
+    node.evaluate = await stack.enter_async_context(open_run_evaluator(
+        node.spec.eval, inputs=node.inputs, target_worker=node.targets[0],
+        target_model=node.target_runners[0].model, drafter=node.drafters[0],
+        output_dir=node.spec.output_dir, log=log))  # fmt: skip
+    return node
 
 
-def build_drafter_step(
-    settings: Settings,
-    config: DrafterConfig,
-    target_path: str,
-    *,
-    device: torch.device,
-    rank: int,
-    total_steps: int,
-    compile: bool,
-) -> DrafterStep:
-    """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
+async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node:
+    spec, rank, inputs, samples = prepared.spec, prepared.rank, prepared.inputs, prepared.samples
+    cfg, place = inputs.drafter_config, spec.placement
 
-    Every drafter is seeded alike, so all start from identical weights; each draws its own
-    anchors (generator seeded by seed and rank). Call in its worker.
-    """
-    train = settings.train
-    torch.manual_seed(train.seed)
-    cuda = device.type == "cuda"
-    target_dtype = torch.bfloat16 if cuda else torch.float32
-    embed, lm_head = load_frozen_embeddings(target_path, device=device, dtype=target_dtype)
-    drafter = DFlashDrafter(config).to(device)
-    attention = train.attention if train.attention != "auto" else ("flex" if cuda else "sdpa")
-    objective = DFlashObjective(
-        ObjectiveConfig(
-            block_size=config.block_size,
-            num_anchors=train.num_anchors,
-            mask_token_id=config.mask_token_id,
-            gamma=train.gamma,
-            ce_chunk_size=train.ce_chunk_size,
-            attention=attention,
-            compile=compile,
-            flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
-            flex_backend=train.flex_backend,
-            flex_autotune=train.flex_autotune,
-            ce_kernel=train.ce_kernel if cuda else "compiled",  # CPU: the plain torch ops
-        ),
-        drafter,
-        embed,
-        lm_head,
+    async def open_worker(device: torch.device, name: str, grad: bool) -> DeviceWorker:
+        return await stack.enter_async_context(open_device_worker(device, name, grad_enabled=grad))
+
+    async def load(worker: DeviceWorker) -> TargetRunner:
+        t = spec.target
+        return await worker.run(load_runner, inputs.target_path, device=worker.device,
+                                dtype=t.dtype_on(worker.device), layer_ids=cfg.target_layer_ids,
+                                token_budget=t.token_budget, max_batch_tokens=t.max_batch_tokens,
+                                packed_hybrid=t.packed_hybrid)  # fmt: skip
+
+    targets = [await open_worker(place.first_device, "target0", False)]
+    runners = [await load(targets[0])]
+    roles = await placing.place(place, spec.step, cfg, samples, target_path=inputs.target_path,
+                                target=targets[0], runner=runners[0], log=log)  # fmt: skip
+    for i, device in enumerate(roles.targets[1:], start=1):
+        targets.append(await open_worker(device, f"target{i}", False))
+        runners.append(await load(targets[-1]))
+    plan = await _plan_and_check(prepared, num_drafters=len(roles.drafters))
+    workers = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
+    drafters = await _start_drafters(spec, inputs, workers, plan.total_steps, rank, log)
+    await _restore(prepared.resume, drafters, log, total_steps=plan.total_steps)
+    feature_dtype = torch.bfloat16 if place.first_device.type == "cuda" else torch.float32
+    rings = placing.open_rings(roles, num_slots=place.num_slots, token_budget=spec.step.token_budget,
+                               feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
+    # Start-up leaves ~350k long-lived objects (torch, transformers, the target's modules); a
+    # full collection that walks them all took 180-200 ms on the loop (BENCHMARKS.md, issue 15).
+    # Frozen, collections during training see only what training allocates. Process-wide:
+    # undone when the run ends.
+    gc.freeze()
+    stack.callback(gc.unfreeze)
+    flops = placing.target_pack_flops(cfg, inputs.target_path)
+    return Node(spec, rank, inputs, samples, prepared.resume, plan, targets, runners,
+                roles.homes, drafters, rings, flops)  # fmt: skip
+
+
+async def _plan_and_check(prepared: Prepared, *, num_drafters: int) -> Plan:
+    """The run's length, then the same facts on every node (a check that waits on the peers)."""
+    spec, rank, samples = prepared.spec, prepared.rank, prepared.samples
+    plan = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
+        lambda: plan_run(
+            spec.plan,
+            samples.lengths,
+            num_drafters=num_drafters,
+            rank=rank.rank,
+            world_size=rank.world_size,
+        )
     )
-    step = DrafterStep.build(
-        objective,
-        token_budget=train.token_budget,
-        peak_lr=train.lr,
-        warmup_steps=warmup_steps_for(total_steps, train.warmup_frac),
-        total_steps=total_steps,
-        weight_decay=train.weight_decay,
-        grad_clip=train.grad_clip if train.grad_clip > 0 else float("inf"),
-        generator=torch.Generator(device).manual_seed(train.seed * 1000 + rank),
-        working_weights=None if train.working_weights else False,  # None: with the compiled update
-    )
-    if attention == "flex":  # the preflight line of the kernels chosen for the step
-        get_logger("drafter").info("drafter_kernels_chosen", rank=rank, attention=attention,
-                 flex_backend=objective.flex_backend,
-                 flex_kernel_options=train.flex_kernel_options, flex_autotune=train.flex_autotune,
-                 ce_chunk_size=train.ce_chunk_size, ce_kernel=objective.ce_kernel,
-                 update="compiled" if step.adamw is not None else "reference",
-                 working_weights=any(w is not None for w in step.working),
-                 grad_dtype=str(step.grad_dtype).removeprefix("torch."),
-                 torch=torch.__version__)  # fmt: skip
-    return step
+    await anyio.to_thread.run_sync(lambda: check_same_run(
+        rank, timeout_s=spec.nodes.timeout_s, samples=len(samples),
+        tokens=int(samples.lengths.sum()), drafters=num_drafters,
+        total_steps=plan.total_steps))  # fmt: skip
+    return plan
+
+
+async def _start_drafters(
+    spec: RunSpec, inputs: RunInputs, workers: list[DeviceWorker], total_steps: int,
+    rank: RankInfo, log,
+) -> list[DrafterRunner]:  # fmt: skip
+    """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
+    drawn per drafter of the whole run (node rank * drafters per node + local index)."""
+    runners = []
+    for i, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
+        started = time.perf_counter()
+        step = await worker.run(
+            drafter_step_on, worker.device, spec.step, inputs.drafter_config,
+            target_path=inputs.target_path, rank=rank.rank * len(workers) + i,
+            total_steps=total_steps,
+        )  # fmt: skip
+        timings = {}  # warmup_s includes compiling and autotuning (the first calls)
+        if spec.step.cuda_graph:
+            timings = await worker.run(step.capture)
+        log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
+                 **{k: round(v, 2) for k, v in timings.items()},
+                 startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
+        runners.append(DrafterRunner(worker, step, seed=spec.step.seed,
+                                     node=(rank.rank, rank.world_size)))  # fmt: skip
+    return runners
+
+
+async def _restore(resume: Resume, drafters: list[DrafterRunner], log, *, total_steps: int):
+    """Check the placed plan against the checkpoint's, then put every drafter (in its thread,
+    after capture, in place) back to the checkpoint's state."""
+    state = resume.placed(total_steps=total_steps, num_drafters=len(drafters))
+    if state is None:
+        return
+    for i, runner in enumerate(drafters):
+        await runner.worker.run(restore, runner.step, state, rank=i)
+    log.info("resumed", step=resume.step, epoch=resume.cursor.epoch, pack=resume.cursor.index,
+             path=str(resume.path))  # fmt: skip

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,9 @@ from dflash_async.stages.train import DrafterRunner
 from dflash_async.target.loading import frozen_embeddings, load_target_tokenizer
 
 EXPORT_DTYPE = torch.bfloat16  # the servable export's (checkpoint.export_drafter, DFLASH.md s.7)
+
+# `await evaluate(step, wait=False)`: the summary, or {} (started in the background, or skipped)
+Evaluate = Callable[..., Awaitable[dict[str, Any]]]
 
 
 def copy_weights(
@@ -240,3 +243,50 @@ def eval_setup(
     eos, suppress = stop_rules(target, tokenizer)
     prompts = prompts_of(tokenizer, records, enable_thinking=False)
     return DecodeSetup(target, prompts, settings.max_new_tokens, eos, suppress, settings.batch_size)
+
+
+async def evaluation_off(step: int, *, wait: bool = False) -> dict[str, Any]:
+    """The `evaluate` of a run without evaluation."""
+    return {}
+
+
+@asynccontextmanager
+async def open_run_evaluator(
+    settings: EvalSettings,
+    *,
+    inputs: Any,
+    target_worker: DeviceWorker,
+    target_model: Any,
+    drafter: DrafterRunner,
+    output_dir: Path,
+    log: Any,
+) -> AsyncIterator[Evaluate]:
+    """The run's `evaluate`: tau of the drafter now on the run's own target (overlapping
+    training, or a logged pause); a no-op when evaluation is off, or one that logs why it cannot
+    run (no prompts for a target of one's own). `inputs`: the run's (pipeline/startup.RunInputs).
+    Refuses a target that evaluation cannot decode before any training (SettingsError)."""
+    if not (settings.every or settings.at_start or settings.at_end):
+        yield evaluation_off
+        return
+    if not (inputs.builtin_target or settings.prompts_path):
+
+        async def skipped(step: int, *, wait: bool = False) -> dict:
+            log.info("eval_skipped", step=step, reason="set DFLASH_EVAL__PROMPTS_PATH")
+            return {}
+
+        yield skipped
+        return
+    setup = await anyio.to_thread.run_sync(
+        lambda: eval_setup(
+            settings, target=target_model, target_path=inputs.target_path,
+            builtin_target=inputs.builtin_target, drafter_config=inputs.drafter_config,
+        )
+    )  # fmt: skip
+    log.info("eval_ready", prompts=len(setup.prompts), max_new_tokens=settings.max_new_tokens,
+             batch_size=settings.batch_size, mode=settings.mode,
+             decoder="batched" if setup.batched else "reference")  # fmt: skip
+    async with open_evaluator(
+        settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
+        target_id=inputs.target_path, log=log,
+    ) as evaluate:  # fmt: skip
+        yield evaluate

@@ -31,6 +31,20 @@ from dflash_async.target.forward import TargetPath, select_target_forward
 from dflash_async.target.loading import fast_kernel_preflight, load_target, text_config
 
 
+@dataclass(frozen=True)
+class TargetSpec:
+    """How every target worker loads and runs the target (settings.py: DFLASH_TARGET__*)."""
+
+    cuda_dtype: torch.dtype  # weights and compute on a GPU
+    cpu_dtype: torch.dtype  # and on the CPU
+    token_budget: int  # T rows of every pack
+    max_batch_tokens: int  # most tokens per forward (HF fallback batches)
+    packed_hybrid: bool  # Qwen3.5 on CUDA: the packed varlen forward
+
+    def dtype_on(self, device: torch.device) -> torch.dtype:
+        return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype
+
+
 @dataclass
 class TargetRunner:
     """A loaded target on one device, its chosen forward and its input staging. Build and use

@@ -16,9 +16,39 @@ from functools import partial
 import anyio
 import numpy as np
 
-from dflash_async.data.packing import PackCursor
+from dflash_async.data.packing import PackCursor, plan_epoch
 from dflash_async.data.planner import EpochPlanner
 from dflash_async.pipeline.channels import SendChannel, open_channel
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Which packs a run trains on, in which order (settings.py: DFLASH_TRAIN__*)."""
+
+    token_budget: int  # T: rows of every pack
+    seed: int  # the pack order of each epoch
+    epochs: int  # passes over the data, when max_steps is 0
+    max_steps: int  # 0: run the epochs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's length: optimizer steps, and epochs (None: loop over the data until then)."""
+
+    total_steps: int
+    epochs: int | None
+
+
+def plan_run(
+    spec: PlanSpec, lengths: np.ndarray, *, num_drafters: int, rank: int, world_size: int
+) -> Plan:
+    """How many optimizer steps the run makes (each consumes one pack per drafter); with several
+    nodes, every node's share of an epoch has the same number of packs (plan_epoch). Seconds of
+    numpy at millions of samples: call off the event loop."""
+    if spec.max_steps:
+        return Plan(spec.max_steps, None)
+    share = plan_epoch(lengths, spec.token_budget, spec.seed, 0, rank=rank, world_size=world_size)
+    return Plan(max(1, spec.epochs * len(share) // num_drafters), spec.epochs)
 
 
 @dataclass(frozen=True)

@@ -6,80 +6,33 @@ OUTPUT_DIR/drafter                     the servable export of the newest checkpo
 A save blocks training only for the device-to-host copy (into page-locked buffers reused from
 save to save), on drafter 0's thread between two steps; serialising, fsync and renames run in a
 worker thread, at most one save in flight (the next save, and the end of the run, wait for it).
-Nothing a previous run wrote is replaced unless this run resumes it (`resume_source`).
+Nothing a previous run wrote is replaced unless this run resumes it (checkpoint/resume.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
-from dflash_async.atomic import stale_siblings
 from dflash_async.checkpoint.export import export_drafter
-from dflash_async.checkpoint.state import (
-    CHECKPOINTS,
-    STATE_NAME,
-    HostStaging,
-    list_checkpoints,
-    snapshot,
-    write_checkpoint,
-)
+from dflash_async.checkpoint.resume import export_path
+from dflash_async.checkpoint.state import HostStaging, snapshot, write_checkpoint
 from dflash_async.data.packing import PackCursor
-from dflash_async.settings import SettingsError
 from dflash_async.stages.train import DrafterRunner
 
 
-def export_path(output_dir: Path) -> Path:
-    return output_dir / "drafter"
+@dataclass(frozen=True)
+class SaveSpec:
+    """When and what the run saves (settings.py: DFLASH_TRAIN__SAVE_EVERY, KEEP_CHECKPOINTS,
+    RESUME)."""
 
-
-def resume_source(mode: str, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from for DFLASH_TRAIN__RESUME=`mode`, or None to start afresh.
-
-    auto: the newest checkpoint in `output_dir`. never: none, and an `output_dir` holding a
-    previous run is refused (it would be overwritten). A path: that checkpoint folder; refused
-    when `output_dir` holds another run's checkpoints. SettingsError (exit 2) for each refusal.
-    """
-    existing = list_checkpoints(output_dir)
-    previous = bool(existing) or export_path(output_dir).exists()
-    if mode != "never" or not previous:  # this run owns the folder: a killed writer's leftovers go
-        _remove_leftovers(output_dir)
-    if mode == "never":
-        if previous:
-            raise SettingsError(
-                f"DFLASH_TRAIN__RESUME=never: {output_dir} holds a previous run, which this run "
-                "would overwrite; choose another DFLASH_OUTPUT_DIR or resume it (auto)"
-            )
-        return None
-    if mode == "auto":
-        if existing:
-            return existing[-1][1]
-        if previous:
-            raise SettingsError(
-                f"DFLASH_OUTPUT_DIR={output_dir} holds a drafter export but no training "
-                "checkpoint to resume; choose another DFLASH_OUTPUT_DIR"
-            )
-        return None
-    path = Path(mode)
-    if not (path / STATE_NAME).is_file():
-        raise SettingsError(f"DFLASH_TRAIN__RESUME={mode}: no {STATE_NAME} in that folder")
-    if existing and path.resolve().parent != existing[0][1].resolve().parent:
-        raise SettingsError(
-            f"DFLASH_TRAIN__RESUME={mode}: {output_dir} holds another run's checkpoints; "
-            "choose another DFLASH_OUTPUT_DIR"
-        )
-    return path
-
-
-def _remove_leftovers(output_dir: Path) -> None:
-    """Temporaries of a checkpoint or export write that was killed (never a complete copy)."""
-    root = output_dir / CHECKPOINTS
-    hidden = [p for p in root.iterdir() if p.name.startswith(".step-")] if root.is_dir() else []
-    for path in [*hidden, *stale_siblings(export_path(output_dir))]:
-        shutil.rmtree(path, ignore_errors=True)
+    output_dir: Path
+    every: int  # a checkpoint every N steps; 0: only at the end (and on a signal)
+    keep: int  # newest training checkpoints kept
+    resume: str  # auto | never | a checkpoint folder (checkpoint/resume.py)
 
 
 class Saver:

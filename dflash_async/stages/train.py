@@ -18,12 +18,15 @@ import anyio
 import torch
 
 from dflash_async.data.packing import PackCursor
+from dflash_async.model.build import StepSpec, build_drafter_step
+from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
 from dflash_async.pipeline.channels import SendChannel
 from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.meters import BusyMeter, timing_event
 from dflash_async.pipeline.rings import RingSet
+from dflash_async.target.embeddings import load_frozen_embeddings
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2
@@ -70,6 +73,18 @@ class DrafterRunner:
         if done is not None:
             self.meter.add(self._started, done)
         return report, done
+
+
+def drafter_step_on(
+    device: torch.device, spec: StepSpec, config: DrafterConfig, *, target_path: str, rank: int,
+    total_steps: int,
+) -> DrafterStep:  # fmt: skip
+    """A drafter's step on `device` around the target's frozen embedding and lm_head, read from
+    its files in the compute dtype (bf16 on a GPU). Run in the device's worker."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed, lm_head = load_frozen_embeddings(target_path, device=device, dtype=dtype)
+    return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device,
+                              rank=rank, total_steps=total_steps)  # fmt: skip
 
 
 def _wait(event: Any) -> None:

@@ -1,0 +1,150 @@
+"""The border: `Settings` in, the run's frozen specs out; below it nothing reads `Settings`.
+
+Each spec is defined beside the code that owns it and carries only what that code needs:
+
+    StepSpec       model/build.py       the drafter step's recipe and kernels
+    DrafterSpec    model/drafter_config the drafter's shape settings (the rest from the target)
+    PlanSpec       stages/read.py       packs, epochs, steps
+    TargetSpec     stages/produce.py    how target workers load and run the target
+    PlacementSpec  pipeline/placing.py  the candidate devices, roles by hand, ring depth
+    NodesSpec      pipeline/distributed the process group of several nodes
+    SaveSpec       stages/save.py       checkpoints, export, resume policy
+    EvalSettings   settings.py          the in-run evaluation (the section as it is)
+    DataOptions    data/samples.py      reading and tokenizing the corpus
+
+Every `auto` that depends on the machine is resolved here (device lists, dtypes, which kernels a
+CPU runs, the process group's backend), and every cross-field check that needs the machine
+(devices that exist, roles that work together) fails here with exit 2, before any model loads.
+Two choices stay with their owners because they need the files or the GPU in hand: the drafter's
+layer ids and mask token (from the target's config, at start-up) and the kernels a GPU offers
+(flex backend, CE pass: resolved by the objective on its device and logged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_async.data.samples import DataOptions
+from dflash_async.model.build import StepSpec
+from dflash_async.model.drafter_config import DrafterSpec
+from dflash_async.pipeline.distributed import NodesSpec, pick_backend
+from dflash_async.pipeline.placing import PlacementSpec, candidate_devices, given_roles
+from dflash_async.settings import (
+    DataSettings,
+    EvalSettings,
+    Settings,
+    SettingsError,
+    TargetSettings,
+    TrainSettings,
+)
+from dflash_async.stages.produce import TargetSpec
+from dflash_async.stages.read import PlanSpec
+from dflash_async.stages.save import SaveSpec
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, every setting resolved (the specs above)."""
+
+    output_dir: Path
+    target_path: str  # a local folder (a cached model id resolved); "" = the built-in target
+    data_path: str  # "" = the built-in demo corpus
+    drafter: DrafterSpec
+    data: DataOptions
+    plan: PlanSpec
+    step: StepSpec
+    target: TargetSpec
+    placement: PlacementSpec
+    nodes: NodesSpec
+    save: SaveSpec
+    eval: EvalSettings
+    tensorboard_dir: str  # "" = off
+
+
+def run_spec(settings: Settings) -> RunSpec:
+    """The run's specs; SettingsError (exit 2) for devices this machine lacks, roles that do not
+    work together, or a kernel the drafters' devices cannot run."""
+    train, pipe = settings.train, settings.pipeline
+    budget = train.token_budget  # T, the one read: every spec below gets it from here
+    devices = candidate_devices(pipe.devices)
+    given = given_roles(pipe.target_devices, pipe.drafter_devices, default=devices)
+    placement = PlacementSpec(
+        layout=pipe.layout, devices=devices, given=given, num_slots=pipe.num_slots,
+        target_batch_tokens=pipe.target_batch_tokens, calibration_packs=pipe.calibration_packs,
+    )  # fmt: skip
+    cuda = placement.drafter_devices[0].type == "cuda"
+    return RunSpec(
+        output_dir=settings.output_dir,
+        target_path=settings.target.path,
+        data_path=settings.data.path,
+        drafter=DrafterSpec(
+            num_layers=settings.drafter.num_layers,
+            num_features=settings.target.num_features,
+            block_size=train.block_size,
+            target_layer_ids=settings.target.target_layer_ids,
+            mask_token_id=settings.drafter.mask_token_id,
+        ),
+        data=_data_options(settings.data, max_len=min(settings.data.max_len, budget)),
+        plan=PlanSpec(
+            token_budget=budget, seed=train.seed, epochs=train.epochs, max_steps=train.max_steps
+        ),
+        step=_step_spec(train, token_budget=budget, cuda=cuda),
+        target=_target_spec(
+            settings.target, token_budget=budget, max_batch_tokens=pipe.target_batch_tokens
+        ),
+        placement=placement,
+        nodes=NodesSpec(
+            backend=pick_backend(pipe.dist_backend, placement.drafter_devices),
+            timeout_s=pipe.dist_timeout_s,
+            silence_s=pipe.dist_silence_s,
+        ),
+        save=SaveSpec(
+            output_dir=settings.output_dir,
+            every=train.save_every,
+            keep=train.keep_checkpoints,
+            resume=train.resume,
+        ),
+        eval=settings.eval,
+        tensorboard_dir=settings.log.tensorboard_dir,
+    )
+
+
+def _step_spec(train: TrainSettings, *, token_budget: int, cuda: bool) -> StepSpec:
+    """The drafter step: compile, graphs and the Triton CE pass only on GPU drafters."""
+    attention = train.attention if train.attention != "auto" else ("flex" if cuda else "sdpa")
+    if attention == "flex" and not cuda:
+        raise SettingsError(
+            "DFLASH_TRAIN__ATTENTION=flex needs GPU drafters (flex_attention has no backward on "
+            "a CPU); use sdpa or auto"
+        )
+    return StepSpec(
+        token_budget=token_budget, num_anchors=train.num_anchors, gamma=train.gamma,
+        lr=train.lr, warmup_frac=train.warmup_frac, weight_decay=train.weight_decay,
+        grad_clip=train.grad_clip, seed=train.seed, attention=attention,
+        compile=cuda and train.compile, cuda_graph=cuda and train.cuda_graph,
+        ce_chunk_size=train.ce_chunk_size, ce_kernel=train.ce_kernel if cuda else "compiled",
+        flex_backend=train.flex_backend,
+        flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
+        flex_autotune=train.flex_autotune, working_weights=train.working_weights,
+    )  # fmt: skip
+
+
+def _target_spec(target: TargetSettings, *, token_budget: int, max_batch_tokens: int) -> TargetSpec:
+    """DFLASH_TARGET__DTYPE per device type: auto is bf16 on a GPU, fp32 on the CPU."""
+    named = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(target.dtype)
+    return TargetSpec(
+        cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
+        token_budget=token_budget, max_batch_tokens=max_batch_tokens,
+        packed_hybrid=target.packed_hybrid,
+    )  # fmt: skip
+
+
+def _data_options(data: DataSettings, *, max_len: int) -> DataOptions:
+    return DataOptions(
+        max_len=max_len, enable_thinking=data.enable_thinking, loss_turns=data.loss_turns,
+        too_long=data.too_long, on_bad_record=data.on_bad_record, role_map=data.role_map,
+        cache_dir=data.cache_dir or None, workers=data.workers,
+    )  # fmt: skip
