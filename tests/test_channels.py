@@ -1,4 +1,5 @@
-"""Bounded channels and the slot ring: order, end signal, backpressure, release events, loop lag."""
+"""Bounded channels (channels.py) and one slot ring (rings.py): order, end signal, backpressure,
+release events, loop lag."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from anyio import wait_all_tasks_blocked
 
 from dflash_async.data.packing import PackedBatch
-from dflash_async.pipeline.channels import Slot, SlotRing, open_channel
+from dflash_async.pipeline.channels import open_channel
 from dflash_async.pipeline.devices import open_device_worker
+from dflash_async.pipeline.rings import Slot, SlotRing
 
 pytestmark = pytest.mark.timeout(30)
 CPU = torch.device("cpu")

@@ -24,10 +24,9 @@ from dflash_async.data.samples import TokenizedSamples
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.flops import drafter_step_flops, target_forward_flops
 from dflash_async.pipeline import placement
-from dflash_async.pipeline.channels import Notifier, SlotRing
 from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
 from dflash_async.pipeline.meters import BusyMeter
-from dflash_async.pipeline.rings import RingSet
+from dflash_async.pipeline.rings import Notifier, RingSet, SlotRing
 from dflash_async.pipeline.startup import RunInputs, build_drafter_step, check_device_combination
 from dflash_async.settings import Settings, SettingsError
 from dflash_async.stages import produce
