@@ -142,7 +142,7 @@ async def test_full_ring_blocks_producers_while_the_loop_stays_responsive() -> N
         await wait_all_tasks_blocked()
         tg.start_soon(_measure_lag, stop, lags)
         matmuls = await worker.run(_matmuls_for, 0.5)  # the worker computes; the loop ticks
-        assert acquired == [] and ring.statistics().depth == 2  # backpressure held
+        assert acquired == [] and ring.num_full == 2  # backpressure held
         slot = await ring.receive_full()
         assert int(slot.batch.input_ids[0]) == 0
         ring.release(slot)
@@ -153,7 +153,6 @@ async def test_full_ring_blocks_producers_while_the_loop_stays_responsive() -> N
     # 0.5 s of 1 ms ticks: ~400 when the loop is free; a blocked loop would tick once.
     assert matmuls > 0 and len(lags) > 20, (matmuls, len(lags))
     assert max(lags) < 0.050, f"loop lag {max(lags) * 1e3:.1f} ms over {len(lags)} ticks"
-    assert ring.statistics().acquire_wait_s >= 0.5
 
 
 @pytest.mark.anyio
@@ -171,9 +170,9 @@ async def test_released_slot_is_reused_only_after_its_event_completes() -> None:
         with anyio.fail_after(5):
             while event.queries < 3:  # the waiting producer polls the event
                 await anyio.sleep(0.001)
-        assert acquired == [] and ring.statistics().releasing == 1
+        assert acquired == [] and ring.polling  # the slot waits for its event
         event.done = True
-    assert len(acquired) == 1 and ring.statistics().releasing == 0
+    assert len(acquired) == 1 and not ring.polling
 
 
 @pytest.mark.anyio

@@ -52,7 +52,6 @@ async def test_a_producer_fills_its_home_ring_first_then_the_roomiest_then_waits
         assert rings.ring_of(first) == 2  # the oldest published slot goes to drafter 0
         rings.release(first)  # ring 2's slot comes back
     assert blocked.is_set()
-    assert rings.statistics().spilled == 4  # the one more went to ring 2, not home ring 1
 
 
 async def test_each_ring_holds_at_most_its_slots_so_a_target_stays_that_far_ahead() -> None:
@@ -116,26 +115,31 @@ async def test_unequal_target_speeds_never_leave_a_drafter_waiting_beside_a_full
     waiting = {"target0": False, "target1": False, "drafters": False}
     produced: list[tuple[int, int]] = []
     trained: list[tuple[int, int]] = []
+    spilled = stolen = 0  # packs filled outside their target's home ring, taken by another drafter
 
     async def target(home: int) -> None:
+        nonlocal spilled
         producer, n = rings.producer(home), 0
         while True:
             await budgets[home].acquire()
             waiting[f"target{home}"] = True
             slot = await producer.acquire_free()
             waiting[f"target{home}"] = False
+            spilled += rings.ring_of(slot) != home
             slot.meta["pack"] = (home, n)
             produced.append((home, n))
             producer.publish(slot)
             n += 1
 
     async def drafters() -> None:
+        nonlocal stolen
         while True:
             await step_budget.acquire()
             waiting["drafters"] = True
             slots = await rings.receive_step()
             waiting["drafters"] = False
             trained.extend(s.meta["pack"] for s in slots)
+            stolen += sum(rings.ring_of(s) != j for j, s in enumerate(slots))
             for slot in slots:
                 rings.release(slot)
 
@@ -159,8 +163,7 @@ async def test_unequal_target_speeds_never_leave_a_drafter_waiting_beside_a_full
         tg.cancel_scope.cancel()
     assert len(set(trained)) == len(trained) and set(trained) <= set(produced)
     assert len(produced) - len(trained) <= 2 * num_slots  # the rest sit in the rings
-    stats = rings.statistics()
-    assert stats.spilled > 0 and stats.stolen > 0  # both imbalances happened
+    assert spilled > 0 and stolen > 0  # both imbalances happened
 
 
 async def test_a_step_takes_the_oldest_published_packs_the_jth_oldest_for_drafter_j() -> None:

@@ -60,21 +60,6 @@ class Slot:
     published_ns: int = 0  # when publish ran (perf_counter_ns): the publish order across rings
 
 
-@dataclass
-class SlotRingStatistics:
-    name: str
-    num_slots: int
-    slot_bytes: int
-    depth: int = 0  # full slots waiting for a consumer
-    free: int = 0  # slots a producer can take now
-    releasing: int = 0  # released slots whose completion event has not fired yet
-    published: int = 0
-    received: int = 0
-    bytes_published: int = 0
-    acquire_wait_s: float = 0.0  # producers waiting for a free slot: backpressure
-    receive_wait_s: float = 0.0  # consumers waiting for a full slot: starvation
-
-
 class SlotRing:
     """N preallocated slots cycling free -> filled (producer) -> full -> copied (consumer) -> free.
 
@@ -120,46 +105,38 @@ class SlotRing:
         self._releasing: list[tuple[Slot, Completion]] = []
         self._closed = False
         self.changed = changed or Notifier()  # shared by the rings of one RingSet
-        self._stats = SlotRingStatistics(name, num_slots, self.slots[0].batch.nbytes)
+        self.name = name
+        self.published = 0  # slots published since the start (the step line's supply)
 
     async def acquire_free(self) -> Slot:
         """A free slot (its `meta` cleared). Waits while none is free; raises
         anyio.ClosedResourceError once the ring is closed."""
-        started = time.perf_counter()
-        try:
-            while True:
-                if self._closed:
-                    raise anyio.ClosedResourceError(f"slot ring {self._stats.name} is closed")
-                self._reclaim_completed()
-                if self._free:
-                    return self.take_free_nowait()
-                await self._wait_for_change(poll=bool(self._releasing))
-        finally:
-            self._stats.acquire_wait_s += time.perf_counter() - started
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError(f"slot ring {self.name} is closed")
+            self._reclaim_completed()
+            if self._free:
+                return self.take_free_nowait()
+            await self._wait_for_change(poll=bool(self._releasing))
 
     def publish(self, slot: Slot, event: Completion | None = None) -> None:
         """Hand a filled slot to the consumers. `event`: completes when the producer's writes
         have (a torch.cuda.Event recorded on the producer's stream); None when they are done."""
         if self._closed:
-            raise anyio.ClosedResourceError(f"slot ring {self._stats.name} is closed")
+            raise anyio.ClosedResourceError(f"slot ring {self.name} is closed")
         slot.ready, slot.published_ns = event, time.perf_counter_ns()
         self._full.append(slot)
-        self._stats.published += 1
-        self._stats.bytes_published += self._stats.slot_bytes
+        self.published += 1
         self._notify()
 
     async def receive_full(self) -> Slot:
         """The oldest published slot. Waits while none is; once the ring is closed and drained,
         raises anyio.EndOfStream."""
-        started = time.perf_counter()
-        try:
-            while not self._full:
-                if self._closed:
-                    raise anyio.EndOfStream
-                await self._wait_for_change(poll=False)
-            return self.take_full_nowait()
-        finally:
-            self._stats.receive_wait_s += time.perf_counter() - started
+        while not self._full:
+            if self._closed:
+                raise anyio.EndOfStream
+            await self._wait_for_change(poll=False)
+        return self.take_full_nowait()
 
     def release(self, slot: Slot, event: Completion | None = None) -> None:
         """Give a consumed slot back. With `event`, the slot is reused only after it completes."""
@@ -175,13 +152,6 @@ class SlotRing:
         get ClosedResourceError, consumers drain the full slots and then get EndOfStream."""
         self._closed = True
         self._notify()
-
-    def statistics(self) -> SlotRingStatistics:
-        self._reclaim_completed()
-        self._stats.depth = len(self._full)
-        self._stats.free = len(self._free)
-        self._stats.releasing = len(self._releasing)
-        return self._stats
 
     def __aiter__(self) -> AsyncIterator[Slot]:
         return self
@@ -237,7 +207,6 @@ class SlotRing:
         return slot
 
     def take_full_nowait(self) -> Slot:
-        self._stats.received += 1
         return self._full.popleft()
 
 
@@ -267,15 +236,11 @@ class Notifier:
 
 @dataclass
 class RingSetStatistics:
-    """Counters over every ring (summed) plus each ring's depth, for the `step` line."""
+    """What the `step` line reads: full slots over every ring and per ring, slots published."""
 
-    depth: int
-    published: int
-    depths: list[int]
-    spilled: int  # slots a producer filled in a ring other than its home ring
-    stolen: int  # slots a drafter took from a ring other than its own
-    acquire_wait_s: float
-    receive_wait_s: float
+    depth: int  # full slots waiting for a drafter, over every ring (slot_queue)
+    published: int  # slots published since the start (supply_tokens_per_s)
+    depths: list[int]  # full slots per ring (slot_queues)
 
 
 class RingSet:
@@ -291,8 +256,6 @@ class RingSet:
         self._changed = rings[0].changed
         self._ring_of = {slot: i for i, r in enumerate(rings) for slot in r.slots}
         self._poll_interval_s = poll_interval_s
-        self._spilled = self._stolen = 0
-        self._acquire_wait_s = self._receive_wait_s = 0.0
 
     def producer(self, home: int | None) -> RingProducer:
         """What a target stage fills: `acquire_free()` and `publish(slot, event)`."""
@@ -306,19 +269,14 @@ class RingSet:
     async def acquire_free(self, home: int | None) -> Slot:
         """A free slot: the home ring's, else the roomiest ring's. Waits while none is free;
         raises anyio.ClosedResourceError once closed."""
-        started = time.perf_counter()
-        try:
-            while True:
-                if any(r.closed for r in self.rings):
-                    raise anyio.ClosedResourceError("slot rings are closed")
-                chosen = self._roomiest(home)
-                if chosen is not None:
-                    self._spilled += chosen != home and home is not None
-                    return self.rings[chosen].take_free_nowait()
-                polling = any(r.polling for r in self.rings)  # released slots not yet reusable
-                await self._changed.wait(self._poll_interval_s if polling else None)
-        finally:
-            self._acquire_wait_s += time.perf_counter() - started
+        while True:
+            if any(r.closed for r in self.rings):
+                raise anyio.ClosedResourceError("slot rings are closed")
+            chosen = self._roomiest(home)
+            if chosen is not None:
+                return self.rings[chosen].take_free_nowait()
+            polling = any(r.polling for r in self.rings)  # released slots not yet reusable
+            await self._changed.wait(self._poll_interval_s if polling else None)
 
     def publish(self, slot: Slot, event: Completion | None = None) -> None:
         self.rings[self._ring_of[slot]].publish(slot, event)
@@ -326,15 +284,11 @@ class RingSet:
     async def receive_step(self) -> list[Slot]:
         """The M oldest full slots, the j-th oldest for drafter j. Waits while fewer than M
         are full; once closed with fewer left, raises anyio.EndOfStream."""
-        started = time.perf_counter()
-        try:
-            while sum(r.num_full for r in self.rings) < len(self.rings):
-                if any(r.closed for r in self.rings):
-                    raise anyio.EndOfStream
-                await self._changed.wait()
-            return self._assign()
-        finally:
-            self._receive_wait_s += time.perf_counter() - started
+        while sum(r.num_full for r in self.rings) < len(self.rings):
+            if any(r.closed for r in self.rings):
+                raise anyio.EndOfStream
+            await self._changed.wait()
+        return self._assign()
 
     def release(self, slot: Slot, event: Completion | None = None) -> None:
         self.rings[self._ring_of[slot]].release(slot, event)
@@ -344,16 +298,9 @@ class RingSet:
             ring.close()
 
     def statistics(self) -> RingSetStatistics:
-        stats: list[SlotRingStatistics] = [r.statistics() for r in self.rings]
-        return RingSetStatistics(
-            depth=sum(s.depth for s in stats),
-            published=sum(s.published for s in stats),
-            depths=[s.depth for s in stats],
-            spilled=self._spilled,
-            stolen=self._stolen,
-            acquire_wait_s=self._acquire_wait_s,
-            receive_wait_s=self._receive_wait_s,
-        )
+        depths = [r.num_full for r in self.rings]
+        published = sum(r.published for r in self.rings)
+        return RingSetStatistics(depth=sum(depths), published=published, depths=depths)
 
     def _roomiest(self, home: int | None) -> int | None:
         free = [r.num_free for r in self.rings]
@@ -364,12 +311,11 @@ class RingSet:
 
     def _assign(self) -> list[Slot]:
         taken = []
-        for drafter in range(len(self.rings)):
+        for _drafter in range(len(self.rings)):  # the j-th oldest for drafter j
             heads = [
                 (r.oldest_full().published_ns, i) for i, r in enumerate(self.rings) if r.num_full
             ]
             _, ring = min(heads)  # each ring is FIFO: the oldest overall heads some ring
-            self._stolen += ring != drafter
             taken.append(self.rings[ring].take_full_nowait())
         return taken
 
