@@ -12,7 +12,7 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from dflash_async.pipeline.rings import Notifier, RingSet, SlotRing
+from dflash_async.pipeline.rings import Notifier, RingSet, Slot, SlotRing
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 CPU = torch.device("cpu")
@@ -27,19 +27,24 @@ def ring_set(num_rings: int, num_slots: int) -> RingSet:
     ])  # fmt: skip
 
 
+def ring_of(rings: RingSet, slot: Slot) -> int:
+    """The index of the ring that holds `slot`."""
+    return next(i for i, ring in enumerate(rings.rings) if slot in ring.slots)
+
+
 async def test_a_producer_fills_its_home_ring_first_then_the_roomiest_then_waits() -> None:
     rings = ring_set(3, 2)
     producer = rings.producer(home=1)
     taken = [await producer.acquire_free() for _ in range(2)]
-    assert [rings.ring_of(s) for s in taken] == [1, 1]  # home first: no copy across devices
+    assert [ring_of(rings, s) for s in taken] == [1, 1]  # home first: no copy across devices
     rings.rings[2].publish(await rings.rings[2].acquire_free())  # ring 2 has less room than 0
     spilled = [await producer.acquire_free() for _ in range(3)]
-    assert [rings.ring_of(s) for s in spilled] == [0, 0, 2]  # then the roomiest ring
+    assert [ring_of(rings, s) for s in spilled] == [0, 0, 2]  # then the roomiest ring
     blocked = anyio.Event()
 
     async def one_more() -> None:
         slot = await producer.acquire_free()
-        assert rings.ring_of(slot) == 2  # the first ring to get room back
+        assert ring_of(rings, slot) == 2  # the first ring to get room back
         blocked.set()
 
     async with anyio.create_task_group() as tg:
@@ -49,7 +54,7 @@ async def test_a_producer_fills_its_home_ring_first_then_the_roomiest_then_waits
         for slot in taken:
             rings.publish(slot)
         first, *_ = await rings.receive_step()
-        assert rings.ring_of(first) == 2  # the oldest published slot goes to drafter 0
+        assert ring_of(rings, first) == 2  # the oldest published slot goes to drafter 0
         rings.release(first)  # ring 2's slot comes back
     assert blocked.is_set()
 
@@ -67,7 +72,7 @@ async def test_each_ring_holds_at_most_its_slots_so_a_target_stays_that_far_ahea
         tg.start_soon(fill_seven)
         await wait_all_tasks_blocked()
         assert len(filled) == 6  # 3 per ring, 2 x 3 in all: the 7th waits
-        assert sorted(rings.ring_of(s) for s in filled) == [0, 0, 0, 1, 1, 1]
+        assert sorted(ring_of(rings, s) for s in filled) == [0, 0, 0, 1, 1, 1]
         tg.cancel_scope.cancel()
 
 
@@ -85,7 +90,7 @@ async def test_a_step_waits_only_while_fewer_packs_than_drafters_exist() -> None
         await wait_all_tasks_blocked()
         assert got == []  # one pack for two drafters: wait
         rings.publish(await rings.rings[1].acquire_free())
-    assert [rings.ring_of(s) for s in got] == [1, 1]
+    assert [ring_of(rings, s) for s in got] == [1, 1]
 
 
 async def test_closed_rings_end_the_steps_once_fewer_packs_than_drafters_remain() -> None:
@@ -125,7 +130,7 @@ async def test_unequal_target_speeds_never_leave_a_drafter_waiting_beside_a_full
             waiting[f"target{home}"] = True
             slot = await producer.acquire_free()
             waiting[f"target{home}"] = False
-            spilled += rings.ring_of(slot) != home
+            spilled += ring_of(rings, slot) != home
             slot.meta["pack"] = (home, n)
             produced.append((home, n))
             producer.publish(slot)
@@ -139,7 +144,7 @@ async def test_unequal_target_speeds_never_leave_a_drafter_waiting_beside_a_full
             slots = await rings.receive_step()
             waiting["drafters"] = False
             trained.extend(s.meta["pack"] for s in slots)
-            stolen += sum(rings.ring_of(s) != j for j, s in enumerate(slots))
+            stolen += sum(ring_of(rings, s) != j for j, s in enumerate(slots))
             for slot in slots:
                 rings.release(slot)
 

@@ -263,9 +263,6 @@ class RingSet:
             raise ValueError(f"home ring {home} is not one of {len(self.rings)} rings")
         return RingProducer(self, home)
 
-    def ring_of(self, slot: Slot) -> int:
-        return self._ring_of[slot]
-
     async def acquire_free(self, home: int | None) -> Slot:
         """A free slot: the home ring's, else the roomiest ring's. Waits while none is free;
         raises anyio.ClosedResourceError once closed."""
