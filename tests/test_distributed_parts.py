@@ -1,6 +1,5 @@
 """The pieces of several-node runs that need no second process: who is who (launcher variables),
-each rank's share of the packs, resuming on another number of nodes, the peer watchdog and the
-start-up agreement check (issue 13)."""
+each rank's share of the packs, the peer watchdog and the start-up agreement check (issue 13)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from structlog.testing import capture_logs
 
-from dflash_async.data.packing import PackCursor, iter_packs, plan_epoch, reshard_cursor
+from dflash_async.data.packing import plan_epoch
 from dflash_async.log import get_logger
 from dflash_async.pipeline import distributed
 from dflash_async.pipeline.distributed import (
@@ -21,7 +20,6 @@ from dflash_async.pipeline.distributed import (
     Watchdog,
     check_same_run,
     rank_info_from_env,
-    resumed_cursor,
 )
 from dflash_async.settings import SettingsError
 
@@ -87,51 +85,6 @@ def test_rank_shares_change_with_the_epoch_and_repeat_with_the_seed() -> None:
         return [p.tolist() for p in plan]
 
     assert share(0) == share(0) and share(0) != share(1)
-
-
-# ---- resuming on another number of nodes ------------------------------------------------------
-
-
-def remaining(cursor: PackCursor, world_size: int) -> list[tuple]:
-    """Packs of epoch `cursor.epoch` that `world_size` ranks still train on from `cursor`."""
-    packs = []
-    for rank in range(world_size):
-        it = iter_packs(LENGTHS, BUDGET, SEED, start=cursor, epochs=cursor.epoch + 1, rank=rank,
-                        world_size=world_size)  # fmt: skip
-        packs += [tuple(p.tolist()) for _, p in it]
-    return sorted(set(packs))
-
-
-def test_resume_on_another_world_size_continues_with_exactly_the_packs_left() -> None:
-    epoch_packs = len(plan_epoch(LENGTHS, BUDGET, SEED, 0))
-    full = [tuple(p.tolist()) for p in plan_epoch(LENGTHS, BUDGET, SEED, 0)]
-    saved = PackCursor(0, 6)  # 4 ranks stood at pack 6 of their shares: 24 packs consumed
-    for world_size in (1, 2, 3, 6, 8):
-        moved = reshard_cursor(saved, saved_world_size=4, world_size=world_size,
-                               epoch_packs=epoch_packs)  # fmt: skip
-        assert moved == PackCursor(0, 24 // world_size)
-        left = remaining(moved, world_size)
-        padding = set(full[: -len(full) % world_size])  # the repeats that even the shares out
-        assert set(full[24:]) <= set(left) and set(left) - set(full[24:]) <= padding
-
-
-def test_resume_keeps_epoch_boundaries_and_same_world_cursors() -> None:
-    kw = {"epoch_packs": 55}
-    assert reshard_cursor(PackCursor(2, 0), saved_world_size=4, world_size=3, **kw) == PackCursor(
-        2, 0
-    )
-    assert reshard_cursor(PackCursor(2, 5), saved_world_size=4, world_size=4, **kw) == PackCursor(
-        2, 5
-    )
-    # 4 x 14 = 56 >= 55: only the padding repeat was left, the next epoch starts
-    assert reshard_cursor(PackCursor(2, 14), saved_world_size=4, world_size=3, **kw) == PackCursor(3, 0)  # fmt: skip
-
-
-def test_resume_that_would_skip_or_repeat_packs_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="pack 10 of 55"):
-        reshard_cursor(PackCursor(0, 5), saved_world_size=2, world_size=3, epoch_packs=55)
-    with pytest.raises(SettingsError, match=r"cannot resume on 3 node.*resume on 2 ranks"):
-        resumed_cursor(PackCursor(0, 5), saved_world_size=2, node=RankInfo(0, 3), epoch_packs=55)
 
 
 # ---- the watchdog and the start-up check (a real store, in this process) ------------------------

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TinySpec, randomize_, tiny_config, tiny_drafter, tiny_target_weights
 from structlog.testing import capture_logs
+from target_kit import capture_features
 from tiny_decoding import VOCAB, CharTokenizer, tiny_qwen3_target
 from transformers import Qwen3Config
 
@@ -41,7 +42,6 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.target.loading import (
     TargetError,
-    capture_features,
     frozen_embeddings,
     random_target,
 )

@@ -16,6 +16,7 @@ import anyio
 import pytest
 import torch
 from structlog.testing import capture_logs
+from target_kit import save_random_target
 from test_pipeline import run_settings
 from tiny_run import write_pretokenized
 from transformers import Qwen3NextConfig
@@ -24,7 +25,7 @@ from dflash_async.log import get_logger
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline import startup
 from dflash_async.settings import SettingsError
-from dflash_async.target.loading import load_target_tokenizer, save_random_target
+from dflash_async.target.loading import load_target_tokenizer
 from dflash_async.target.tiny import ensure_tiny_target, tiny_tokenizer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]

@@ -11,7 +11,7 @@ class FakeRing:
     def statistics(self):
         from dflash_async.pipeline.rings import RingSetStatistics
 
-        return RingSetStatistics(0, 0, [0], 0, 0, 0.0, 0.0)
+        return RingSetStatistics(0, 0, [0])
 
 
 class DoneEvent:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from target_kit import capture_features, save_random_target
 from transformers import (
     LlamaConfig,
     PretrainedConfig,
@@ -20,14 +20,12 @@ from transformers import (
 from dflash_async.target.loading import (
     TargetError,
     TargetFeatures,
-    capture_features,
     decoder_layers,
     fast_kernel_preflight,
     frozen_embeddings,
     load_target,
     preflight_lines,
     random_target,
-    save_random_target,
     text_model,
 )
 
@@ -190,10 +188,6 @@ def test_config_transformers_cannot_build_is_a_target_error(tmp_path: Path) -> N
     assert "\n" not in str(info.value)
 
 
-def _weights_hash(folder: Path) -> str:
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-
-
 def test_saved_random_target_loads_frozen_in_fp32_on_cpu(tmp_path: Path) -> None:
     rng_before = torch.get_rng_state()
     folder = save_random_target(tmp_path / "t", _config("qwen3"), seed=3)
@@ -206,15 +200,6 @@ def test_saved_random_target_loads_frozen_in_fp32_on_cpu(tmp_path: Path) -> None
         model.state_dict().items(), reference.state_dict().values(), strict=True
     ):
         assert torch.equal(p, q), name
-
-
-def test_save_random_target_is_deterministic_and_replaces_atomically(tmp_path: Path) -> None:
-    a = save_random_target(tmp_path / "a", _config("qwen3"), seed=1)
-    b = save_random_target(tmp_path / "b", _config("qwen3"), seed=1)
-    assert _weights_hash(a) == _weights_hash(b)
-    save_random_target(tmp_path / "a", _config("qwen3"), seed=2)  # replaces the folder
-    assert _weights_hash(a) != _weights_hash(b)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no temporaries left
 
 
 def test_preflight_is_empty_for_a_target_without_linear_attention() -> None:

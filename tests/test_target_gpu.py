@@ -14,11 +14,12 @@ import copy
 import numpy as np
 import pytest
 import torch
+from target_kit import capture_features
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target.forward import select_target_forward
-from dflash_async.target.loading import capture_features, random_target
+from dflash_async.target.loading import random_target
 
 pytestmark = pytest.mark.gpu
 

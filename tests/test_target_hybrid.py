@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from target_kit import capture_features
 from transformers import Qwen3_5TextConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target.forward import select_target_forward
-from dflash_async.target.loading import capture_features, random_target, text_model
+from dflash_async.target.loading import random_target, text_model
 from dflash_async.target.packed_hybrid import (
     HybridKernels,
     PackedHybridForward,

@@ -13,11 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from target_kit import capture_features
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target.forward import select_target_forward
-from dflash_async.target.loading import capture_features, random_target, text_model
+from dflash_async.target.loading import random_target, text_model
 from dflash_async.target.packed_dense import (
     PackedDenseForward,
     document_causal_block_mask,

@@ -200,32 +200,6 @@ def iter_packs(
         epoch, index = epoch + 1, 0
 
 
-def reshard_cursor(
-    cursor: PackCursor, *, saved_world_size: int, world_size: int, epoch_packs: int
-) -> PackCursor:
-    """The cursor of a run saved on `saved_world_size` ranks, for `world_size` ranks.
-
-    `epoch_packs` is P, the packs of the cursor's epoch before sharding. Every rank of the saved
-    run stood at the same index i of its share, so the first i * W_saved packs of the epoch were
-    consumed. The new ranks continue from there when that count is a multiple of the new world
-    size, or when the epoch is used up (then at the next epoch's start); otherwise some packs
-    would be skipped or seen twice, and this raises ValueError saying why.
-    """
-    if saved_world_size == world_size or cursor.index == 0:
-        return cursor
-    consumed = cursor.index * saved_world_size
-    if consumed >= epoch_packs:  # only repeated padding packs were left
-        return PackCursor(cursor.epoch + 1, 0)
-    if consumed % world_size:
-        raise ValueError(
-            f"the checkpoint stands at pack {consumed} of {epoch_packs} of epoch {cursor.epoch} "
-            f"({saved_world_size} ranks x {cursor.index}); {world_size} ranks cannot continue "
-            f"there without skipping or repeating packs: resume on {saved_world_size} ranks or "
-            f"on a number of ranks dividing {consumed}"
-        )
-    return PackCursor(cursor.epoch, consumed // world_size)
-
-
 def target_batches(lengths_of_pack: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
     """Split one pack into right-padded 2-D target batches: arrays of positions in the pack.
 

@@ -33,7 +33,6 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from dflash_async.data.packing import PackCursor, reshard_cursor
 from dflash_async.log import bound_context
 from dflash_async.model.step import STATS
 from dflash_async.settings import SettingsError
@@ -349,23 +348,3 @@ def check_same_run(info: RankInfo, *, timeout_s: float, **facts: Any) -> None:
                     f"rank {rank} has {name}={theirs[name]} but rank {info.rank} has {value}: "
                     "every node needs the same data, settings and number of drafter devices"
                 )
-
-
-def resumed_cursor(
-    cursor: PackCursor, *, saved_world_size: int, node: RankInfo, epoch_packs: int
-) -> PackCursor:
-    """Where this node continues a checkpoint written on `saved_world_size` nodes: the same
-    cursor on as many nodes, else `packing.reshard_cursor`'s; SettingsError (exit 2) with the
-    reason where no node count change can continue exactly. `epoch_packs`: the cursor epoch's
-    packs before sharding (len(plan_epoch(...)) with the default rank and world size).
-
-    Not called by `run` yet: resuming a run of several nodes is refused at start-up
-    (checkpoint/resume.py); this and `packing.reshard_cursor` are the tested half of that feature.
-    """
-    try:
-        return reshard_cursor(
-            cursor, saved_world_size=saved_world_size, world_size=node.world_size,
-            epoch_packs=epoch_packs,
-        )  # fmt: skip
-    except ValueError as error:
-        raise SettingsError(f"cannot resume on {node.world_size} node(s): {error}") from None

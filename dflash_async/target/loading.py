@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from dflash_async.atomic import atomic_directory
 from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -207,21 +206,6 @@ class TargetFeatures:
         self.close()
 
 
-def capture_features(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    layer_ids: Sequence[int],
-) -> torch.Tensor:
-    """One-shot `TargetFeatures`: [B, S, k*d], layer outputs concatenated in `layer_ids` order.
-
-    Equals `model(..., output_hidden_states=True).hidden_states[i + 1]` for each id i, except for
-    the last layer (i = L-1), where HF reports the output after the final norm and we the raw one.
-    """
-    with TargetFeatures(model, layer_ids) as features:
-        return features(input_ids, attention_mask)
-
-
 # Fast kernels of hybrid (Gated DeltaNet) targets: (import name, distribution, what it speeds up).
 _FAST_KERNELS = (
     ("fla", "flash-linear-attention", "the Gated DeltaNet layers (chunk_gated_delta_rule)"),
@@ -293,17 +277,3 @@ def random_target(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
-
-
-def save_random_target(
-    path: str | os.PathLike[str],
-    config: PretrainedConfig,
-    seed: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Write `random_target(config, seed)` as an HF folder at `path` (atomic); returns the path."""
-    model = random_target(config, seed, dtype=dtype)
-    with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp)
-    return Path(path)
