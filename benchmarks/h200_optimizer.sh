@@ -5,9 +5,10 @@
 #   2. benchmarks/research/optimizer_bench.py at the Qwen3-8B drafter's 58 parameter tensors
 #      (1.05 B fp32): today's sequence (DrafterStep._update), each piece alone, memory-speed
 #      references (copy, one flat norm, one flat scale) and the candidate sequences, each
-#      captured in a CUDA graph and replayed 20 times: ms, GB moved (analytic), GB/s, and each full sequence's largest relative
-#      difference from today's after 3 steps (p, exp_avg, exp_avg_sq, grad norm) against the
-#      derived tolerance; then the kernels one eager call of each full sequence launches.
+#      captured in a CUDA graph and replayed 20 times: ms, GB moved (analytic), GB/s, and each
+#      full sequence's largest relative difference from today's after 3 steps (p, exp_avg,
+#      exp_avg_sq, grad norm) against the derived tolerance; then the kernels one eager call of
+#      each full sequence launches.
 # Each part runs under its own `timeout`; everything printed also lands in $OUT/optimizer.log.
 # Usage: benchmarks/h200_optimizer.sh
 set -uo pipefail
