@@ -4,7 +4,7 @@
 # two device calls made back to back (the machine stays warm ~30 s after a call, and what a call
 # leaves outside the repository stays with it), then later calls on the warm machine reuse it:
 #   a [checks]  (carry .fa/a and .whl): keep the first half of the CuTe DSL libraries wheel and
-#     the small wheels in /tmp/fa; with `checks`, also `bench linear` (the fp32 master weights'
+#     the small wheels in /tmp/fa; with `checks`, also linear_bench.py (the fp32 master weights'
 #     dtype passes around a layer's matmuls, against bf16 copies and fp32-accumulating weight
 #     gradients, ~1 minute) and the GPU tests of the drafter step's defaults (~1 minute);
 #   b [TASK...]  (carry .fa/b and .whl): join the halves (checked against the sha256), install
@@ -12,7 +12,7 @@
 #   TASK...  (carry .whl, and .ab for ab*): more tasks on the same warm machine, or on a fresh
 #     one without flash-attn-4 (auto is then Triton).
 # Tasks:
-#   experiment: `bench attention --configs default,flash_backend` at 1024 and 4096 anchors
+#   experiment: attention_bench.py `--configs default,flash_backend` at 1024 and 4096 anchors
 #     (forward and backward ms and MFU on the step's block mask; output and gradients against
 #     torch's Triton kernels, tolerance 2^-7), the GPU parity test of the `flex_flash` step
 #     variant (loss, gradients, 20 graph-replayed steps) and `bench drafter --variants
@@ -49,8 +49,8 @@ stage_a() {
   mkdir -p /tmp/fa && cp .fa/a/* /tmp/fa/ && ls -la /tmp/fa
   wheels .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
   [ "${1:-}" = checks ] || { echo "stage a done: now stage b, at once"; return 0; }
-  part "bench linear, 1024 anchors"
-  timeout 120 python3 -m dflash_async bench linear 2>&1 | grep -E '^\{|rror' | cut -c1-600
+  part "linear_bench.py, 1024 anchors"
+  timeout 120 python3 benchmarks/research/linear_bench.py 2>&1 | grep -E '^\{|rror' | cut -c1-600
   part "GPU tests of the drafter step's defaults"
   timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not hybrid and not flex_flash" \
     tests/test_gpu_drafter.py tests/test_no_host_sync.py tests/test_checkpoint.py \
@@ -69,9 +69,9 @@ install() {  # stage b: join the halves, check them, install everything in one g
 experiment() {  # the FLASH backend against torch's Triton kernels, as first tried
   # timeouts: 150 + 100 + 120 + 180 s, inside one call's 600 with the install
   for anchors in 1024 4096; do
-    part "1. bench attention, $anchors anchors: torch's default vs the FLASH backend"
+    part "1. attention_bench.py, $anchors anchors: torch's default vs the FLASH backend"
     timeout $([ "$anchors" = 1024 ] && echo 150 || echo 100) \
-      python3 -m dflash_async bench attention --num-anchors "$anchors" \
+      python3 benchmarks/research/attention_bench.py --num-anchors "$anchors" \
       --configs default,flash_backend 2>&1 | grep -E '^\{|Error|error' | cut -c1-700
   done
   part "2. the flex_flash step: GPU parity, then flex_triton vs flex_flash (1024 anchors)"

@@ -112,8 +112,9 @@ BAD_INPUTS = {
         "--results", "{a_file}/r.jsonl"], {}, ["--results", "a_file"]),
     "eval/bad_argument": (["eval", "--drafter", "{root}", "--num-prompts", "0"], {},
                           ["--num-prompts"]),
-    "bench/attention_unknown_config": (["bench", "attention", "--configs", "default,huge"], {},
-                                       ["--configs", "huge"]),
+    "bench/moved_research_name": (["bench", "optimizer"], {},
+                                  ["bench optimizer", "benchmarks/research/optimizer_bench.py"]),
+    "bench/unknown_name": (["bench", "bogus"], {}, ["'bogus'", "drafter", "packing"]),
 }  # fmt: skip
 
 NO_CUDA_INPUTS = {
@@ -121,9 +122,6 @@ NO_CUDA_INPUTS = {
         "DFLASH_PIPELINE__DRAFTER_DEVICES": "0"}, ["DFLASH_PIPELINE__DRAFTER_DEVICES", "CUDA"]),
     "bench/drafter": (["bench", "drafter"], {}, ["bench drafter", "CUDA"]),
     "bench/drafter_on_cpu": (["bench", "drafter", "--device", "cpu"], {}, ["bench drafter"]),
-    "bench/graphs": (["bench", "graphs"], {}, ["bench graphs", "CUDA"]),
-    "bench/attention": (["bench", "attention"], {}, ["bench attention", "CUDA"]),
-    "bench/linear": (["bench", "linear"], {}, ["bench linear", "CUDA"]),
     "regenerate/cuda_device": (["regenerate", "--input", "{good}", "--output", "{root}/o.jsonl",
         "--target", "{root}", "--device", "cuda:0"], {}, ["--device", "CUDA"]),
     "eval/cuda_device": (["eval", "--drafter", "{root}", "--device", "cuda"], {},

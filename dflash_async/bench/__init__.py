@@ -1,1 +1,2 @@
-"""Benchmarks behind `python -m dflash_async bench`; never imported by the product."""
+"""The thin benchmarks behind `python -m dflash_async bench drafter|target|data|packing`, over
+the product's builders; never imported by the product. Research variants: benchmarks/research/."""

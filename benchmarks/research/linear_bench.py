@@ -1,5 +1,5 @@
-"""`python -m dflash_async bench linear`: what the drafter's fp32 master weights cost around each
-bf16 matmul, for every linear shape of a drafter layer.
+"""`python benchmarks/research/linear_bench.py`: what the drafter's fp32 master weights cost
+around each bf16 matmul, for every linear shape of a drafter layer.
 
 Today (`autocast`): under autocast each F.linear casts its fp32 weight to bf16 (read 4 + write 2
 bytes per weight, at every use: k_proj and v_proj run twice, on the context and on the block);
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 
+import research_entry
 import torch
+from attention_bench import rel_diff, time_path
 
-from dflash_async.bench.attention_bench import rel_diff, time_path
 from dflash_async.bench.drafter_bench import SHAPES
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -105,14 +106,14 @@ def bench_shape(uses: tuple[int, ...], fan_in: int, fan_out: int, *, device, rep
 
 def main(argv: list[str] | None = None) -> None:
     """One JSON line per linear shape of a drafter layer."""
-    parser = ArgumentParser(prog="python -m dflash_async bench linear")
+    parser = ArgumentParser(prog="python benchmarks/research/linear_bench.py")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--num-anchors", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
     args = parser.parse_args(argv)
-    require_cuda("bench linear", args.device)
+    require_cuda("linear_bench.py", args.device)
     device = parse_device(args.device, setting="--device")
     torch.cuda.set_device(device)
     block = SHAPES[args.shape]().block_size
@@ -121,3 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
         row = bench_shape(uses, fan_in, fan_out, device=device, reps=args.reps)
         print(json.dumps({"linear": name, **row}), flush=True)
+
+
+if __name__ == "__main__":
+    research_entry.run(main)

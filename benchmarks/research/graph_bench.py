@@ -1,4 +1,5 @@
-"""`python -m dflash_async bench graphs`: the CUDA-graph checks and contention benchmark (GPU).
+"""`python benchmarks/research/graph_bench.py`: the CUDA-graph checks and contention benchmark
+(GPU).
 
 - parity: N eager steps and N replayed steps from the same seeds: per-step loss, final weights,
   and the learning rate read back after every replay against the schedule function;
@@ -13,6 +14,7 @@ import json
 import threading
 import time
 
+import research_entry
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -139,9 +141,9 @@ def threads(shape, device, token_budget, num_anchors, n_threads, steps, graph, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    """bench graphs [--checks parity,memory,threads] ...: one JSON line per check; GPU only
+    """graph_bench.py [--checks parity,memory,threads] ...: one JSON line per check; GPU only
     (without CUDA a UsageError at once, exit 2)."""
-    parser = ArgumentParser(prog="python -m dflash_async bench graphs")
+    parser = ArgumentParser(prog="python benchmarks/research/graph_bench.py")
     parser.add_argument("--checks", default="parity,memory,threads")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--token-budget", type=int, default=8192)
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args(argv)
-    require_cuda("bench graphs", args.device)
+    require_cuda("graph_bench.py", args.device)
     device = parse_device(args.device, setting="--device")
     torch.cuda.set_device(device)
     flex_fn = torch.compile(flex_attention, dynamic=False)
@@ -166,3 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps({"shape": args.shape, **row}), flush=True)
             continue
         print(json.dumps({"shape": args.shape, **row}), flush=True)
+
+
+if __name__ == "__main__":
+    research_entry.run(main)

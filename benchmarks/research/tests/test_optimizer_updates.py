@@ -1,14 +1,13 @@
-"""The candidate phase-B sequences (bench/optimizer_updates.py) make today's update, and the
+"""The candidate phase-B sequences (optimizer_updates.py) make today's update, and the
 comparison catches sequences that do not (purpose-made mutants). CPU, small tensors, 3 steps."""
 
 from __future__ import annotations
 
+import optimizer_bench
 import torch
-
-from dflash_async.bench import optimizer_bench
-from dflash_async.bench.optimizer_bench import max_rel_diffs, snapshot
-from dflash_async.bench.optimizer_compiled import adamw_flat_math, sequence
-from dflash_async.bench.optimizer_updates import (
+from optimizer_bench import max_rel_diffs, snapshot
+from optimizer_compiled import adamw_flat_math, sequence
+from optimizer_updates import (
     CANDIDATES,
     CLIP_EPS,
     REL_TOL,

@@ -1,6 +1,6 @@
-"""`python -m dflash_async bench optimizer`: the drafter step's phase B alone, today's sequence,
-its pieces and candidate sequences (bench/optimizer_updates.py), each captured in a CUDA graph and
-replayed like the step, at the shapes of a real drafter's parameters.
+"""`python benchmarks/research/optimizer_bench.py`: the drafter step's phase B alone, today's
+sequence, its pieces and candidate sequences (optimizer_updates.py), each captured in a CUDA
+graph and replayed like the step, at the shapes of a real drafter's parameters.
 
 Per sequence: ms per replay (CUDA events), the GB it must move (bytes per parameter x the flat
 buffer's length, analytic), GB/s, and, for full sequences, the largest relative difference of p,
@@ -16,12 +16,13 @@ import json
 import time
 from collections import defaultdict
 
+import research_entry
 import torch
+from optimizer_compiled import sequence
+from optimizer_updates import REL_TOL, SEQUENCES, PhaseState, flat_norm
 from torch import nn
 
 from dflash_async.bench.drafter_bench import SHAPES as DRAFTER_SHAPES
-from dflash_async.bench.optimizer_compiled import sequence
-from dflash_async.bench.optimizer_updates import REL_TOL, SEQUENCES, PhaseState, flat_norm
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -228,9 +229,9 @@ def format_kernels(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """bench optimizer [--shape qwen3-8b] [--variants ...] [--replays 20] [--kernels]: one JSON
+    """optimizer_bench.py [--shape qwen3-8b] [--variants ...] [--replays 20] [--kernels]: one JSON
     line per sequence, then a markdown table. GPU (graphs); a CPU --device runs a smoke test."""
-    parser = ArgumentParser(prog="python -m dflash_async bench optimizer")
+    parser = ArgumentParser(prog="python benchmarks/research/optimizer_bench.py")
     parser.add_argument("--shape", choices=sorted([*DRAFTER_SHAPES, "tiny"]), default="qwen3-8b")
     parser.add_argument("--variants", default=",".join(SEQUENCES),
                         help=f"comma-separated, of: {', '.join(SEQUENCES)}")  # fmt: skip
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.replays < 1:
         parser.error(f"--replays {args.replays}: must be at least 1")
     if args.device.strip().lower() != "cpu":
-        require_cuda("bench optimizer", args.device)
+        require_cuda("optimizer_bench.py", args.device)
     device = parse_device(args.device, setting="--device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -257,3 +258,7 @@ def main(argv: list[str] | None = None) -> None:
              f"incl. alignment padding), {mode}, mean of {args.replays}; rel diff after "
              f"{CHECK_STEPS} steps vs today, tolerance {REL_TOL / U:.0f}u")  # fmt: skip
     print(format_table(rows, title=title), flush=True)
+
+
+if __name__ == "__main__":
+    research_entry.run(main)

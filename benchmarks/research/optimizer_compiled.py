@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from optimizer_updates import SEQUENCES, PhaseState, folded_coefficient
 
-from dflash_async.bench.optimizer_updates import SEQUENCES, PhaseState, folded_coefficient
 from dflash_async.model.update import adamw_math, folded_adamw
 
 

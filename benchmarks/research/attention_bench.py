@@ -1,4 +1,4 @@
-"""`python -m dflash_async bench attention`: one drafter layer's flex_attention, forward and
+"""`python benchmarks/research/attention_bench.py`: one drafter layer's flex_attention, forward and
 backward, under the step's real block mask, for a list of kernel tile configurations.
 
 The step's attention runs at a fraction of the MFU of its matmuls (BENCHMARKS.md, issue 20), and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import traceback
 
+import research_entry
 import torch
 
 from dflash_async.bench.drafter_bench import SHAPES, synthetic_pack
@@ -154,7 +155,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """One JSON line per configuration: fwd/bwd ms and MFU, and its difference from `default`."""
-    parser = ArgumentParser(prog="python -m dflash_async bench attention")
+    parser = ArgumentParser(prog="python benchmarks/research/attention_bench.py")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--num-anchors", type=int, default=1024)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         parser.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
-    require_cuda("bench attention", args.device)
+    require_cuda("attention_bench.py", args.device)
     device = parse_device(args.device, setting="--device")
     torch.cuda.set_device(device)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -207,3 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name], "layout": args.layout,
         }  # fmt: skip
         print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    research_entry.run(main)
