@@ -107,6 +107,8 @@ def test_report_of_the_run_has_every_plot_and_numbers_equal_to_the_lines(
     steady = steps[max(1, len(steps) // 10) :]
     assert summary["median_tokens_per_s"] == statistics.median(e["tokens_per_s"] for e in steady)
     assert summary["median_mfu"] == statistics.median(e["mfu"] for e in steady)
+    assert summary["gpu"] is False and summary["world_size"] == 1  # the tiny run: one CPU node
+    assert "<td>– (CPU run)</td>" in page  # its MFU is against a GPU's peak: not shown
     assert summary["median_padding_frac"] == statistics.median(e["padding_frac"] for e in steady)
     assert summary["steady_mem_gib"] == statistics.median(e["mem_gib"] for e in steady)
     assert summary["final_loss"] == steps[-1]["loss"]

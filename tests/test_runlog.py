@@ -12,12 +12,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dflash_async.__main__ import main
 from dflash_async.runlog.page import ROWS, cell, write_report
 from dflash_async.runlog.parse import read_run, read_runs
-from dflash_async.runlog.plots import FIGURES, busy_figure, learning_figure, step_time_figure
+from dflash_async.runlog.plots import (
+    FIGURES,
+    busy_figure,
+    learning_figure,
+    step_time_figure,
+    throughput_figure,
+)
 from dflash_async.runlog.summary import lost_seconds, startup_segments, summarize
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,7 +194,7 @@ def test_a_resumed_log_keeps_the_last_line_of_a_repeated_step(tmp_path: Path) ->
     second = [e for e in synthetic_log(10, first_step=8) if e["event"] == "step"]
     for e in second:
         e["loss"] = -1.0  # the resumed run's values
-    run = read_run(write_log(tmp_path / "log.jsonl", first + second))
+    run = read_run(write_log(tmp_path / "run" / "log.jsonl", first + second))
     steps, losses = run.series("loss")
     assert steps == list(range(1, 18))
     assert losses[7:] == [-1.0] * 10
@@ -224,3 +231,100 @@ def test_progress_events_in_start_up_merge_into_their_task_phase(tmp_path: Path)
     events += [_event("regenerate_completed", 4.5), _event("startup_completed", 5.0)]
     run = read_run(write_log(tmp_path / "log.jsonl", events))
     assert startup_segments(run) == [("regenerate", 4.5), ("other", 0.5)]
+
+
+def _ranked(events: list[dict], rank: int, **changes: Any) -> list[dict]:
+    """The events as one rank of a process group logs them (`rank` bound on each)."""
+    return [{**e, "rank": rank, **(changes if e["event"] == "step" else {})} for e in events]
+
+
+def _line(ax, label: str):
+    (line,) = [line for line in ax.lines if line.get_label() == label]
+    return line
+
+
+def test_report_of_two_ranks_shows_all_node_throughput(tmp_path: Path) -> None:
+    # log.jsonl of a 2-rank run: rank 0's lines alone, the world size in process_group_joined
+    events = synthetic_log(20)
+    events.insert(1, _event("process_group_joined", 0.5, world_size=2))
+    run = read_run(write_log(tmp_path / "run" / "log.jsonl", _ranked(events, 0)))
+    summary = summarize(run)
+    per_node = statistics.median(e["tokens_per_s"] for e in run.steps[2:])
+    assert summary["world_size"] == 2 and summary["median_tokens_per_s"] == per_node
+    assert summary["median_all_node_tokens_per_s"] == 2 * per_node
+    top = throughput_figure([run]).axes[0]
+    node = _line(top, "run: rank 0's node").get_ydata()
+    assert list(node) == [e["tokens_per_s"] for e in run.steps]
+    whole = _line(top, "run: all 2 nodes (rank 0's × 2)").get_ydata()
+    assert list(whole) == [2 * e["tokens_per_s"] for e in run.steps]
+    assert "all nodes" in top.get_ylabel()
+
+
+def test_a_log_of_every_rank_keeps_rank_0s_step_lines_and_counts_the_ranks(
+    tmp_path: Path,
+) -> None:
+    # torchrun's stdout of both ranks: every step twice, rank 1's after rank 0's
+    rank0, rank1 = _ranked(synthetic_log(10), 0), _ranked(synthetic_log(10), 1, loss=-1.0)
+    merged = [e for pair in zip(rank0, rank1, strict=True) for e in pair]
+    run = read_run(write_log(tmp_path / "log.jsonl", merged))
+    assert run.series("loss")[1] == [e["loss"] for e in rank0 if e["event"] == "step"]
+    assert run.world_size == 2
+
+
+def _cpu(events: list[dict]) -> list[dict]:
+    """The synthetic run on CPU: the drafter's device and the step lines' busy device."""
+    return [
+        {**e, "device": "cpu"} if e["event"] == "drafter_ready"
+        else {**e, "gpu_busy": {"cpu": 0.9}, "mem_gib": 0.0} if e["event"] == "step"
+        else e
+        for e in events
+    ]  # fmt: skip
+
+
+def test_a_cpu_run_has_no_mfu_against_the_h200_peak_and_a_gpu_run_names_the_peak(
+    tmp_path: Path,
+) -> None:
+    cpu = read_run(write_log(tmp_path / "cpu" / "log.jsonl", _cpu(synthetic_log(10))))
+    gpu = read_run(write_log(tmp_path / "gpu" / "log.jsonl", synthetic_log(10)))
+    mfu_axes = throughput_figure([cpu]).axes[1]
+    assert len(mfu_axes.lines) == 0 and "H200" not in mfu_axes.get_ylabel()
+    assert cell("median_mfu", summarize(cpu)) == "– (CPU run)"
+    assert summarize(cpu)["gpu"] is False and summarize(gpu)["gpu"] is True
+    mfu_axes = throughput_figure([gpu]).axes[1]
+    assert "780 TFLOP/s H200 bf16 peak" in mfu_axes.get_ylabel()
+    assert len(_line(mfu_axes, "gpu: mfu").get_ydata()) == 10
+    assert "780 TFLOP/s H200 bf16 peak" in ROWS["median_mfu"][0]
+
+
+def test_a_resumed_runs_throughput_line_breaks_at_the_gap_and_skips_the_empty_rate(
+    tmp_path: Path,
+) -> None:
+    # stopped after step 12 (t 21.5 s), resumed from the step-8 checkpoint at t 300 s
+    first = [e for e in synthetic_log(12) if e["event"] != "train_completed"]
+    second = [_event("settings_loaded", 300.0), _event("run_started", 301.0),
+              _event("resumed", 302.0, step=8)]  # fmt: skip
+    second += [_event("step", 303.0 + i, step=9 + i, tokens_per_s=0.0 if i == 0 else 2000.0 + i)
+               for i in range(10)]  # fmt: skip
+    run = read_run(write_log(tmp_path / "run" / "log.jsonl", first + second))
+    line = _line(throughput_figure([run]).axes[0], "run")
+    y, x = np.asarray(line.get_ydata()), np.asarray(line.get_xdata())
+    (gap,) = np.flatnonzero(np.isnan(y))
+    assert np.isnan(x[gap])
+    before = [e["tokens_per_s"] for e in first if e["event"] == "step"][:8]
+    assert list(y[:gap]) == before  # steps 1-8 of the first run (9-12 were redone)
+    assert list(y[gap + 1 :]) == [2000.0 + i for i in range(1, 10)]  # the rate's empty 0 left out
+    assert x[gap - 1] < 22 / 60 < 300 / 60 < x[gap + 1]  # minutes: the run spans > 3 minutes
+
+
+@pytest.mark.parametrize(
+    "text", ["", "\n\n", "\n".join(GARBAGE), '{"event": "something_else", "level": "info"}\n']
+)
+def test_report_of_a_file_holding_no_run_log_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    path = tmp_path / "captured.log"
+    path.write_text(text)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
+    assert not (tmp_path / "report").exists()

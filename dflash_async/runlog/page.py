@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from dflash_async.runlog.parse import RunLog
 from dflash_async.runlog.plots import FIGURES
-from dflash_async.runlog.summary import summarize
+from dflash_async.runlog.summary import MFU_PEAK, summarize
 
 DPI = 100
 
@@ -23,8 +23,10 @@ ROWS: dict[str, tuple[str, str]] = {
     "last_step": ("last step / total", "{}"),
     "wall_s": ("wall time (s)", "{:.1f}"),
     "startup_s": ("start-up (s)", "{:.2f}"),
-    "median_tokens_per_s": ("median tokens/s", "{:,.0f}"),
-    "median_mfu": ("median MFU (%)", "{:.3g}"),
+    "world_size": ("nodes (ranks)", "{:d}"),
+    "median_tokens_per_s": ("median tokens/s, node of rank 0", "{:,.0f}"),
+    "median_all_node_tokens_per_s": ("median tokens/s, all nodes (rank 0 × nodes)", "{:,.0f}"),
+    "median_mfu": (f"median MFU (% of the {MFU_PEAK})", "{:.3g}"),
     "median_padding_frac": ("median padding (%)", "{:.3g}"),
     "median_step_ms": ("median step time (ms)", "{:.1f}"),
     "steady_mem_gib": ("steady-state memory (GiB, peak reserved)", "{:.2f}"),
@@ -45,6 +47,8 @@ def cell(key: str, summary: dict[str, Any]) -> str:
     if key == "last_step" and value is not None:
         total = summary.get("total_steps")
         return f"{value} / {total}" if total is not None else str(value)
+    if key == "median_mfu" and summary.get("gpu") is False:
+        return "– (CPU run)"  # an MFU against a GPU's peak says nothing about a CPU
     if value is None:
         return "–"
     return ROWS[key][1].format(value * 100 if key in PERCENT else value)

@@ -4,6 +4,11 @@ A log is what the run wrote (`OUTPUT_DIR/log.jsonl`) or what a person captured f
 may hold tracebacks, progress bars or a line cut off by a kill). Every line that is not a JSON
 object with an `event` field is counted in `bad_lines` and skipped, never fatal. A resumed run
 appends to the same file, so a step can appear twice: the last line of a step wins.
+
+A file with none of the events every run logs (RUN_EVENTS) holds no run log: `read_run` raises
+RunLogError (exit 2) rather than draw an empty report. On several nodes every event of a rank
+carries `rank` and OUTPUT_DIR/log.jsonl holds rank 0's lines alone; a captured stdout of all
+ranks holds each step once per rank, so the step lines kept are the lowest rank's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from dflash_async.usage import UsageError
 
 LOG_NAME = "log.jsonl"
 SETTINGS_NAME = "settings.json"
+# Logged by every run: `settings_loaded` first (__main__), `run_summary` last (record.py), and
+# `run_started` and `step` once training starts; a failed start-up still has the first two.
+RUN_EVENTS = frozenset({"settings_loaded", "run_started", "step", "run_summary"})
+# Events that open a new stretch of steps: a new process (a restart) or a resume.
+SEGMENT_EVENTS = frozenset({"settings_loaded", "run_started", "resumed"})
 
 
 class RunLogError(UsageError):
@@ -35,13 +45,29 @@ class RunLog:
     bad_lines: int
     settings: dict[str, Any] | None = None
     steps: list[dict[str, Any]] = field(init=False)
+    segments: dict[int, int] = field(init=False)  # step -> its stretch (SEGMENT_EVENTS seen)
 
     def __post_init__(self) -> None:
+        lines = [e for e in self.events if e["event"] == "step" and _is_number(e.get("step"))]
+        rank = min((_rank(e) for e in lines), default=0)
+        kept = {id(e) for e in lines if _rank(e) == rank}
         by_step: dict[int, dict[str, Any]] = {}
+        self.segments, segment = {}, 0
         for event in self.events:
-            if event["event"] == "step" and _is_number(event.get("step")):
+            if event["event"] in SEGMENT_EVENTS:
+                segment += 1
+            elif id(event) in kept:
                 by_step[int(event["step"])] = event  # a resumed run's repeat replaces the first
+                self.segments[int(event["step"])] = segment
         self.steps = [by_step[s] for s in sorted(by_step)]
+
+    @property
+    def world_size(self) -> int:
+        """Nodes (ranks) of the run: `process_group_joined`'s world_size, or the ranks seen."""
+        joined = [e["world_size"] for e in self.named("process_group_joined")
+                  if _is_number(e.get("world_size"))]  # fmt: skip
+        ranks = [_rank(e) for e in self.events if e["event"] == "step"]
+        return int(max([*joined, max(ranks, default=0) + 1]))
 
     def named(self, event: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == event]
@@ -50,6 +76,12 @@ class RunLog:
         """(steps, values) of a numeric step field, skipping lines without it."""
         pairs = [(int(e["step"]), float(e[key])) for e in self.steps if _is_number(e.get(key))]
         return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _rank(event: dict[str, Any]) -> int:
+    """The rank that logged the event (0 without a process group: no `rank` field)."""
+    rank = event.get("rank", 0)
+    return int(rank) if _is_number(rank) else 0
 
 
 def _is_number(value: Any) -> bool:
@@ -99,6 +131,11 @@ def read_run(path: str | Path, name: str | None = None) -> RunLog:
     file = log_file(Path(path))
     text = file.read_text(encoding="utf-8", errors="replace")  # bad bytes: a bad line, not a crash
     events, bad = parse_lines(text.splitlines())
+    if not any(e["event"] in RUN_EVENTS for e in events):
+        raise RunLogError(
+            f"{file}: holds no run log (no JSON {', '.join(sorted(RUN_EVENTS))} event; "
+            f"{len(events)} other events, {bad} lines that are not events)"
+        )
     settings_file = file.parent / SETTINGS_NAME
     settings = None
     if settings_file.is_file():

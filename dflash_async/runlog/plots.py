@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
 
 from dflash_async.runlog.parse import RunLog, timestamp_s
-from dflash_async.runlog.summary import startup_segments
+from dflash_async.runlog.summary import MFU_PEAK, is_gpu_run, startup_segments
 
 COLORS = [f"C{i}" for i in range(10)]
 WIDTH = 11.0  # inches; at 100 dpi a 1100-pixel-wide image
@@ -32,15 +32,17 @@ def _figure(
 
 
 def _smoothed(values: list[float]) -> np.ndarray | None:
-    """A centred moving average over ~2% of the points (None when too few points to matter)."""
+    """A centred moving average over ~2% of the points (None when too few points to matter),
+    taken within each stretch between NaN gaps (a gap stays a gap)."""
     window = len(values) // 50
     if window < 2:
         return None
-    kernel = np.ones(window) / window
-    padded = np.pad(
-        np.asarray(values, dtype=float), (window // 2, window - 1 - window // 2), "edge"
-    )
-    return np.convolve(padded, kernel, mode="valid")
+    raw = np.asarray(values, dtype=float)
+    smooth = np.full_like(raw, np.nan)
+    for stretch in np.ma.clump_unmasked(np.ma.masked_invalid(raw)):
+        padded = np.pad(raw[stretch], (window // 2, window - 1 - window // 2), "edge")
+        smooth[stretch] = np.convolve(padded, np.ones(window) / window, mode="valid")
+    return smooth
 
 
 def _curve(ax: Axes, x, y, color: str, label: str, **kwargs) -> None:
@@ -117,26 +119,64 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _over_time(
+    run: RunLog, seconds: list[float], steps: list[dict], key: str
+) -> tuple[list[float], list[float]]:
+    """(seconds, values) of a step field, with a NaN pair where a new stretch of steps starts (a
+    restart or a resume: RunLog.segments), so the line breaks across the stop instead of
+    joining the last step before it to the first after. A stretch's first tokens/s of 0 is
+    dropped: the rate window then holds one step and reads 0 (pipeline/meters.py)."""
+    xs, ys, last = [], [], None
+    for t, e in zip(seconds, steps, strict=True):
+        segment = run.segments.get(int(e["step"]))
+        starts = segment != last
+        if starts and last is not None:
+            xs.append(np.nan)
+            ys.append(np.nan)
+        last, value = segment, e.get(key)
+        if _number(value) and not (starts and key == "tokens_per_s" and value == 0):
+            xs.append(t)
+            ys.append(float(value))
+    return xs, ys
+
+
+def _tokens_panel(ax: Axes, run: RunLog, xy: tuple[list[float], list[float]], color: str) -> None:
+    """Rank 0's node solid; with several nodes the whole run dashed, as rank 0's x world size
+    (log.jsonl has rank 0's step lines alone: summary.py says why that is right)."""
+    nodes = run.world_size
+    if nodes == 1:
+        _curve(ax, *xy, color, run.name)
+        return
+    _curve(ax, *xy, color, f"{run.name}: rank 0's node")
+    _curve(ax, xy[0], [y * nodes for y in xy[1]], color,
+           f"{run.name}: all {nodes} nodes (rank 0's × {nodes})", ls="--")  # fmt: skip
+
+
 def throughput_figure(runs: list[RunLog]) -> Figure:
     fig, axes = _figure(2, 1, "Throughput and utilisation over time", height=7.0, sharex=True)
     top, bottom = axes[0, 0], axes[1, 0]
     elapsed = [_elapsed(run) for run in runs]
     unit, per = _time_unit(max((s[-1] for s, _ in elapsed if s), default=0.0))
     styles = ["-", "--", ":", "-."]
+    gpu = [is_gpu_run(run) for run in runs]
     for i, (run, (seconds, steps)) in enumerate(zip(runs, elapsed, strict=True)):
-        color = COLORS[i % 10]
-        series = [(top, "tokens_per_s", 1.0, "-")] + [
-            (bottom, key, 100.0, styles[j % 4]) for j, key in enumerate(_mfu_fields(run))
-        ]
-        for ax, key, scale, style in series:
-            xy = [(s / per, e[key] * scale) for s, e in zip(seconds, steps, strict=True)
-                  if _number(e.get(key))]  # fmt: skip
-            label = run.name if ax is top else f"{run.name}: {key}"
-            _curve(ax, [x for x, _ in xy], [y for _, y in xy], color, label, ls=style)
-    top.set_ylabel("training tokens/s (all drafters)")
+        color, times = COLORS[i % 10], [s / per for s in seconds]
+        _tokens_panel(top, run, _over_time(run, times, steps, "tokens_per_s"), color)
+        for j, key in enumerate(_mfu_fields(run) if gpu[i] else []):  # CPU: no peak of its own
+            x, y = _over_time(run, times, steps, key)
+            _curve(bottom, x, [v * 100 for v in y], color, f"{run.name}: {key}", ls=styles[j % 4])
+    several = any(run.world_size > 1 for run in runs)
+    top.set_ylabel("training tokens/s (all drafters" + (", per node and all nodes)" if several
+                                                        else ")"))  # fmt: skip
     top.yaxis.set_major_formatter(EngFormatter())
-    bottom.set_ylabel("MFU (% of H200 bf16 peak)")
+    if several:
+        _labelled_legend(top, fontsize=9)
+    bottom.set_ylabel(f"MFU (% of the {MFU_PEAK})" if any(gpu) else "MFU (GPU runs only)")
     bottom.yaxis.set_major_formatter(PercentFormatter(decimals=None))
+    if not all(gpu):
+        cpu = ", ".join(run.name for run, on_gpu in zip(runs, gpu, strict=True) if not on_gpu)
+        bottom.text(0.5, 0.5, f"no MFU for CPU runs ({cpu}): it is against a GPU's peak",
+                    ha="center", va="center", transform=bottom.transAxes, color="gray")  # fmt: skip
     _labelled_legend(bottom, fontsize=9)
     bottom.set_xlabel(f"{unit} since the run started")
     _legend(fig, runs)

@@ -10,6 +10,13 @@ actually lost whether those stages block the loop or overlap it:
 - before the first step line and after the last one (evaluation at start and end, the final save):
   from the previous of (startup_completed, step line, eval, save) to the event's own timestamp.
 A gap holding both kinds counts as evaluation.
+
+Several nodes: a step line's `tokens_per_s` is its node's, and log.jsonl holds rank 0's lines
+alone (no other rank's counts), so the all-node rate is rank 0's times the world size: exact up
+to the ranks' padding, since data-parallel steps are synchronous (every step all-reduces the
+gradients: one step time for all) and every rank trains the same token budget per step.
+
+MFU is against the measured H200 bf16 peak (model/flops.py), so it is shown for GPU runs only.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import itertools
 import statistics
 from typing import Any
 
+from dflash_async.model.flops import H200_BF16_PEAK_FLOPS
 from dflash_async.runlog.parse import RunLog, timestamp_s
+
+MFU_PEAK = f"{H200_BF16_PEAK_FLOPS / 1e12:.0f} TFLOP/s H200 bf16 peak"
 
 EVAL_EVENTS = frozenset({"eval"})
 SAVE_EVENTS = frozenset({"checkpoint_written", "export_written"})  # stages/save.py
@@ -34,6 +44,24 @@ def steady_steps(run: RunLog) -> list[dict[str, Any]]:
 def steady_median(run: RunLog, key: str) -> float | None:
     values = [e[key] for e in steady_steps(run) if isinstance(e.get(key), int | float)]
     return statistics.median(values) if values else None
+
+
+def devices(run: RunLog) -> set[str]:
+    """The devices the log names: each drafter's (`drafter_ready`) and each the step lines
+    measure (`gpu_busy` keys: "cuda:0", "cpu")."""
+    named = {str(e["device"]) for e in run.named("drafter_ready") if "device" in e}
+    return named | {str(k) for e in run.steps if isinstance(e.get("gpu_busy"), dict)
+                    for k in e["gpu_busy"]}  # fmt: skip
+
+
+def is_gpu_run(run: RunLog) -> bool:
+    """A CUDA device among the log's devices. Device names, not `mfu` or `mem_gib`: every run
+    logs an MFU (a CPU run's against the H200 peak too), and memory reads 0 on a GPU that
+    reserved none yet; `mem_gib` > 0 decides only for a log that names no device."""
+    named = devices(run)
+    if named:
+        return any(d.startswith("cuda") for d in named)
+    return (steady_median(run, "mem_gib") or 0.0) > 0
 
 
 def _kind(event: dict[str, Any]) -> str | None:
@@ -157,13 +185,18 @@ def summarize(run: RunLog) -> dict[str, Any]:
     evals = [e for e in run.named("eval") if isinstance(e.get("tau"), int | float)]
     lost = lost_seconds(run)
     startup = run.named("startup_completed")
+    per_node = steady_median(run, "tokens_per_s")
     return {
         "steps": len(run.steps),
         "last_step": last.get("step"),
         "total_steps": last.get("total_steps"),
         "wall_s": _wall_s(run),
         "startup_s": startup[-1].get("startup_s") if startup else None,
-        "median_tokens_per_s": steady_median(run, "tokens_per_s"),
+        "world_size": run.world_size,
+        "gpu": is_gpu_run(run),
+        "median_tokens_per_s": per_node,  # rank 0's node
+        # rank 0's times the world size (the module docstring says why that is right)
+        "median_all_node_tokens_per_s": None if per_node is None else per_node * run.world_size,
         "median_mfu": steady_median(run, "mfu"),
         "median_padding_frac": steady_median(run, "padding_frac"),
         "median_step_ms": steady_median(run, "step_ms"),
