@@ -89,12 +89,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings as JSON; paths absent on this machine are warned about on
     stderr, not fatal (any preset can be inspected anywhere)."""
-    from dflash_async.settings_env import TARGET_PATH_VAR, missing_paths, with_target_folder
+    from dflash_async.settings_env import missing_paths
 
-    settings = load_settings(check_paths=False)
-    missing = missing_paths(settings)
-    if TARGET_PATH_VAR not in missing:
-        settings = with_target_folder(settings)  # a cached model id: show its snapshot folder
+    settings = load_settings(check_paths=False)  # a cached model id: its snapshot folder
+    missing = missing_paths(settings.target, settings.data, settings.eval)
     print(json.dumps(settings.public_dict(), indent=2, default=str))
     for name, problem in missing.items():
         print(f"warning: {name}: {problem}", file=sys.stderr)

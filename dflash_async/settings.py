@@ -34,11 +34,6 @@ class SettingsError(ValueError):
     """Bad settings; `str(error)` is one line for the user (the CLI prints it and exits 2)."""
 
 
-def repo_root() -> Path:
-    """The repository holding this package: where `settings/` presets live."""
-    return Path(__file__).resolve().parent.parent
-
-
 def parse_device_list(value: Any) -> tuple[str, ...]:
     """`"0,1,2"` / `"cpu"` / `"cuda:3"` -> `("cuda:0", "cuda:1", "cuda:2")` / `("cpu",)` / ...
 
@@ -80,12 +75,8 @@ class _Section(BaseModel):
     def _empty_means_unset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {
-            key: None
-            if value == "" and key in cls.model_fields and cls.model_fields[key].default is None
-            else value
-            for key, value in data.items()
-        }
+        unset = {k for k, f in cls.model_fields.items() if f.default is None}
+        return {key: None if value == "" and key in unset else value for key, value in data.items()}
 
 
 class TargetSettings(_Section):
@@ -226,20 +217,11 @@ class TrainSettings(_Section):
     ) -> dict[str, bool | int | str]:
         if not options:
             return options
-        if "BACKEND" in options:
-            raise ValueError(
-                "DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: choose the backend with "
-                "DFLASH_TRAIN__FLEX_BACKEND=auto|triton|flash, not BACKEND"
-            )
-        from torch.nn.attention.flex_attention import FlexKernelOptions  # lazy: torch is heavy
+        from dflash_async.model.attention import unknown_flex_options  # lazy: torch is heavy
 
-        known = set(FlexKernelOptions.__annotations__)
-        unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
-        if unknown:
-            raise ValueError(
-                f"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: unknown option(s) {', '.join(unknown)} "
-                f"(torch's FlexKernelOptions: {', '.join(sorted(known))})"
-            )
+        problem = unknown_flex_options(options)
+        if problem:
+            raise ValueError(f"DFLASH_TRAIN__FLEX_KERNEL_OPTIONS: {problem}")
         return options
 
     @field_validator("gamma")
@@ -411,8 +393,5 @@ class Settings(BaseSettings):
         return self
 
     def public_dict(self) -> dict[str, Any]:
-        """The effective settings as JSON-ready data, for `python -m dflash_async settings`.
-
-        The hook for secrets: none exist today; a future `SecretStr` field dumps masked.
-        """
+        """The effective settings as JSON-ready data (a future `SecretStr` field dumps masked)."""
         return self.model_dump(mode="json")

@@ -32,12 +32,19 @@ from dflash_async.settings import (
     NESTING,
     NO_ENV_FILE,
     PREFIX,
+    DataSettings,
+    EvalSettings,
     Settings,
     SettingsError,
-    repo_root,
+    TargetSettings,
 )
 
 TARGET_PATH_VAR = f"{PREFIX}TARGET{NESTING}PATH"
+
+
+def repo_root() -> Path:
+    """The repository holding this package: where `settings/` presets live."""
+    return Path(__file__).resolve().parent.parent
 
 
 def setting_names() -> dict[str, tuple[str, ...]]:
@@ -72,8 +79,9 @@ def load_settings(
 
     Raises SettingsError (one line naming the variable, value or file) for an unknown `DFLASH_*`
     name, a value that does not parse or validate, or a missing env file. With `check_paths`, also
-    for a target, data or prompts path that does not exist here (`missing_paths`); a target given
-    as a cached model id comes back as its snapshot folder.
+    for a target, data or prompts path that does not exist here (`missing_paths`). A target
+    given as a cached model id comes back as its snapshot folder (also without `check_paths`,
+    when it resolves).
     """
     if environ is None:
         environ = os.environ
@@ -84,53 +92,49 @@ def load_settings(
     merged = file_vars | env_vars
     _reject_unknown_names(merged, origins)
     merged[ENV_FILE_VAR] = str(env_file) if env_file else NO_ENV_FILE
-    try:
-        settings = Settings(**_nest(merged))
-    except ValidationError as error:
-        raise SettingsError(_describe(error, merged, origins)) from None
-    if not check_paths:
-        return settings
-    missing = missing_paths(settings)
-    if missing:
+    settings = _validated(merged, origins)
+    missing = missing_paths(settings.target, settings.data, settings.eval)
+    if check_paths and missing:
         name, problem = next(iter(missing.items()))
         where = f" (in {origins[name]})" if origins.get(name) else ""
         raise SettingsError(f"{name}={merged[name]!r}: {problem}{where}")
-    return with_target_folder(settings)
+    if settings.target.path and TARGET_PATH_VAR not in missing:
+        from dflash_async.target.resolve import resolve_target
+
+        folder = str(resolve_target(settings.target.path))  # a cached model id: its snapshot
+        if folder != settings.target.path:
+            settings = _validated(merged | {TARGET_PATH_VAR: folder}, origins)
+    return settings
 
 
-def missing_paths(settings: Settings) -> dict[str, str]:
-    """Variable name -> what is wrong, for each target, data or prompts path absent here."""
+def _validated(merged: Mapping[str, str], origins: Mapping[str, str]) -> Settings:
+    try:
+        return Settings(**_nest(merged))
+    except ValidationError as error:
+        raise SettingsError(_describe(error, merged, origins)) from None
+
+
+def missing_paths(
+    target: TargetSettings, data: DataSettings, evaluation: EvalSettings
+) -> dict[str, str]:
+    """Variable name -> what is wrong, for each target, data or prompts path absent here (the
+    Settings sections `target`, `data` and `eval`)."""
     from dflash_async.target.resolve import TargetError, resolve_target
 
     problems = {}
-    if settings.target.path:
+    if target.path:
         try:
-            resolve_target(settings.target.path)
+            resolve_target(target.path)
         except TargetError as error:
             problems[TARGET_PATH_VAR] = str(error)
-    data = settings.data.path
-    if data and not Path(data).exists() and not glob.glob(data):
-        problems[f"{PREFIX}DATA{NESTING}PATH"] = f"no file, folder or glob match for {data}"
-    prompts = settings.eval.prompts_path
+    if data.path and not Path(data.path).exists() and not glob.glob(data.path):
+        problems[f"{PREFIX}DATA{NESTING}PATH"] = f"no file, folder or glob match for {data.path}"
+    prompts = evaluation.prompts_path
     if prompts and not Path(prompts).is_file():
         problems[f"{PREFIX}EVAL{NESTING}PROMPTS_PATH"] = (
             f"the prompts file {prompts} does not exist"
         )
     return problems
-
-
-def with_target_folder(settings: Settings) -> Settings:
-    """The settings with a cached model id replaced by its snapshot folder (paths checked)."""
-    from dflash_async.target.resolve import resolve_target
-
-    if not settings.target.path:
-        return settings
-    folder = str(resolve_target(settings.target.path))
-    if folder == settings.target.path:
-        return settings
-    return settings.model_copy(
-        update={"target": settings.target.model_copy(update={"path": folder})}
-    )
 
 
 def _is_ours(name: str, environ: Mapping[str, str]) -> bool:

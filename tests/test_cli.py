@@ -23,7 +23,8 @@ from dotenv import dotenv_values
 from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import build_parser, main
-from dflash_async.settings import DEFAULT_GAMMA, TrainSettings, repo_root
+from dflash_async.settings import DEFAULT_GAMMA, TrainSettings
+from dflash_async.settings_env import repo_root
 
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = ("run", "settings", "bench", "regenerate", "eval")

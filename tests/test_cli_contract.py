@@ -23,7 +23,7 @@ from cli_run import finish
 from logging_kit import logging_restored
 
 from dflash_async.__main__ import main
-from dflash_async.settings import repo_root
+from dflash_async.settings_env import repo_root
 from dflash_async.target.tiny import ensure_tiny_target
 
 pytestmark = pytest.mark.timeout(120)

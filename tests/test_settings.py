@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dflash_async.settings import SettingsError, parse_device_list, repo_root
+from dflash_async.settings import SettingsError, parse_device_list
 from dflash_async.settings_env import (
     load_settings,
     missing_paths,
+    repo_root,
     setting_descriptions,
     setting_names,
 )
@@ -264,7 +265,7 @@ def test_paths_are_checked_apart_from_values(tmp_path: Path) -> None:
     }
     settings = load_settings(environ, check_paths=False)
     assert settings.target.path == "/no/such/model"
-    assert list(missing_paths(settings)) == [
+    assert list(missing_paths(settings.target, settings.data, settings.eval)) == [
         "DFLASH_TARGET__PATH",
         "DFLASH_DATA__PATH",
         "DFLASH_EVAL__PROMPTS_PATH",
@@ -272,4 +273,5 @@ def test_paths_are_checked_apart_from_values(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"^DFLASH_TARGET__PATH='/no/such/model': target "):
         load_settings(environ)
     present = NO_FILE | {"DFLASH_DATA__PATH": str(tmp_path), "DFLASH_TARGET__PATH": str(tmp_path)}
-    assert missing_paths(load_settings(present)) == {}
+    loaded = load_settings(present)
+    assert missing_paths(loaded.target, loaded.data, loaded.eval) == {}

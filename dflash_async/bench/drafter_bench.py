@@ -24,13 +24,15 @@ from dflash_async.bench.step_profile import (
     profile_parts,
 )
 from dflash_async.data.packing import PackedBatch
-from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.build import StepSpec, build_drafter_step
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
-from dflash_async.model.objective import DFlashObjective, ObjectiveConfig, default_gamma
+from dflash_async.model.objective import default_gamma
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
+
+BENCH_STEPS = 10_000  # the schedule's length: the timed steps sit early in its warm-up
 
 
 def qwen3_8b_drafter_config(num_layers: int = 5, block_size: int = 16) -> DrafterConfig:
@@ -91,35 +93,27 @@ def build_step(
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
 ) -> DrafterStep:
-    """A DrafterStep with random drafter/target weights on `device` (fp32 master weights)."""
+    """A DrafterStep with random drafter/target weights on `device` (fp32 master weights),
+    built by the product's builder (model/build.py) at the recipe's lr and gamma, 10 warm-up
+    steps of 10,000. None for `compiled_update` / `working_weights`: the product's rule (the
+    compiled update where `compile` runs on a GPU; working weights with it)."""
     torch.manual_seed(seed)
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=target_dtype)
     lm_head = torch.randn_like(embed) * 0.02
-    drafter = DFlashDrafter(config).to(device)
-    objective = DFlashObjective(
-        ObjectiveConfig(
-            block_size=config.block_size,
-            num_anchors=num_anchors,
-            mask_token_id=config.mask_token_id,
-            gamma=default_gamma(config.block_size),
-            ce_chunk_size=ce_chunk_size,
-            attention=attention,
-            compile=compile,
-            flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
-            flex_autotune=flex_autotune,
-            ce_kernel=ce_kernel,
-            flex_backend=flex_backend,
-        ),
-        drafter,
-        embed,
-        lm_head,
-        flex_fn=flex_fn,
-    )
-    return DrafterStep.build(
-        objective, token_budget=token_budget, peak_lr=6e-4, warmup_steps=10, total_steps=10_000,
-        compiled_update=compiled_update, working_weights=working_weights,
+    if compiled_update is None:
+        compiled_update = compile and device.type == "cuda"
+    spec = StepSpec(
+        token_budget=token_budget, num_anchors=num_anchors,
+        gamma=default_gamma(config.block_size), lr=6e-4, warmup_frac=10 / BENCH_STEPS,
+        weight_decay=0.0, grad_clip=1.0, seed=seed, attention=attention, compile=compile,
+        compiled_update=compiled_update, cuda_graph=device.type == "cuda",
+        ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, flex_backend=flex_backend,
+        flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
+        flex_autotune=flex_autotune, working_weights=working_weights is not False,
     )  # fmt: skip
+    return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device, rank=0,
+                              total_steps=BENCH_STEPS, flex_fn=flex_fn)  # fmt: skip
 
 
 @dataclass

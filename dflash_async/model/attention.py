@@ -166,6 +166,21 @@ def flash_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def unknown_flex_options(options: dict) -> str | None:
+    """What is wrong with flex_attention kernel options, or None: BACKEND (chosen by
+    flex_backend instead) or a name torch's FlexKernelOptions lacks (fwd_/bwd_ prefixes allowed)."""
+    if "BACKEND" in options:
+        return "choose the backend with DFLASH_TRAIN__FLEX_BACKEND=auto|triton|flash, not BACKEND"
+    known = set(FlexKernelOptions.__annotations__)
+    unknown = [k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
+    if unknown:
+        return (
+            f"unknown option(s) {', '.join(unknown)} (torch's FlexKernelOptions: "
+            f"{', '.join(sorted(known))})"
+        )
+    return None
+
+
 def resolve_flex_backend(
     requested: FlexBackend, *, device: torch.device, tunes_triton: bool = False
 ) -> str:

@@ -35,7 +35,8 @@ class StepSpec:
     grad_clip: float  # 0: no clipping
     seed: int  # initial weights (every drafter alike) and, with the rank, the anchor stream
     attention: Literal["sdpa", "flex"]
-    compile: bool  # torch.compile the layers, the CE pass and the update (GPU only)
+    compile: bool  # torch.compile the layers and the CE pass (GPU only)
+    compiled_update: bool  # phase B through update.py's compiled AdamW (GPU, with compile)
     cuda_graph: bool  # capture the step (GPU only)
     ce_chunk_size: int
     ce_kernel: Literal["auto", "compiled", "triton"]  # auto: Triton on a GPU (the objective)
@@ -54,12 +55,14 @@ def build_drafter_step(
     device: torch.device,
     rank: int,
     total_steps: int,
+    flex_fn=None,
 ) -> DrafterStep:
     """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
 
     `embed` and `lm_head` are the target's frozen [V, d] tensors on `device` (the same tensor when
     tied). Every drafter is seeded alike, so all start from identical weights; each draws its own
     anchors (a generator seeded by the seed and `rank`, the drafter's index in the whole run).
+    `flex_fn`: a compiled flex_attention to share between steps (tests); None: the objective's.
     Call in the device's worker thread: compiling happens at the first calls.
     """
     torch.manual_seed(spec.seed)
@@ -81,6 +84,7 @@ def build_drafter_step(
         drafter,
         embed,
         lm_head,
+        flex_fn=flex_fn,
     )
     step = DrafterStep.build(
         objective,
@@ -91,6 +95,7 @@ def build_drafter_step(
         weight_decay=spec.weight_decay,
         grad_clip=spec.grad_clip if spec.grad_clip > 0 else float("inf"),
         generator=torch.Generator(device).manual_seed(spec.seed * 1000 + rank),
+        compiled_update=spec.compiled_update,
         working_weights=None if spec.working_weights else False,  # None: with the compiled update
     )
     if spec.attention == "flex":  # the preflight line of the kernels chosen for the step

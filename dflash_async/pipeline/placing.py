@@ -86,15 +86,16 @@ def given_roles(
     target (the hidden-state slots would be read before the target's GPU copies land)."""
     if not (target_devices or drafter_devices):
         return None
-    targets = parse_devices(target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES")
-    drafters = parse_devices(drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES")
-    if any(t.type == "cuda" for t in targets) and any(d.type == "cpu" for d in drafters):
+    # Checked on the names first: the refusal holds on a machine without the GPU named.
+    if "cpu" in drafter_devices and any(d != "cpu" for d in target_devices):
         raise SettingsError(
             f"DFLASH_PIPELINE__TARGET_DEVICES={','.join(target_devices)} with "
             f"DFLASH_PIPELINE__DRAFTER_DEVICES={','.join(drafter_devices)}: a CPU "
             "drafter cannot follow a CUDA target (it would read hidden-state slots before the "
             "target's GPU copies land); put every drafter on a GPU, or the targets on cpu"
         )
+    targets = parse_devices(target_devices, setting="DFLASH_PIPELINE__TARGET_DEVICES")
+    drafters = parse_devices(drafter_devices, setting="DFLASH_PIPELINE__DRAFTER_DEVICES")
     return roles_from_lists(targets or default, drafters or default)
 
 
@@ -110,7 +111,7 @@ def roles_from_lists(targets, drafters) -> Roles:
         homes.append(home)
     layout = "colocated" if tuple(targets) == tuple(drafters) else "split"
     if any(t.type == "cuda" for t in targets) and any(d.type == "cpu" for d in drafters):
-        raise SettingsError(  # see startup.check_device_combination
+        raise SettingsError(  # see given_roles
             f"DFLASH_PIPELINE__DEVICES: a split of {[str(t) for t in targets]} targets and "
             f"{[str(d) for d in drafters]} drafters puts a CPU drafter after a CUDA target; "
             "list only GPUs, or only cpu"
