@@ -139,7 +139,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Regenerate the assistant turns of a jsonl of conversations with the target."""
     from dflash_async.eval.regenerate import run_regenerate
-    from dflash_async.pipeline.devices import parse_device
+    from dflash_async.runtime.devices import parse_device
 
     check_writable_file(args.output, argument="--output")
     device = parse_device(args.device, setting="--device")
@@ -164,7 +164,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Acceptance length of a drafter export by greedy speculative decoding."""
     from dflash_async.eval.harness import build_parser as eval_parser
     from dflash_async.eval.harness import main, read_prompts
-    from dflash_async.pipeline.devices import parse_device
+    from dflash_async.runtime.devices import parse_device
 
     options = eval_parser().parse_args(args.rest)  # bad options: one line, exit 2
     parse_device(options.device, setting="--device")

@@ -12,9 +12,9 @@ import torch
 from anyio import wait_all_tasks_blocked
 
 from dflash_async.data.packing import PackedBatch
-from dflash_async.pipeline.channels import open_channel
-from dflash_async.pipeline.devices import open_device_worker
-from dflash_async.pipeline.rings import Slot, SlotRing
+from dflash_async.runtime.channels import open_channel
+from dflash_async.runtime.devices import open_device_worker
+from dflash_async.runtime.rings import Slot, SlotRing
 
 pytestmark = pytest.mark.timeout(30)
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_async.data import packing
 from dflash_async.data.packing import PackCursor, iter_packs
-from dflash_async.pipeline.channels import open_channel
+from dflash_async.runtime.channels import open_channel
 from dflash_async.stages import read
 
 LENGTHS = np.random.default_rng(0).integers(1, 100, 500)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from dflash_async.pipeline.devices import (
+from dflash_async.runtime.devices import (
     DeviceWorker,
     open_device_worker,
     parse_device,

@@ -18,7 +18,7 @@ from logging_kit import Tty, logging_restored
 from structlog.testing import capture_logs
 
 from dflash_async.log import HANDLER_NAME, bound_context, configure_logging, get_logger
-from dflash_async.pipeline.devices import open_device_worker
+from dflash_async.runtime.devices import open_device_worker
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -31,9 +31,9 @@ from dflash_async.model.objective import Anchors, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.pipeline import run as pipeline
-from dflash_async.pipeline.devices import DeviceWorker
 from dflash_async.pipeline.specs import run_spec
 from dflash_async.pipeline.startup import drafter_config_for
+from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.settings import Settings
 from dflash_async.settings_env import load_settings
 from dflash_async.stages import produce as target_stage

@@ -22,7 +22,7 @@ from dflash_async.log import get_logger
 from dflash_async.model.optim import LrSchedule, build_optimizer
 from dflash_async.model.step import DrafterStep
 from dflash_async.pipeline import run as pipeline
-from dflash_async.pipeline.devices import open_device_worker
+from dflash_async.runtime.devices import open_device_worker
 from dflash_async.stages.train import DrafterRunner, combine_gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]

@@ -26,7 +26,7 @@ from tiny_run import tiny_inputs
 from dflash_async.model.objective import Anchors, sample_anchors
 from dflash_async.model.step import STATS
 from dflash_async.pipeline import placement, placing
-from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.stages.train import DrafterRunner, combine_gradients
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("single_thread")]

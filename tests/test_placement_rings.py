@@ -12,7 +12,7 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from dflash_async.pipeline.rings import Notifier, RingSet, Slot, SlotRing
+from dflash_async.runtime.rings import Notifier, RingSet, Slot, SlotRing
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 CPU = torch.device("cpu")

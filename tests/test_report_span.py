@@ -9,7 +9,7 @@ from dflash_async.stages.train import StepRecord
 
 class FakeRing:
     def statistics(self):
-        from dflash_async.pipeline.rings import RingSetStatistics
+        from dflash_async.runtime.rings import RingSetStatistics
 
         return RingSetStatistics(0, 0, [0])
 

@@ -22,7 +22,7 @@ from dflash_async.model.attention import flex_attend, flex_block_mask
 from dflash_async.model.flops import mfu
 from dflash_async.model.objective import sample_anchors
 from dflash_async.model.step import visible_pairs
-from dflash_async.pipeline.devices import parse_device
+from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
 
 # Named tile configurations (flex kernel_options; fwd_/bwd_ prefixes apply to one pass only).

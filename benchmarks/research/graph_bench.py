@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_async.bench.drafter_bench import SHAPES, build_step, synthetic_pack
 from dflash_async.model.optim import lr_at
 from dflash_async.model.step import STATS, DrafterStep
-from dflash_async.pipeline.devices import parse_device
+from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
 
 

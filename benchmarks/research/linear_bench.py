@@ -25,7 +25,7 @@ import torch
 from attention_bench import rel_diff, time_path
 
 from dflash_async.bench.drafter_bench import SHAPES
-from dflash_async.pipeline.devices import parse_device
+from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
 
 REL_TOL = 2.0**-7

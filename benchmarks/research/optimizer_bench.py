@@ -24,7 +24,7 @@ from torch import nn
 
 from dflash_async.bench.drafter_bench import SHAPES as DRAFTER_SHAPES
 from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.pipeline.devices import parse_device
+from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
 
 CHECK_STEPS = 3

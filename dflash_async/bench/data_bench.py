@@ -38,7 +38,7 @@ from dflash_async.data.formats import chat_messages, resolve_files
 from dflash_async.data.packing import PackCursor
 from dflash_async.data.samples import DataOptions, encode_options, load_samples
 from dflash_async.data.tokenization import direct_backend
-from dflash_async.pipeline.channels import open_channel
+from dflash_async.runtime.channels import open_channel
 from dflash_async.settings_env import repo_root
 from dflash_async.stages.read import read_stage
 from dflash_async.target.tiny import tiny_tokenizer

@@ -29,7 +29,7 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
 from dflash_async.model.objective import default_gamma
 from dflash_async.model.step import STATS, DrafterStep
-from dflash_async.pipeline.devices import parse_device
+from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
 
 BENCH_STEPS = 10_000  # the schedule's length: the timed steps sit early in its warm-up

@@ -19,8 +19,8 @@ from dflash_async.data.samples import TokenizedSamples
 from dflash_async.model.build import StepSpec
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.pipeline import placement
-from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.meters import BusyMeter
+from dflash_async.runtime.devices import DeviceWorker
+from dflash_async.runtime.meters import BusyMeter
 from dflash_async.stages import produce
 from dflash_async.stages.read import PlannedPack
 from dflash_async.stages.train import drafter_step_on

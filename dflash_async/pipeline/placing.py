@@ -26,8 +26,8 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, target_forward_flops
 from dflash_async.pipeline import placement
 from dflash_async.pipeline.calibration import calibrate
-from dflash_async.pipeline.devices import DeviceWorker, open_device_worker, parse_devices
-from dflash_async.pipeline.rings import Notifier, RingSet, SlotRing
+from dflash_async.runtime.devices import DeviceWorker, open_device_worker, parse_devices
+from dflash_async.runtime.rings import Notifier, RingSet, SlotRing
 from dflash_async.settings import SettingsError
 from dflash_async.stages.produce import TargetRunner
 

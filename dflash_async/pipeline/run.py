@@ -29,17 +29,17 @@ import anyio
 
 from dflash_async.checkpoint.resume import export_path
 from dflash_async.model.flops import drafter_step_flops
-from dflash_async.pipeline.channels import open_channel
 from dflash_async.pipeline.distributed import (
     NodeReducer,
     RankInfo,
     process_group,
     rank_info_from_env,
 )
-from dflash_async.pipeline.meters import LoopLag
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec, run_spec
 from dflash_async.pipeline.startup import Node, prepare_node, start_node
+from dflash_async.runtime.channels import open_channel
+from dflash_async.runtime.meters import LoopLag
 from dflash_async.settings import Settings
 from dflash_async.stages.produce import target_stage
 from dflash_async.stages.read import read_stage

@@ -28,11 +28,11 @@ from dflash_async.checkpoint.state import data_fingerprint, restore, run_identit
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline import placing
-from dflash_async.pipeline.devices import DeviceWorker, open_device_worker
 from dflash_async.pipeline.distributed import RankInfo, check_same_run, writer_first
-from dflash_async.pipeline.rings import RingSet
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec
+from dflash_async.runtime.devices import DeviceWorker, open_device_worker
+from dflash_async.runtime.rings import RingSet
 from dflash_async.settings import SettingsError
 from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_evaluator
 from dflash_async.stages.produce import TargetRunner, load_runner

@@ -125,7 +125,7 @@ def _over_time(
     """(seconds, values) of a step field, with a NaN pair where a new stretch of steps starts (a
     restart or a resume: RunLog.segments), so the line breaks across the stop instead of
     joining the last step before it to the first after. A stretch's first tokens/s of 0 is
-    dropped: the rate window then holds one step and reads 0 (pipeline/meters.py)."""
+    dropped: the rate window then holds one step and reads 0 (runtime/meters.py)."""
     xs, ys, last = [], [], None
     for t, e in zip(seconds, steps, strict=True):
         segment = run.segments.get(int(e["step"]))

@@ -47,7 +47,7 @@ from dflash_async.eval.evaluation import (
 from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.pipeline.devices import DeviceWorker
+from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.settings import EvalSettings, SettingsError
 from dflash_async.stages.train import DrafterRunner
 from dflash_async.target.loading import frozen_embeddings, load_target_tokenizer

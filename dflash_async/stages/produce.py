@@ -23,10 +23,10 @@ import torch
 from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.log import get_logger
-from dflash_async.pipeline.channels import ReceiveChannel
-from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.meters import BusyMeter, timing_event
-from dflash_async.pipeline.rings import SlotRing
+from dflash_async.runtime.channels import ReceiveChannel
+from dflash_async.runtime.devices import DeviceWorker
+from dflash_async.runtime.meters import BusyMeter, timing_event
+from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target.forward import TargetPath, select_target_forward
 from dflash_async.target.loading import fast_kernel_preflight, load_target, text_config

@@ -18,7 +18,7 @@ import numpy as np
 
 from dflash_async.data.packing import PackCursor, plan_epoch
 from dflash_async.data.planner import EpochPlanner
-from dflash_async.pipeline.channels import SendChannel, open_channel
+from dflash_async.runtime.channels import SendChannel, open_channel
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import torch
 
 from dflash_async.model.flops import mfu
 from dflash_async.model.step import STATS
-from dflash_async.pipeline.channels import ReceiveChannel
-from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.meters import BusyMeter, RateWindow
-from dflash_async.pipeline.rings import RingSet
+from dflash_async.runtime.channels import ReceiveChannel
+from dflash_async.runtime.devices import DeviceWorker
+from dflash_async.runtime.meters import BusyMeter, RateWindow
+from dflash_async.runtime.rings import RingSet
 from dflash_async.stages.train import StepRecord
 
 Workers = list[tuple[DeviceWorker, BusyMeter]]

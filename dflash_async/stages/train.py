@@ -22,10 +22,10 @@ from dflash_async.model.build import StepSpec, build_drafter_step
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
-from dflash_async.pipeline.channels import SendChannel
-from dflash_async.pipeline.devices import DeviceWorker
-from dflash_async.pipeline.meters import BusyMeter, timing_event
-from dflash_async.pipeline.rings import RingSet
+from dflash_async.runtime.channels import SendChannel
+from dflash_async.runtime.devices import DeviceWorker
+from dflash_async.runtime.meters import BusyMeter, timing_event
+from dflash_async.runtime.rings import RingSet
 from dflash_async.target.embeddings import load_frozen_embeddings
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
