@@ -77,7 +77,7 @@ def copy_weights(
 
 
 class InRunEvaluator:
-    """The evaluations of one run (lifecycle: open_evaluator). Call `await evaluate(step)`."""
+    """The evaluations of one run (lifecycle: open_run_evaluator). Call `await evaluate(step)`."""
 
     def __init__(
         self,
@@ -184,27 +184,6 @@ class InRunEvaluator:
         return summary
 
 
-@asynccontextmanager
-async def open_evaluator(
-    settings: EvalSettings,
-    setup: DecodeSetup,
-    *,
-    target_worker: DeviceWorker,
-    drafter: DrafterRunner,
-    output_dir: Path,
-    target_id: str,
-    log: Any,
-) -> AsyncIterator[InRunEvaluator]:
-    """An InRunEvaluator whose background evaluations end with the block: the block waits for
-    one still running when it ends normally; an error cancels it (its current decode job
-    finishes in the worker, the rest is dropped)."""
-    async with anyio.create_task_group() as task_group:
-        yield InRunEvaluator(
-            settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
-            target_id=target_id, task_group=task_group, log=log,
-        )  # fmt: skip
-
-
 def eval_setup(
     settings: EvalSettings,
     *,
@@ -285,8 +264,11 @@ async def open_run_evaluator(
     log.info("eval_ready", prompts=len(setup.prompts), max_new_tokens=settings.max_new_tokens,
              batch_size=settings.batch_size, mode=settings.mode,
              decoder="batched" if setup.batched else "reference")  # fmt: skip
-    async with open_evaluator(
-        settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
-        target_id=inputs.target_path, log=log,
-    ) as evaluate:  # fmt: skip
-        yield evaluate
+    # Background evaluations end with the block: it waits for one still running when it ends
+    # normally; an error cancels it (its current decode job finishes in the worker, the rest
+    # is dropped).
+    async with anyio.create_task_group() as task_group:
+        yield InRunEvaluator(
+            settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
+            target_id=inputs.target_path, task_group=task_group, log=log,
+        )  # fmt: skip
