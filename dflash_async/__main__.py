@@ -136,6 +136,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dflash_async.eval.regenerate import run_regenerate
     from dflash_async.pipeline.devices import parse_device
 
+    if args.sample and not args.temperature > 0:  # `not >`: NaN is refused too
+        raise UsageError(f"--temperature must be > 0 with --sample, got {args.temperature}")
     check_writable_file(args.output, argument="--output")
     device = parse_device(args.device, setting="--device")
     _configure_logging()
