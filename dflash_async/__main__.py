@@ -3,8 +3,11 @@
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
 is loaded; an internal error -> exit 1 with the traceback in the log as a `<command>_failed` event;
-130/143 after SIGINT/SIGTERM. Logs go to stdout as JSON lines (a console renderer on a TTY), so in
-JSON mode every stdout line is JSON; `settings` prints its JSON document and nothing else there.
+130/143 after SIGINT/SIGTERM, with one `<command>_interrupted` log line and no traceback (`run`
+stops at its safe points, pipeline/shutdown.py; every other command unwinds at once, keeping what
+it had completed: its writes are atomic). Logs go to stdout as JSON lines (a console renderer on a
+TTY), so in JSON mode every stdout line is JSON; `settings` prints its JSON document and nothing
+else there.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from typing import Any
 
 from dflash_async import __version__
+from dflash_async.pipeline.shutdown import Shutdown  # light (anyio): handlers before imports
 from dflash_async.settings import Settings, SettingsError
 from dflash_async.settings_env import load_settings
 from dflash_async.usage import (
@@ -141,6 +146,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dflash_async.eval.regenerate import run_regenerate
     from dflash_async.runtime.devices import parse_device
 
+    if args.sample and not args.temperature > 0:  # `not >`: NaN is refused too
+        raise UsageError(f"--temperature must be > 0 with --sample, got {args.temperature}")
     check_writable_file(args.output, argument="--output")
     device = parse_device(args.device, setting="--device")
     _configure_logging()
@@ -215,31 +222,70 @@ def _first_leaf(error: BaseException) -> BaseException:
     return error
 
 
+class _RaisingShutdown(Shutdown):
+    """`run`'s signal handling for commands without safe points: the first SIGINT or SIGTERM
+    raises KeyboardInterrupt in the main thread, so the command unwinds through its `with` and
+    `finally` blocks (an atomic write in progress is discarded) and main() maps it to 130/143.
+    Shutdown keeps the rest: a second SIGINT exits 130 at once, a second SIGTERM is ignored (the
+    stop is under way), the previous handlers come back afterwards."""
+
+    def request(self, signum: int) -> None:
+        first = not self.requested
+        super().request(signum)
+        if first:  # KeyboardInterrupt, not an Exception: `except Exception` must not swallow it
+            raise KeyboardInterrupt(self.reason)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    stop = _RaisingShutdown()
+    with stop.installed():  # `run` installs its own Shutdown inside cmd_run, over this one
+        args = build_parser().parse_args(argv)
+        try:
+            return _outcome(args)
+        except KeyboardInterrupt:
+            return _interrupted(args.command, stop)
+
+
+def _outcome(args: argparse.Namespace) -> int:
+    """The command's exit code; its errors mapped by the contract (2 bad input, 1 internal). An
+    interrupt, even inside an exception group, propagates as a KeyboardInterrupt."""
     try:
         return args.fn(args)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:
         leaf = _first_leaf(error)
+        if isinstance(leaf, KeyboardInterrupt):
+            raise leaf from None
         if _is_user_error(leaf):
             print(f"error: {leaf}", file=sys.stderr)
             return 2
-        if isinstance(leaf, KeyboardInterrupt):
-            return 130
         return _internal_error(args.command, leaf)
 
 
-def _internal_error(command: str, error: BaseException) -> int:
-    """Exit 1 with the traceback as one log event (JSON on stdout, or console text on a TTY)."""
+def _interrupted(command: str, stop: Shutdown) -> int:
+    """130 (SIGINT) or 143 (SIGTERM) with one log event and no traceback. A KeyboardInterrupt
+    without a recorded signal (raised by code, or a Ctrl-C outside the handlers) counts as SIGINT."""
+    code, reason = (stop.exit_code, stop.reason) if stop.requested else (130, "SIGINT")
+    _command_log().info(f"{command}_interrupted", reason=reason, exit_code=code)
+    return code
+
+
+def _command_log() -> Any:
+    """The CLI's logger, set up first if the command failed or stopped before doing so (a
+    message must never come out as raw text on stdout)."""
     import logging
 
     from dflash_async.log import HANDLER_NAME, get_logger
 
     if not any(h.get_name() == HANDLER_NAME for h in logging.getLogger().handlers):
-        _configure_logging()  # failed before the command set logging up: never print raw text
-    get_logger("dflash_async").error(f"{command}_failed", exc_info=error)
+        _configure_logging()
+    return get_logger("dflash_async")
+
+
+def _internal_error(command: str, error: BaseException) -> int:
+    """Exit 1 with the traceback as one log event (JSON on stdout, or console text on a TTY)."""
+    _command_log().error(f"{command}_failed", exc_info=error)
     return 1
 
 

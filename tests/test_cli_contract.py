@@ -53,7 +53,28 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     bad_env.write_text("DFLASH_TRAIN__SEED=1\nDFLASH_TRAIN__LR=fast\n")
     a_file = root / "a_file"
     a_file.write_text("")
-    return {"root": root, "good": good, "bad": bad, "bad_env": bad_env, "a_file": a_file}
+    empty = root / "empty.jsonl"
+    empty.write_text("")
+    return {"root": root, "good": good, "bad": bad, "bad_env": bad_env, "a_file": a_file,
+            "empty": empty, **corrupt_drafter_exports(root)}  # fmt: skip
+
+
+def corrupt_drafter_exports(root: Path) -> dict[str, Path]:
+    """Drafter exports with a valid config.json but a model.safetensors cut short (a copy that
+    stopped half-way: header intact, data missing) or holding no safetensors at all."""
+    from conftest import TinySpec, tiny_config, tiny_drafter
+
+    from dflash_async.checkpoint.export import export_drafter
+
+    config = tiny_config(TinySpec())
+    folders = {}
+    for name in ("truncated_drafter", "garbage_drafter"):
+        folder = export_drafter(tiny_drafter(config, seed=0), config, root / name)
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2] if name.startswith("truncated") else b"junk")
+        folders[name] = folder
+    return folders
 
 
 def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -115,6 +136,15 @@ BAD_INPUTS = {
     "bench/moved_research_name": (["bench", "optimizer"], {},
                                   ["bench optimizer", "benchmarks/research/optimizer_bench.py"]),
     "bench/unknown_name": (["bench", "bogus"], {}, ["'bogus'", "drafter", "packing"]),
+    "eval/truncated_drafter_weights": (["eval", "--drafter", "{truncated_drafter}", "--device",
+        "cpu"], {}, ["truncated_drafter/model.safetensors", "not a readable safetensors file"]),
+    "eval/garbage_drafter_weights": (["eval", "--drafter", "{garbage_drafter}", "--device",
+        "cpu"], {}, ["garbage_drafter/model.safetensors", "not a readable safetensors file"]),
+    "eval/empty_prompts": (["eval", "--drafter", "{root}", "--prompts", "{empty}"], {},
+                           ["empty.jsonl", "no prompt records"]),
+    "regenerate/sample_at_temperature_0": (["regenerate", "--input", "{good}", "--output",
+        "{root}/o.jsonl", "--target", "{root}", "--sample", "--temperature", "0"], {},
+        ["--temperature", "--sample"]),
 }  # fmt: skip
 
 NO_CUDA_INPUTS = {

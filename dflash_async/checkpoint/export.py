@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -170,8 +171,8 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
     """Read an export (ours or another tool's) into (config, tensors as stored, on the CPU).
 
     Tolerated: a `model.` name prefix, and extra tensors such as embed_tokens / lm_head, dropped
-    with one `drafter_export_keys_dropped` log line. Missing tensors, wrong shapes or missing
-    config fields raise ValueError naming them.
+    with one `drafter_export_keys_dropped` log line. Missing tensors, wrong shapes, missing
+    config fields or an unreadable (truncated, corrupt) weights file raise ValueError naming them.
     """
     folder = Path(folder)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
@@ -179,7 +180,7 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
         if not path.is_file():
             raise FileNotFoundError(f"drafter export file not found: {path}")
     config = drafter_config_from_json(json.loads(config_path.read_text()), where=str(config_path))
-    stored = {name.removeprefix("model."): t for name, t in load_file(str(weights_path)).items()}
+    stored = {name.removeprefix("model."): t for name, t in _read_weights(weights_path).items()}
     expected = expected_weight_shapes(config)
     dropped = sorted(stored.keys() - expected.keys())
     if dropped:
@@ -189,6 +190,15 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
     tensors = {name: t for name, t in stored.items() if name in expected}
     _check_names_and_shapes(tensors, config, str(weights_path))
     return config, tensors
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; ValueError naming it if it is truncated or not
+    safetensors at all (SafetensorError is no ValueError: callers treat a bad export as bad input)."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
 
 
 def drafter_config_from_json(

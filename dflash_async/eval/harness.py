@@ -88,7 +88,7 @@ def check_drafter_fits_target(config: DrafterConfig, target: PreTrainedModel) ->
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Records of a jsonl file: {"messages": [...]} (OpenAI) or {"prompt": str} per line.
 
-    DataError (a ValueError) naming the file and line of a missing file or a bad record.
+    DataError (a ValueError) naming the file (and line) of a missing or empty file or a bad record.
     """
     source, records = Path(path), []
     if not source.is_file():
@@ -101,6 +101,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
         if not (isinstance(record.get("prompt"), str) or record.get("messages") is not None):
             raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str}}")
         records.append(record)
+    if not records:  # caught here, before the target loads, not by evaluate() after it
+        raise DataError(f"prompts file {str(source)!r} holds no prompt records")
     return records
 
 
