@@ -131,7 +131,8 @@ class DataSettings(_Section):
     table (ShareGPT's human -> user, gpt/chatgpt/bing/bard -> assistant, ...)."""
     cache_dir: str = ""
     """Where tokenized data is cached (memory-mapped, shared by later runs and every rank);
-    empty = no on-disk cache."""
+    empty = OUTPUT_DIR/cache (the run's own: a resume never tokenizes again, and it goes when
+    the output folder goes); a folder to share entries between runs; `none` = no on-disk cache."""
     workers: int = Field(0, ge=0)
     """Processes used to tokenize the data set; 0 = one per CPU core."""
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import data_samples
 import numpy as np
 import pytest
-from data_samples import CHATS, EventLog, assert_same
+from data_samples import BLOCK, CHATS, EventLog, assert_same
 from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
-from dflash_async.data.samples import TokenizedSamples
+from dflash_async.data import samples as samples_module
+from dflash_async.data.samples import DataOptions, TokenizedSamples, load_samples
 
 
 def load(path, tokenizer, **options) -> tuple[TokenizedSamples, bool]:
@@ -134,3 +135,45 @@ def test_a_loader_waits_for_the_one_building_the_entry_and_then_reads_it(
         shutil.copytree(entry, target / entry.name)  # ... and publishes it
     waiter.join(timeout=60)
     assert len(results) == 1 and results[0][1]  # read from the cache, not built again
+
+
+def run_data_options(output_dir: Path, **env: str) -> DataOptions:
+    """The DataOptions `run` gets from the demo preset in `output_dir` and `env` (DFLASH_DATA__*
+    given without the prefix); one tokenizer process, so that the tests stay in this one."""
+    from dflash_async.pipeline.specs import run_spec
+    from dflash_async.settings_env import load_settings
+
+    environ = {"DFLASH_OUTPUT_DIR": str(output_dir), "DFLASH_DATA__WORKERS": "1"}
+    environ |= {f"DFLASH_DATA__{name.upper()}": value for name, value in env.items()}
+    return run_spec(load_settings(environ)).data
+
+
+def test_by_default_the_run_caches_tokenized_data_in_its_output_folder(tmp_path):
+    assert run_data_options(tmp_path / "run").cache_dir == str(tmp_path / "run" / "cache")
+
+
+def test_cache_dir_none_turns_the_cache_off_and_a_folder_is_used_as_given(tmp_path):
+    assert run_data_options(tmp_path / "run", cache_dir="none").cache_dir is None
+    shared = str(tmp_path / "shared")
+    assert run_data_options(tmp_path / "run", cache_dir=shared).cache_dir == shared
+
+
+def test_a_second_run_in_the_same_output_folder_does_not_tokenize_again(
+    tokenizer, data, tmp_path, monkeypatch
+):
+    """A resume or a refused re-run reads the data again: with the default settings it comes
+    from OUTPUT_DIR/cache, memory-mapped, equal to the first load, with no tokenizing at all."""
+    options = run_data_options(tmp_path / "run")
+    first_log, second_log = EventLog(), EventLog()
+    first = load_samples(str(data), tokenizer, options=options, block_size=BLOCK, log=first_log)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the second load tokenized the data again")
+
+    monkeypatch.setattr(samples_module, "encode_all", no_tokenizing)
+    second = load_samples(str(data), tokenizer, options=options, block_size=BLOCK, log=second_log)
+    assert_same(first, second)
+    assert second.summary == first.summary
+    loaded = second_log.of("data_loaded")
+    assert (first_log.of("data_loaded")["cached"], loaded["cached"]) == (False, True)
+    assert loaded["cache_dir"] == str(tmp_path / "run" / "cache")  # the user sees where

@@ -53,7 +53,7 @@ class DataOptions:
     too_long: str = "truncate"  # "truncate" | "drop"
     on_bad_record: str = "error"  # "error" | "skip"
     role_map: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MAP))
-    cache_dir: str | None = None  # None or "": no cache
+    cache_dir: str | None = None  # None: no cache (run_spec resolves the setting's default)
     workers: int = 1  # tokenizer processes; 0 = one per core
     chunk_records: int = 256  # records per task sent to a tokenizer process
 
@@ -145,7 +145,8 @@ def load_samples(
                 entry = cache.open_arrays(final), built.summary
         samples = TokenizedSamples(**entry[0], summary=entry[1])
     load_s = round(time.perf_counter() - started, 3)
-    log.info("data_loaded", path=path, cached=cached, load_s=load_s, **samples.summary)
+    log.info("data_loaded", path=path, cached=cached, cache_dir=options.cache_dir or None,
+             load_s=load_s, **samples.summary)  # fmt: skip
     return samples
 
 

@@ -87,7 +87,11 @@ def run_spec(settings: Settings) -> RunSpec:
             target_layer_ids=settings.target.target_layer_ids,
             mask_token_id=settings.drafter.mask_token_id,
         ),
-        data=_data_options(settings.data, max_len=min(settings.data.max_len, budget)),
+        data=_data_options(
+            settings.data,
+            max_len=min(settings.data.max_len, budget),
+            output_dir=settings.output_dir,
+        ),
         plan=PlanSpec(
             token_budget=budget, seed=train.seed, epochs=train.epochs, max_steps=train.max_steps
         ),
@@ -143,9 +147,12 @@ def _target_spec(target: TargetSettings, *, token_budget: int, max_batch_tokens:
     )  # fmt: skip
 
 
-def _data_options(data: DataSettings, *, max_len: int) -> DataOptions:
+def _data_options(data: DataSettings, *, max_len: int, output_dir: Path) -> DataOptions:
+    """DFLASH_DATA__CACHE_DIR resolved: empty is OUTPUT_DIR/cache (owned by the run, removed with
+    it, so a resume or a re-run never tokenizes again), `none` is off, anything else that folder."""
+    cache_dir = data.cache_dir or str(output_dir / "cache")
     return DataOptions(
         max_len=max_len, enable_thinking=data.enable_thinking, loss_turns=data.loss_turns,
         too_long=data.too_long, on_bad_record=data.on_bad_record, role_map=data.role_map,
-        cache_dir=data.cache_dir or None, workers=data.workers,
+        cache_dir=None if cache_dir == "none" else cache_dir, workers=data.workers,
     )  # fmt: skip
