@@ -37,10 +37,11 @@ from dflash_async.usage import (
 def _is_user_error(error: BaseException) -> bool:
     """Bad settings or inputs (exit 2). Imported here, not at the top: target.loading loads
     transformers (~3 s), which a bad-settings exit should not wait for."""
+    from dflash_async.checkpoint.space import NoSpaceError  # the output path's disk is full
     from dflash_async.data.samples import DataError
     from dflash_async.target.resolve import TargetError
 
-    return isinstance(error, SettingsError | DataError | TargetError | UsageError)
+    return isinstance(error, SettingsError | DataError | TargetError | UsageError | NoSpaceError)
 
 
 def _configure_logging(fmt: str = "auto", level: str = "info") -> None:

@@ -28,11 +28,14 @@ from transformers import Qwen3Config
 from dflash_async.checkpoint import export as checkpoint
 from dflash_async.checkpoint.export import (
     expected_weight_shapes,
+    export_bytes,
     export_drafter,
     load_drafter_export,
 )
+from dflash_async.checkpoint.space import check_output_space, free_bytes
 from dflash_async.checkpoint.state import (
     HostStaging,
+    checkpoint_bytes,
     list_checkpoints,
     load_checkpoint,
     restore,
@@ -42,6 +45,7 @@ from dflash_async.checkpoint.state import (
 from dflash_async.data.packing import PackCursor
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step import DrafterStep
+from dflash_async.settings import SettingsError
 
 CONFIG = DrafterConfig(
     hidden_size=32,
@@ -403,3 +407,29 @@ def test_the_real_drafter_has_exactly_the_servable_names_and_shapes(tmp_path: Pa
     assert shapes == expected_weight_shapes(CONFIG)
     config, tensors = load_drafter_export(export_drafter(drafter, CONFIG, tmp_path / "d"))
     assert config == CONFIG and tensors.keys() == shapes.keys()
+
+
+def test_space_estimates_bound_the_checkpoint_and_export_written(tmp_path: Path) -> None:
+    step = _step(seed=0)
+    _train(step, 1)  # AdamW's moments exist: the state is its full size
+    _, size = write_checkpoint(tmp_path, _state(step, 1), keep=1)
+    config = step.objective.drafter.config
+    export = export_drafter(dict(step.objective.drafter.named_parameters()), config, tmp_path / "d")
+    exported = sum(p.stat().st_size for p in export.iterdir())
+    assert size <= checkpoint_bytes(step) <= 2 * size
+    assert exported <= export_bytes(config) <= 3 * exported
+
+
+def test_output_space_check_reads_the_real_free_space_and_counts_existing_checkpoints(
+    tmp_path: Path,
+) -> None:
+    step = _step(seed=0)
+    config = step.objective.drafter.config
+    out = tmp_path / "out"  # not created yet: the free space of its parent's filesystem
+    needed = check_output_space(out, step, config, keep=2)  # the real shutil.disk_usage
+    assert needed == 3 * checkpoint_bytes(step) + export_bytes(config) < free_bytes(out)
+    with pytest.raises(SettingsError, match=r"KEEP_CHECKPOINTS=2\)$") as error:
+        check_output_space(out, step, config, keep=2, free=lambda _: needed - 1)
+    assert "\n" not in str(error.value) and "for 2+1 checkpoints and the export" in str(error.value)
+    write_checkpoint(out, _state(step, 1), keep=2)  # a resumed run's: one of the 2+1 is there
+    assert check_output_space(out, step, config, keep=2) == needed - checkpoint_bytes(step)

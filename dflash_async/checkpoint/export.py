@@ -15,6 +15,7 @@ steps, never inside one, or export a host copy of the state dict from another th
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,13 @@ def _check_names_and_shapes(
     }
     if wrong:
         raise ValueError(f"{where}: tensor shapes (found, expected) differ: {wrong}")
+
+
+def export_bytes(config: DrafterConfig) -> int:
+    """Estimated bytes of the export of a drafter of `config`: its bf16 tensors, plus a bound on
+    the safetensors header and config.json."""
+    shapes = expected_weight_shapes(config).values()
+    return sum(2 * math.prod(shape) for shape in shapes) + 256 * len(shapes) + (64 << 10)
 
 
 def export_drafter(

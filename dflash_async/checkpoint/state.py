@@ -230,6 +230,29 @@ def _named_params(step: DrafterStep) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name.replace("_orig_mod.", ""), p) for name, p in named if p.requires_grad]
 
 
+# Beyond the tensors' bytes: torch.save's zip records (a header and 64-byte alignment each; per
+# parameter four: it, AdamW's two moments and its `step` scalar; ~400 bytes each measured), the
+# generator states, run.json and the pickled rest.
+_CHECKPOINT_OVERHEAD_BYTES = 256 << 10
+_RECORD_OVERHEAD_BYTES = 512
+
+
+def checkpoint_bytes(step: DrafterStep) -> int:
+    """Estimated bytes of one checkpoint of `step` (`write_checkpoint`'s folder): every trainable
+    parameter in its training dtype and AdamW's two moments of the same shape and dtype, plus a
+    bound on the rest. Known before the first step (the optimizer state does not exist yet)."""
+    params = [p for _, p in _named_params(step)]
+    tensors = 3 * sum(p.numel() * p.element_size() for p in params)
+    return tensors + 4 * len(params) * _RECORD_OVERHEAD_BYTES + _CHECKPOINT_OVERHEAD_BYTES
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of a snapshot's tensors, about what `write_checkpoint` puts on disk."""
+    tensors = [*state["drafter"].values()]
+    tensors += [v for saved in state["optimizer"] for v in saved.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors) + _CHECKPOINT_OVERHEAD_BYTES
+
+
 def write_checkpoint(output_dir: Path, state: dict[str, Any], *, keep: int) -> tuple[Path, int]:
     """Write `state` as checkpoint folder of its step (atomic), then delete all but the newest
     `keep` checkpoints. Returns (folder, bytes written)."""

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig
 
 from dflash_async.checkpoint.resume import Resume, resume_point
+from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
@@ -204,6 +205,8 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     plan = await _plan_and_check(prepared, num_drafters=len(roles.drafters))
     workers = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     drafters = await _start_drafters(spec, inputs, workers, plan.total_steps, rank, log)
+    if rank.is_writer:  # the one writer of the output folder: exit 2 if it cannot hold a run
+        _check_space(spec, drafters[0], cfg, log)
     await _restore(prepared.resume, drafters, log, total_steps=plan.total_steps)
     feature_dtype = torch.bfloat16 if place.first_device.type == "cuda" else torch.float32
     rings = placing.open_rings(roles, num_slots=place.num_slots, token_budget=spec.step.token_budget,
@@ -217,6 +220,13 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     flops = placing.target_pack_flops(cfg, inputs.target_path)
     return Node(spec, rank, inputs, samples, prepared.resume, plan, targets, runners,
                 roles.homes, drafters, rings, flops)  # fmt: skip
+
+
+def _check_space(spec: RunSpec, drafter: DrafterRunner, cfg: DrafterConfig, log) -> None:
+    """SettingsError before the first step unless the output filesystem holds the run's
+    checkpoints and export (checkpoint/space.py); sizes from the built drafter (no sync)."""
+    needed = check_output_space(spec.output_dir, drafter.step, cfg, keep=spec.save.keep)
+    log.info("output_space_checked", path=str(spec.output_dir), needed_bytes=needed)
 
 
 async def _plan_and_check(prepared: Prepared, *, num_drafters: int) -> Plan:

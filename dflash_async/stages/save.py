@@ -7,19 +7,29 @@ A save blocks training only for the device-to-host copy (into page-locked buffer
 save to save), on drafter 0's thread between two steps; serialising, fsync and renames run in a
 worker thread, at most one save in flight (the next save, and the end of the run, wait for it).
 Nothing a previous run wrote is replaced unless this run resumes it (checkpoint/resume.py).
+A write that finds the disk full ends the run with NoSpaceError (checkpoint/space.py, exit 2).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
-from dflash_async.checkpoint.export import export_drafter
+from dflash_async.checkpoint.export import export_bytes, export_drafter
 from dflash_async.checkpoint.resume import export_path
-from dflash_async.checkpoint.state import HostStaging, snapshot, write_checkpoint
+from dflash_async.checkpoint.space import NoSpaceError, free_bytes, is_no_space
+from dflash_async.checkpoint.state import (
+    HostStaging,
+    checkpoint_dir,
+    snapshot,
+    state_bytes,
+    write_checkpoint,
+)
 from dflash_async.data.packing import PackCursor
 from dflash_async.stages.train import DrafterRunner
 
@@ -80,17 +90,38 @@ class Saver:
     async def _write(self, state: dict, copy_s: float, waited_s: float) -> None:
         try:
             started = time.perf_counter()
-            folder, size = await anyio.to_thread.run_sync(
-                lambda: write_checkpoint(self.output_dir, state, keep=self.keep)
-            )
+            target, needed = checkpoint_dir(self.output_dir, state["step"]), state_bytes(state)
+            with self._out_of_space(state["step"], target, needed=needed):
+                folder, size = await anyio.to_thread.run_sync(
+                    lambda: write_checkpoint(self.output_dir, state, keep=self.keep)
+                )
             written = time.perf_counter()
             self.log.info("checkpoint_written", step=state["step"], path=str(folder),
                           bytes=size, copy_s=round(copy_s, 3), waited_s=round(waited_s, 3),
                           write_s=round(written - started, 3))  # fmt: skip
             config = self.runners[0].step.objective.drafter.config
             export = export_path(self.output_dir)
-            await anyio.to_thread.run_sync(lambda: export_drafter(state["drafter"], config, export))
+            with self._out_of_space(state["step"], export, needed=export_bytes(config)):
+                await anyio.to_thread.run_sync(
+                    lambda: export_drafter(state["drafter"], config, export)
+                )
             self.log.info("export_written", step=state["step"], path=str(export),
                           write_s=round(time.perf_counter() - written, 3))  # fmt: skip
         finally:
             self._idle.set()
+
+    @contextmanager
+    def _out_of_space(self, step: int, path: Path, *, needed: int) -> Iterator[None]:
+        """A write that runs out of disk space (checkpoint/space.py) becomes NoSpaceError (the
+        CLI's one line, exit 2) after a `checkpoint_failed` event; the write itself (atomic.py)
+        has removed its partial copy, and the previous checkpoint and export are untouched.
+        Any other failure propagates as it is (an internal error, exit 1)."""
+        try:
+            yield
+        except (OSError, RuntimeError) as error:
+            free = free_bytes(self.output_dir)  # after the partial copy was removed
+            if not is_no_space(error, needed=needed, free=free):
+                raise
+            self.log.error("checkpoint_failed", step=step, path=str(path), needed_bytes=needed,
+                           free_bytes=free, error=str(error))  # fmt: skip
+            raise NoSpaceError(path, needed=needed, free=free) from error
