@@ -138,3 +138,32 @@ def test_three_drafters_update_equals_one_drafter_on_all_three_packs_blocks() ->
         # AdamW's 1/(sqrt(v) + 1e-8) amplifies rounding where a gradient is ~1e-8: ~1e-3 lr
         torch.testing.assert_close(flat_weights(trio[0]), flat_weights(single), rtol=0,
                                    atol=1e-2 * 1e-3)  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_epoch_0_is_planned_once_for_the_length_the_calibration_and_the_read_stage(
+    inputs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning an epoch is seconds at millions of samples: start-up plans epoch 0 once and
+    hands it to the calibration (auto on two devices) and the read stage; later epochs are the
+    read stage's planner's."""
+    from dflash_async.data import packing
+    from dflash_async.stages import read
+
+    planned: list[int] = []
+
+    def counted(real):
+        def plan(lengths, token_budget, seed, epoch, **kwargs):
+            planned.append(epoch)
+            return real(lengths, token_budget, seed, epoch, **kwargs)
+
+        return plan
+
+    monkeypatch.setattr(read, "plan_epoch", counted(read.plan_epoch))
+    monkeypatch.setattr(packing, "plan_epoch", counted(packing.plan_epoch))  # the planner's
+    settings = run_settings(inputs, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="0",
+                            DFLASH_TRAIN__EPOCHS="2", DFLASH_PIPELINE__DEVICES="cpu,cpu")  # fmt: skip
+    _, events = await run_recording_weights(settings, monkeypatch)
+    (event,) = [e for e in events if e["event"] == "placement"]
+    assert event["rates_source"] == "measured"  # the calibration ran, on epoch 0's packs
+    assert planned == [0, 1]

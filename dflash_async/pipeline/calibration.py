@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import torch
 
-from dflash_async.data.packing import PackCursor, PackedBatch, plan_epoch
+from dflash_async.data.packing import PackCursor, PackedBatch
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.model.build import StepSpec
 from dflash_async.model.drafter_config import DrafterConfig
@@ -30,6 +30,7 @@ async def calibrate(
     step_spec: StepSpec,
     config: DrafterConfig,
     samples: TokenizedSamples,
+    first_epoch: list[np.ndarray],
     *,
     packs: int,
     target_path: str,
@@ -38,14 +39,11 @@ async def calibrate(
     drafter: DeviceWorker,
     flops: tuple[float, float],
 ) -> placement.StageRates | None:
-    """Measured StageRates: `packs` packs through the target alone, through a throw-away
+    """Measured StageRates: `packs` packs of epoch 0 through the target alone, through a throw-away
     drafter (built here, freed after; the run's drafters start fresh) alone, then through both
     at once on their threads. One warm-up pack first (compiling). None when the data holds
     fewer than two packs."""
-    budget = step_spec.token_budget
-    plan = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
-        plan_epoch, samples.lengths, budget, step_spec.seed, 0
-    )
+    budget, plan = step_spec.token_budget, first_epoch  # this node's epoch 0 (stages/read.py)
     k = min(packs, len(plan) - 1)
     if k < 1:
         return None

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -124,6 +125,7 @@ async def place(
     step: StepSpec,
     config: DrafterConfig,
     samples: TokenizedSamples,
+    first_epoch: list[np.ndarray],
     *,
     target_path: str,
     target: DeviceWorker,
@@ -154,7 +156,8 @@ async def place(
     started, timing = time.perf_counter(), {}
     if spec.layout == "auto" and decision.layout == "colocated" and measure:
         async with open_device_worker(target.device, "calibration", grad_enabled=True) as drafter:
-            measured = await calibrate(step, config, samples, packs=spec.calibration_packs,
+            measured = await calibrate(step, config, samples, first_epoch,
+                                       packs=spec.calibration_packs,
                                        target_path=target_path, target=target, runner=runner,
                                        drafter=drafter, flops=flops)  # fmt: skip
         rates = measured or rates

@@ -119,7 +119,7 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
             producers.start_soon(lambda: read_stage(
                 node.samples.lengths, token_budget=spec.plan.token_budget, seed=spec.plan.seed,
                 start=start, epochs=node.plan.epochs, send=send_packs,
-                rank=rank.rank, world_size=rank.world_size))  # fmt: skip
+                rank=rank.rank, world_size=rank.world_size, first_plan=node.plan.first_epoch))  # fmt: skip
             for worker, runner, home in zip(node.targets, node.target_runners, node.homes,
                                             strict=True):  # fmt: skip
                 producers.start_soon(target_stage, worker, runner, node.samples,

@@ -37,7 +37,7 @@ from dflash_async.runtime.rings import RingSet
 from dflash_async.settings import SettingsError
 from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_evaluator
 from dflash_async.stages.produce import TargetRunner, load_runner
-from dflash_async.stages.read import Plan, plan_run
+from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
 from dflash_async.target.loading import TargetError, load_target_tokenizer
 
@@ -195,14 +195,17 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
                                 token_budget=t.token_budget, max_batch_tokens=t.max_batch_tokens,
                                 packed_hybrid=t.packed_hybrid)  # fmt: skip
 
+    first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
+        lambda: first_epoch(spec.plan, samples.lengths, rank=rank.rank, world_size=rank.world_size)
+    )
     targets = [await open_worker(place.first_device, "target0", False)]
     runners = [await load(targets[0])]
-    roles = await placing.place(place, spec.step, cfg, samples, target_path=inputs.target_path,
+    roles = await placing.place(place, spec.step, cfg, samples, first, target_path=inputs.target_path,
                                 target=targets[0], runner=runners[0], log=log)  # fmt: skip
     for i, device in enumerate(roles.targets[1:], start=1):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
-    plan = await _plan_and_check(prepared, num_drafters=len(roles.drafters))
+    plan = await _plan_and_check(prepared, first, num_drafters=len(roles.drafters))
     workers = [await open_worker(d, f"drafter{i}", True) for i, d in enumerate(roles.drafters)]
     drafters = await _start_drafters(spec, inputs, workers, plan.total_steps, rank, log)
     if rank.is_writer:  # the one writer of the output folder: exit 2 if it cannot hold a run
@@ -229,18 +232,10 @@ def _check_space(spec: RunSpec, drafter: DrafterRunner, cfg: DrafterConfig, log)
     log.info("output_space_checked", path=str(spec.output_dir), needed_bytes=needed)
 
 
-async def _plan_and_check(prepared: Prepared, *, num_drafters: int) -> Plan:
+async def _plan_and_check(prepared: Prepared, first, *, num_drafters: int) -> Plan:
     """The run's length, then the same facts on every node (a check that waits on the peers)."""
     spec, rank, samples = prepared.spec, prepared.rank, prepared.samples
-    plan = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
-        lambda: plan_run(
-            spec.plan,
-            samples.lengths,
-            num_drafters=num_drafters,
-            rank=rank.rank,
-            world_size=rank.world_size,
-        )
-    )
+    plan = plan_run(spec.plan, first, num_drafters=num_drafters)
     await anyio.to_thread.run_sync(lambda: check_same_run(
         rank, timeout_s=spec.nodes.timeout_s, samples=len(samples),
         tokens=int(samples.lengths.sum()), drafters=num_drafters,

@@ -10,6 +10,7 @@ count) is read from arrays computed once, not per pack.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -33,22 +34,30 @@ class PlanSpec:
 
 @dataclass(frozen=True)
 class Plan:
-    """The run's length: optimizer steps, and epochs (None: loop over the data until then)."""
+    """The run's length: optimizer steps, epochs (None: loop over the data until then), and
+    epoch 0's packs of this node (planned once at start-up, read by calibration and the read
+    stage)."""
 
     total_steps: int
     epochs: int | None
+    first_epoch: list[np.ndarray]
 
 
-def plan_run(
-    spec: PlanSpec, lengths: np.ndarray, *, num_drafters: int, rank: int, world_size: int
-) -> Plan:
+def first_epoch(
+    spec: PlanSpec, lengths: np.ndarray, *, rank: int, world_size: int
+) -> list[np.ndarray]:
+    """This node's packs of epoch 0 (plan_epoch), planned once at start-up for the run's length,
+    the placement's calibration and the read stage. Seconds of numpy at millions of samples:
+    call off the event loop."""
+    return plan_epoch(lengths, spec.token_budget, spec.seed, 0, rank=rank, world_size=world_size)
+
+
+def plan_run(spec: PlanSpec, first: list[np.ndarray], *, num_drafters: int) -> Plan:
     """How many optimizer steps the run makes (each consumes one pack per drafter); with several
-    nodes, every node's share of an epoch has the same number of packs (plan_epoch). Seconds of
-    numpy at millions of samples: call off the event loop."""
+    nodes, every node's share of an epoch has the same number of packs (plan_epoch)."""
     if spec.max_steps:
-        return Plan(spec.max_steps, None)
-    share = plan_epoch(lengths, spec.token_budget, spec.seed, 0, rank=rank, world_size=world_size)
-    return Plan(max(1, spec.epochs * len(share) // num_drafters), spec.epochs)
+        return Plan(spec.max_steps, None, first)
+    return Plan(max(1, spec.epochs * len(first) // num_drafters), spec.epochs, first)
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,11 @@ async def read_stage(
     rank: int = 0,
     world_size: int = 1,
     plan_in_process: bool | None = None,
+    first_plan: Sequence[np.ndarray] | None = None,
 ) -> None:
     """Send every pack from `start` on (forever when epochs is None); closing is the end signal.
     With several nodes, only this rank's share of each epoch (packing.plan_epoch).
+    `first_plan`: epoch 0's packs when the caller has planned them already (start-up does).
 
     The bounded `send` channel is the backpressure: this stage waits while targets are busy, and
     the planner waits (one plan ahead) while this stage does. `plan_in_process`: None = by size.
@@ -83,7 +94,12 @@ async def read_stage(
         async with send_plans:
             epoch = start.epoch
             while epochs is None or epoch < epochs:
-                plan = await anyio.to_thread.run_sync(planner.plan, epoch, abandon_on_cancel=True)
+                if epoch == 0 and first_plan is not None:
+                    plan = first_plan
+                else:
+                    plan = await anyio.to_thread.run_sync(
+                        planner.plan, epoch, abandon_on_cancel=True
+                    )
                 await send_plans.send((epoch, plan))
                 epoch += 1
 
