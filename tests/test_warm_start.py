@@ -219,3 +219,25 @@ def test_an_init_folder_without_weights_is_refused_at_settings_load(
     with pytest.raises(SettingsError, match=r"is neither a drafter export \(config.json \+ "
                        r"model.safetensors\) nor a training checkpoint \(training_state.pt\)"):  # fmt: skip
         load_settings(env | {"DFLASH_DRAFTER__INIT": str(tmp_path / "empty")})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "setting"),
+    [
+        ("target_layer_ids", (0, 1, 2), "DFLASH_TARGET__NUM_FEATURES"),
+        ("mask_token_id", 3, "DFLASH_DRAFTER__MASK_TOKEN_ID"),
+        ("block_size", 16, "DFLASH_TRAIN__BLOCK_SIZE"),
+        ("intermediate_size", 8, "DFLASH_TARGET__PATH"),
+    ],
+)
+def test_a_drafter_differing_in_one_field_is_refused_naming_that_field_and_its_setting(
+    source: Path, field: str, value: object, setting: str
+) -> None:
+    from dflash_async.checkpoint.warm import check_same_drafter  # here: the module is new
+
+    ours, _ = load_drafter_export(source / "drafter")
+    theirs = replace(ours, **{field: value})
+    assert getattr(theirs, field) != getattr(ours, field)
+    with pytest.raises(SettingsError, match=rf"its drafter has {field}=.*\(see {setting}"):
+        check_same_drafter(theirs, ours, path=source / "drafter")
+    check_same_drafter(ours, ours, path=source / "drafter")  # the same drafter passes
