@@ -111,6 +111,12 @@ class DrafterSettings(_Section):
     """Drafter transformer layers."""
     mask_token_id: int | None = Field(None, ge=0)
     """Token id used for the masked block positions; empty = the target family's default."""
+    init: str = ""
+    """Warm start: begin from these drafter weights, a servable export folder (config.json +
+    model.safetensors, ours or z-lab's) or a training checkpoint folder (training_state.pt);
+    weights only, with a fresh optimizer and schedule (a fine-tune, not a resume); its shapes
+    must be this run's drafter's (exit 2 naming the first difference); empty = random init.
+    Ignored, with a log line, when the run resumes a checkpoint of its own folder."""
 
 
 class DataSettings(_Section):

@@ -33,6 +33,7 @@ from dflash_async.settings import (
     NO_ENV_FILE,
     PREFIX,
     DataSettings,
+    DrafterSettings,
     EvalSettings,
     Settings,
     SettingsError,
@@ -79,7 +80,7 @@ def load_settings(
 
     Raises SettingsError (one line naming the variable, value or file) for an unknown `DFLASH_*`
     name, a value that does not parse or validate, or a missing env file. With `check_paths`, also
-    for a target, data or prompts path that does not exist here (`missing_paths`). A target
+    for a target, data, prompts or warm-start path that does not exist here (`missing_paths`). A target
     given as a cached model id comes back as its snapshot folder (also without `check_paths`,
     when it resolves).
     """
@@ -93,7 +94,7 @@ def load_settings(
     _reject_unknown_names(merged, origins)
     merged[ENV_FILE_VAR] = str(env_file) if env_file else NO_ENV_FILE
     settings = _validated(merged, origins)
-    missing = missing_paths(settings.target, settings.data, settings.eval)
+    missing = missing_paths(settings.target, settings.data, settings.eval, drafter=settings.drafter)
     if check_paths and missing:
         name, problem = next(iter(missing.items()))
         where = f" (in {origins[name]})" if origins.get(name) else ""
@@ -115,10 +116,15 @@ def _validated(merged: Mapping[str, str], origins: Mapping[str, str]) -> Setting
 
 
 def missing_paths(
-    target: TargetSettings, data: DataSettings, evaluation: EvalSettings
+    target: TargetSettings,
+    data: DataSettings,
+    evaluation: EvalSettings,
+    *,
+    drafter: DrafterSettings | None = None,
 ) -> dict[str, str]:
-    """Variable name -> what is wrong, for each target, data or prompts path absent here (the
-    Settings sections `target`, `data` and `eval`)."""
+    """Variable name -> what is wrong, for each target, data, prompts or warm-start path absent
+    here (the Settings sections `target`, `data`, `eval` and `drafter`; the warm start's by its
+    file names only, checkpoint/warm.py)."""
     from dflash_async.target.resolve import TargetError, resolve_target
 
     problems = {}
@@ -134,6 +140,12 @@ def missing_paths(
         problems[f"{PREFIX}EVAL{NESTING}PROMPTS_PATH"] = (
             f"the prompts file {prompts} does not exist"
         )
+    if drafter is not None and drafter.init:
+        from dflash_async.checkpoint.warm import init_problem  # torch: only when one is set
+
+        problem = init_problem(drafter.init)
+        if problem is not None:
+            problems[f"{PREFIX}DRAFTER{NESTING}INIT"] = problem
     return problems
 
 

@@ -8,6 +8,7 @@ are copied from the target by default (docs/DFLASH.md section 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
@@ -88,13 +89,15 @@ def _text_config(target_config: Any) -> Any:
 class DrafterSpec:
     """The drafter's own shape settings (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES and
     TARGET_LAYER_IDS, DFLASH_TRAIN__BLOCK_SIZE); the rest of its config comes from the target's
-    config.json at start-up (`drafter_config_from_target`), which the settings never read."""
+    config.json at start-up (`drafter_config_from_target`), which the settings never read.
+    `init` (DFLASH_DRAFTER__INIT) is where its starting weights are (checkpoint/warm.py)."""
 
     num_layers: int
     num_features: int
     block_size: int
     target_layer_ids: tuple[int, ...] | None  # None: spread over the target's layers
     mask_token_id: int | None  # None: the tokenizer's mask token (built-in target) or family's
+    init: Path | None = None  # an export or checkpoint folder; None: random init
 
 
 def drafter_config_from_target(

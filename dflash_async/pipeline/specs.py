@@ -4,6 +4,7 @@ Each spec is defined beside the code that owns it and carries only what that cod
 
     StepSpec       model/build.py       the drafter step's recipe and kernels
     DrafterSpec    model/drafter_config the drafter's shape settings (the rest from the target)
+                                        and its warm-start weights (DFLASH_DRAFTER__INIT)
     PlanSpec       stages/read.py       packs, epochs, steps
     TargetSpec     stages/produce.py    how target workers load and run the target
     PlacementSpec  pipeline/placing.py  the candidate devices, roles by hand, ring depth
@@ -86,6 +87,7 @@ def run_spec(settings: Settings) -> RunSpec:
             block_size=train.block_size,
             target_layer_ids=settings.target.target_layer_ids,
             mask_token_id=settings.drafter.mask_token_id,
+            init=Path(settings.drafter.init) if settings.drafter.init else None,
         ),
         data=_data_options(
             settings.data,

@@ -3,11 +3,13 @@
 Two phases, each interruptible by a signal (run.py):
 1. `prepare_node` (CPU and files only): the target folder and corpus (the built-in tiny target
    and demo corpus when the paths are empty; built by rank 0 first), the drafter config derived
-   from the target's, the tokenized samples, and where the run resumes.
+   from the target's, the tokenized samples, where the run resumes, and the warm start's weights
+   (DFLASH_DRAFTER__INIT, read and checked unless the run resumes).
 2. `start_node`: the worker threads. Target 0 loads first (placement may calibrate on it), the
    roles are placed, the other targets load, the run's length is planned and checked against the
    other nodes, each drafter's step is built (and captured) in its own thread, one device at a
-   time, then restored from the checkpoint; the slot rings and the evaluator come last.
+   time, then given the warm start's weights or restored from the checkpoint; the slot rings
+   and the evaluator come last.
 Every thread and task is entered into the caller's AsyncExitStack, so leaving it stops them all.
 """
 
@@ -26,6 +28,7 @@ from transformers import AutoConfig
 from dflash_async.checkpoint.resume import Resume, resume_point
 from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
+from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_init_weights
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline import placing
@@ -61,6 +64,7 @@ class Prepared:
     inputs: RunInputs
     samples: TokenizedSamples
     resume: Resume
+    init: InitWeights | None = None  # the warm start's weights, dropped once loaded (host memory)
 
 
 @dataclass
@@ -110,7 +114,26 @@ async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
                             is_writer=rank.is_writer, distributed=rank.distributed)  # fmt: skip
 
     point = await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
-    return Prepared(spec, rank, inputs, samples, point)
+    init = await anyio.to_thread.run_sync(  # CPU only: files
+        lambda: init_weights(spec.drafter, inputs.drafter_config, resume=point, log=log),
+        abandon_on_cancel=True,
+    )
+    return Prepared(spec, rank, inputs, samples, point, init)
+
+
+def init_weights(
+    spec: DrafterSpec, config: DrafterConfig, *, resume: Resume, log
+) -> InitWeights | None:
+    """The warm start's weights (exit 2 unless they fit this run's drafter); None without
+    DFLASH_DRAFTER__INIT, or when the run resumes a checkpoint: the resume wins (its weights are
+    this run's own, trained on from INIT or not), and INIT is ignored with a log line."""
+    if spec.init is None:
+        return None
+    if resume.path is not None:
+        log.info("drafter_init_ignored", path=str(spec.init), resumed=str(resume.path),
+                 reason="the run resumes its checkpoint")  # fmt: skip
+        return None
+    return read_init_weights(spec.init, config)
 
 
 def resolve_inputs(spec: RunSpec, log) -> RunInputs:
@@ -210,6 +233,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     drafters = await _start_drafters(spec, inputs, workers, plan.total_steps, rank, log)
     if rank.is_writer:  # the one writer of the output folder: exit 2 if it cannot hold a run
         _check_space(spec, drafters[0], cfg, log)
+    await _warm_start(prepared, drafters, log)
     await _restore(prepared.resume, drafters, log, total_steps=plan.total_steps)
     feature_dtype = torch.bfloat16 if place.first_device.type == "cuda" else torch.float32
     rings = placing.open_rings(roles, num_slots=place.num_slots, token_budget=spec.step.token_budget,
@@ -266,6 +290,18 @@ async def _start_drafters(
         runners.append(DrafterRunner(worker, step, seed=spec.step.seed,
                                      node=(rank.rank, rank.world_size)))  # fmt: skip
     return runners
+
+
+async def _warm_start(prepared: Prepared, drafters: list[DrafterRunner], log) -> None:
+    """Give every drafter the warm start's weights (in its thread, after capture, in place),
+    then drop the host copy; a no-op without one (checkpoint/warm.py)."""
+    init, prepared.init = prepared.init, None
+    if init is None:
+        return
+    for runner in drafters:
+        tensors = await runner.worker.run(load_init_weights, runner.step, init)
+    log.info("drafter_initialized", path=str(init.path), kind=init.kind, tensors=tensors,
+             stored_dtype=init.stored_dtype, drafters=len(drafters))  # fmt: skip
 
 
 async def _restore(resume: Resume, drafters: list[DrafterRunner], log, *, total_steps: int):
