@@ -98,7 +98,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
     from dflash_async.settings_env import missing_paths
 
     settings = load_settings(check_paths=False)  # a cached model id: its snapshot folder
-    missing = missing_paths(settings.target, settings.data, settings.eval)
+    missing = missing_paths(settings.target, settings.data, settings.eval, drafter=settings.drafter)
     print(json.dumps(settings.public_dict(), indent=2, default=str))
     for name, problem in missing.items():
         print(f"warning: {name}: {problem}", file=sys.stderr)
