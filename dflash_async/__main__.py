@@ -87,7 +87,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             shutdown.before_exit = close_record
             log.info("settings_loaded", **settings.public_dict())
-            main = functools.partial(run, settings, log, shutdown=shutdown)
+            main = functools.partial(
+                run, settings, log, shutdown=shutdown, on_accepted=record.accept
+            )  # record.accept: the folder is written once the resume point is checked
             record.exit_code = anyio.run(main, backend="asyncio", backend_options=options)
         return record.exit_code
 

@@ -7,7 +7,8 @@ never interleaved mid-line (one handler, one lock). Event names are snake_case p
 their text in `message`.
 
 A run also writes every event as JSON to a file (`file=`, the run folder's `log.jsonl`), whatever
-stdout shows. On a TTY the console view prints each `step` event as one compact line (step/total,
+stdout shows; with `hold_file=True` the file's lines wait in memory and the file is not touched
+until `release_log_file()` (a run writes its folder only once accepted: runlog/record.py). On a TTY the console view prints each `step` event as one compact line (step/total,
 loss, acc, tokens/s, MFU, ETA); `every=N` keeps only every N-th step line on stdout (the file keeps
 them all). `progress()` shows long loops: tqdm on a TTY, else a few `progress_reported` events.
 
@@ -42,10 +43,12 @@ def configure_logging(
     stream: TextIO | None = None,
     *,
     file: Path | None = None,
+    hold_file: bool = False,
     every: int = 1,
 ) -> None:
     """Route structlog, stdlib logging and warnings to `stream` as JSON lines or console text,
-    and to `file` (appended) as JSON lines when given.
+    and to `file` (appended) as JSON lines when given; `hold_file`: keep those lines in memory,
+    the file untouched, until `release_log_file()` (never, if `close_log_file()` comes first).
 
     `fmt="auto"` picks the console renderer when `stream` is a TTY, else JSON. `every`: only
     every N-th `step` event reaches `stream` (and the last of a run). Idempotent: a second call
@@ -71,8 +74,7 @@ def configure_logging(
         handler.addFilter(_EveryNthStep(every))
     handlers = [handler]
     if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(file, mode="a", encoding="utf-8")  # flushed per line
+        file_handler = _HeldFileHandler(file, held=hold_file)
         file_handler.set_name(FILE_HANDLER_NAME)
         file_handler.setFormatter(_formatter(shared, _renderer("json", stream)))
         handlers.append(file_handler)
@@ -87,12 +89,49 @@ def configure_logging(
     _route_transformers_logs()
 
 
+def release_log_file() -> None:
+    """Write the held lines to the file and send every later one straight there."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _HeldFileHandler):
+            handler.write_held()
+
+
 def close_log_file() -> None:
     """Detach and close the file handler (the run is over; later events go to stdout only)."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() == FILE_HANDLER_NAME]:
         root.removeHandler(handler)
         handler.close()
+
+
+class _HeldFileHandler(logging.FileHandler):
+    """A FileHandler (appending, flushed per line) that, while held, keeps its formatted lines in
+    memory and neither creates nor opens the file: closed before release, it leaves no trace."""
+
+    def __init__(self, path: Path, *, held: bool) -> None:
+        if not held:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(path, mode="a", encoding="utf-8", delay=held)
+        self.held: list[str] | None = [] if held else None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.held is None:
+            super().emit(record)
+            return
+        try:  # formatted now, as stdout shows it: the timestamp and traceback of this moment
+            self.held.append(self.format(record) + self.terminator)
+        except Exception:
+            self.handleError(record)
+
+    def write_held(self) -> None:  # not release(): Handler.release() frees its lock
+        with self.lock:  # emit() runs under this lock too: no line slips between the two
+            lines, self.held = self.held, None
+            if lines is None:
+                return
+            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+            self.stream = self.stream or self._open()
+            self.stream.write("".join(lines))
+            self.flush()
 
 
 def _formatter(shared: list[Processor], renderer: list[Processor]) -> logging.Formatter:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 
 import anyio
@@ -51,13 +51,15 @@ from dflash_async.usage import check_writable_folder
 
 async def run(
     settings: Settings, log, environ: Mapping[str, str] | None = None, *,
-    shutdown: Shutdown | None = None,
+    shutdown: Shutdown | None = None, on_accepted: Callable[[], None] | None = None,
 ) -> int:  # fmt: skip
     """Train a drafter end to end; returns the exit code: 0, or 130/143 after SIGINT/SIGTERM
     (handled from this first line: shutdown.py; `python -m dflash_async run` passes a Shutdown
     that ends the process after a signal; without one, run returns the code).
 
-    Under torchrun or srun (`environ` names the ranks) this node first joins the others."""
+    Under torchrun or srun (`environ` names the ranks) this node first joins the others.
+    `on_accepted` is called once the resume point is known and checked (the run may write its
+    folder from then on: runlog/record.py); a run refused or stopped before never calls it."""
     shutdown = shutdown or Shutdown(hard_exit=False)
     with shutdown.installed():
         await shutdown.attach()
@@ -69,14 +71,19 @@ async def run(
             rank_info_from_env(os.environ if environ is None else environ),
             backend=nodes.backend, timeout_s=nodes.timeout_s, silence_s=nodes.silence_s, log=log,
         ) as rank:  # fmt: skip
-            return await _run_node(spec, rank, started, log, shutdown)
+            return await _run_node(spec, rank, started, log, shutdown, on_accepted=on_accepted)
 
 
-async def _run_node(spec: RunSpec, rank: RankInfo, started: float, log, shutdown) -> int:
+async def _run_node(
+    spec: RunSpec, rank: RankInfo, started: float, log, shutdown, *,
+    on_accepted: Callable[[], None] | None = None,
+) -> int:  # fmt: skip
     """This node's part of the run (the whole run on a single node)."""
     prepared = await prepare_node(spec, rank, log=log, shutdown=shutdown)
     if prepared is None:
         return _interrupted(shutdown, 0, log, rank)
+    if on_accepted is not None:
+        on_accepted()
     inputs = prepared.inputs
     log.info("run_started", target=inputs.target_path, data=inputs.data_path,
              samples=len(prepared.samples), drafter=inputs.drafter_config.__dict__)  # fmt: skip

@@ -5,6 +5,12 @@
 of Python, torch, transformers and this project to settings.json, and on the way out logs one
 `run_summary` event computed from this process's lines of log.jsonl by the same code as the
 report (summary.py), with the exit reason taken from what the run returned or raised.
+
+The folder is written only once the run is accepted (`RunRecord.accept`, which the pipeline calls
+when the resume point is known and checked): until then the file's lines wait in memory. A run
+that ends before that (refused with exit 2, an internal error or a signal during start-up) writes
+nothing into the folder, so a finished run's record stays as it was; its error goes to stderr
+and, like every event, to stdout.
 """
 
 from __future__ import annotations
@@ -12,13 +18,13 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_async.log import configure_logging
+from dflash_async.log import close_log_file, configure_logging, release_log_file
 from dflash_async.runlog.parse import LOG_NAME, SETTINGS_NAME, RunLog, parse_lines
 from dflash_async.runlog.summary import summarize
 from dflash_async.settings import LogSettings
@@ -29,11 +35,22 @@ EXIT_REASONS = {0: "completed", 130: "interrupted (SIGINT)", 143: "terminated (S
 
 @dataclass
 class RunRecord:
-    """Set `exit_code` to what the run returned; an exception leaving the block is read too."""
+    """Set `exit_code` to what the run returned; an exception leaving the block is read too.
+    `accept()` once the run may write its folder; without `on_accept` (a rank other than 0)
+    it only notes it."""
 
     folder: Path
     log_offset: int  # bytes of log.jsonl written by earlier runs in this folder
     exit_code: int | None = None
+    on_accept: Callable[[], None] | None = None
+    accepted: bool = False
+
+    def accept(self) -> None:
+        if self.accepted:
+            return
+        self.accepted = True
+        if self.on_accept is not None:
+            self.on_accept()
 
 
 def versions() -> dict[str, str]:
@@ -85,17 +102,17 @@ def summary_since(log_path: Path, offset: int, exit_reason_text: str) -> dict[st
 def open_run_record(
     *, output_dir: Path, settings_dict: dict[str, Any], log_settings: LogSettings, log
 ) -> Iterator[RunRecord]:
-    """Route the logs to OUTPUT_DIR/log.jsonl too, write settings.json; at the end (normal or
-    not) log `run_summary`. The file stays attached until the process ends (or
+    """Route the logs to OUTPUT_DIR/log.jsonl too (held in memory until `record.accept()`,
+    which writes settings.json and the held lines); at the end (normal or not) of an accepted
+    run log `run_summary`. The file stays attached until the process ends (or
     `log.close_log_file()`), so what the CLI logs after the run, such as the traceback of an
-    internal error, lands in it too."""
+    internal error, lands in it too. A run never accepted leaves the folder untouched."""
     folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG_NAME
-    record = RunRecord(folder, log_path.stat().st_size if log_path.exists() else 0)
-    configure_logging(log_settings.format, log_settings.level, file=log_path,
+    configure_logging(log_settings.format, log_settings.level, file=log_path, hold_file=True,
                       every=log_settings.every)  # fmt: skip
-    write_settings(folder, settings_dict)
+    record = RunRecord(folder, 0)
+    record.on_accept = lambda: _write_folder(record, settings_dict)
     error: BaseException | None = None
     try:
         yield record
@@ -103,5 +120,17 @@ def open_run_record(
         error = raised
         raise
     finally:
-        reason = exit_reason(record.exit_code, error)
-        log.info("run_summary", **summary_since(log_path, record.log_offset, reason))
+        if record.accepted:
+            reason = exit_reason(record.exit_code, error)
+            log.info("run_summary", **summary_since(log_path, record.log_offset, reason))
+        else:  # refused or stopped in start-up: drop the held lines, they went to stdout
+            close_log_file()
+
+
+def _write_folder(record: RunRecord, settings_dict: dict[str, Any]) -> None:
+    """The accepted run's first writes: settings.json, then log.jsonl's held lines."""
+    record.folder.mkdir(parents=True, exist_ok=True)
+    log_path = record.folder / LOG_NAME
+    record.log_offset = log_path.stat().st_size if log_path.exists() else 0
+    write_settings(record.folder, settings_dict)
+    release_log_file()
