@@ -38,10 +38,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def start_launch(
-    env: dict[str, str], tmp: Path, *, rank0: dict[str, str] | None = None, options: tuple = ()
+    env: dict[str, str], tmp: Path, *, rank0: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """The launcher of 2 CPU ranks with `env`; `rank0`: one variable changed in rank 0 only;
-    `options`: more of torchrun's."""
+    """The launcher of 2 CPU ranks with `env`; `rank0`: one variable changed in rank 0 only."""
     path = [str(ROOT)]
     if rank0 is not None:
         ((name, value),) = rank0.items()
@@ -54,7 +53,7 @@ def start_launch(
         "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
     }  # fmt: skip
     command = [sys.executable, "-m", "dflash_async", "launch", "--standalone",
-               "--nproc-per-node", "2", "--log-dir", str(tmp / "logs"), *options, "--", "run"]  # fmt: skip
+               "--nproc-per-node", "2", "--log-dir", str(tmp / "logs"), "--", "run"]  # fmt: skip
     return subprocess.Popen(
         command, env=full, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
