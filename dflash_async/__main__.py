@@ -1,4 +1,4 @@
-"""Command line: run | settings | bench | regenerate | eval | report, and --version.
+"""Command line: run | launch | settings | bench | regenerate | eval | report, and --version.
 
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
@@ -92,6 +92,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             )  # record.accept: the folder is written once the resume point is checked
             record.exit_code = anyio.run(main, backend="asyncio", backend_options=options)
         return record.exit_code
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Run `run` on this node's ranks through torch's launcher (torchrun's options), with one
+    exit code for the node (pipeline/launch.py)."""
+    _configure_logging()
+    from dflash_async.log import get_logger
+    from dflash_async.pipeline.launch import launch  # torch.distributed: only here
+
+    return launch(args.rest, log=get_logger("dflash_async"))
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -191,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash_async {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
+    # every option (even -h) goes to torchrun's parser (pipeline/launch.py)
+    launch = sub.add_parser("launch", help=cmd_launch.__doc__, prefix_chars="+", add_help=False)
+    launch.add_argument("rest", nargs=argparse.REMAINDER, help="torchrun's options (launch --help)")
+    launch.set_defaults(fn=cmd_launch)
     sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
     bench.add_argument("what", type=bench_name, choices=BENCHES)
