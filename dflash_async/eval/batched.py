@@ -99,18 +99,23 @@ class SlottedKVCache(Cache):
 
 def _target_masks(target: PreTrainedModel, positions: torch.Tensor, capacity: int, dtype):
     """The attention masks of a forward whose row b has queries at `positions[b]` [b, n]: slot s
-    is visible iff s <= position (and within the sliding window for sliding layers)."""
+    is visible iff s <= position (and within the sliding window for sliding layers). A config
+    with a sliding_window but no layer_types (Mistral) slides in every layer, as HF's does."""
     cfg = text_config(target)
+    layer_types = getattr(cfg, "layer_types", None) or ()
     slots = torch.arange(capacity, device=positions.device)
     visible = slots[None, None, :] <= positions[:, :, None]  # [b, n, S]
     masks = {"full_attention": visible[:, None]}
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        inside = slots[None, None, :] > positions[:, :, None] - cfg.sliding_window
+    window = getattr(cfg, "sliding_window", None)
+    if "sliding_attention" in layer_types or (window and not layer_types):
+        inside = slots[None, None, :] > positions[:, :, None] - window
         masks["sliding_attention"] = (visible & inside)[:, None]
     if cfg._attn_implementation == "eager":  # eager ADDS the mask (DFLASH.md known bug 6)
         low = torch.finfo(dtype).min
         masks = {k: m.new_zeros((), dtype=dtype).masked_fill(~m, low) for k, m in masks.items()}
-    return masks if getattr(cfg, "layer_types", None) else masks["full_attention"]
+    if layer_types:
+        return masks
+    return masks["sliding_attention"] if window else masks["full_attention"]
 
 
 class RowsBlockDrafter:
