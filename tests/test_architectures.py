@@ -111,3 +111,56 @@ def test_both_decoders_equal_hf_greedy_decoding(model_type: str, tmp_path: Path)
     if batched_unsupported_reason(target) is None:  # hybrids decode with the reference only
         assert _batched(target, prompts, None, new=new) == greedy
         assert _batched(target, prompts, RowsOracle(oracles), new=new) == greedy
+
+
+def _tokenizer_with(*, mask: bool, specials: tuple[str, ...] = ()):
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_async.target.tiny import build_tiny_tokenizer
+
+    backend = build_tiny_tokenizer()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        mask_token="<|mask|>" if mask else None,
+    )  # fmt: skip
+    tokenizer.chat_template = "{{ '<|im_start|>' }}{{ messages[0]['content'] }}{{ '<|im_end|>' }}"
+    return tokenizer
+
+
+def test_the_mask_token_comes_from_the_targets_tokenizer() -> None:
+    """The tokenizer's mask_token; else the first embedding row past the tokenizer (Qwen3's
+    151669); else the last added special token the chat template never writes."""
+    from dflash_async.target.mask_token import mask_token
+
+    with_mask = _tokenizer_with(mask=True)
+    assert mask_token(with_mask, vocab_size=len(with_mask)).token == "<|mask|>"
+    plain = _tokenizer_with(mask=False, specials=("<|reserved_0|>", "<|reserved_1|>"))
+    assert mask_token(plain, vocab_size=len(plain) + 64).id == len(plain)
+    found = mask_token(plain, vocab_size=len(plain))
+    assert found is not None and found.token == "<|reserved_1|>"
+    assert found.id == plain.convert_tokens_to_ids("<|reserved_1|>")
+
+
+def test_a_mask_token_outside_the_vocabulary_or_an_unknown_architecture_is_exit_2(
+    tmp_path: Path,
+) -> None:
+    """Both refused at start-up with SettingsError (exit 2), naming what to change."""
+    from dflash_async.model.drafter_config import DrafterSpec
+    from dflash_async.pipeline.startup import drafter_config_for
+    from dflash_async.settings import SettingsError
+
+    folder = save_tiny_target(tmp_path / "llama", "llama")
+    spec = DrafterSpec(num_layers=1, num_features=2, block_size=8, target_layer_ids=(0, 1),
+                       mask_token_id=None)  # fmt: skip
+    assert (
+        drafter_config_for(spec, str(folder), False).mask_token_id == tiny_tokenizer().mask_token_id
+    )
+    with pytest.raises(SettingsError, match="MASK_TOKEN_ID"):
+        drafter_config_for(spec.__class__(**{**spec.__dict__, "mask_token_id": 151669}),
+                           str(folder), False)  # fmt: skip
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    with pytest.raises(SettingsError, match=r"'gpt2' is not supported \(supported: llama"):
+        drafter_config_for(spec, str(folder), False)
