@@ -33,7 +33,12 @@ from dflash_async.settings_env import load_settings
 from dflash_async.target.loading import load_target
 from dflash_async.target.tiny import tiny_tokenizer
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]
+# slow: 36 cases, about 35 s in all on two CPU cores (each a few seconds or less)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.usefixtures("single_thread"),
+]
 RUN_DEADLINE_S = 60
 
 
