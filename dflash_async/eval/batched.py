@@ -5,8 +5,8 @@ it after every rejection. Here a batch of b prompts shares static-shape buffers 
 keeps its own committed length `length[b]` (a device tensor), so rows accept different numbers
 of drafts in the same verify forward:
 
-    SlottedKVCache   target KV [b, Hkv, S, hd] per layer; a forward of n tokens writes row b's
-                     keys at slots length[b]..length[b]+n-1 (scatter), and a row's queries see
+    SlottedKVCache   target KV [b, Hkv, S, hd] per layer (keys and values may differ in hd:
+                     MLA); a forward of n tokens writes row b's keys at slots length[b]..length[b]+n-1 (scatter), and a row's queries see
                      slots <= their own position (a [b, 1, n, S] mask). Slot index == position, so
                      rejected drafts need no crop: they sit past `length` (invisible) and the next
                      block overwrites them.
@@ -74,17 +74,24 @@ class SlottedKVCache(Cache):
         self.rows = slice(0, batch)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        n, hkv, hd = key_states.shape[2], key_states.shape[1], key_states.shape[3]
+        # Keys and values may differ in head_dim: MLA (DeepSeek-V3) caches keys of
+        # qk_nope+qk_rope and values of v_head_dim per head, so each gets its own shape.
         if layer_idx not in self.keys:
-            shape = (self.batch, hkv, self.capacity, hd)
-            self.keys[layer_idx] = key_states.new_zeros(shape)
-            self.values[layer_idx] = value_states.new_zeros(shape)
-        slots = self.write_at[self.rows, None] + torch.arange(n, device=key_states.device)
-        index = slots[:, None, :, None].expand(-1, hkv, n, hd)  # [rows, Hkv, n, hd]
+            self.keys[layer_idx] = self._buffer(key_states)
+            self.values[layer_idx] = self._buffer(value_states)
         keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
-        keys.scatter_(2, index, key_states)  # views: writes land in the cache
-        values.scatter_(2, index, value_states)
+        keys.scatter_(2, self._slots(key_states), key_states)  # views: writes land in the cache
+        values.scatter_(2, self._slots(value_states), value_states)
         return keys, values
+
+    def _buffer(self, states: torch.Tensor) -> torch.Tensor:
+        return states.new_zeros(self.batch, states.shape[1], self.capacity, states.shape[3])
+
+    def _slots(self, states: torch.Tensor) -> torch.Tensor:
+        """The scatter index of a write of `states` [rows, H, n, hd] at each row's offset."""
+        n = states.shape[2]
+        slots = self.write_at[self.rows, None] + torch.arange(n, device=states.device)
+        return slots[:, None, :, None].expand(-1, states.shape[1], n, states.shape[3])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.capacity
@@ -92,18 +99,23 @@ class SlottedKVCache(Cache):
 
 def _target_masks(target: PreTrainedModel, positions: torch.Tensor, capacity: int, dtype):
     """The attention masks of a forward whose row b has queries at `positions[b]` [b, n]: slot s
-    is visible iff s <= position (and within the sliding window for sliding layers)."""
+    is visible iff s <= position (and within the sliding window for sliding layers). A config
+    with a sliding_window but no layer_types (Mistral) slides in every layer, as HF's does."""
     cfg = text_config(target)
+    layer_types = getattr(cfg, "layer_types", None) or ()
     slots = torch.arange(capacity, device=positions.device)
     visible = slots[None, None, :] <= positions[:, :, None]  # [b, n, S]
     masks = {"full_attention": visible[:, None]}
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        inside = slots[None, None, :] > positions[:, :, None] - cfg.sliding_window
+    window = getattr(cfg, "sliding_window", None)
+    if "sliding_attention" in layer_types or (window and not layer_types):
+        inside = slots[None, None, :] > positions[:, :, None] - window
         masks["sliding_attention"] = (visible & inside)[:, None]
     if cfg._attn_implementation == "eager":  # eager ADDS the mask (DFLASH.md known bug 6)
         low = torch.finfo(dtype).min
         masks = {k: m.new_zeros((), dtype=dtype).masked_fill(~m, low) for k, m in masks.items()}
-    return masks if getattr(cfg, "layer_types", None) else masks["full_attention"]
+    if layer_types:
+        return masks
+    return masks["sliding_attention"] if window else masks["full_attention"]
 
 
 class RowsBlockDrafter:

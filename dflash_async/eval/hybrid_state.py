@@ -15,14 +15,27 @@ and unlike attention KV nothing can be cropped afterwards. So, per verify step:
 The extra forward costs accepted+1 tokens; when every draft is accepted nothing is rolled back.
 A decoder that skipped the restore would continue from states that saw rejected drafts and stop
 matching greedy decoding (tests/test_evaluate_hybrid.py runs that mutant).
+
+Sliding-window layers (Mistral, Gemma 3/4, gpt-oss) have the same problem in HF's cache: a
+DynamicSlidingWindowLayer keeps only the last window-1 positions, so after a block it no longer
+holds the keys a rollback would uncover. `decoding_cache` gives them plain growing layers
+instead; their attention masks still apply the window (HF masks by position), so the output is
+the same and cropping stays exact.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,16 @@ class LinearStateSnapshot:
     states: tuple[
         tuple[LinearAttentionCacheLayerMixin, int, torch.Tensor | None, torch.Tensor | None], ...
     ]
+
+
+def decoding_cache(config: Any) -> DynamicCache:
+    """HF's DynamicCache for `config`, its sliding-window layers replaced by plain growing ones
+    (see the module doc): every attention layer can then be cropped to any committed length."""
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:  # subclasses mix in linear-attention state
+            cache.layers[i] = DynamicLayer()
+    return cache
 
 
 def has_linear_layers(cache: Cache) -> bool:

@@ -189,7 +189,7 @@ def _decode_start(
     device = next(target.parameters()).device
     prompt = _prompt_tensor(prompt_ids, device)
     suppress = _suppress_tensor(suppress_token_ids, device)
-    return prompt, eos_set(eos_token_id), suppress, DynamicCache(config=target.config)
+    return prompt, eos_set(eos_token_id), suppress, hybrid_state.decoding_cache(target.config)
 
 
 @torch.no_grad()

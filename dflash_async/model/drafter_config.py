@@ -2,7 +2,8 @@
 
 The drafter shares the target's hidden size (its features and token embeddings live in that space),
 vocabulary (it decodes with the target's lm_head) and rope_theta. Heads, head_dim and the MLP width
-are copied from the target by default (docs/DFLASH.md section 1).
+are copied from the target by default (docs/DFLASH.md section 1), read from its text config by
+target/architectures.py (MoE widths, per-layer and MLA head dimensions).
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from dflash_async.target.architectures import (
+    attention_head_dim,
+    dense_mlp_width,
+    layer_attribute,
+    text_config_of,
+)
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -80,11 +88,6 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple
     return tuple(round(1 + i * step) for i in range(num_features))
 
 
-def _text_config(target_config: Any) -> Any:
-    """Multimodal wrappers (Qwen3.5) keep the language model's fields in `text_config`."""
-    return getattr(target_config, "text_config", None) or target_config
-
-
 @dataclass(frozen=True)
 class DrafterSpec:
     """The drafter's own shape settings (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES and
@@ -111,21 +114,25 @@ def drafter_config_from_target(
     **overrides: Any,
 ) -> DrafterConfig:
     """Derive a drafter config from a target's HF config; `overrides` replace any field."""
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)  # multimodal wrappers: the language model's
     num_target_layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
     rope_theta = getattr(cfg, "rope_theta", None)
     if rope_theta is None:  # transformers 5 keeps it in rope_parameters
-        rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        # Gemma 3/4 keep one per layer type: the drafter attends over the whole context, as
+        # the full-attention layers do
+        rope = rope.get("full_attention", rope)
+        rope_theta = rope.get("rope_theta", 10000.0)
     if mask_token_id is None:
         mask_token_id = QWEN35_MASK_TOKEN_ID if cfg.vocab_size > 200_000 else QWEN3_MASK_TOKEN_ID
     config = DrafterConfig(
         hidden_size=cfg.hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        intermediate_size=cfg.intermediate_size,
+        num_key_value_heads=layer_attribute(cfg, "num_key_value_heads") or heads,
+        head_dim=attention_head_dim(cfg),
+        intermediate_size=dense_mlp_width(cfg),
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=float(rope_theta),
         vocab_size=cfg.vocab_size,

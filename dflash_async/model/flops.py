@@ -9,6 +9,12 @@ the fc over frozen features cost 2x (one of the two backward matmuls is not need
 from __future__ import annotations
 
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.target.architectures import (
+    attention_head_dim,
+    experts_per_token,
+    layer_attribute,
+    routed_expert_width,
+)
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 
@@ -65,11 +71,11 @@ def target_forward_flops(
     attention term, which is ~1% of the total at 700-token documents).
     """
     d, heads = config.hidden_size, config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    experts = getattr(config, "num_experts_per_tok", 0) or 0
+    kv_heads = layer_attribute(config, "num_key_value_heads") or heads
+    head_dim = attention_head_dim(config)
+    experts = experts_per_token(config)
     if experts:
-        ffn = experts * config.moe_intermediate_size
+        ffn = experts * routed_expert_width(config)
         ffn += getattr(config, "shared_expert_intermediate_size", 0) or 0
     else:
         ffn = config.intermediate_size

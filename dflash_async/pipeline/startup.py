@@ -30,6 +30,7 @@ from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
 from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_init_weights
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
+from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline import placing
 from dflash_async.pipeline.distributed import RankInfo, check_same_run, writer_first
@@ -42,7 +43,9 @@ from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_eval
 from dflash_async.stages.produce import TargetRunner, load_runner
 from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
+from dflash_async.target.architectures import text_config_of, unsupported_reason
 from dflash_async.target.loading import TargetError, load_target_tokenizer
+from dflash_async.target.mask_token import mask_token
 
 
 @dataclass(frozen=True)
@@ -152,14 +155,30 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
 
 
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
-    """The drafter's shapes from the target's config.json and the drafter's own settings."""
+    """The drafter's shapes from the target's config.json and the drafter's own settings; an
+    architecture outside target/architectures.SUPPORTED is SettingsError (exit 2) naming it.
+    The mask token, unless set, is the target tokenizer's (target/mask_token.py; the built-in
+    target's `<|mask|>` by its first rule), logged with the rule that chose it."""
     try:
         target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot read the config of target {target_path!r}: {e}") from e
+    unsupported = unsupported_reason(target_config)
+    if unsupported:
+        raise SettingsError(f"{unsupported}; DFLASH_TARGET__PATH={target_path!r}")
     mask_token_id = spec.mask_token_id
-    if mask_token_id is None and builtin:
-        mask_token_id = load_target_tokenizer(target_path).mask_token_id
+    if mask_token_id is None:
+        vocab = text_config_of(target_config).vocab_size
+        found = mask_token(load_target_tokenizer(target_path), vocab_size=vocab)
+        if found is None:
+            raise SettingsError(
+                f"target {target_path!r}: its tokenizer has no mask token, no spare embedding "
+                "row and no unused special token; set DFLASH_DRAFTER__MASK_TOKEN_ID to an id "
+                "the data never contains"
+            )
+        get_logger(__name__).info("mask_token_chosen", id=found.id, token=found.token,
+                                  rule=found.rule, builtin=builtin)  # fmt: skip
+        mask_token_id = found.id
     try:
         return drafter_config_from_target(
             target_config, num_hidden_layers=spec.num_layers, num_features=spec.num_features,

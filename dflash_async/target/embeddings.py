@@ -15,8 +15,15 @@ from safetensors import safe_open
 
 from dflash_async.target.resolve import TargetError
 
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-LM_HEAD_NAMES = ("lm_head.weight",)
+# Text models (`model.*`), multimodal wrappers as transformers 5 lays them out
+# (`model.language_model.*`: Qwen3.5, Qwen3-VL) and as Gemma 3's checkpoints do
+# (`language_model.model.*`, its lm_head `language_model.lm_head`).
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+)
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

@@ -25,8 +25,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from dflash_async.target.architectures import is_wrapper, text_config_of
 from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -65,28 +74,73 @@ def load_target(
 ) -> PreTrainedModel:
     """Load a local HF causal LM (never downloads), in eval mode with requires_grad False.
 
-    dtype None means bf16 on GPU and fp32 on CPU. Raises TargetError for a missing folder, a
-    folder without config.json or weights, or a config transformers cannot build a model from.
+    dtype None means bf16 on GPU and fp32 on CPU. A multimodal wrapper loads as its language
+    model alone (`_load_language_model`). Raises TargetError for a missing folder, a folder
+    without config.json or weights, or a config transformers cannot build a model from.
     """
     folder = _checked_folder(path)
     device = torch.device(device)
     if not any(next(folder.glob(p), None) for p in _WEIGHT_PATTERNS):
         raise TargetError(f"target folder {str(folder)!r} has no weights (*.safetensors or *.bin)")
     dtype = dtype or default_target_dtype(device)
-    # transformers needs `accelerate` for device_map; without it we load on the CPU and copy.
-    direct = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
-    kwargs: dict[str, Any] = {"device_map": {"": device}} if direct else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=dtype, **kwargs
-        )
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if is_wrapper(config):
+            model = _load_language_model(folder, config, device=device, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, local_files_only=True, dtype=dtype, **_device_map(device)
+            )
     except (OSError, ValueError, KeyError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"cannot load target {str(folder)!r}: {first_line}") from e
-    if not direct:
-        model.to(device)
+    model.to(device)  # a no-op when loaded there directly
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def _device_map(device: torch.device) -> dict[str, Any]:
+    """Load straight onto an accelerator; transformers needs `accelerate` for that, and without
+    it we load on the CPU and copy."""
+    direct = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+    return {"device_map": {"": device}} if direct else {}
+
+
+# A wrapper checkpoint's language-model tensors, renamed to a text CausalLM's (`model.*`,
+# `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3).
+_WRAPPER_KEYS = {
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
+# The wrapper's parts that are not its language model (dropped before the move to the device).
+_NON_TEXT_PARTS = ("visual", "vision_tower", "multi_modal_projector", "audio_tower", "embed_vision")
+
+
+def _load_language_model(
+    folder: Path, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype
+) -> PreTrainedModel:
+    """A multimodal wrapper's language model, without its vision tower.
+
+    When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE),
+    that class loads the language model's tensors alone (`_WRAPPER_KEYS`; the tower's tensors
+    are left in the files, never read into memory as modules). Qwen3-VL's text model has no such
+    class: the wrapper loads on the CPU and its tower is deleted before the model moves to the
+    device, so the tower never reaches the device and never runs (text-only inputs).
+    """
+    text = text_config_of(config)
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
+    if causal_lm is not None:
+        return causal_lm.from_pretrained(
+            folder, config=text, local_files_only=True, dtype=dtype, key_mapping=_WRAPPER_KEYS,
+            **_device_map(device),
+        )  # fmt: skip
+    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    inner = getattr(model, "model", model)
+    for name in _NON_TEXT_PARTS:
+        if getattr(inner, name, None) is not None:
+            setattr(inner, name, None)  # the forward checks for images before touching it
     return model
 
 
@@ -119,7 +173,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def text_config(model: PreTrainedModel) -> PretrainedConfig:
     """The language model's config (multimodal wrappers keep it in `text_config`)."""
-    return getattr(model.config, "text_config", None) or model.config
+    return text_config_of(model.config)
 
 
 def frozen_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,184 @@
+"""Tiny random targets of every architecture the drafter supports, written as HF folders with the
+built-in tiny tokenizer (its vocabulary sizes every config), for the per-architecture tests.
+
+Each config is as small as the architecture allows (2 decoder layers, hidden 64, a few experts),
+so a whole `run` with its evaluation takes seconds on the CPU. Multimodal wrappers get a one-block
+vision tower: the product must never build it onto the device or run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from target_kit import save_random_target
+
+from dflash_async.atomic import atomic_directory
+from dflash_async.target.tiny import tiny_tokenizer
+
+SLIDING_WINDOW = 6  # shorter than a prompt: decoding runs past the window
+
+
+def _common(vocab: int, eos: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+
+
+def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
+    """The text config's keyword arguments of each architecture (hidden 64, 2 layers)."""
+    c = _common(vocab, eos)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    linear = dict(
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    table: dict[str, dict[str, Any]] = {
+        "llama": dict(intermediate_size=128, head_dim=16),
+        "qwen3": dict(intermediate_size=128, head_dim=16),
+        "mistral": dict(intermediate_size=128, head_dim=16, sliding_window=SLIDING_WINDOW),
+        "qwen3_moe": dict(intermediate_size=128, head_dim=16, **moe),
+        "qwen3_5_text": dict(intermediate_size=128, head_dim=16, **linear),
+        "qwen3_5_moe_text": dict(head_dim=16, shared_expert_intermediate_size=32, **moe, **linear),
+        "qwen3_next": dict(
+            intermediate_size=128, head_dim=16, shared_expert_intermediate_size=32, **moe, **linear
+        ),
+        "glm4_moe": dict(
+            intermediate_size=128,
+            head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "gemma3_text": dict(
+            intermediate_size=128,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "gpt_oss": dict(
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "minimax_m2": dict(
+            intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "gemma4_text": dict(
+            intermediate_size=128,
+            head_dim=16,
+            global_head_dim=32,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+        ),
+        "deepseek_v3": dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+        ),
+        "qwen3_vl_text": dict(intermediate_size=128, head_dim=16),
+    }
+    return c | table[model_type]
+
+
+def _vision(model_type: str) -> dict[str, Any]:
+    """A one-block vision tower per wrapper (its size is irrelevant: it never runs)."""
+    qwen = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return {
+        "qwen3_5": qwen,
+        "qwen3_5_moe": qwen,
+        "qwen3_vl": qwen | {"deepstack_visual_indexes": []},
+        "gemma3": dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+    }[model_type]
+
+
+# model_type -> (config class name, text model_type when a wrapper else None)
+ARCHITECTURES: dict[str, tuple[str, str | None]] = {
+    "llama": ("LlamaConfig", None),
+    "qwen3": ("Qwen3Config", None),
+    "mistral": ("MistralConfig", None),
+    "qwen3_moe": ("Qwen3MoeConfig", None),
+    "qwen3_5_text": ("Qwen3_5TextConfig", None),
+    "qwen3_5": ("Qwen3_5Config", "qwen3_5_text"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", None),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe_text"),
+    "qwen3_next": ("Qwen3NextConfig", None),
+    "glm4_moe": ("Glm4MoeConfig", None),
+    "gemma3_text": ("Gemma3TextConfig", None),
+    "gemma3": ("Gemma3Config", "gemma3_text"),
+    "gpt_oss": ("GptOssConfig", None),
+    "minimax_m2": ("MiniMaxM2Config", None),
+    "gemma4_text": ("Gemma4TextConfig", None),
+    "deepseek_v3": ("DeepseekV3Config", None),
+    "qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"),
+}
+
+
+def config_class(model_type: str) -> Callable[..., Any] | None:
+    """The installed transformers' config class of `model_type` (None: this version lacks it)."""
+    return getattr(transformers, ARCHITECTURES[model_type][0], None)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of `model_type`, sized to the built-in tiny tokenizer."""
+    tokenizer = tiny_tokenizer()
+    vocab, eos = len(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cls, text_type = config_class(model_type), ARCHITECTURES[model_type][1]
+    if text_type is None:
+        return cls(**_text(model_type, vocab, eos))
+    extra = (
+        {"mm_tokens_per_image": 4, "image_token_index": vocab - 1}
+        if text_type == "gemma3_text"
+        else {}
+    )
+    return cls(
+        text_config=_text(text_type, vocab, eos), vision_config=_vision(model_type),
+        tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+
+
+def save_tiny_target(folder: Path, model_type: str) -> Path:
+    """A tiny random `model_type` target with the tiny tokenizer, as an HF folder."""
+    config = tiny_config(model_type)
+    if ARCHITECTURES[model_type][1]:  # a wrapper is saved whole, vision tower included
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForImageTextToText.from_config(config)
+        with atomic_directory(folder) as tmp:
+            model.save_pretrained(tmp)
+    else:
+        save_random_target(folder, config, 0)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
