@@ -110,13 +110,11 @@ class DrafterSettings(_Section):
     num_layers: int = Field(5, ge=1)
     """Drafter transformer layers."""
     mask_token_id: int | None = Field(None, ge=0)
-    """Token id used for the masked block positions; empty = the target family's default."""
+    """Token id of the masked block positions; empty = chosen from the target's tokenizer."""
     init: str = ""
-    """Warm start: begin from these drafter weights, a servable export folder (config.json +
-    model.safetensors, ours or z-lab's) or a training checkpoint folder (training_state.pt);
-    weights only, with a fresh optimizer and schedule (a fine-tune, not a resume); its shapes
-    must be this run's drafter's (exit 2 naming the first difference); empty = random init.
-    Ignored, with a log line, when the run resumes a checkpoint of its own folder."""
+    """Warm start from an export (ours or z-lab's) or a training checkpoint folder: weights only,
+    fresh optimizer and schedule; shapes must match (exit 2); empty = random init; ignored when
+    the run resumes its own checkpoint."""
 
 
 class DataSettings(_Section):
