@@ -2,9 +2,7 @@
 
 Names: prefix `DFLASH_`, one group per section joined with `__` (`DFLASH_TRAIN__TOKEN_BUDGET`),
 top-level fields without a group (`DFLASH_OUTPUT_DIR`). Reading them from the environment and a
-preset file, and checking that named paths exist, is `settings_env.py`'s job; `load_settings`,
-`setting_names` and `setting_descriptions` live there too.
-The recipe defaults are those of docs/DFLASH.md s.5.
+preset file, and checking named paths, is settings_env.py's job. Recipe defaults: docs/DFLASH.md s.5.
 
 The sections are pydantic models and the root is a pydantic-settings `BaseSettings` whose only
 source is explicit values: settings_env.py maps the environment to fields (see its docstring).
