@@ -122,6 +122,28 @@ def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
     return hybrid_layout_problem(text_model(model))
 
 
+def planned_path(model_type: str) -> str:
+    """The forward `select_target_forward` takes for a model_type whose layers have the usual
+    shape, in words (the README's table; the run logs the real choice as target_path_chosen)."""
+    if model_type in QWEN35_TYPES:
+        return "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
+    if model_type in HYBRID_TYPES:
+        return "HF padded batches (no packed hybrid forward for its layers yet)"
+    if model_type in MOE_TYPES:
+        return "packed MoE (document-causal attention)"
+    if model_type in DENSE_TYPES:
+        return "packed dense (document-causal attention)"
+    return "HF padded batches of whole documents (exact; no packed forward yet)"
+
+
+def architecture_table() -> str:
+    """The README's table of supported targets (SUPPORTED), one row per model_type."""
+    from dflash_async.target.architectures import SUPPORTED
+
+    rows = [f"| `{kind}` | {family} | {planned_path(kind)} |" for kind, family in SUPPORTED.items()]
+    return "\n".join(["| model_type | family | target forward |", "|---|---|---|", *rows])
+
+
 def select_target_forward(
     model: nn.Module,
     layer_ids: Sequence[int],
