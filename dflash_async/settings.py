@@ -111,6 +111,18 @@ class DrafterSettings(_Section):
     """Drafter transformer layers."""
     mask_token_id: int | None = Field(None, ge=0)
     """Token id used for the masked block positions; empty = the target family's default."""
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """The drafter trained and exported: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel:
+    two grouped dynamic causal convolutions per layer and a candidate selector, docs/DFLASH.md
+    s.9). The in-run evaluation cannot decode dflash2 yet and is skipped for it."""
+    conv_kernel_size: int = Field(2, ge=1)
+    """dflash2: taps K of each layer's causal convolutions along the block (2 in every release)."""
+    conv_group_size: int = Field(16, ge=1)
+    """dflash2: channels sharing one dynamic kernel; must divide the hidden size."""
+    selector_rank: int = Field(256, ge=1)
+    """dflash2: rank r of the candidate selector's codebooks and hidden projection."""
+    selector_top_k: int = Field(16, ge=1)
+    """dflash2: candidates per slot the selector chooses among (the unary top-k)."""
 
 
 class DataSettings(_Section):
@@ -194,6 +206,9 @@ class TrainSettings(_Section):
     """The CE chunk's elementwise pass: model/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). The CPU always runs the plain torch ops."""
+    selector_alpha: float = Field(1.0, ge=0)
+    """dflash2: weight of the candidate selector's cross-entropy next to the DFlash loss; 0 trains
+    the unary DFlash loss alone (the selector then learns nothing)."""
     working_weights: bool = True
     """Keep bf16 working copies of the drafter's matmul weights, written by the optimizer with
     the fp32 weights, and the gradients in bf16 (GPU with `compile`; ignored elsewhere). The
