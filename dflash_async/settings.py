@@ -16,11 +16,17 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from dflash_async.data.formats import DEFAULT_ROLE_MAP, parse_role_map
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.settings_values import (
+    Section,
+    canonical_device,
+    parse_device_list,
+    parse_int_list,
+)
 
 PREFIX = "DFLASH_"
 NESTING = "__"
@@ -32,52 +38,7 @@ class SettingsError(ValueError):
     """Bad settings; `str(error)` is one line for the user (the CLI prints it and exits 2)."""
 
 
-def parse_device_list(value: Any) -> tuple[str, ...]:
-    """`"0,1,2"` / `"cpu"` / `"cuda:3"` -> `("cuda:0", "cuda:1", "cuda:2")` / `("cpu",)` / ...
-
-    Only the syntax is checked here; devices.parse_device checks that a device exists.
-    """
-    items = value.split(",") if isinstance(value, str) else list(value)
-    devices = tuple(_canonical_device(str(item).strip().lower()) for item in items)
-    if not devices:
-        raise ValueError("needs at least one device, e.g. 0,1 or cpu")
-    # a GPU appears once per list; cpu may repeat (each entry is one more CPU worker thread)
-    duplicates = sorted({d for d in devices if devices.count(d) > 1 and d != "cpu"})
-    if duplicates:
-        raise ValueError(f"lists {', '.join(duplicates)} more than once")
-    return devices
-
-
-def _canonical_device(item: str) -> str:
-    if item == "cpu":
-        return "cpu"
-    index = "0" if item == "cuda" else item.removeprefix("cuda:")
-    if not index.isdigit():
-        raise ValueError(f"{item!r} is not a device: use GPU indices such as 0,1,2 or cpu")
-    return f"cuda:{int(index)}"
-
-
-def _parse_int_list(value: Any) -> Any:
-    if isinstance(value, str):
-        return tuple(int(part) for part in value.split(",") if part.strip())
-    return value
-
-
-class _Section(BaseModel):
-    """A settings group: frozen, no unknown fields, empty strings mean None for optional fields."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _empty_means_unset(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        unset = {k for k, f in cls.model_fields.items() if f.default is None}
-        return {key: None if value == "" and key in unset else value for key, value in data.items()}
-
-
-class TargetSettings(_Section):
+class TargetSettings(Section):
     path: str = ""
     """Local Hugging Face model folder, or a model id (Org/Name) in the local Hugging Face cache
     (never downloaded); empty = the built-in tiny target."""
@@ -91,7 +52,7 @@ class TargetSettings(_Section):
     """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels; false =
     HF on right-padded batches."""
 
-    _split_layer_ids = field_validator("target_layer_ids", mode="before")(_parse_int_list)
+    _split_layer_ids = field_validator("target_layer_ids", mode="before")(parse_int_list)
 
     @model_validator(mode="after")
     def _ids_match_num_features(self) -> TargetSettings:
@@ -104,7 +65,7 @@ class TargetSettings(_Section):
         return self
 
 
-class DrafterSettings(_Section):
+class DrafterSettings(Section):
     num_layers: int = Field(5, ge=1)
     """Drafter transformer layers."""
     mask_token_id: int | None = Field(None, ge=0)
@@ -113,9 +74,21 @@ class DrafterSettings(_Section):
     """Warm start from an export (ours or z-lab's) or a training checkpoint folder: weights only,
     fresh optimizer and schedule; shapes must match (exit 2); empty = random init; ignored when
     the run resumes its own checkpoint."""
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """The drafter trained and exported: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel:
+    two grouped dynamic causal convolutions per layer and a candidate selector, docs/DFLASH.md
+    s.9). The in-run evaluation cannot decode dflash2 yet and is skipped for it."""
+    conv_kernel_size: int = Field(2, ge=1)
+    """dflash2: taps K of each layer's causal convolutions along the block (2 in every release)."""
+    conv_group_size: int = Field(16, ge=1)
+    """dflash2: channels sharing one dynamic kernel; must divide the hidden size."""
+    selector_rank: int = Field(256, ge=1)
+    """dflash2: rank r of the candidate selector's codebooks and hidden projection."""
+    selector_top_k: int = Field(16, ge=1)
+    """dflash2: candidates per slot the selector chooses among (the unary top-k)."""
 
 
-class DataSettings(_Section):
+class DataSettings(Section):
     path: str = ""
     """Conversations: a jsonl/parquet file, a glob or a folder; empty = the built-in corpus."""
     max_len: int = Field(3072, ge=2)
@@ -141,7 +114,7 @@ class DataSettings(_Section):
     _parse_role_map = field_validator("role_map", mode="before")(parse_role_map)
 
 
-class TrainSettings(_Section):
+class TrainSettings(Section):
     epochs: int = Field(6, ge=1)
     """Passes over the data (used when max_steps is 0)."""
     max_steps: int = Field(0, ge=0)
@@ -186,7 +159,7 @@ class TrainSettings(_Section):
     FLEX_AUTOTUNE tune the Triton kernels; else triton. The same result up to bf16 rounding
     order; flash was 3.5-5.5 ms faster per Qwen3-8B-shaped step on an H200 (BENCHMARKS.md), but
     is not bitwise reproducible."""
-    flex_kernel_options: dict[str, bool | int | str] = {}
+    flex_kernel_options: dict[str, bool | int | str] = Field(default_factory=dict)
     """flex_attention kernel options on GPU, JSON (torch's FlexKernelOptions, e.g.
     {"USE_TMA": true}, {"bwd_BLOCK_M1": 64}); empty = torch's defaults. The backend is
     DFLASH_TRAIN__FLEX_BACKEND's."""
@@ -196,6 +169,9 @@ class TrainSettings(_Section):
     """The CE chunk's elementwise pass: model/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). The CPU always runs the plain torch ops."""
+    selector_alpha: float = Field(1.0, ge=0)
+    """dflash2: weight of the candidate selector's cross-entropy next to the DFlash loss; 0 trains
+    the unary DFlash loss alone (the selector then learns nothing)."""
     working_weights: bool = True
     """Keep bf16 working copies of the drafter's matmul weights, written by the optimizer with
     the fp32 weights, and the gradients in bf16 (GPU with `compile`; ignored elsewhere). The
@@ -250,7 +226,7 @@ class TrainSettings(_Section):
         return self
 
 
-class PipelineSettings(_Section):
+class PipelineSettings(Section):
     layout: Literal["auto", "colocated", "split"] = "auto"
     """colocated: every device runs a target and a drafter worker around its own slot ring;
     split: target GPUs feed drafter GPUs; auto: decided from memory fit and stage rates."""
@@ -286,10 +262,10 @@ class PipelineSettings(_Section):
     @classmethod
     def _split_repeatable(cls, value: Any) -> tuple[str, ...]:
         items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(_canonical_device(str(i).strip().lower()) for i in items if str(i).strip())
+        return tuple(canonical_device(str(i).strip().lower()) for i in items if str(i).strip())
 
 
-class EvalSettings(_Section):
+class EvalSettings(Section):
     every: int = Field(0, ge=0)
     """Measure acceptance length by decoding every this many steps; 0 = never."""
     at_start: bool = False
@@ -313,7 +289,7 @@ class EvalSettings(_Section):
     with another target and no prompts file, evaluation is skipped with a log line)."""
 
 
-class LogSettings(_Section):
+class LogSettings(Section):
     format: Literal["auto", "json", "console"] = "auto"
     """JSON lines, a console renderer, or auto (console on a TTY, else JSON)."""
     level: str = "info"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dflash_async.settings import SettingsError, parse_device_list
+from dflash_async.settings import SettingsError
 from dflash_async.settings_env import (
     load_settings,
     missing_paths,
@@ -16,6 +16,7 @@ from dflash_async.settings_env import (
     setting_descriptions,
     setting_names,
 )
+from dflash_async.settings_values import parse_device_list
 
 pytestmark = pytest.mark.timeout(30)
 NO_FILE = {"DFLASH_ENV_FILE": "none"}

@@ -3,6 +3,8 @@
 Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder with a Qwen3
 `config.json` (architectures ["DFlashDraftModel"], a `dflash_config` with mask_token_id and
 target_layer_ids) and a bf16 `model.safetensors` with flat names and no embedding or lm_head.
+A DFlash2 drafter (s.9) is exported as ["DFlash2DraftModel"] with its convolution and selector
+fields in `dflash_config` and its extra tensors (`_dflash2_weight_shapes`).
 A wrong config is the quiet failure here (s.6 bug 5: engines refuse to load, or load and read the
 wrong target layers), so the config is written field by field from the DrafterConfig and loading
 one back validates every field it needs.
@@ -27,10 +29,12 @@ from torch import nn
 
 from dflash_async.atomic import atomic_directory
 from dflash_async.log import get_logger
-from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.drafter_config import DFLASH2_FIELDS, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# The servable architecture name of each drafter kind (what z-lab's code and the engines read).
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -58,6 +62,25 @@ def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     shapes["fc.weight"] = (d, config.num_features * d)
     shapes["hidden_norm.weight"] = (d,)
     shapes["norm.weight"] = (d,)
+    if config.kind == "dflash2":
+        shapes |= _dflash2_weight_shapes(config)
+    return shapes
+
+
+def _dflash2_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """DFlash2's tensors (docs/DFLASH.md s.9): two convolutions per layer and the selector,
+    whose codebooks are plain tensors (no `.weight`)."""
+    d, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
+    conv = {"base_kernel": (2, k, d), "kernel_projection.weight": (2 * k * config.conv_groups, d)}
+    shapes = {
+        f"layers.{i}.{which}.{name}": shape
+        for i in range(config.num_hidden_layers)
+        for which in ("attention_conv", "mlp_conv")
+        for name, shape in conv.items()
+    }
+    shapes["candidate_selector.hidden_projection.weight"] = (r, d)
+    shapes["candidate_selector.predecessor_codebook"] = (config.vocab_size, r)
+    shapes["candidate_selector.successor_codebook"] = (config.vocab_size, r)
     return shapes
 
 
@@ -71,8 +94,15 @@ def export_config_json(
     max_position_embeddings is the target's (Qwen3: 40960); the drafter does not limit it.
     """
     n = config.num_hidden_layers
+    dflash_config = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+    }
+    if config.kind == "dflash2":
+        dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[config.kind]],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "num_hidden_layers": n,
@@ -97,11 +127,7 @@ def export_config_json(
         "use_cache": True,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "block_size": config.block_size,
-        },
+        "dflash_config": dflash_config,
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
     }
@@ -250,7 +276,23 @@ def drafter_config_from_json(
         target_layer_ids=tuple(dflash["target_layer_ids"]),
         mask_token_id=dflash["mask_token_id"],
         block_size=_block_size(cfg, dflash, where),
+        **_variant_fields(cfg, dflash, where),
     )
+
+
+def _variant_fields(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> dict:
+    """kind from `architectures` (DFlash when absent) and, for DFlash2, its dflash_config fields."""
+    kinds = {
+        kind for kind, name in ARCHITECTURES.items() if name in (cfg.get("architectures") or [])
+    }
+    if len(kinds) > 1:
+        raise ValueError(f"{where}: architectures name both {sorted(kinds)}")
+    if kinds != {"dflash2"}:
+        return {}
+    missing = [f"dflash_config.{name}" for name in DFLASH2_FIELDS if name not in dflash]
+    if missing:
+        raise ValueError(f"{where}: missing fields {missing}")
+    return {"kind": "dflash2", **{name: int(dflash[name]) for name in DFLASH2_FIELDS}}
 
 
 def _block_size(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> int:

@@ -86,7 +86,7 @@ def run_identity(recipe: Any, drafter_config: Any, *, target_path: str, data: st
     )
     identity = {
         "DFLASH_TARGET__PATH (config.json sha256)": target,
-        "drafter shape (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES, ...)": drafter_config.__dict__,
+        "drafter shape (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES, ...)": drafter_config.identity(),
         "DFLASH_DATA__PATH (tokenized data blake2b)": data,
         "DFLASH_TRAIN__TOKEN_BUDGET": recipe.token_budget,
         "DFLASH_TRAIN__NUM_ANCHORS": recipe.num_anchors,
@@ -98,6 +98,8 @@ def run_identity(recipe: Any, drafter_config: Any, *, target_path: str, data: st
         "DFLASH_TRAIN__WEIGHT_DECAY": recipe.weight_decay,
         "DFLASH_TRAIN__GRAD_CLIP": recipe.grad_clip,
     }
+    if getattr(recipe, "kind", "dflash") == "dflash2":  # a DFlash run's identity is unchanged
+        identity["DFLASH_TRAIN__SELECTOR_ALPHA"] = recipe.selector_alpha
     return json.loads(json.dumps(identity))  # tuples become lists, as they come back from disk
 
 

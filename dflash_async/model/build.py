@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 
 from dflash_async.log import get_logger
+from dflash_async.model.dflash2 import make_drafter
+from dflash_async.model.dflash2_objective import DFlash2Objective
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
@@ -44,6 +46,8 @@ class StepSpec:
     flex_kernel_options: tuple[tuple[str, bool | int | str], ...] = ()
     flex_autotune: bool = False
     working_weights: bool = True  # bf16 working copies where the compiled update runs
+    kind: Literal["dflash", "dflash2"] = "dflash"  # the drafter's (DrafterConfig.kind)
+    selector_alpha: float = 1.0  # dflash2: weight of the selector's CE (docs/DFLASH.md s.9)
 
 
 def build_drafter_step(
@@ -65,9 +69,12 @@ def build_drafter_step(
     `flex_fn`: a compiled flex_attention to share between steps (tests); None: the objective's.
     Call in the device's worker thread: compiling happens at the first calls.
     """
+    if spec.kind != config.kind:
+        raise ValueError(f"the step is for a {spec.kind} drafter, the config for {config.kind}")
     torch.manual_seed(spec.seed)
-    drafter = DFlashDrafter(config).to(device)
-    objective = DFlashObjective(
+    drafter = make_drafter(config).to(device)
+    objective = _objective(
+        spec,
         ObjectiveConfig(
             block_size=config.block_size,
             num_anchors=spec.num_anchors,
@@ -82,8 +89,8 @@ def build_drafter_step(
             ce_kernel=spec.ce_kernel,
         ),
         drafter,
-        embed,
-        lm_head,
+        embed=embed,
+        lm_head=lm_head,
         flex_fn=flex_fn,
     )
     step = DrafterStep.build(
@@ -109,3 +116,20 @@ def build_drafter_step(
             grad_dtype=str(step.grad_dtype).removeprefix("torch."), torch=torch.__version__,
         )  # fmt: skip
     return step
+
+
+def _objective(
+    spec: StepSpec,
+    config: ObjectiveConfig,
+    drafter: DFlashDrafter,
+    *,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    flex_fn,
+) -> DFlashObjective:
+    """The objective of the drafter's kind: DFlash's, or DFlash2's (docs/DFLASH.md s.10)."""
+    if spec.kind == "dflash2":
+        return DFlash2Objective(
+            config, drafter, embed, lm_head, selector_alpha=spec.selector_alpha, flex_fn=flex_fn
+        )
+    return DFlashObjective(config, drafter, embed, lm_head, flex_fn=flex_fn)

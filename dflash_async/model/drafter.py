@@ -181,7 +181,9 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.make_layer(config) for _ in range(config.num_hidden_layers)
+        )
         self.fc = nn.Linear(config.num_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -190,6 +192,10 @@ class DFlashDrafter(nn.Module):
         self._final_norm = final_norm
         self._layer: Callable | None = None  # compiled layer_forward, once compile_layers() ran
         self.reset_parameters()
+
+    def make_layer(self, config: DrafterConfig) -> nn.Module:
+        """One decoder layer (a drafter variant, model/dflash2.py, makes its own)."""
+        return DraftLayer(config)
 
     def compile_layers(self) -> None:
         """torch.compile each layer, attention included, as one graph: the layer module is an

@@ -8,9 +8,9 @@ target/architectures.py (MoE widths, per-layer and MLA head dimensions).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dflash_async.target.architectures import (
     attention_head_dim,
@@ -25,6 +25,10 @@ QWEN35_MASK_TOKEN_ID = 248070
 
 # docs/DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+DrafterKind = Literal["dflash", "dflash2"]
+# The fields only a DFlash2 drafter reads (docs/DFLASH.md s.9); a DFlash drafter ignores them.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,43 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     block_size: int = 16
+    kind: DrafterKind = "dflash"
+    conv_kernel_size: int = 2  # dflash2: taps of each causal convolution along the block
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel
+    selector_rank: int = 256  # dflash2: r of the candidate selector
+    selector_top_k: int = 16  # dflash2: candidates per slot
 
     def __post_init__(self) -> None:
+        self._check_shapes()
+        if self.kind == "dflash2":
+            self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size={self.conv_group_size} does not divide "
+                f"hidden_size={self.hidden_size}"
+            )
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            raise ValueError(f"selector_top_k={self.selector_top_k} is outside [1, vocab_size]")
+        if min(self.conv_kernel_size, self.selector_rank) < 1:
+            raise ValueError("conv_kernel_size and selector_rank must be at least 1")
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that define a run (checkpoint/state.run_identity): a DFlash drafter's are
+        those it had before DFlash2 existed, so its older checkpoints still resume."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.kind == "dflash":
+            for name in ("kind", *DFLASH2_FIELDS):
+                del values[name]
+        return values
+
+    @property
+    def conv_groups(self) -> int:
+        """G: dynamic kernels per convolution tap (hidden_size / conv_group_size)."""
+        return self.hidden_size // self.conv_group_size
+
+    def _check_shapes(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -101,6 +140,15 @@ class DrafterSpec:
     target_layer_ids: tuple[int, ...] | None  # None: spread over the target's layers
     mask_token_id: int | None  # None: the tokenizer's mask token (built-in target) or family's
     init: Path | None = None  # an export or checkpoint folder; None: random init
+    kind: DrafterKind = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def variant_fields(self) -> dict[str, Any]:
+        """The DrafterConfig fields of the drafter kind (kind and the DFlash2 shapes)."""
+        return {"kind": self.kind, **{name: getattr(self, name) for name in DFLASH2_FIELDS}}
 
 
 def drafter_config_from_target(

@@ -82,6 +82,9 @@ class StepSums(NamedTuple):
     supervised: torch.Tensor  # positions with w > 0
     accepted: torch.Tensor  # sum over valid blocks of the accepted-prefix length
     blocks: torch.Tensor  # valid blocks
+    # DFlash2 (model/dflash2_objective.py); 0 for a DFlash drafter
+    topk_hits: torch.Tensor  # positions with w > 0 whose label is in the unary top-k
+    selector_correct: torch.Tensor  # of those, the selector's teacher-forced argmax is right
 
 
 def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -252,6 +255,7 @@ class DFlashObjective(nn.Module):
         trained = w > 0
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
         accepted = hit.long().cumprod(dim=1).sum()  # a miss or an untrained slot ends the run
+        none = torch.zeros((), dtype=torch.long, device=w.device)  # no selector in DFlash
         return StepSums(
             ce_sum=ce_sum,
             weight_sum=w.sum(),
@@ -259,6 +263,8 @@ class DFlashObjective(nn.Module):
             supervised=trained.sum(),
             accepted=accepted,
             blocks=anchors.valid.sum(),
+            topk_hits=none,
+            selector_correct=none,
         )
 
     @torch.no_grad()

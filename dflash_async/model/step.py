@@ -43,7 +43,11 @@ from dflash_async.model.step_ranges import step_range
 from dflash_async.model.update import WEIGHT_SUM_FLOOR, folded_adamw, folded_clip_coefficient
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
-STATS = ("ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "visible_pairs")
+# (StepSums' fields, then visible_pairs: pipeline/distributed.py sums those before it over nodes)
+STATS = (
+    "ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "topk_hits",
+    "selector_correct", "visible_pairs",
+)  # fmt: skip
 NUM_STATS = len(STATS)
 
 # One capture at a time in the whole process (docs/GPU.md: concurrent captures fail).

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 from dflash_async.data.packing import PackedBatch
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.model.build import StepSpec
-from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, target_forward_flops
 from dflash_async.pipeline import placement
@@ -210,7 +210,7 @@ def links(config: DrafterConfig, devices: tuple[torch.device, ...]) -> placement
 def drafter_params(config: DrafterConfig) -> int:
     """Trainable drafter parameters, counted on the meta device (no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in DFlashDrafter(config).parameters())
+        return sum(p.numel() for p in make_drafter(config).parameters())
 
 
 def memory_needs(

@@ -88,6 +88,11 @@ def run_spec(settings: Settings) -> RunSpec:
             target_layer_ids=settings.target.target_layer_ids,
             mask_token_id=settings.drafter.mask_token_id,
             init=Path(settings.drafter.init) if settings.drafter.init else None,
+            kind=settings.drafter.kind,
+            conv_kernel_size=settings.drafter.conv_kernel_size,
+            conv_group_size=settings.drafter.conv_group_size,
+            selector_rank=settings.drafter.selector_rank,
+            selector_top_k=settings.drafter.selector_top_k,
         ),
         data=_data_options(
             settings.data,
@@ -97,7 +102,7 @@ def run_spec(settings: Settings) -> RunSpec:
         plan=PlanSpec(
             token_budget=budget, seed=train.seed, epochs=train.epochs, max_steps=train.max_steps
         ),
-        step=_step_spec(train, token_budget=budget, cuda=cuda),
+        step=_step_spec(train, token_budget=budget, cuda=cuda, kind=settings.drafter.kind),
         target=_target_spec(
             settings.target, token_budget=budget, max_batch_tokens=pipe.target_batch_tokens
         ),
@@ -118,7 +123,9 @@ def run_spec(settings: Settings) -> RunSpec:
     )
 
 
-def _step_spec(train: TrainSettings, *, token_budget: int, cuda: bool) -> StepSpec:
+def _step_spec(
+    train: TrainSettings, *, token_budget: int, cuda: bool, kind: str = "dflash"
+) -> StepSpec:
     """The drafter step: compile, graphs and the Triton CE pass only on GPU drafters."""
     attention = train.attention if train.attention != "auto" else ("flex" if cuda else "sdpa")
     if attention == "flex" and not cuda:
@@ -136,6 +143,7 @@ def _step_spec(train: TrainSettings, *, token_budget: int, cuda: bool) -> StepSp
         flex_backend=train.flex_backend,
         flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
         flex_autotune=train.flex_autotune, working_weights=train.working_weights,
+        kind=kind, selector_alpha=train.selector_alpha,
     )  # fmt: skip
 
 

@@ -183,7 +183,7 @@ def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> Dr
         return drafter_config_from_target(
             target_config, num_hidden_layers=spec.num_layers, num_features=spec.num_features,
             block_size=spec.block_size, mask_token_id=mask_token_id,
-            target_layer_ids=spec.target_layer_ids,
+            target_layer_ids=spec.target_layer_ids, **spec.variant_fields(),
         )  # fmt: skip
     except ValueError as e:  # the target cannot host this drafter: name the settings involved
         raise SettingsError(

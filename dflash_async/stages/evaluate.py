@@ -229,6 +229,15 @@ async def evaluation_off(step: int, *, wait: bool = False) -> dict[str, Any]:
     return {}
 
 
+def _skip_reason(settings: EvalSettings, inputs: Any) -> str | None:
+    """Why the run's evaluations are skipped (logged each time), or None."""
+    if inputs.drafter_config.kind != "dflash":  # decoding has no candidate-selector path yet
+        return f"decoding a {inputs.drafter_config.kind} drafter is not built yet"
+    if not (inputs.builtin_target or settings.prompts_path):
+        return "set DFLASH_EVAL__PROMPTS_PATH"
+    return None
+
+
 @asynccontextmanager
 async def open_run_evaluator(
     settings: EvalSettings,
@@ -247,10 +256,11 @@ async def open_run_evaluator(
     if not (settings.every or settings.at_start or settings.at_end):
         yield evaluation_off
         return
-    if not (inputs.builtin_target or settings.prompts_path):
+    reason = _skip_reason(settings, inputs)
+    if reason:
 
         async def skipped(step: int, *, wait: bool = False) -> dict:
-            log.info("eval_skipped", step=step, reason="set DFLASH_EVAL__PROMPTS_PATH")
+            log.info("eval_skipped", step=step, reason=reason)
             return {}
 
         yield skipped

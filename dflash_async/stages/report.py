@@ -32,13 +32,17 @@ Workers = list[tuple[DeviceWorker, BusyMeter]]
 def learning_fields(values: list[float]) -> dict[str, float]:
     """loss, acc, tau_hat, lr, grad_norm from a step's report vector (STATS, lr, grad_norm)."""
     stats = dict(zip(STATS, values[: len(STATS)], strict=True))
-    return {
+    fields = {
         "loss": stats["ce_sum"] / max(stats["weight_sum"], 1e-12),
         "acc": stats["correct"] / max(stats["supervised"], 1.0),
         "tau_hat": 1 + stats["accepted"] / max(stats["blocks"], 1.0),
         "lr": values[len(STATS)],
         "grad_norm": values[len(STATS) + 1],
     }
+    if stats["topk_hits"] > 0:  # a DFlash2 step (a DFlash step counts none): its selector
+        fields["topk_recall"] = stats["topk_hits"] / max(stats["supervised"], 1.0)
+        fields["selector_acc"] = stats["selector_correct"] / max(stats["supervised"], 1.0)
+    return fields
 
 
 @dataclass

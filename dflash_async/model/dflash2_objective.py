@@ -1,0 +1,159 @@
+"""The DFlash2 training objective: DFlash's loss on the unary logits plus alpha x the selector's CE.
+
+This module owns the objective choice for DFlash2 (docs/DFLASH.md s.10; the authors published
+none). For a trained slot n (block j, slot k >= 1, weight w_n > 0 as in s.4):
+- unary logits u_n = lm_head(h_n); the DFlash loss term is w_n * CE(u_n, gold_n), exactly as
+  DFlashObjective computes it (same chunks, same elementwise pass);
+- candidates S_n = the strict top-k of u_n (k = selector_top_k, torch.topk on the device);
+- predecessor = the GOLD token of the previous slot (the anchor token for k = 1: teacher forcing);
+- score_n(c) = u_n(c) + <pred[prev] * hidden_projection(h_n), succ[c]> for c in S_n;
+- selector term w_n * CE(score_n over S_n, gold_n) when gold_n is in S_n; nothing otherwise.
+The step's loss is sum(w * (CE_unary + alpha * [gold in S] * CE_selector)) / sum(w): the selector
+shares the DFlash weights and normaliser, so the step's sums and their all-reduce are DFlash's.
+Both terms train the backbone (the selector CE also reaches u_n(c) at the candidates).
+
+Fixed-shape and sync-free like DFlashObjective: topk, gathers and selections only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.dflash2 import DFlash2Drafter
+from dflash_async.model.objective import (
+    Anchors,
+    DFlashObjective,
+    ObjectiveConfig,
+    StepSums,
+    ce_and_grad_from_logits,
+)
+from dflash_async.model.step_ranges import step_range
+
+
+def selector_predecessors(labels: torch.Tensor) -> torch.Tensor:
+    """[A, B] gold tokens per slot (slot 0 = the anchor) -> [A, B-1] predecessors of slots 1..B-1:
+    the previous slot's gold token (teacher forcing)."""
+    return labels[:, :-1]
+
+
+def selector_targets(
+    candidates: torch.Tensor,  # [N, k]
+    gold: torch.Tensor,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in_set [N, k]: candidate == gold, has_gold [N]): a gold token outside the strict top-k
+    has no target and gives no selector loss."""
+    in_set = candidates == gold[:, None]
+    return in_set, in_set.any(-1)
+
+
+class _UnaryCEAndTopK(torch.autograd.Function):
+    """DFlash's chunked weighted CE (objective._LinearWeightedCE) that also returns each row's
+    unary top-k values and indices. The values are differentiable: their gradient reaches
+    `hidden` through the k lm_head rows of the candidates, chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, elementwise, k: int):
+        weight = lm_head_weight.to(hidden.dtype)  # [V, d]
+        sums, hits, grads, values, indices = [], [], [], [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = hidden[start:end] @ weight.T  # [c, V]
+            ce_sum, hit, grad_logits = elementwise(logits, labels[start:end], weights[start:end])
+            top = logits.topk(k, dim=-1)  # on the device: no host sync
+            sums.append(ce_sum)
+            hits.append(hit)
+            grads.append(grad_logits @ weight)  # [c, d]
+            values.append(top.values)
+            indices.append(top.indices)
+        index = torch.cat(indices)  # [N, k]
+        ctx.save_for_backward(torch.cat(grads), index, weight)
+        ctx.chunk_size = chunk_size
+        hit = torch.cat(hits)
+        ctx.mark_non_differentiable(hit, index)
+        return torch.stack(sums).sum(), hit, torch.cat(values), index
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_hit, grad_values, _grad_index):
+        grad_ce, index, weight = ctx.saved_tensors
+        grad_hidden = grad_ce * grad_sum.to(grad_ce.dtype)
+        if grad_values is not None:  # d/d hidden of sum_c g[n, c] * <hidden_n, W[c]>
+            parts = []
+            for start in range(0, index.shape[0], ctx.chunk_size):
+                end = start + ctx.chunk_size
+                rows = weight[index[start:end]]  # [c, k, d]
+                g = grad_values[start:end].to(rows.dtype)
+                parts.append(torch.einsum("ck,ckd->cd", g, rows))
+            grad_hidden = grad_hidden + torch.cat(parts).to(grad_hidden.dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+def selector_cross_entropy(
+    scores: torch.Tensor,  # [N, k] unary + pair scores
+    in_set: torch.Tensor,  # [N, k] bool
+    counted: torch.Tensor,  # [N] bool: w > 0 and gold in the set
+    weights: torch.Tensor,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of w * CE over the counted rows, argmax == gold [N]); rows are excluded by
+    selection, never by multiplying by 0."""
+    x = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    gold_score = torch.where(in_set, x, 0.0).sum(-1)  # one True per counted row
+    ce = x.logsumexp(-1) - gold_score
+    w = torch.where(counted, weights, 0.0).to(x.dtype)
+    hit = in_set.gather(1, x.argmax(-1, keepdim=True)).squeeze(1)
+    return torch.where(counted, w * ce, 0.0).sum(), hit
+
+
+class DFlash2Objective(DFlashObjective):
+    """DFlash's objective on a DFlash2 drafter, plus the selector's teacher-forced CE."""
+
+    def __init__(
+        self,
+        config: ObjectiveConfig,
+        drafter: DFlash2Drafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        *,
+        selector_alpha: float = 1.0,
+        flex_fn=None,
+    ) -> None:
+        super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
+        if self.ce_kernel == "triton":  # the top-k needs the chunk's logits, which it never makes
+            self.ce_kernel, self.ce_elementwise = "compiled", ce_and_grad_from_logits
+            if config.compile:
+                self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
+        self.selector_alpha = float(selector_alpha)
+        self.top_k = drafter.config.selector_top_k
+
+    def forward(self, batch: PackedBatch, anchors: Anchors) -> StepSums:
+        tokens, positions, labels, weights = self._blocks(batch, anchors)
+        hidden = self._hidden(batch, anchors, tokens, positions)  # [A, B, d]
+        slots = hidden[:, 1:].flatten(0, 1)  # [N, d], N = A*(B-1)
+        w = weights[:, 1:].flatten()  # [N]
+        gold = labels[:, 1:].flatten()  # [N]
+        with step_range("lm_head_ce"):
+            ce_sum, correct_pred, unary, candidates = _UnaryCEAndTopK.apply(
+                slots, self.lm_head_weight.detach(), gold, w, self.config.ce_chunk_size,
+                self.ce_elementwise, self.top_k,
+            )  # fmt: skip
+        with step_range("lm_head_ce"):  # the selector: part of the head's range
+            previous = selector_predecessors(labels).flatten()  # [N]
+            pair = self.drafter.candidate_selector.pair_scores(slots, previous, candidates)
+            in_set, has_gold = selector_targets(candidates, gold)
+            trained = w > 0
+            selector_sum, selector_hit = selector_cross_entropy(
+                unary + pair, in_set, trained & has_gold, w
+            )
+        hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
+        return StepSums(
+            # alpha = 0: + 0.0 * a finite sum leaves the DFlash sum bit for bit, and the
+            # selector's parameters still get (zero) gradients, as the step requires
+            ce_sum=ce_sum + self.selector_alpha * selector_sum,
+            weight_sum=w.sum(),
+            correct=hit.sum(),
+            supervised=trained.sum(),
+            accepted=hit.long().cumprod(dim=1).sum(),
+            blocks=anchors.valid.sum(),
+            topk_hits=(trained & has_gold).sum(),
+            selector_correct=(trained & has_gold & selector_hit).sum(),
+        )
