@@ -265,8 +265,8 @@ def test_a_run_killed_midway_and_run_again_gives_the_uninterrupted_output(
 def _refused_cases(root: Path) -> dict[str, tuple[str, str, list[str]]]:
     """case -> (--input, --output, texts the error line names)."""
     folder = root / "corpus"
-    folder.mkdir()
-    sharegpt_file(folder / "a.jsonl", 2)
+    folder.mkdir()  # OpenAI messages, which the old reader read too: it overwrote the input
+    (folder / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
     (root / "empty.jsonl").write_text("")
     return {
         "output_is_the_input": (str(folder / "a.jsonl"), str(folder / "a.jsonl"),

@@ -235,8 +235,9 @@ def _drive(
     log.info("regenerate_started", output=str(output), records=total, resumed_at=writer.done,
              engine=identity["engine"], model=identity["model"])  # fmt: skip
     last_flush, shards = time.monotonic(), len(progress.shards)
+    outcomes = engine.outcomes(corpus.conversations(skip=writer.done))
     try:
-        for outcome in engine.outcomes(corpus.conversations(skip=writer.done)):
+        for outcome in outcomes:
             if outcome is not None and outcome.error is not None:
                 where = outcome.conversation.where
                 if args.on_error == "fail":
@@ -259,6 +260,7 @@ def _drive(
             log.info("regenerate_shard_written", file=progress.shards[-1]["file"],
                      records_done=writer.done)  # fmt: skip
     finally:
+        outcomes.close()  # now, not at garbage collection: the server's workers stop
         writer.flush()  # the records done stay done (a no-op after finish)
         writer.close()
     log.info("regenerate_completed", output=str(output), records=total, shards=len(progress.shards),
