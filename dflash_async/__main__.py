@@ -30,7 +30,6 @@ from dflash_async.usage import (
     UsageError,
     check_writable_file,
     check_writable_folder,
-    positive_int,
 )
 
 
@@ -155,19 +154,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    """Regenerate the assistant turns of a jsonl of conversations with the target."""
-    from dflash_async.eval.regenerate import run_regenerate
-    from dflash_async.runtime.devices import parse_device
+    """Regenerate the assistant turns of a corpus with the target: an OpenAI-compatible server
+    (--server) or in process (--target), into resumable shard files (regen/cli.py)."""
+    from dflash_async.regen.cli import main as regenerate
 
-    if args.sample and not args.temperature > 0:  # `not >`: NaN is refused too
-        raise UsageError(f"--temperature must be > 0 with --sample, got {args.temperature}")
-    check_writable_file(args.output, argument="--output")
-    device = parse_device(args.device, setting="--device")
     _configure_logging()
-    path = run_regenerate(  # bad input or target: DataError / TargetError before any generation
-        args.input, args.output, args.target, device, args.max_new_tokens, args.batch_size,
-        greedy=not args.sample, temperature=args.temperature, limit=args.limit,
-    )  # fmt: skip
+    path = regenerate(args)  # bad input: UsageError / DataError / TargetError before any work
     print(json.dumps({"event": "regenerated", "path": str(path)}), flush=True)
     return 0
 
@@ -210,16 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", type=bench_name, choices=BENCHES)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(fn=cmd_bench)
-    regen = sub.add_parser("regenerate", help=cmd_regenerate.__doc__)
-    regen.add_argument("--input", required=True, help="conversations: .jsonl, .json or .parquet")
-    regen.add_argument("--output", required=True, help="the regenerated .jsonl")
-    regen.add_argument("--target", required=True, help="local HF model folder or cached model id")
-    regen.add_argument("--device", default="cpu")
-    regen.add_argument("--max-new-tokens", type=positive_int, default=512)
-    regen.add_argument("--batch-size", type=positive_int, default=32)
-    regen.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    regen.add_argument("--temperature", type=float, default=1.0)
-    regen.add_argument("--limit", type=positive_int, default=None)
+    from dflash_async.regen.cli import add_arguments as regenerate_arguments  # argparse only
+
+    regenerate_arguments(regen := sub.add_parser("regenerate", help=cmd_regenerate.__doc__))
     regen.set_defaults(fn=cmd_regenerate)
     # every option (even -h) goes to the eval harness's own parser
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)

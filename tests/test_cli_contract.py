@@ -118,7 +118,7 @@ BAD_INPUTS = {
     "regenerate/missing_input": (["regenerate", "--input", "{root}/none.jsonl", "--output",
         "{root}/out.jsonl", "--target", "{root}"], {}, ["none.jsonl"]),
     "regenerate/malformed_input": (["regenerate", "--input", "{bad}", "--output",
-        "{root}/out.jsonl", "--target", "{root}"], {}, ["bad.jsonl:2", "not valid JSON"]),
+        "{root}/out.jsonl", "--target", "{root}"], {}, ["bad.jsonl:2", "malformed JSON"]),
     "regenerate/unwritable_output": (["regenerate", "--input", "{good}", "--output",
         "{a_file}/out.jsonl", "--target", "{root}"], {}, ["--output", "a_file"]),
     "regenerate/missing_target": (["regenerate", "--input", "{good}", "--output",
@@ -210,10 +210,10 @@ def test_settings_prints_a_preset_whose_paths_are_absent_here_and_warns(
 # regenerate with the tiny target's generation failing: an internal error after the target loaded
 FAILING_REGENERATE = """
 import sys
-import dflash_async.eval.regenerate as regen
+import dflash_async.regen.engines as engines
 def regenerate(*args, **kwargs):
     raise RuntimeError("generation failed")
-regen.regenerate = regenerate
+engines.regenerate_with_stats = regenerate
 from dflash_async.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

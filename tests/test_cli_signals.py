@@ -151,19 +151,22 @@ def test_eval_sigterm_mid_speculation_keeps_the_completed_baseline(
 
 
 @SIGNALS
-def test_regenerate_stopped_mid_generation_exits_130_or_143_leaving_the_old_output(
+def test_regenerate_stopped_mid_generation_exits_130_or_143_keeping_the_finished_shards(
     tiny: dict[str, Path], tmp_path: Path, signum: int
 ) -> None:
-    output = tmp_path / "regenerated.jsonl"
-    output.write_text("the previous output\n")
+    output = tmp_path / "regenerated"
     argv = ["-m", "dflash_async", "regenerate", "--input", str(tiny["conversations"]),
             "--output", str(output), "--target", str(tiny["target"]), "--batch-size", "1",
-            "--max-new-tokens", "64"]  # fmt: skip
+            "--max-new-tokens", "64", "--records-per-shard", "3"]  # fmt: skip
     process = start(argv, tmp_path)
-    wait_for(process, "progress_reported", task="regenerate (batches)")  # 3 done of 30
+    wait_for(process, "regenerate_shard_written")  # 3 done of 30
     assert_interrupted("regenerate", signum, stop(process, signum))
-    assert output.read_text() == "the previous output\n"
-    assert stale_siblings(output) == []
+    manifest = json.loads((output / "regenerate.manifest").read_text())
+    finished = [shard["file"] for shard in manifest["progress"]["shards"]]
+    assert finished and not manifest["progress"]["complete"]
+    for name in finished:  # every recorded shard is whole
+        assert len((output / name).read_text().splitlines()) == 3
+    assert all(stale_siblings(output / name) == [] for name in [*finished, "regenerate.manifest"])
 
 
 @SIGNALS

@@ -1,4 +1,5 @@
-"""regenerate.py: the target rewrites the assistant turns; jsonl I/O; the cached demo corpus."""
+"""eval/regenerate.py: the target rewrites the assistant turns in process; jsonl output; the cached
+demo corpus (the `regenerate` command's files, server and shards: test_regen.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,7 @@ import pytest
 import torch
 
 import dflash_async.eval.regenerate as regen
-from dflash_async.eval.regenerate import (
-    demo_corpus,
-    read_conversations,
-    regenerate,
-    run_regenerate,
-    write_jsonl,
-)
+from dflash_async.eval.regenerate import demo_corpus, regenerate, write_jsonl
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
 
@@ -165,31 +160,42 @@ def test_malformed_conversations_name_the_record(tiny: tuple) -> None:
         )
 
 
-def test_jsonl_round_trips_and_a_bad_line_is_named(tmp_path: Path) -> None:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_write_jsonl_writes_one_object_a_line_and_leaves_no_temporary(tmp_path: Path) -> None:
     records = [_user("What is 2 plus 3?"), _user("Spell the word cat.")]
     path = write_jsonl(records, tmp_path / "out" / "data.jsonl")
-    assert read_conversations(path) == records
+    assert read_jsonl(path) == records
     assert [p.name for p in path.parent.iterdir()] == ["data.jsonl"]  # no temporary left
-    path.write_text(json.dumps(records[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"data\.jsonl:2: not valid JSON"):
-        read_conversations(path)
 
 
-def test_run_regenerate_writes_the_regenerated_jsonl(tiny_folder: Path, tmp_path: Path) -> None:
-    source = write_jsonl(
-        [_user("What is 2 plus 3?"), _user("Spell the word dog.")], tmp_path / "in.jsonl"
+def test_turns_last_regenerates_only_the_last_turn_given_the_original_history(
+    tiny: tuple,
+) -> None:
+    model, tokenizer = tiny
+    original = {"role": "assistant", "content": "an answer the target did not write"}
+    conversation = {
+        "messages": [
+            {"role": "user", "content": "What is 2 plus 3?"},
+            original,
+            {"role": "user", "content": "Spell the word cat."},
+        ]
+    }
+    (record,) = regenerate(
+        model, tokenizer, [conversation], max_new_tokens=8, batch_size=1, turns="last"
     )
-    out = run_regenerate(source, tmp_path / "out.jsonl", tiny_folder, "cpu", 5, 2, limit=1)
-    (record,) = read_conversations(out)
-    assert record["messages"][0]["content"] == "What is 2 plus 3?"
-    assert record["messages"][1]["role"] == "assistant"
+    messages = record["messages"]
+    assert messages[1] == original
+    assert messages[3]["content"] == _greedy_reference(model, tokenizer, messages[:3], 8)
 
 
 def test_demo_corpus_answers_the_train_prompts_and_is_cached(
     tiny_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = demo_corpus(tmp_path, tiny_folder, 12, max_new_tokens=6)
-    records = read_conversations(path)
+    records = read_jsonl(path)
     prompts = demo_prompts(12, split="train")
     assert len(records) == 12
     for prompt, record in zip(prompts, records, strict=True):

@@ -1,14 +1,17 @@
-"""The target rewrites the assistant turns of a prompt set (`python -m dflash_async regenerate`).
+"""The in-process generation core of regeneration: `model.generate` over conversations in memory.
 
 A drafter is trained to predict what ITS target would say, so the training answers should be the
-target's own (docs/DFLASH.md s.5). This module runs `model.generate` over a conversation set, in
-left-padded batches sorted by prompt length (less padding), and writes OpenAI-messages records.
+target's own (docs/DFLASH.md s.5). This module owns the HF path: left-padded batches sorted by
+prompt length (less padding) through `model.generate`, turn selection, and the cached demo corpus.
+The `regenerate` command (files, shards, resume, the server engine) is `dflash_async/regen/`.
 
-Multi-turn: EVERY assistant turn is regenerated, in order, each given the previously regenerated
-turns (round r generates the r-th turn of every conversation that has one), so a later turn never
-answers an earlier answer that the target did not write. A conversation ending with a user turn
-(or a tool result) gets a new assistant turn. Assistant turns carrying `tool_calls` are kept
-verbatim (the tool results that follow them answer those exact calls).
+Which turns: `turns="all"` (the default) regenerates EVERY assistant turn, in order, each given the
+previously regenerated turns (round r generates the r-th turn of every conversation that has one),
+so a later turn never answers an earlier answer that the target did not write; `turns="last"`
+regenerates only the last one, given the original history (one generation per conversation). A
+conversation ending with a user turn (or a tool result) gets a new assistant turn. Assistant turns
+carrying `tool_calls` are kept verbatim (the tool results that follow them answer those exact
+calls).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -28,8 +31,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_file
-from dflash_async.data.samples import DataError
 from dflash_async.log import progress
+from dflash_async.regen.corpus import TURNS
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import TINY_SEED, demo_prompts
 
@@ -52,17 +55,21 @@ def _checked_conversation(record: Any, where: str) -> dict[str, Any]:
     return copy.deepcopy(record)
 
 
-def _turns_to_generate(messages: list[dict[str, Any]]) -> list[int]:
+def turns_to_generate(messages: list[dict[str, Any]], turns: str = "all") -> list[int]:
     """Indices of the assistant turns to (re)generate: those after the first user turn, without
-    tool calls. Appends an empty assistant turn when the last turn is a user's or a tool's."""
+    tool calls (`turns="last"`: the last of them only). Appends an empty assistant turn when the
+    last turn is a user's or a tool's."""
+    if turns not in TURNS:
+        raise ValueError(f"turns={turns!r} must be one of {TURNS}")
     if messages[-1]["role"] in ("user", "tool"):
         messages.append({"role": "assistant", "content": ""})
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    return [
+    indices = [
         i
         for i, m in enumerate(messages)
         if m["role"] == "assistant" and not m.get("tool_calls") and i > first_user
     ]
+    return indices[-1:] if turns == "last" else indices
 
 
 def _generation_config(
@@ -135,9 +142,11 @@ def _generate_batch(
     return [_answer(row, tokenizer, eos_ids) for row in new_ids]
 
 
-def _render_prompt(tokenizer: Any, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
+def _render_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
+) -> str:
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        messages, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
 
 
@@ -152,60 +161,102 @@ def regenerate(
     temperature: float = 1.0,
     seed: int = 0,
     enable_thinking: bool = False,
+    turns: str = "all",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The conversations with every assistant turn written by `model` (see the module docstring).
+    """The conversations with their assistant turns written by `model` (see the module docstring).
 
     Returns new records ({"messages": [...]} plus the input's other keys), in input order. Greedy
     by default; sampling is seeded (the global RNG state is restored afterwards). A turn that hit
-    `max_new_tokens` is kept as it is (truncated). Raises ValueError naming a malformed record.
+    `max_new_tokens` is kept as it is (truncated). `template_kwargs` go to the chat template
+    besides `enable_thinking`. Raises ValueError naming a malformed record. Logs one
+    `regenerate_completed` event.
+    """
+    start = time.perf_counter()
+    records, stats = regenerate_with_stats(
+        model, tokenizer, conversations, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        greedy=greedy, temperature=temperature, seed=seed, turns=turns, show_progress=True,
+        template_kwargs={"enable_thinking": enable_thinking, **(template_kwargs or {})},
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    totals = {key: (sum(v) if isinstance(v, list) else v) for key, v in stats.items()}
+    structlog.get_logger().info(
+        "regenerate_completed",
+        conversations=len(records),
+        **totals,
+        seconds=round(seconds, 3),
+        new_tokens_per_s=round(totals["new_tokens"] / max(seconds, 1e-9), 1),
+    )
+    return records
+
+
+def regenerate_with_stats(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    conversations: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    greedy: bool,
+    temperature: float,
+    seed: int,
+    turns: str,
+    template_kwargs: Mapping[str, Any],
+    show_progress: bool = False,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`regenerate` without its log event: (records, {"turns", "truncated_turns": totals,
+    "new_tokens": [per record]}). `template_kwargs` are all the chat template's extra arguments.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} and batch_size={batch_size} must be >= 1"
         )
     records = [_checked_conversation(c, f"conversation {i}") for i, c in enumerate(conversations)]
-    turns = [_turns_to_generate(r["messages"]) for r in records]
+    chosen = [turns_to_generate(r["messages"], turns) for r in records]
     config = _generation_config(
         model, tokenizer, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature
     )
-    start, stats = time.perf_counter(), {"turns": 0, "new_tokens": 0, "truncated_turns": 0}
+    stats: dict[str, Any] = {"turns": 0, "new_tokens": [0] * len(records), "truncated_turns": 0}
     with nullcontext() if greedy else _seeded(seed, next(model.parameters()).device):
-        for round_ in range(max((len(t) for t in turns), default=0)):
-            jobs = [(r, t[round_]) for r, t in zip(records, turns, strict=True) if len(t) > round_]
-            _run_round(model, tokenizer, jobs, config, batch_size, enable_thinking, stats)
-    seconds = time.perf_counter() - start
-    structlog.get_logger().info(
-        "regenerate_completed",
-        conversations=len(records),
-        **stats,
-        seconds=round(seconds, 3),
-        new_tokens_per_s=round(stats["new_tokens"] / max(seconds, 1e-9), 1),
-    )
-    return records
+        for round_ in range(max((len(t) for t in chosen), default=0)):
+            jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
+            _run_round(model, tokenizer, records, jobs, config, batch_size=batch_size,
+                       template_kwargs=template_kwargs, stats=stats,
+                       show_progress=show_progress)  # fmt: skip
+    return records, stats
 
 
 def _run_round(
     model: PreTrainedModel,
     tokenizer: Any,
-    jobs: list[tuple[dict[str, Any], int]],
+    records: list[dict[str, Any]],
+    jobs: list[tuple[int, int]],
     config: GenerationConfig,
+    *,
     batch_size: int,
-    enable_thinking: bool,
-    stats: dict[str, int],
+    template_kwargs: Mapping[str, Any],
+    stats: dict[str, Any],
+    show_progress: bool,
 ) -> None:
-    """Fill the assistant turn `index` of each (record, index), longest prompts first."""
-    prompts = [_render_prompt(tokenizer, r["messages"][:i], enable_thinking) for r, i in jobs]
+    """Fill the assistant turn `index` of each (record number, index), longest prompts first."""
+    prompts = [_render_prompt(tokenizer, records[n]["messages"][:i], template_kwargs)
+               for n, i in jobs]  # fmt: skip
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # the template has them
     order = sorted(range(len(jobs)), key=lambda j: -len(rows[j]))  # similar lengths together
     starts = range(0, len(order), batch_size)
-    for lo in progress(starts, total=len(starts), task="regenerate (batches)"):
+    shown = (
+        progress(starts, total=len(starts), task="regenerate (batches)")
+        if show_progress
+        else starts
+    )
+    for lo in shown:
         chunk = order[lo : lo + batch_size]
         results = _generate_batch(model, tokenizer, [rows[j] for j in chunk], config)
         for j, (text, stopped, count) in zip(chunk, results, strict=True):
-            record, index = jobs[j]
-            record["messages"][index] = {"role": "assistant", "content": text}
+            n, index = jobs[j]
+            records[n]["messages"][index] = {"role": "assistant", "content": text}
             stats["turns"] += 1
-            stats["new_tokens"] += count
+            stats["new_tokens"][n] += count
             stats["truncated_turns"] += not stopped
 
 
@@ -224,68 +275,6 @@ def write_jsonl(records: Iterable[dict[str, Any]], path: str | os.PathLike[str])
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return Path(path)
-
-
-def read_conversations(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Records from a .jsonl (one object a line), .json (a list) or .parquet file.
-
-    Raises ValueError naming the file and line of a malformed record.
-    """
-    source = Path(path)
-    if not source.is_file():
-        raise ValueError(f"{source}: no such file")
-    if source.suffix == ".parquet":
-        import pyarrow.parquet as pq  # only this format needs it
-
-        rows = pq.read_table(source).to_pylist()
-        return [_checked_conversation(r, f"{source} row {i}") for i, r in enumerate(rows)]
-    if source.suffix == ".json":
-        rows = json.loads(source.read_text(encoding="utf-8"))
-        return [_checked_conversation(r, f"{source} item {i}") for i, r in enumerate(rows)]
-    records = []
-    with source.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from e
-            records.append(_checked_conversation(record, f"{source}:{line_no}"))
-    return records
-
-
-def run_regenerate(
-    input_path: str | os.PathLike[str],
-    output_path: str | os.PathLike[str],
-    target_path: str | os.PathLike[str],
-    device: torch.device | str,
-    max_new_tokens: int,
-    batch_size: int,
-    *,
-    limit: int | None = None,
-    **options: Any,
-) -> Path:
-    """The CLI's `regenerate`: read conversations, regenerate them with the target, write jsonl.
-
-    `limit` keeps only the first N conversations; `options` (greedy, temperature, seed,
-    enable_thinking) go to `regenerate` as they are. Errors in the inputs are DataError (TargetError
-    for the target folder), raised before the target is loaded: one line naming the file and
-    line, for exit code 2.
-    """
-    try:
-        conversations = read_conversations(input_path)[:limit]
-    except ValueError as error:  # JSON, UTF-8, parquet and record errors alike
-        message = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
-        shown = message if str(input_path) in message else f"{input_path}: {message}"
-        raise DataError(shown) from None
-    model = load_target(target_path, device=torch.device(device))
-    tokenizer = load_target_tokenizer(target_path)
-    records = regenerate(
-        model, tokenizer, conversations, max_new_tokens=max_new_tokens, batch_size=batch_size,
-        **options,
-    )  # fmt: skip
-    return write_jsonl(records, output_path)
 
 
 def _folder_digest(folder: Path) -> str:

@@ -1,0 +1,301 @@
+"""The `regenerate` command: its arguments, the checks before any model loads, and the run loop.
+
+Bad input is found before any work, for exit 2 with one line: arguments, the input (every record
+of this machine's part is read once: bad records, an empty input), `--output` being or lying inside
+the input, an output folder holding something else or another regeneration, the server not
+answering, the target folder. Then the engine's answers go to the shard writer in input order,
+with a `regenerate_progress` event every --progress-every seconds. A signal (KeyboardInterrupt
+here, from the CLI's handler) or an error flushes the records done, so a re-run resumes there.
+Imports stay light at the top (argparse only): the CLI builds its parser from `add_arguments`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+_ON_ERROR = ("fail", "skip")
+_FLUSH_EVERY_S = 1.0  # a SIGKILL loses at most this much work (a flush costs two fsyncs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dflash_async.regen.corpus import TURNS, Split
+    from dflash_async.usage import positive_int
+
+    def split(text: str) -> Split:
+        try:
+            return Split.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    add = parser.add_argument
+    add(
+        "--input",
+        required=True,
+        help="conversations as `run` reads them: a file, glob or folder of .jsonl(.gz), .json, "
+        ".parquet or a datasets folder; OpenAI messages or ShareGPT conversations",
+    )
+    add("--output", required=True, help="a folder: shard-NNNNN.jsonl files and a manifest")
+    engine = parser.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--target", help="in process: local HF model folder or cached model id")
+    engine.add_argument("--server", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    add("--model", help="the server's model name (default: the first it lists)")
+    add("--device", default="cpu", help="in process: the target's device")
+    add("--batch-size", type=positive_int, default=32, help="in process: conversations a batch")
+    add("--concurrency", type=positive_int, default=64, help="server: requests in flight")
+    add("--timeout", type=float, default=600.0, help="server: seconds per request")
+    add("--retries", type=int, default=5, help="server: retries of a failed request")
+    add("--max-new-tokens", type=positive_int, default=512)
+    add("--sample", action="store_true", help="sample instead of greedy")
+    add("--temperature", type=float, default=1.0)
+    add("--seed", type=int, default=0, help="sampling seed (the server gets seed + record number)")
+    add(
+        "--enable-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="passed to the chat template (Qwen3's thinking mode)",
+    )
+    add("--chat-template-kwargs", default="{}", help="more template arguments, a JSON object")
+    add("--role-map", default="", help="extra role aliases, e.g. gpt=assistant,human=user")
+    add(
+        "--turns",
+        choices=TURNS,
+        default="all",
+        help="all: every assistant turn, each given the earlier regenerated ones; last: the last",
+    )
+    add("--shard", type=split, default=Split(), help="this machine's part i/n of the corpus")
+    add("--records-per-shard", type=positive_int, default=1000)
+    add(
+        "--on-error",
+        choices=_ON_ERROR,
+        default="fail",
+        help="a record the server rejects: fail the run (exit 2) or skip it (counted)",
+    )
+    add("--progress-every", type=float, default=5.0, help="seconds between progress events")
+    add("--limit", type=positive_int, default=None, help="only the first N records of the input")
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_async.usage import UsageError
+
+    try:
+        extra = json.loads(args.chat_template_kwargs)
+    except ValueError as error:
+        raise UsageError(f"--chat-template-kwargs is not JSON: {error}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--chat-template-kwargs must be a JSON object")
+    return {"enable_thinking": args.enable_thinking, **extra}
+
+
+def _role_map(args: argparse.Namespace) -> dict[str, str]:
+    from dflash_async.data.formats import DEFAULT_ROLE_MAP, parse_role_map
+    from dflash_async.usage import UsageError
+
+    try:
+        return DEFAULT_ROLE_MAP | parse_role_map(args.role_map)
+    except ValueError as error:
+        raise UsageError(f"--role-map: {error}") from None
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    from dflash_async.usage import UsageError
+
+    if args.sample and not args.temperature > 0:  # `not >`: NaN is refused too
+        raise UsageError(f"--temperature must be > 0 with --sample, got {args.temperature}")
+    if not args.timeout > 0 or args.retries < 0 or not args.progress_every > 0:
+        raise UsageError("--timeout and --progress-every must be > 0, --retries >= 0")
+    if args.model and not args.server:
+        raise UsageError("--model names the --server's model; the in-process engine has --target")
+
+
+def main(args: argparse.Namespace) -> Path:
+    """Run the command; returns the output folder. UsageError/DataError/TargetError: exit 2."""
+    from dflash_async.log import get_logger
+    from dflash_async.regen.corpus import Corpus, check_output_outside_input
+    from dflash_async.regen.shards import read_progress
+    from dflash_async.usage import check_writable_folder
+
+    _check_arguments(args)
+    sampling = _sampling(args)
+    corpus = Corpus.open(args.input, role_map=_role_map(args), split=args.shard, limit=args.limit)
+    output = Path(args.output)
+    check_output_outside_input(args.input, output)
+    check_writable_folder(output, argument="--output")
+    device = _device(args)
+    total, fingerprint = corpus.scan()
+    if total == 0:
+        from dflash_async.data.formats import DataError
+
+        part = f" (part {args.shard})" if args.shard.count > 1 else ""
+        raise DataError(f"--input {args.input!r}{part} has no records to regenerate")
+    log = get_logger("dflash_async")
+    model_name = _served_model(args)
+    identity = _identity(args, corpus, sampling, total=total, fingerprint=fingerprint,
+                         model_name=model_name)  # fmt: skip
+    progress = read_progress(output, identity)
+    if progress.complete:
+        log.info("regenerate_completed", output=str(output), records=total, already_done=True)
+        return output
+    engine = _engine(args, sampling, model_name=model_name, device=device)
+    _drive(engine, corpus, output, identity=identity, progress=progress, total=total, args=args,
+           log=log)  # fmt: skip
+    return output
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from dflash_async.regen.engines import Sampling
+
+    return Sampling(
+        max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
+        seed=args.seed, turns=args.turns, template_kwargs=_template_kwargs(args),
+    )  # fmt: skip
+
+
+def _device(args: argparse.Namespace) -> Any:
+    if args.server:
+        return None
+    from dflash_async.runtime.devices import parse_device
+
+    return parse_device(args.device, setting="--device")
+
+
+def _served_model(args: argparse.Namespace) -> str | None:
+    if not args.server:
+        return None
+    from dflash_async.regen.engines import ServerEngine
+
+    return args.model or ServerEngine.served_model(args.server, timeout_s=min(args.timeout, 30))
+
+
+def _identity(
+    args: argparse.Namespace,
+    corpus: Any,
+    sampling: Any,
+    *,
+    total: int,
+    fingerprint: str,
+    model_name: str | None,
+) -> dict[str, Any]:
+    """What the output depends on: a re-run resumes only when all of it is the same."""
+    return {
+        "input_fingerprint": fingerprint,
+        "records": total,
+        "shard": str(args.shard),
+        "limit": args.limit,
+        "role_map": dict(sorted(corpus.role_map.items())),
+        "records_per_shard": args.records_per_shard,
+        "engine": "server" if args.server else "in_process",
+        "model": model_name if args.server else str(args.target),
+        "max_new_tokens": sampling.max_new_tokens,
+        "greedy": sampling.greedy,
+        "temperature": sampling.temperature,
+        "seed": sampling.seed,
+        "turns": sampling.turns,
+        "template_kwargs": dict(sampling.template_kwargs),
+    }
+
+
+def _engine(args: argparse.Namespace, sampling: Any, *, model_name: str | None, device: Any) -> Any:
+    if args.server:
+        from dflash_async.regen.engines import ServerEngine
+
+        return ServerEngine(
+            args.server, model=model_name, sampling=sampling, concurrency=args.concurrency,
+            timeout_s=args.timeout, retries=args.retries,
+        )  # fmt: skip
+    from dflash_async.regen.engines import InProcessEngine
+    from dflash_async.target.loading import load_target, load_target_tokenizer
+
+    model = load_target(args.target, device=device)  # TargetError: exit 2
+    return InProcessEngine(model, load_target_tokenizer(args.target), sampling=sampling,
+                           batch_size=args.batch_size)  # fmt: skip
+
+
+def _drive(
+    engine: Any,
+    corpus: Any,
+    output: Path,
+    *,
+    identity: dict[str, Any],
+    progress: Any,
+    total: int,
+    args: argparse.Namespace,
+    log: Any,
+) -> None:
+    """Every remaining record through the engine into the shards (see the module docstring)."""
+    from dflash_async.data.formats import DataError
+    from dflash_async.regen.shards import ShardWriter
+
+    writer = ShardWriter(output, identity=identity, records_per_shard=args.records_per_shard,
+                         progress=progress)  # fmt: skip
+    meter = _Meter(total=total, done=writer.done, every_s=args.progress_every, log=log)
+    log.info("regenerate_started", output=str(output), records=total, resumed_at=writer.done,
+             engine=identity["engine"], model=identity["model"])  # fmt: skip
+    last_flush, shards = time.monotonic(), len(progress.shards)
+    outcomes = engine.outcomes(corpus.conversations(skip=writer.done))
+    try:
+        for outcome in outcomes:
+            if outcome is not None and outcome.error is not None:
+                where = outcome.conversation.where
+                if args.on_error == "fail":
+                    raise DataError(f"{where}: the server rejected it: {outcome.error} "
+                                    "(--on-error skip skips such records)")  # fmt: skip
+                log.warning("regenerate_record_skipped", where=where, error=outcome.error)
+            if outcome is not None:
+                writer.add(outcome.record)
+                meter.count(outcome)
+            if len(progress.shards) > shards:
+                shards = len(progress.shards)
+                log.info("regenerate_shard_written", file=progress.shards[-1]["file"],
+                         records_done=writer.done)  # fmt: skip
+            if time.monotonic() - last_flush > _FLUSH_EVERY_S:
+                writer.flush()
+                last_flush = time.monotonic()
+            meter.maybe_log()
+        writer.finish()
+        if len(progress.shards) > shards:
+            log.info("regenerate_shard_written", file=progress.shards[-1]["file"],
+                     records_done=writer.done)  # fmt: skip
+    finally:
+        outcomes.close()  # now, not at garbage collection: the server's workers stop
+        writer.flush()  # the records done stay done (a no-op after finish)
+        writer.close()
+    log.info("regenerate_completed", output=str(output), records=total, shards=len(progress.shards),
+             skipped=progress.skipped, **meter.rates())  # fmt: skip
+
+
+class _Meter:
+    """Records and tokens per second of this session, and the ETA of the rest."""
+
+    def __init__(self, *, total: int, done: int, every_s: float, log: Any) -> None:
+        self.total, self.done, self.every_s, self.log = total, done, every_s, log
+        self.session_records = self.new_tokens = 0
+        self.started = self.last = time.monotonic()
+
+    def count(self, outcome: Any) -> None:
+        self.done += 1
+        self.session_records += 1
+        self.new_tokens += outcome.new_tokens
+
+    def rates(self) -> dict[str, float]:
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        per_s = self.session_records / seconds
+        return {
+            "seconds": round(seconds, 3),
+            "new_tokens": self.new_tokens,
+            "records_per_s": round(per_s, 3),
+            "new_tokens_per_s": round(self.new_tokens / seconds, 1),
+        }
+
+    def maybe_log(self) -> None:
+        if time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
+        rates = self.rates()
+        left = self.total - self.done
+        eta = round(left / rates["records_per_s"], 1) if rates["records_per_s"] else None
+        self.log.info("regenerate_progress", records_done=self.done, records_total=self.total,
+                      eta_s=eta, **rates)  # fmt: skip

@@ -1,0 +1,148 @@
+"""The input side of `regenerate`: which records a machine answers, read as `run` reads them.
+
+One reader for both commands: files come from `formats.resolve_files` (a file, a glob, a folder,
+a `datasets` folder of .jsonl(.gz)/.json/.parquet/.arrow) and records from `iter_raw_records`,
+`parse_record` and `chat_messages` (OpenAI `messages` or ShareGPT `conversations`, through the
+role map). Records are numbered across the whole corpus in file order; `--shard i/n` keeps those
+numbered k with k % n == i (deterministic, streaming: no machine needs the total first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_async.data.formats import (
+    BadRecord,
+    DataError,
+    chat_messages,
+    iter_raw_records,
+    parse_record,
+    resolve_files,
+)
+
+_CONVERSATION_KEYS = ("messages", "conversations")
+TURNS = ("all", "last")  # which assistant turns are regenerated (eval/regenerate.py says how)
+
+
+@dataclass(frozen=True)
+class Split:
+    """This machine's part `index` of `count` (`--shard index/count`)."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Split:
+        """`"i/n"` with 0 <= i < n; ValueError otherwise (argparse turns it into exit 2)."""
+        parts = text.split("/")
+        try:
+            index, count = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"{text!r}: use i/n, e.g. 0/4") from None
+        if not 0 <= index < count:
+            raise ValueError(f"{text!r}: need 0 <= i < n")
+        return cls(index, count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One input record to answer: its number in the corpus, where it came from, and the record
+    in OpenAI form ({"messages": [...]} in place of `messages`/`conversations`, other keys kept)."""
+
+    number: int
+    where: str
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The records of `path` that this machine answers (see the module docstring)."""
+
+    path: str
+    files: tuple[Path, ...]
+    role_map: Mapping[str, str]
+    split: Split = Split()
+    limit: int | None = None  # the first N records of the whole corpus, before the split
+
+    @classmethod
+    def open(
+        cls, path: str, *, role_map: Mapping[str, str], split: Split, limit: int | None
+    ) -> Corpus:
+        """DataError (exit 2) when `path` names no data files."""
+        return cls(path, tuple(resolve_files(path)), dict(role_map), split, limit)
+
+    def _raw(self) -> Iterator[tuple[int, str, bytes | dict]]:
+        number = 0
+        for file in self.files:
+            for where, raw in iter_raw_records(file):
+                if self.limit is not None and number >= self.limit:
+                    return
+                yield number, where, raw
+                number += 1
+
+    def conversations(self, *, skip: int = 0) -> Iterator[Conversation]:
+        """This machine's records in order, after the first `skip` of them (not parsed: resume).
+        A bad record is a DataError naming its file and line."""
+        mine = 0
+        for number, where, raw in self._raw():
+            if number % self.split.count != self.split.index:
+                continue
+            mine += 1
+            if mine > skip:
+                yield Conversation(number, where, openai_record(raw, where, self.role_map))
+
+    def scan(self) -> tuple[int, str]:
+        """(records of this machine, fingerprint of the whole input's records) in one pass that
+        also checks every record of this machine, so bad data fails before any model loads."""
+        digest, mine = hashlib.blake2b(digest_size=16), 0
+        for number, where, raw in self._raw():
+            digest.update(raw if isinstance(raw, bytes) else _canonical(raw).encode())
+            if number % self.split.count == self.split.index:
+                openai_record(raw, where, self.role_map)
+                mine += 1
+        return mine, digest.hexdigest()
+
+
+def _canonical(row: dict) -> str:
+    return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def openai_record(raw: bytes | dict, where: str, role_map: Mapping[str, str]) -> dict[str, Any]:
+    """The record with its turns as OpenAI messages, in the place of its conversation key."""
+    try:
+        record = parse_record(raw)
+        messages = chat_messages(record, role_map)
+    except BadRecord as error:
+        raise DataError(f"{where}: {error}") from None
+    if not any(m["role"] == "user" for m in messages):
+        raise DataError(f"{where}: no user message to answer")
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in _CONVERSATION_KEYS:
+            out.setdefault("messages", messages)
+        else:
+            out[key] = value
+    return out
+
+
+def check_output_outside_input(input_path: str, output: Path) -> None:
+    """DataError when the output folder is the input or lies inside it: the input would be
+    overwritten, or the shards read back as input by a later run."""
+    out = output.resolve()
+    magic = any(ch in input_path for ch in "*?[")
+    base = Path(input_path.split("*")[0].split("?")[0].split("[")[0]) if magic else Path(input_path)
+    base = base if base.is_dir() or not magic else base.parent
+    source = base.resolve()
+    if out == source or (source.is_dir() and out.is_relative_to(source)):
+        raise DataError(
+            f"--output {str(output)!r} is {'the input' if out == source else 'inside the input'} "
+            f"{input_path!r}: choose a folder outside it"
+        )
