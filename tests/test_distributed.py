@@ -178,19 +178,27 @@ def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
 
 
 @pytest.mark.timeout(120)
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
-    tiny: dict, tmp_path: Path
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigterm_to_one_rank_interrupts_every_rank_after_the_same_step_with_exit_143(
+    victim: int, tiny: dict, tmp_path: Path
 ) -> None:
     env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
     wait_for_step_2(procs, tmp_path)
-    procs[1].send_signal(signal.SIGTERM)  # rank 1 alone: the ranks agree through the all-reduce
-    assert wait_all(procs, 30) == [0, 143]
+    procs[victim].send_signal(signal.SIGTERM)  # one rank: the others learn it in the all-reduce
+    assert wait_all(procs, 30) == [143, 143], (tmp_path / "rank0.log").read_text()[-3000:]
     logs = [events(tmp_path / f"rank{r}.log") for r in range(2)]
     last = [[e["step"] for e in log if e["event"] == "step"][-1] for log in logs]
     assert last[0] == last[1]
+    for log in logs:  # each rank says why it stopped, none believes it completed
+        names = [e["event"] for e in log]
+        assert "train_completed" not in names
+        (interrupted,) = [e for e in log if e["event"] == "train_interrupted"]
+        assert (interrupted["step"], interrupted["reason"]) == (last[0], "SIGTERM")
     (saved,) = [e for e in logs[0] if e["event"] == "export_written"]
     assert saved["step"] == last[0] and (tmp_path / "out" / "drafter").is_dir()
+    (summary,) = [e for e in events(tmp_path / "out" / "log.jsonl") if e["event"] == "run_summary"]
+    assert summary["exit_reason"] == "terminated (SIGTERM)"
 
 
 def _rank_main(weights_dir: str) -> int:

@@ -140,6 +140,8 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
         summary.update(await report_stage(receive_records, _throughput(node, lag), log,
                                           total_steps=last, tensorboard_dir=spec.tensorboard_dir))  # fmt: skip
 
+    # Several nodes: one all-reduce a step, which also carries the stop vote and its signal
+    across = NodeReducer(signal_of=lambda: shutdown.signum) if rank.distributed else None
     async with anyio.create_task_group() as background:
         saver = Saver(node.drafters, spec.output_dir, keep=spec.save.keep, seed=spec.step.seed,
                       run=resume.identity, tasks=background, log=log)  # fmt: skip
@@ -151,8 +153,10 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
             steps = await train_steps(
                 node.drafters, node.rings, send_records, first_step=resume.step, last_step=last,
                 stop=shutdown.stopping, on_step_end=between_steps, progress=progress,
-                across_nodes=NodeReducer() if rank.distributed else None,
+                across_nodes=across,
             )  # fmt: skip
+        if across is not None and across.agreed_signal is not None:  # a peer's signal, or ours
+            shutdown.adopt(across.agreed_signal)  # every rank ends alike: save, 130/143
         if rank.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
             await saver.save(steps, progress.cursor)
         await saver.close()
