@@ -231,6 +231,8 @@ class Watchdog:
         while not self._stopped.wait(BEAT_S):
             try:
                 self._store.add(f"beat/{self._info.rank}", 1)
+                if self._store.check(["refused"]):  # rank 0 refused the run: each rank exits 2
+                    return
                 if self._store.check(["failed"]):
                     self._lost(reason="failed", peer=int(self._store.get("failed").decode()))
                 now = time.monotonic()
@@ -343,6 +345,45 @@ async def writer_first(node: RankInfo, work: Callable[[], Any], *, timeout_s: fl
     if node.distributed and node.is_writer:
         node.store.set("writer_first", "1")
     return result
+
+
+async def writer_decides(
+    node: RankInfo, key: str, decide: Callable[[], tuple[Any, Any]], *, timeout_s: float
+) -> tuple[Any, Any]:
+    """`decide()` (host only, in a thread) on rank 0 alone, which owns the output folder (the
+    resume point): it returns (what rank 0 keeps, what every rank learns, JSON). The other ranks
+    get (None, the shared part) through the store. A SettingsError of rank 0 ends every rank
+    alike: the others raise it too, with the same line (exit 2 everywhere, not exit 1 for a
+    rank whose peer failed)."""
+    if node.is_writer:
+        try:
+            kept, shared = await anyio.to_thread.run_sync(decide, abandon_on_cancel=True)
+        except SettingsError as error:
+            if node.distributed:
+                _share_refusal(node, key, str(error), timeout_s=timeout_s)
+            raise
+        if node.distributed:
+            node.store.set(f"decided/{key}", json.dumps({"shared": shared}))
+        return kept, shared
+    await anyio.to_thread.run_sync(
+        _wait_for_key, node.store, f"decided/{key}", timeout_s, abandon_on_cancel=True
+    )
+    decided = json.loads(node.store.get(f"decided/{key}"))
+    if "error" in decided:
+        node.store.add(f"acked/{key}", 1)  # rank 0 leaves (and takes its store) after this
+        raise SettingsError(decided["error"])
+    return None, decided["shared"]
+
+
+def _share_refusal(node: RankInfo, key: str, error: str, *, timeout_s: float) -> None:
+    """Rank 0's refusal to every rank: `refused` tells the watchdogs that rank 0's failure is
+    one that every rank ends with by itself (not a lost peer: exit 2, not 1); rank 0 waits a
+    little for the others to have read it, since its exit takes the store with it."""
+    node.store.set("refused", "1")
+    node.store.set(f"decided/{key}", json.dumps({"error": error}))
+    deadline = time.monotonic() + min(timeout_s, 10.0)
+    while node.store.add(f"acked/{key}", 0) < node.world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _wait_for_key(store: dist.Store, key: str, timeout_s: float) -> None:

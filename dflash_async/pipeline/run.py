@@ -108,7 +108,8 @@ async def _run_node(spec: RunSpec, rank: RankInfo, started: float, log, shutdown
 async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
     """The stage topology in data-flow order: read -> packs -> targets -> rings -> train ->
     report, with save and eval between steps; returns (steps done, summary). On several nodes
-    only rank 0 (the writer) saves and evaluates."""
+    only rank 0 (the writer) evaluates and writes checkpoints, into which every other rank
+    hands its own cursor and generators at the same steps (stages/save.py)."""
     spec, rank, resume, last = node.spec, node.rank, node.resume, node.plan.total_steps
     lag, summary, progress, start = LoopLag(), {}, Progress(resume.cursor), resume.cursor
     send_packs, receive_packs = open_channel(2 * len(node.targets), "packs")
@@ -128,10 +129,12 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
         node.rings.close()  # all producers done: the consumers drain the rings and stop
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
-        if not rank.is_writer or step >= last:
+        if step >= last:
             return
-        if spec.save.every and step % spec.save.every == 0:
+        if spec.save.every and step % spec.save.every == 0:  # every rank: its part (save.py)
             await saver.save(step, progress.cursor)
+        if not rank.is_writer:
+            return
         if spec.eval.every and step % spec.eval.every == 0:
             with shutdown.interruptible():
                 await node.evaluate(step)
@@ -144,7 +147,9 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
     across = NodeReducer(signal_of=lambda: shutdown.signum) if rank.distributed else None
     async with anyio.create_task_group() as background:
         saver = Saver(node.drafters, spec.output_dir, keep=spec.save.keep, seed=spec.step.seed,
-                      run=resume.identity, tasks=background, log=log)  # fmt: skip
+                      run=resume.identity, tasks=background, log=log,
+                      node=rank if rank.distributed else None,
+                      timeout_s=spec.nodes.timeout_s)  # fmt: skip
         saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
         background.start_soon(produce)
@@ -157,7 +162,7 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
             )  # fmt: skip
         if across is not None and across.agreed_signal is not None:  # a peer's signal, or ours
             shutdown.adopt(across.agreed_signal)  # every rank ends alike: save, 130/143
-        if rank.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
+        if steps > resume.step:  # the final checkpoint, also after a signal (rank 0 writes it)
             await saver.save(steps, progress.cursor)
         await saver.close()
         background.cancel_scope.cancel()
