@@ -271,6 +271,7 @@ def test_two_ranks_sigtermed_at_step_2_then_resumed_end_bit_for_bit_as_an_uninte
         assert a.read_bytes() == b.read_bytes(), a.name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_two_rank_checkpoint_resumed_by_one_process_exits_2_naming_both_world_sizes(
     tiny: dict, tmp_path: Path
@@ -287,6 +288,7 @@ def test_a_two_rank_checkpoint_resumed_by_one_process_exits_2_naming_both_world_
     assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [1]  # nothing trained
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_one_process_checkpoint_resumed_by_two_ranks_exits_2_on_both_naming_both_sizes(
     tiny: dict, tmp_path: Path
