@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ import anyio
 import pytest
 import torch
 from tiny_run import tiny_env, tiny_inputs
+
+from dflash_async.checkpoint.state import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -51,17 +54,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(env: dict, weights_dir: Path, logs: Path) -> list[subprocess.Popen]:
-    """Two ranks of this file's script, as torchrun would start them, on loopback only."""
+def launch_ranks(
+    env: dict, weights_dir: Path, logs: Path, *, world_size: int = 2
+) -> list[subprocess.Popen]:
+    """Two ranks of this file's script, as torchrun would start them, on loopback only (one
+    plain process, without the launcher's variables, for world_size 1)."""
     port = str(free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "SLURM_"))}
+    base = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
-    for rank in range(2):
-        rank_env = base | env | {
-            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo",
-            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-        }  # fmt: skip
+    for rank in range(world_size):
+        rank_env = base | env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        if world_size > 1:
+            rank_env |= {
+                "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo",
+            }  # fmt: skip
         log = (logs / f"rank{rank}.log").open("w")
         command = [sys.executable, __file__, str(weights_dir)]
         procs.append(
@@ -178,19 +186,123 @@ def test_killing_one_rank_ends_the_other_with_an_error_within_30_s(
 
 
 @pytest.mark.timeout(120)
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
-    tiny: dict, tmp_path: Path
+@pytest.mark.parametrize("victim", [0, 1])
+def test_sigterm_to_one_rank_interrupts_every_rank_after_the_same_step_with_exit_143(
+    victim: int, tiny: dict, tmp_path: Path
 ) -> None:
     env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="100000")
     procs = launch_ranks(env, tmp_path, tmp_path)
     wait_for_step_2(procs, tmp_path)
-    procs[1].send_signal(signal.SIGTERM)  # rank 1 alone: the ranks agree through the all-reduce
-    assert wait_all(procs, 30) == [0, 143]
+    procs[victim].send_signal(signal.SIGTERM)  # one rank: the others learn it in the all-reduce
+    assert wait_all(procs, 30) == [143, 143], (tmp_path / "rank0.log").read_text()[-3000:]
     logs = [events(tmp_path / f"rank{r}.log") for r in range(2)]
     last = [[e["step"] for e in log if e["event"] == "step"][-1] for log in logs]
     assert last[0] == last[1]
+    for log in logs:  # each rank says why it stopped, none believes it completed
+        names = [e["event"] for e in log]
+        assert "train_completed" not in names
+        (interrupted,) = [e for e in log if e["event"] == "train_interrupted"]
+        assert (interrupted["step"], interrupted["reason"]) == (last[0], "SIGTERM")
     (saved,) = [e for e in logs[0] if e["event"] == "export_written"]
     assert saved["step"] == last[0] and (tmp_path / "out" / "drafter").is_dir()
+    (summary,) = [e for e in events(tmp_path / "out" / "log.jsonl") if e["event"] == "run_summary"]
+    assert summary["exit_reason"] == "terminated (SIGTERM)"
+
+
+def wait_for_step_event(procs: list[subprocess.Popen], log: Path, step: int) -> None:
+    """Until `log` holds the `step` event of `step` (every rank still running)."""
+    deadline = time.monotonic() + RANK_DEADLINE_S
+    while not any(e["event"] == "step" and e["step"] == step for e in events(log)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+
+
+def step_losses(logs: Path, rank: int) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(logs / f"rank{rank}.log") if e["event"] == "step"}
+
+
+RESUME_STEPS = 8  # 2 ranks x 4 packs an epoch: the run crosses an epoch boundary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_ranks_sigtermed_at_step_2_then_resumed_end_bit_for_bit_as_an_uninterrupted_run(
+    tiny: dict, tmp_path: Path
+) -> None:
+    env = run_env(
+        tiny,
+        tmp_path / "out",
+        DFLASH_TRAIN__MAX_STEPS=str(RESUME_STEPS),
+        DFLASH_TRAIN__WARMUP_FRAC="0.25",
+    )  # lr moves every step: an off-by-one shows
+    runs = {name: tmp_path / name for name in ("reference", "first", "resumed")}
+    for folder in runs.values():
+        folder.mkdir()
+    reference = launch_ranks(env | {"DFLASH_OUTPUT_DIR": str(tmp_path / "ref-out")},
+                             runs["reference"], runs["reference"])  # fmt: skip
+    first = launch_ranks(env, runs["first"], runs["first"])
+    wait_for_step_event(first, runs["first"] / "rank1.log", 2)
+    first[1].send_signal(signal.SIGTERM)  # rank 1 alone, after its step-2 line
+    assert wait_all(first, 30) == [143, 143], (runs["first"] / "rank0.log").read_text()[-3000:]
+    stopped = max(step_losses(runs["first"], 0))
+    assert 2 <= stopped < RESUME_STEPS and [s for s, _ in list_checkpoints(tmp_path / "out")] == [
+        stopped
+    ]
+    resumed = launch_ranks(env, runs["resumed"], runs["resumed"])  # RESUME=auto, same folder
+    assert wait_all(resumed, RANK_DEADLINE_S) == [0, 0], (
+        runs["resumed"] / "rank1.log"
+    ).read_text()[-3000:]
+    assert wait_all(reference, RANK_DEADLINE_S) == [0, 0]
+    for rank in range(2):
+        (event,) = [
+            e for e in events(runs["resumed"] / f"rank{rank}.log") if e["event"] == "resumed"
+        ]
+        assert event["step"] == stopped
+        interrupted_then_resumed = step_losses(runs["first"], rank) | step_losses(
+            runs["resumed"], rank
+        )
+        assert interrupted_then_resumed == step_losses(runs["reference"], rank)
+        final = [torch.load(runs[name] / f"rank{rank}-step{RESUME_STEPS}.pt")
+                 for name in ("reference", "resumed")]  # fmt: skip
+        assert torch.equal(*final), f"rank {rank}: final weights differ"
+    exports = [sorted((tmp_path / out / "drafter").iterdir()) for out in ("ref-out", "out")]
+    assert [p.name for p in exports[0]] == [p.name for p in exports[1]]
+    for a, b in zip(*exports, strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_two_rank_checkpoint_resumed_by_one_process_exits_2_naming_both_world_sizes(
+    tiny: dict, tmp_path: Path
+) -> None:
+    env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="1")
+    assert wait_all(launch_ranks(env, tmp_path, tmp_path), RANK_DEADLINE_S) == [0, 0]
+    assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [1]
+    more = env | {"DFLASH_TRAIN__MAX_STEPS": "2"}
+    assert wait_all(launch_ranks(more, tmp_path, tmp_path, world_size=1), RANK_DEADLINE_S) == [2]
+    error = (tmp_path / "rank0.log").read_text()
+    assert re.search(
+        r"error: ranks .*: this run has 1 rank\(s\), the checkpoint .* written by 2", error
+    )
+    assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [1]  # nothing trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_one_process_checkpoint_resumed_by_two_ranks_exits_2_on_both_naming_both_sizes(
+    tiny: dict, tmp_path: Path
+) -> None:
+    env = run_env(tiny, tmp_path / "out", DFLASH_TRAIN__MAX_STEPS="1")
+    assert wait_all(launch_ranks(env, tmp_path, tmp_path, world_size=1), RANK_DEADLINE_S) == [0]
+    more = env | {"DFLASH_TRAIN__MAX_STEPS": "2"}
+    assert wait_all(launch_ranks(more, tmp_path, tmp_path), RANK_DEADLINE_S) == [2, 2]
+    for rank in range(2):  # the same line on every rank, not a lost peer (exit 1) on rank 1
+        error = (tmp_path / f"rank{rank}.log").read_text()
+        assert re.search(
+            r"error: ranks .*: this run has 2 rank\(s\), the checkpoint .* written by 1", error
+        )
+    assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [1]
 
 
 def _rank_main(weights_dir: str) -> int:
@@ -199,7 +311,7 @@ def _rank_main(weights_dir: str) -> int:
     from dflash_async.pipeline import run as pipeline
 
     real_train_steps = pipeline.train_steps
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))
 
     async def recorded(runners, *args, on_step_end=None, **kwargs) -> int:
         async def after_step(step: int) -> None:

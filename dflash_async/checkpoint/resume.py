@@ -4,8 +4,11 @@ OUTPUT_DIR/checkpoints/step-NNNNNNNN   the training state (state.py), newest K k
 OUTPUT_DIR/drafter                     the servable export of the newest checkpoint (export.py)
 
 `resume_point` picks the checkpoint (DFLASH_TRAIN__RESUME) and refuses one whose run-defining
-settings differ (exit 2 naming the setting); `Resume.placed` completes that check with what is
-known once the workers are placed. Nothing a previous run wrote is replaced unless this run
+settings differ (exit 2 naming the setting; the number of ranks is one of them);
+`Resume.placed` completes that check with what is known once the workers are placed. On several
+ranks rank 0 alone decides and reads the checkpoint; `Resume.shared` is what the other ranks
+learn of it at start-up (`Resume.of_rank`), and the state itself reaches them by broadcast
+(checkpoint/ranks.py). Nothing a previous run wrote is replaced unless this run
 resumes it. Putting the state back into the drafters is the start-up's (pipeline/startup.py).
 """
 
@@ -23,6 +26,7 @@ from dflash_async.checkpoint.state import (
     cursor_of,
     list_checkpoints,
     load_checkpoint,
+    own_part,
     plan_identity,
 )
 from dflash_async.data.packing import PackCursor
@@ -43,6 +47,24 @@ class Resume:
     cursor: PackCursor = field(default_factory=PackCursor)
     state: dict | None = None  # the loaded training state, dropped once restored (host memory)
 
+    def shared(self) -> dict:
+        """What every rank needs to know of rank 0's resume point before the first step (JSON):
+        the checkpoint, its step and each rank's own data cursor."""
+        if self.state is None:
+            return {"path": None}
+        ranks = len(self.state.get("ranks", [None]))
+        cursors = [own_part(self.state, node=r)["cursor"] for r in range(ranks)]
+        return {"path": str(self.path), "step": self.step, "cursors": cursors}
+
+    @classmethod
+    def of_rank(cls, shared: dict, identity: dict, *, rank: int) -> Resume:
+        """Rank `rank`'s resume point from rank 0's `shared()`; its state comes by broadcast."""
+        if shared["path"] is None:
+            return cls(identity)
+        cursor = shared["cursors"][rank]
+        return cls(identity, Path(shared["path"]), shared["step"],
+                   PackCursor(cursor["epoch"], cursor["index"]))  # fmt: skip
+
     def placed(self, *, total_steps: int, num_drafters: int) -> dict | None:
         """Complete the identity with the placed run's plan (SettingsError if it differs from
         the checkpoint's); the state to restore, handed over once (None: from scratch)."""
@@ -53,23 +75,14 @@ class Resume:
         return state
 
 
-def resume_point(
-    mode: str, identity: dict, output_dir: Path, *, is_writer: bool = True,
-    distributed: bool = False,
-) -> Resume:  # fmt: skip
+def resume_point(mode: str, identity: dict, output_dir: Path) -> Resume:
     """The checkpoint to resume for DFLASH_TRAIN__RESUME=`mode`; SettingsError (exit 2, before
-    any model is loaded) naming a run-defining setting that differs from the checkpoint's (the
-    placed run's plan is checked by `Resume.placed`). Only the writer (rank 0) owns the folder."""
-    if not is_writer:
-        return Resume(identity)
+    any model is loaded) naming a run-defining setting that differs from the checkpoint's, the
+    number of ranks included (the placed run's plan is checked by `Resume.placed`). Call on the
+    writer (rank 0) alone: it owns the folder."""
     path = resume_source(mode, output_dir)
     if path is None:
         return Resume(identity)
-    if distributed:
-        raise SettingsError(
-            f"{path}: resuming a run of several nodes is not supported yet; resume it on one "
-            "node, or start afresh in another DFLASH_OUTPUT_DIR"
-        )
     try:
         state = load_checkpoint(path)
     except (OSError, ValueError, RuntimeError) as e:

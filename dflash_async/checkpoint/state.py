@@ -8,7 +8,10 @@ run identity and position again, for people). The state holds:
   step       optimizer steps done, which is also the lr schedule's position
   cursor     the next pack: epoch, index in that epoch's plan, and the plan's seed
   rng        each drafter's anchor-noise generator (one per device) and torch's CPU generator
-  run        the settings that define the run (`run_identity`), compared on resume
+  run        the settings that define the run (`run_identity`, the world size included), compared
+             on resume
+  ranks      several ranks only: every rank's own cursor and generators, by rank (rank 0's are
+             `cursor` and `rng` again; checkpoint/ranks.py says why they are saved, not derived)
 
 `snapshot` runs on drafter 0's thread (the device-to-host copy into reused page-locked buffers,
 `HostStaging`, a sync point, between steps);
@@ -73,7 +76,13 @@ def data_fingerprint(
     return digest.hexdigest()
 
 
-def run_identity(recipe: Any, drafter_config: Any, *, target_path: str, data: str) -> dict:
+# The run identity's key for the number of ranks (`check_run_identity` words its refusal).
+WORLD_SIZE_KEY = "ranks (WORLD_SIZE of torchrun, SLURM_NTASKS of srun)"
+
+
+def run_identity(
+    recipe: Any, drafter_config: Any, *, target_path: str, data: str, world_size: int = 1
+) -> dict:
     """The settings that define a run, keyed by the setting a user changes to alter each one.
 
     `recipe`: the step's spec (model/build.StepSpec). A resumed run must match every value: each
@@ -97,6 +106,7 @@ def run_identity(recipe: Any, drafter_config: Any, *, target_path: str, data: st
         "DFLASH_TRAIN__WARMUP_FRAC": recipe.warmup_frac,
         "DFLASH_TRAIN__WEIGHT_DECAY": recipe.weight_decay,
         "DFLASH_TRAIN__GRAD_CLIP": recipe.grad_clip,
+        WORLD_SIZE_KEY: world_size,  # each rank's share of the data, its cursor, depend on it
     }
     if getattr(recipe, "kind", "dflash") == "dflash2":  # a DFlash run's identity is unchanged
         identity["DFLASH_TRAIN__SELECTOR_ALPHA"] = recipe.selector_alpha
@@ -112,7 +122,17 @@ def plan_identity(*, total_steps: int, num_drafters: int) -> dict:
 
 
 def check_run_identity(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    """SettingsError (exit 2, one line) naming the first run-defining setting that differs."""
+    """SettingsError (exit 2, one line) naming the first run-defining setting that differs. A
+    checkpoint written before the world size was recorded is taken as one rank's."""
+    saved = {WORLD_SIZE_KEY: 1} | saved
+    if saved[WORLD_SIZE_KEY] != current.get(WORLD_SIZE_KEY, 1):
+        raise SettingsError(
+            f"{WORLD_SIZE_KEY}: this run has {current.get(WORLD_SIZE_KEY, 1)} rank(s), the "
+            f"checkpoint {where} was written by {saved[WORLD_SIZE_KEY]}; resuming on another "
+            "number of ranks is not supported (each rank's data share and cursor depend on it): "
+            f"resume it with {saved[WORLD_SIZE_KEY]} rank(s), or start afresh in another "
+            "DFLASH_OUTPUT_DIR"
+        )
     for key in current:
         if saved.get(key) != current[key]:
             raise SettingsError(
@@ -287,14 +307,24 @@ def load_checkpoint(folder: Path) -> dict[str, Any]:
     return state
 
 
-def cursor_of(state: dict[str, Any]) -> PackCursor:
-    return PackCursor(state["cursor"]["epoch"], state["cursor"]["index"])
+def cursor_of(state: dict[str, Any], *, node: int = 0) -> PackCursor:
+    """The data cursor of rank `node` (its index into its own share of the epoch)."""
+    cursor = own_part(state, node=node)["cursor"]
+    return PackCursor(cursor["epoch"], cursor["index"])
+
+
+def own_part(state: dict[str, Any], *, node: int) -> dict[str, Any]:
+    """Rank `node`'s cursor and generators: `ranks[node]` on several ranks, else the state's."""
+    if "ranks" in state:
+        return state["ranks"][node]
+    return {"cursor": state["cursor"], "rng": state["rng"]}
 
 
 @torch.no_grad()
-def restore(step: DrafterStep, state: dict[str, Any], *, rank: int) -> None:
-    """Put drafter `rank`'s step exactly where the state was saved; call on its own thread after
-    capture (capture resets the optimizer), before the first step. Tensors are copied in place."""
+def restore(step: DrafterStep, state: dict[str, Any], *, rank: int, node: int = 0) -> None:
+    """Put drafter `rank` (of this process) of rank `node` exactly where the state was saved;
+    call on its own thread after capture (capture resets the optimizer), before the first step.
+    Tensors are copied in place."""
     params = _named_params(step)
     names = {name for name, _ in params}
     if names != state["drafter"].keys() or len(state["optimizer"]) != len(params):
@@ -305,8 +335,9 @@ def restore(step: DrafterStep, state: dict[str, Any], *, rank: int) -> None:
     step.schedule.set_step_(state["schedule_step"])
     step.sync_working_weights()
     step.flat_grad.zero_()
-    step.generator.set_state(state["rng"]["anchor_generators"][rank])
-    torch.set_rng_state(state["rng"]["torch_cpu"])
+    rng = own_part(state, node=node)["rng"]
+    step.generator.set_state(rng["anchor_generators"][rank])
+    torch.set_rng_state(rng["torch_cpu"])
 
 
 def _restore_optimizer_state(

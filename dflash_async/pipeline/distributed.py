@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dflash_async.log import bound_context
 from dflash_async.model.step import STATS
+from dflash_async.pipeline.shutdown import EXIT_CODES
 from dflash_async.settings import SettingsError
 
 EXIT_PEER_LOST = 1
@@ -230,6 +231,8 @@ class Watchdog:
         while not self._stopped.wait(BEAT_S):
             try:
                 self._store.add(f"beat/{self._info.rank}", 1)
+                if self._store.check(["refused"]):  # rank 0 refused the run: each rank exits 2
+                    return
                 if self._store.check(["failed"]):
                     self._lost(reason="failed", peer=int(self._store.get("failed").decode()))
                 now = time.monotonic()
@@ -256,40 +259,52 @@ class Watchdog:
 
 class NodeReducer:
     """Sums drafter gradients and loss-normalisation sums across nodes, one collective a step,
-    and agrees on when to stop.
+    and agrees on when to stop, and why.
 
     Called on drafter 0's worker after the drafters inside the node were combined (each holds
-    the node's sum). Packs [flat_grad | sums | stop] into one buffer, all-reduces it over the
+    the node's sum). Packs [flat_grad | sums | votes] into one buffer, all-reduces it over the
     process group, and writes the global sums back into every drafter of the node.
 
     Stopping (a signal reaching some ranks) must happen after the same step everywhere, or a
-    rank waits in a collective that its peers never join. Each rank adds 1 to the `stop` slot
-    when it wants to stop; every rank reads the reduced slot of the PREVIOUS step (copied to the
-    host asynchronously, finished long ago in steady state), so all decide alike, one step late,
-    and the step itself does not wait for its own all-reduce.
+    rank waits in a collective that its peers never join; and every rank must then end alike
+    (`train_interrupted`, a checkpoint by rank 0, 130/143), not only the one that got the
+    signal. So the vote carries the signal: one slot per signal of `SIGNALS`, to which a rank
+    that wants to stop adds 1 in its signal's slot (`signal_of()`, read when `stop_requested`).
+    Every rank reads the reduced slots of the PREVIOUS step (copied to the host asynchronously,
+    finished long ago in steady state), so all decide alike, one step late, and the step itself
+    does not wait for its own all-reduce. `agreed_signal` is then the first signal of SIGNALS
+    (SIGINT before SIGTERM) that any rank voted for: the same on every rank, whichever got it.
     """
 
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None  # [n + NODE_STATS + 1] on drafter 0's device
-        self._stop_host: torch.Tensor | None = None  # the previous step's reduced stop slot
-        self._stop_ready: Any = None  # event after which _stop_host holds it (CUDA)
+    SIGNALS = tuple(EXIT_CODES)  # (SIGINT, SIGTERM): one vote slot each, in this priority
+
+    def __init__(self, *, signal_of: Callable[[], int | None] = lambda: None) -> None:
+        self._signal_of = signal_of
+        self._buffer: torch.Tensor | None = None  # [n + NODE_STATS + votes] on drafter 0's device
+        self._votes_host: torch.Tensor | None = None  # the previous step's reduced votes
+        self._votes_ready: Any = None  # event after which _votes_host holds them (CUDA)
+        self.agreed_signal: int | None = None  # set once the ranks agreed to stop
 
     def __call__(self, runners: Sequence[Any], stop_requested: bool) -> bool:
         """Reduce this step; True when every rank must stop after this step."""
         first = runners[0].step
-        n, cuda = first.flat_grad.numel(), first.device.type == "cuda"
+        n, cuda, votes = first.flat_grad.numel(), first.device.type == "cuda", len(self.SIGNALS)
         if self._buffer is None:
-            self._buffer = torch.empty(n + NODE_STATS + 1, dtype=torch.float32, device=first.device)
-            self._stop_host = torch.zeros(1, pin_memory=cuda)
+            self._buffer = torch.empty(
+                n + NODE_STATS + votes, dtype=torch.float32, device=first.device
+            )
+            self._votes_host = torch.zeros(votes, pin_memory=cuda)
         buffer = self._buffer
         several_gpus = len(runners) > 1 and cuda
         if several_gpus:  # sync points (M > 1 GPUs): the node's combine done on every device
             for runner in runners:
                 torch.cuda.synchronize(runner.step.device)
         buffer[:n].copy_(first.flat_grad)
-        buffer[n:-1].copy_(first.stats[:NODE_STATS])
-        buffer[-1:].fill_(float(stop_requested))
-        agreed = self._previous_stop()
+        buffer[n : n + NODE_STATS].copy_(first.stats[:NODE_STATS])
+        buffer[n + NODE_STATS :].zero_()
+        if stop_requested:
+            buffer[n + NODE_STATS + self._slot(self._signal_of())] = 1.0
+        agreed = self._previous_votes()
         # NCCL: enqueued on drafter 0's stream, no host sync. gloo with CUDA tensors: a sync point
         # (gloo stages through the host).
         dist.all_reduce(buffer)
@@ -297,19 +312,28 @@ class NodeReducer:
             torch.cuda.synchronize(first.device)  # sync point (M > 1 GPUs): buffer ready
         for runner in runners:
             runner.step.flat_grad.copy_(buffer[:n])
-            runner.step.stats[:NODE_STATS].copy_(buffer[n:-1])
+            runner.step.stats[:NODE_STATS].copy_(buffer[n : n + NODE_STATS])
             if several_gpus:
                 torch.cuda.synchronize(runner.step.device)  # sync point: before its phase B
-        self._stop_host.copy_(buffer[-1:], non_blocking=True)
-        self._stop_ready = torch.cuda.Event() if cuda else None
+        self._votes_host.copy_(buffer[n + NODE_STATS :], non_blocking=True)
+        self._votes_ready = torch.cuda.Event() if cuda else None
         if cuda:
-            self._stop_ready.record()
-        return agreed
+            self._votes_ready.record()
+        if agreed is not None:
+            self.agreed_signal = agreed
+        return agreed is not None
 
-    def _previous_stop(self) -> bool:
-        if self._stop_ready is not None:
-            self._stop_ready.synchronize()  # sync point: the previous step's all-reduce, done
-        return bool(self._stop_host[0] > 0)
+    def _slot(self, signum: int | None) -> int:
+        """A stop without a known signal counts as SIGINT (the documented default, 130)."""
+        return self.SIGNALS.index(signum) if signum in self.SIGNALS else 0
+
+    def _previous_votes(self) -> int | None:
+        """The signal the ranks agreed on at the previous step, or None to go on."""
+        if self._votes_ready is not None:
+            self._votes_ready.synchronize()  # sync point: the previous step's all-reduce, done
+        counts = self._votes_host.tolist()
+        voted = [s for s, count in zip(self.SIGNALS, counts, strict=True) if count > 0]
+        return int(voted[0]) if voted else None
 
 
 async def writer_first(node: RankInfo, work: Callable[[], Any], *, timeout_s: float) -> Any:
@@ -321,6 +345,45 @@ async def writer_first(node: RankInfo, work: Callable[[], Any], *, timeout_s: fl
     if node.distributed and node.is_writer:
         node.store.set("writer_first", "1")
     return result
+
+
+async def writer_decides(
+    node: RankInfo, key: str, decide: Callable[[], tuple[Any, Any]], *, timeout_s: float
+) -> tuple[Any, Any]:
+    """`decide()` (host only, in a thread) on rank 0 alone, which owns the output folder (the
+    resume point): it returns (what rank 0 keeps, what every rank learns, JSON). The other ranks
+    get (None, the shared part) through the store. A SettingsError of rank 0 ends every rank
+    alike: the others raise it too, with the same line (exit 2 everywhere, not exit 1 for a
+    rank whose peer failed)."""
+    if node.is_writer:
+        try:
+            kept, shared = await anyio.to_thread.run_sync(decide, abandon_on_cancel=True)
+        except SettingsError as error:
+            if node.distributed:
+                _share_refusal(node, key, str(error), timeout_s=timeout_s)
+            raise
+        if node.distributed:
+            node.store.set(f"decided/{key}", json.dumps({"shared": shared}))
+        return kept, shared
+    await anyio.to_thread.run_sync(
+        _wait_for_key, node.store, f"decided/{key}", timeout_s, abandon_on_cancel=True
+    )
+    decided = json.loads(node.store.get(f"decided/{key}"))
+    if "error" in decided:
+        node.store.add(f"acked/{key}", 1)  # rank 0 leaves (and takes its store) after this
+        raise SettingsError(decided["error"])
+    return None, decided["shared"]
+
+
+def _share_refusal(node: RankInfo, key: str, error: str, *, timeout_s: float) -> None:
+    """Rank 0's refusal to every rank: `refused` tells the watchdogs that rank 0's failure is
+    one that every rank ends with by itself (not a lost peer: exit 2, not 1); rank 0 waits a
+    little for the others to have read it, since its exit takes the store with it."""
+    node.store.set("refused", "1")
+    node.store.set(f"decided/{key}", json.dumps({"error": error}))
+    deadline = time.monotonic() + min(timeout_s, 10.0)
+    while node.store.add(f"acked/{key}", 0) < node.world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _wait_for_key(store: dist.Store, key: str, timeout_s: float) -> None:

@@ -115,7 +115,8 @@ async def _run_node(
 async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
     """The stage topology in data-flow order: read -> packs -> targets -> rings -> train ->
     report, with save and eval between steps; returns (steps done, summary). On several nodes
-    only rank 0 (the writer) saves and evaluates."""
+    only rank 0 (the writer) evaluates and writes checkpoints, into which every other rank
+    hands its own cursor and generators at the same steps (stages/save.py)."""
     spec, rank, resume, last = node.spec, node.rank, node.resume, node.plan.total_steps
     lag, summary, progress, start = LoopLag(), {}, Progress(resume.cursor), resume.cursor
     send_packs, receive_packs = open_channel(2 * len(node.targets), "packs")
@@ -135,10 +136,12 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
         node.rings.close()  # all producers done: the consumers drain the rings and stop
 
     async def between_steps(step: int) -> None:  # periodic checkpoints and evaluations
-        if not rank.is_writer or step >= last:
+        if step >= last:
             return
-        if spec.save.every and step % spec.save.every == 0:
+        if spec.save.every and step % spec.save.every == 0:  # every rank: its part (save.py)
             await saver.save(step, progress.cursor)
+        if not rank.is_writer:
+            return
         if spec.eval.every and step % spec.eval.every == 0:
             with shutdown.interruptible():
                 await node.evaluate(step)
@@ -147,9 +150,13 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
         summary.update(await report_stage(receive_records, _throughput(node, lag), log,
                                           total_steps=last, tensorboard_dir=spec.tensorboard_dir))  # fmt: skip
 
+    # Several nodes: one all-reduce a step, which also carries the stop vote and its signal
+    across = NodeReducer(signal_of=lambda: shutdown.signum) if rank.distributed else None
     async with anyio.create_task_group() as background:
         saver = Saver(node.drafters, spec.output_dir, keep=spec.save.keep, seed=spec.step.seed,
-                      run=resume.identity, tasks=background, log=log)  # fmt: skip
+                      run=resume.identity, tasks=background, log=log,
+                      node=rank if rank.distributed else None,
+                      timeout_s=spec.nodes.timeout_s)  # fmt: skip
         saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
         background.start_soon(produce)
@@ -158,9 +165,11 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
             steps = await train_steps(
                 node.drafters, node.rings, send_records, first_step=resume.step, last_step=last,
                 stop=shutdown.stopping, on_step_end=between_steps, progress=progress,
-                across_nodes=NodeReducer() if rank.distributed else None,
+                across_nodes=across,
             )  # fmt: skip
-        if rank.is_writer and steps > resume.step:  # the final checkpoint, also after a signal
+        if across is not None and across.agreed_signal is not None:  # a peer's signal, or ours
+            shutdown.adopt(across.agreed_signal)  # every rank ends alike: save, 130/143
+        if steps > resume.step:  # the final checkpoint, also after a signal (rank 0 writes it)
             await saver.save(steps, progress.cursor)
         await saver.close()
         background.cancel_scope.cancel()

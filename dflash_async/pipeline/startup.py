@@ -25,6 +25,7 @@ import anyio
 import torch
 from transformers import AutoConfig
 
+from dflash_async.checkpoint.ranks import broadcast_state
 from dflash_async.checkpoint.resume import Resume, resume_point
 from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
@@ -33,7 +34,12 @@ from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline import placing
-from dflash_async.pipeline.distributed import RankInfo, check_same_run, writer_first
+from dflash_async.pipeline.distributed import (
+    RankInfo,
+    check_same_run,
+    writer_decides,
+    writer_first,
+)
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec
 from dflash_async.runtime.devices import DeviceWorker, open_device_worker
@@ -109,14 +115,21 @@ async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
         read_samples, spec, inputs, log, abandon_on_cancel=True
     )
 
-    def resume() -> Resume:
+    def identity() -> dict:
         fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
-        identity = run_identity(spec.step, inputs.drafter_config, target_path=inputs.target_path,
-                                data=fingerprint)  # fmt: skip
-        return resume_point(spec.save.resume, identity, spec.output_dir,
-                            is_writer=rank.is_writer, distributed=rank.distributed)  # fmt: skip
+        return run_identity(spec.step, inputs.drafter_config, target_path=inputs.target_path,
+                            data=fingerprint, world_size=rank.world_size)  # fmt: skip
 
-    point = await anyio.to_thread.run_sync(resume, abandon_on_cancel=True)
+    run = await anyio.to_thread.run_sync(identity, abandon_on_cancel=True)
+
+    def decide() -> tuple[Resume, dict]:  # rank 0: it owns the folder and reads the checkpoint
+        point = resume_point(spec.save.resume, run, spec.output_dir)
+        return point, point.shared()
+
+    # Every rank resumes alike or is refused alike (exit 2): rank 0 decides (a wait on it).
+    point, shared = await writer_decides(rank, "resume", decide, timeout_s=spec.nodes.timeout_s)
+    if not rank.is_writer:
+        point = Resume.of_rank(shared, run, rank=rank.rank)
     init = await anyio.to_thread.run_sync(  # CPU only: files
         lambda: init_weights(spec.drafter, inputs.drafter_config, resume=point, log=log),
         abandon_on_cancel=True,
@@ -253,7 +266,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     if rank.is_writer:  # the one writer of the output folder: exit 2 if it cannot hold a run
         _check_space(spec, drafters[0], cfg, log)
     await _warm_start(prepared, drafters, log)
-    await _restore(prepared.resume, drafters, log, total_steps=plan.total_steps)
+    await _restore(prepared, drafters, log, total_steps=plan.total_steps)
     feature_dtype = torch.bfloat16 if place.first_device.type == "cuda" else torch.float32
     rings = placing.open_rings(roles, num_slots=place.num_slots, token_budget=spec.step.token_budget,
                                feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
@@ -323,13 +336,25 @@ async def _warm_start(prepared: Prepared, drafters: list[DrafterRunner], log) ->
              stored_dtype=init.stored_dtype, drafters=len(drafters))  # fmt: skip
 
 
-async def _restore(resume: Resume, drafters: list[DrafterRunner], log, *, total_steps: int):
+async def _restore(
+    prepared: Prepared, drafters: list[DrafterRunner], log, *, total_steps: int
+) -> None:
     """Check the placed plan against the checkpoint's, then put every drafter (in its thread,
-    after capture, in place) back to the checkpoint's state."""
-    state = resume.placed(total_steps=total_steps, num_drafters=len(drafters))
-    if state is None:
+    after capture, in place) back to the checkpoint's state. Several ranks: rank 0 checks (the
+    others are refused alike) and hands its checkpoint to every rank (ranks.broadcast_state)."""
+    resume, rank, timeout_s = prepared.resume, prepared.rank, prepared.spec.nodes.timeout_s
+    plan = {"total_steps": total_steps, "num_drafters": len(drafters)}
+    state, _ = await writer_decides(rank, "resume_placed", lambda: (resume.placed(**plan), None),
+                                    timeout_s=timeout_s)  # fmt: skip
+    if not rank.is_writer:
+        resume.placed(**plan)  # the identity this rank holds; rank 0 checked it
+    if resume.path is None:
         return
+    if rank.distributed:  # sync points: one broadcast per tensor, at start-up
+        first = drafters[0].worker
+        state = await first.run(broadcast_state, state, rank, device=first.device,
+                                timeout_s=timeout_s)  # fmt: skip
     for i, runner in enumerate(drafters):
-        await runner.worker.run(restore, runner.step, state, rank=i)
+        await runner.worker.run(restore, runner.step, state, rank=i, node=rank.rank)
     log.info("resumed", step=resume.step, epoch=resume.cursor.epoch, pack=resume.cursor.index,
              path=str(resume.path))  # fmt: skip

@@ -8,6 +8,8 @@ save to save), on drafter 0's thread between two steps; serialising, fsync and r
 worker thread, at most one save in flight (the next save, and the end of the run, wait for it).
 Nothing a previous run wrote is replaced unless this run resumes it (checkpoint/resume.py).
 A write that finds the disk full ends the run with NoSpaceError (checkpoint/space.py, exit 2).
+Several ranks: every rank calls `save` at the same steps; rank 0 writes the one checkpoint, the
+others only hand it their own cursor and generators (checkpoint/ranks.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import anyio
 
 from dflash_async.checkpoint.export import export_bytes, export_drafter
+from dflash_async.checkpoint.ranks import RankView, gather_parts, publish_part, rank_part
 from dflash_async.checkpoint.resume import export_path
 from dflash_async.checkpoint.space import NoSpaceError, free_bytes, is_no_space
 from dflash_async.checkpoint.state import (
@@ -47,14 +50,17 @@ class SaveSpec:
 
 class Saver:
     """Writes checkpoints from between steps; at most one in flight. Start writes in `tasks`
-    (the run's task group: a failed write fails the run)."""
+    (the run's task group: a failed write fails the run). `node`: this rank of several (None:
+    one process); `timeout_s`: rank 0's longest wait for the other ranks' parts."""
 
     def __init__(
         self, runners: list[DrafterRunner], output_dir: Path, *, keep: int, seed: int,
-        run: dict, tasks: anyio.abc.TaskGroup, log,
+        run: dict, tasks: anyio.abc.TaskGroup, log, node: RankView | None = None,
+        timeout_s: float = 60.0,
     ) -> None:  # fmt: skip
         self.runners, self.output_dir, self.keep = runners, output_dir, keep
         self.seed, self.run, self.tasks, self.log = seed, run, tasks, log
+        self.node, self.timeout_s = node, timeout_s
         self.last_step: int | None = None  # the newest checkpoint's step (written or resumed)
         self.staging = HostStaging()  # reused by every snapshot: one save in flight at most
         self._idle = anyio.Event()
@@ -65,6 +71,9 @@ class Saver:
         the background. Waits first for the previous write."""
         if step == self.last_step:
             return  # that checkpoint exists already
+        if self.node is not None and self.node.rank != 0:  # rank 0 writes; this rank's part
+            await self._publish(step, cursor)
+            return
         asked = time.perf_counter()
         await self.wait()  # saves closer together than a write takes wait here (logged)
         started = time.perf_counter()
@@ -76,6 +85,13 @@ class Saver:
         self.last_step, self._idle = step, anyio.Event()
         copy_s, waited_s = time.perf_counter() - started, started - asked
         self.tasks.start_soon(self._write, state, copy_s, waited_s)
+
+    async def _publish(self, step: int, cursor: PackCursor) -> None:
+        """Another rank than 0: its cursor and generators of `step`, to rank 0 (the store)."""
+        generators = [r.step.generator for r in self.runners]
+        part = await self.runners[0].worker.run(rank_part, generators, cursor)  # after the step
+        await anyio.to_thread.run_sync(publish_part, self.node, step, part)
+        self.last_step = step
 
     async def wait(self) -> None:
         """Until the save in flight (if any) is on disk."""
@@ -89,6 +105,11 @@ class Saver:
 
     async def _write(self, state: dict, copy_s: float, waited_s: float) -> None:
         try:
+            if self.node is not None:  # every rank's part; sync point: a host wait on the peers
+                own = {"cursor": state["cursor"], "rng": state["rng"]}
+                state["ranks"] = await anyio.to_thread.run_sync(
+                    lambda: gather_parts(self.node, state["step"], own, timeout_s=self.timeout_s)
+                )
             started = time.perf_counter()
             target, needed = checkpoint_dir(self.output_dir, state["step"]), state_bytes(state)
             with self._out_of_space(state["step"], target, needed=needed):
