@@ -23,6 +23,9 @@ from typing import Any
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow")
 ROLES = ("system", "user", "assistant", "tool")
+# Which assistant turns of a conversation a step uses (supervises, regenerates): all, or the last.
+ASSISTANT_TURNS = ("all", "last")
+
 DEFAULT_ROLE_MAP: dict[str, str] = {
     "human": "user",
     "gpt": "assistant",

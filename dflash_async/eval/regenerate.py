@@ -31,8 +31,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_file
+from dflash_async.data.formats import ASSISTANT_TURNS as TURNS
 from dflash_async.log import progress
-from dflash_async.regen.corpus import TURNS
 from dflash_async.target.loading import load_target, load_target_tokenizer
 from dflash_async.target.tiny import TINY_SEED, demo_prompts
 

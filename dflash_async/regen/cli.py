@@ -22,7 +22,8 @@ _FLUSH_EVERY_S = 1.0  # a SIGKILL loses at most this much work (a flush costs tw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dflash_async.regen.corpus import TURNS, Split
+    from dflash_async.data.formats import ASSISTANT_TURNS as TURNS
+    from dflash_async.regen.corpus import Split
     from dflash_async.usage import positive_int
 
     def split(text: str) -> Split:

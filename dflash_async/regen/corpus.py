@@ -26,7 +26,6 @@ from dflash_async.data.formats import (
 )
 
 _CONVERSATION_KEYS = ("messages", "conversations")
-TURNS = ("all", "last")  # which assistant turns are regenerated (eval/regenerate.py says how)
 
 
 @dataclass(frozen=True)
