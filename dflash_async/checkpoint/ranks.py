@@ -3,7 +3,7 @@ and rank 0's checkpoint handed to every rank at resume.
 
 What differs between ranks, and what does not (stages/train.py, data/packing.py):
 - the drafter's weights, AdamW's state and the lr schedule are identical on every rank (one
-  all-reduce a step: pipeline/distributed.NodeReducer), so rank 0's are the run's;
+  all-reduce a step: pipeline/reducer.NodeReducer), so rank 0's are the run's;
 - the data cursor is an index into each rank's own strided share of the epoch (plan_epoch). With
   one target worker per rank it is the same index on every rank (each step takes one pack per
   drafter, in plan order), but with several target workers a rank may have trained a pack past

@@ -30,11 +30,11 @@ import anyio
 from dflash_async.checkpoint.resume import export_path
 from dflash_async.model.flops import drafter_step_flops
 from dflash_async.pipeline.distributed import (
-    NodeReducer,
     RankInfo,
     process_group,
     rank_info_from_env,
 )
+from dflash_async.pipeline.reducer import NodeReducer
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec, run_spec
 from dflash_async.pipeline.startup import Node, prepare_node, start_node

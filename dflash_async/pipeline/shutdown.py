@@ -7,7 +7,7 @@ job on its own, nobody waits for it. The run then saves what exists (nothing whe
 logs `train_interrupted` and ends through `finish`: exit 130 (SIGINT) or 143 (SIGTERM).
 
 Several nodes: the ranks vote on the stop with its signal inside the step's all-reduce
-(distributed.NodeReducer), and each rank then `adopt`s the agreed signal: every rank stops after
+(reducer.NodeReducer), and each rank then `adopt`s the agreed signal: every rank stops after
 the same step and ends as the signalled one does (rank 0 saves).
 
 Second SIGINT: exit 130 at once. Every write is atomic (atomic.py), so the previous checkpoint is
@@ -86,7 +86,7 @@ class Shutdown:
             _exit_now(130)
 
     def adopt(self, signum: int) -> None:
-        """The stop that the nodes agreed on (distributed.NodeReducer): from now on this rank
+        """The stop that the nodes agreed on (reducer.NodeReducer): from now on this rank
         ends as if it had got `signum` itself (train_interrupted, 130/143), whichever rank did,
         so that every rank reports and exits alike. The agreed signal replaces a different one
         of this rank's own. Call on the event loop."""

@@ -222,7 +222,7 @@ async def train_steps(
     `on_step_end(step)` (async) runs between steps: periodic checkpoints; `progress.cursor` is
     then the data cursor after that step. `across_nodes`, on several nodes, sums the node's
     combined gradients with the other nodes' and says when all ranks stop (a rank's own `stop`
-    then only votes: distributed.NodeReducer).
+    then only votes: reducer.NodeReducer).
     """
     step, agreed_stop = first_step, False
     try:
