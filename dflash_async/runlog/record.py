@@ -106,7 +106,8 @@ def open_run_record(
     which writes settings.json and the held lines); at the end (normal or not) of an accepted
     run log `run_summary`. The file stays attached until the process ends (or
     `log.close_log_file()`), so what the CLI logs after the run, such as the traceback of an
-    internal error, lands in it too. A run never accepted leaves the folder untouched."""
+    internal error, lands in it too. A run never accepted leaves the folder untouched; its
+    `run_summary` (the exit reason) goes to stdout alone."""
     folder = Path(output_dir)
     log_path = folder / LOG_NAME
     configure_logging(log_settings.format, log_settings.level, file=log_path, hold_file=True,
@@ -120,11 +121,13 @@ def open_run_record(
         error = raised
         raise
     finally:
+        reason = exit_reason(record.exit_code, error)
         if record.accepted:
-            reason = exit_reason(record.exit_code, error)
             log.info("run_summary", **summary_since(log_path, record.log_offset, reason))
-        else:  # refused or stopped in start-up: drop the held lines, they went to stdout
-            close_log_file()
+        else:  # refused or stopped in start-up: drop the held lines (they went to stdout) and
+            close_log_file()  # say how it ended on stdout alone
+            empty = summarize(RunLog(folder.name, log_path, [], 0))
+            log.info("run_summary", **{**empty, "exit_reason": reason})
 
 
 def _write_folder(record: RunRecord, settings_dict: dict[str, Any]) -> None:
