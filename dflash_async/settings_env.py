@@ -33,12 +33,12 @@ from dflash_async.settings import (
     NO_ENV_FILE,
     PREFIX,
     DataSettings,
-    DrafterSettings,
     EvalSettings,
     Settings,
     SettingsError,
     TargetSettings,
 )
+from dflash_async.settings_recipe import DrafterSettings
 
 TARGET_PATH_VAR = f"{PREFIX}TARGET{NESTING}PATH"
 

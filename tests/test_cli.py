@@ -23,8 +23,9 @@ from dotenv import dotenv_values
 from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import build_parser, main
-from dflash_async.settings import DEFAULT_GAMMA, TrainSettings
+from dflash_async.model.drafter_config import DEFAULT_GAMMA
 from dflash_async.settings_env import repo_root
+from dflash_async.settings_recipe import TrainSettings
 
 pytestmark = pytest.mark.timeout(120)
 COMMANDS = ("run", "settings", "bench", "regenerate", "eval")

@@ -39,8 +39,8 @@ from dflash_async.settings import (
     Settings,
     SettingsError,
     TargetSettings,
-    TrainSettings,
 )
+from dflash_async.settings_recipe import TrainSettings
 from dflash_async.stages.produce import TargetSpec
 from dflash_async.stages.read import PlanSpec
 from dflash_async.stages.save import SaveSpec
