@@ -76,7 +76,7 @@ def gather_parts(
     parts = [own]
     for rank in range(1, node.world_size):
         key = _PART.format(step=step, rank=rank)
-        _wait_for_key(node.store, key, timeout_s)
+        wait_for_key(node.store, key, timeout_s)
         parts.append(torch.load(io.BytesIO(node.store.get(key)), weights_only=True))
         node.store.delete_key(key)
     return parts
@@ -97,7 +97,7 @@ def broadcast_state(
         layout = _layout(state, tensors)
         node.store.set(_LAYOUT, json.dumps(layout))
     else:
-        _wait_for_key(node.store, _LAYOUT, timeout_s)
+        wait_for_key(node.store, _LAYOUT, timeout_s)
         layout, tensors = json.loads(node.store.get(_LAYOUT)), []
         _collect_slots(layout, tensors)
     received = []
@@ -144,7 +144,7 @@ def _filled(layout: Any, tensors: list[torch.Tensor]) -> Any:
     return layout["value"]
 
 
-def _wait_for_key(store: Any, key: str, timeout_s: float) -> None:
+def wait_for_key(store: Any, key: str, timeout_s: float) -> None:
     """Until `key` is in the store; RuntimeError at once when a rank failed (it sets `failed`
     on its way out: pipeline/distributed.py), TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

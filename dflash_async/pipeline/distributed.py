@@ -33,6 +33,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from dflash_async.checkpoint.ranks import wait_for_key
 from dflash_async.log import bound_context
 from dflash_async.settings import SettingsError
 
@@ -257,7 +258,7 @@ async def writer_first(node: RankInfo, work: Callable[[], Any], *, timeout_s: fl
     """`work()` (host only, in a thread) on rank 0 first, then on the other ranks: caches that
     ranks of one machine share (the built-in tiny target, the demo corpus) are built once."""
     if node.distributed and not node.is_writer:
-        await anyio.to_thread.run_sync(_wait_for_key, node.store, "writer_first", timeout_s)
+        await anyio.to_thread.run_sync(wait_for_key, node.store, "writer_first", timeout_s)
     result = await anyio.to_thread.run_sync(work)
     if node.distributed and node.is_writer:
         node.store.set("writer_first", "1")
@@ -283,7 +284,7 @@ async def writer_decides(
             node.store.set(f"decided/{key}", json.dumps({"shared": shared}))
         return kept, shared
     await anyio.to_thread.run_sync(
-        _wait_for_key, node.store, f"decided/{key}", timeout_s, abandon_on_cancel=True
+        wait_for_key, node.store, f"decided/{key}", timeout_s, abandon_on_cancel=True
     )
     decided = json.loads(node.store.get(f"decided/{key}"))
     if "error" in decided:
@@ -301,16 +302,6 @@ def _share_refusal(node: RankInfo, key: str, error: str, *, timeout_s: float) ->
     deadline = time.monotonic() + min(timeout_s, 10.0)
     while node.store.add(f"acked/{key}", 0) < node.world_size - 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-def _wait_for_key(store: dist.Store, key: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if store.check(["failed"]):
-            raise RuntimeError(f"rank {store.get('failed').decode()} failed; {key!r} not reached")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{key!r} not reached within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def check_same_run(info: RankInfo, *, timeout_s: float, **facts: Any) -> None:
