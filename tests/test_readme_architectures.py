@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dflash_async.target.architectures import SUPPORTED
+from dflash_async.model.architectures import SUPPORTED
 from dflash_async.target.forward import architecture_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -3,7 +3,7 @@
 The drafter shares the target's hidden size (its features and token embeddings live in that space),
 vocabulary (it decodes with the target's lm_head) and rope_theta. Heads, head_dim and the MLP width
 are copied from the target by default (docs/DFLASH.md section 1), read from its text config by
-target/architectures.py (MoE widths, per-layer and MLA head dimensions).
+model/architectures.py (MoE widths, per-layer and MLA head dimensions).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_async.target.architectures import (
+from dflash_async.model.architectures import (
     attention_head_dim,
     dense_mlp_width,
     layer_attribute,

@@ -8,13 +8,13 @@ the fc over frozen features cost 2x (one of the two backward matmuls is not need
 
 from __future__ import annotations
 
-from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.target.architectures import (
+from dflash_async.model.architectures import (
     attention_head_dim,
     experts_per_token,
     layer_attribute,
     routed_expert_width,
 )
+from dflash_async.model.drafter_config import DrafterConfig
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 

@@ -32,6 +32,7 @@ from dflash_async.checkpoint.state import data_fingerprint, restore, run_identit
 from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_init_weights
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.log import get_logger
+from dflash_async.model.architectures import text_config_of, unsupported_reason
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline import placing
 from dflash_async.pipeline.distributed import (
@@ -49,7 +50,6 @@ from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_eval
 from dflash_async.stages.produce import TargetRunner, load_runner
 from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
-from dflash_async.target.architectures import text_config_of, unsupported_reason
 from dflash_async.target.loading import TargetError, load_target_tokenizer
 from dflash_async.target.mask_token import mask_token
 
@@ -169,7 +169,7 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
 
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
     """The drafter's shapes from the target's config.json and the drafter's own settings; an
-    architecture outside target/architectures.SUPPORTED is SettingsError (exit 2) naming it.
+    architecture outside model/architectures.SUPPORTED is SettingsError (exit 2) naming it.
     The mask token, unless set, is the target tokenizer's (target/mask_token.py; the built-in
     target's `<|mask|>` by its first rule), logged with the rule that chose it."""
     try:

@@ -138,7 +138,7 @@ def planned_path(model_type: str) -> str:
 
 def architecture_table() -> str:
     """The README's table of supported targets (SUPPORTED), one row per model_type."""
-    from dflash_async.target.architectures import SUPPORTED
+    from dflash_async.model.architectures import SUPPORTED
 
     rows = [f"| `{kind}` | {family} | {planned_path(kind)} |" for kind, family in SUPPORTED.items()]
     return "\n".join(["| model_type | family | target forward |", "|---|---|---|", *rows])

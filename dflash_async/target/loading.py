@@ -35,7 +35,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_async.target.architectures import is_wrapper, text_config_of
+from dflash_async.model.architectures import is_wrapper, text_config_of
 from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
