@@ -148,6 +148,9 @@ class EvalSettings(Section):
     job_ms: int = Field(500, ge=1)
     """Decode steps per job on the target's worker (about this many ms); its training jobs run
     between them, so with overlap an evaluation takes about job_ms / (job_ms + a target job)."""
+    block_size: int = Field(0, ge=0)
+    """Decode blocks of this size (2 up to the trained block size: the same drafter drafts
+    block_size-1 tokens per block); 0 = the trained block size."""
     prompts_path: str = ""
     """A jsonl file of prompts; empty = the built-in held-out demo prompts (built-in target only;
     with another target and no prompts file, evaluation is skipped with a log line)."""

@@ -308,36 +308,46 @@ def test_tiny_dflash2_export_has_exactly_the_contract_names_shapes_and_config(tm
 
 
 @pytest.mark.anyio
-@pytest.mark.timeout(120)
-async def test_a_dflash2_run_trains_its_loss_falls_and_it_exports_dflash2(tmp_path) -> None:
-    """The CPU pipeline with DFLASH_DRAFTER__KIND=dflash2, in process: the step lines carry the
-    selector's metrics, the loss of the last steps is below the first steps', the in-run
-    evaluation is skipped with its reason, and the export is a DFlash2DraftModel."""
+@pytest.mark.timeout(180)
+async def test_a_dflash2_run_trains_evaluates_and_its_export_decodes_to_the_in_run_tau(tmp_path):
+    """KIND=dflash2 on the CPU pipeline: selector metrics per step, a falling loss, in-run evals
+    (tau >= 1, none failed) and a DFlash2DraftModel export whose `eval` gives the final tau."""
     import anyio
     from structlog.testing import capture_logs
+    from test_evaluate_inrun import write_prompts
     from tiny_run import tiny_env, tiny_inputs
 
+    from dflash_async.eval.harness import run_eval
     from dflash_async.log import get_logger
     from dflash_async.pipeline import run as pipeline
     from dflash_async.settings_env import load_settings
 
     inputs = tiny_inputs(tmp_path / "inputs")
+    prompts = write_prompts(tmp_path / "prompts.jsonl")  # 3 prompts
     env = tiny_env(inputs, tmp_path / "out") | {
         "DFLASH_DRAFTER__KIND": "dflash2", "DFLASH_DRAFTER__SELECTOR_TOP_K": "4",
         "DFLASH_DRAFTER__SELECTOR_RANK": "16", "DFLASH_TRAIN__MAX_STEPS": "16",
         "DFLASH_TRAIN__SAVE_EVERY": "0", "DFLASH_TRAIN__LR": "3e-3",
         "DFLASH_TRAIN__WARMUP_FRAC": "0", "DFLASH_EVAL__AT_START": "true",
+        "DFLASH_EVAL__NUM_PROMPTS": "3", "DFLASH_EVAL__MAX_NEW_TOKENS": "8",
+        "DFLASH_EVAL__PROMPTS_PATH": str(prompts),
     }  # fmt: skip
-    with capture_logs() as events, anyio.fail_after(90):
+    with capture_logs() as events, anyio.fail_after(120):
         assert await pipeline.run(load_settings(env), get_logger("test")) == 0
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert len(losses) == 16 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4, losses
     assert any("topk_recall" in e and "selector_acc" in e for e in events if e["event"] == "step")
-    skipped = [e for e in events if e["event"] == "eval_skipped"]
-    assert skipped and all("dflash2" in e["reason"] for e in skipped)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 16] and all(e["tau"] >= 1.0 for e in evals), evals
+    assert not [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
     cfg = json.loads((tmp_path / "out" / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
+    with capture_logs():  # the same prompts and decode settings as the run's evaluations
+        report = run_eval(inputs["target"], tmp_path / "out" / "drafter", prompts, device="cpu",
+                          max_new_tokens=8, num_prompts=3)  # fmt: skip
+    for name in ("tau", "accepted_length_histogram"):
+        assert report[name] == evals[-1][name], (name, report[name], evals)
 
 
 def _dflash2_step(seed: int):

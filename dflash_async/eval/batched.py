@@ -11,7 +11,8 @@ of drafts in the same verify forward:
                      rejected drafts need no crop: they sit past `length` (invisible) and the next
                      block overwrites them.
     RowsBlockDrafter the drafter's context KV [b, Hkv, S, hd] per layer, written the same way;
-                     a block at anchor position p sees context slots < p and its own B slots.
+                     a block at anchor position p sees context slots < p and its own B slots;
+                     its drafts are selector.py's (unary argmax, or the DFlash2 selector walk).
     BatchedDecode    prefill (right-padded prompts, in row chunks), then verify steps: draft,
                      verify, accepted = leading matches (cumprod), commit accepted+1 tokens per
                      live row, advance its length; finished rows (eos, max_new_tokens) ride along
@@ -34,6 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from dflash_async.eval.lossless import GreedyResult, SpecResult, cut_at_stop
+from dflash_async.eval.selector import draft_tokens
 from dflash_async.eval.speculative import cache_kwarg, captured_layers
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
@@ -157,13 +159,21 @@ class RowsBlockDrafter:
             keys[rows].scatter_(2, index, k.unflatten(1, positions.shape).transpose(0, 1))
             values[rows].scatter_(2, index, v.transpose(1, 2))
 
+    @torch.no_grad()
     def draft(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Drafts [b, B-1] for blocks [anchor, MASK x (B-1)] at anchor positions [b]."""
-        return self.block_logits(anchors, positions).argmax(-1)
+        """Drafts [b, B-1] for blocks [anchor, MASK x (B-1)] at anchor positions [b]: the unary
+        argmax, or a DFlash2 drafter's selector walk (selector.py)."""
+        hidden = self.block_hidden(anchors, positions)
+        return draft_tokens(self.drafter, hidden, self.lm_head_weight, anchors)
+
+    def block_logits(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Unary logits [b, B-1, V] of block slots 1..B-1."""
+        lm_head = self.lm_head_weight
+        return self.block_hidden(anchors, positions).to(lm_head.device, lm_head.dtype) @ lm_head.T
 
     @torch.no_grad()
-    def block_logits(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [b, B-1, V] of block slots 1..B-1; row b sees context slots < positions[b]."""
+    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Drafter states [b, B-1, d] of block slots 1..B-1; row b sees context < positions[b]."""
         cfg, embed, b = self.config, self.embed_weight, anchors.shape[0]
         block = torch.full((b, cfg.block_size), cfg.mask_token_id, device=embed.device)
         block[:, 0] = anchors.to(embed.device)
@@ -193,9 +203,7 @@ class RowsBlockDrafter:
             block_embeds, block_positions, no_features, block_positions[:0], attend
         )
         assert next(layers, None) is None, "the drafter skipped a layer's attention"
-        hidden = hidden.unflatten(0, (b, cfg.block_size))[:, 1:]  # [b, B-1, d]
-        lm_head = self.lm_head_weight
-        return hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T  # [b, B-1, V]
+        return hidden.unflatten(0, (b, cfg.block_size))[:, 1:]  # [b, B-1, d]
 
 
 class BatchedDecode:

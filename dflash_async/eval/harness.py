@@ -1,7 +1,8 @@
 """`python -m dflash_async eval`: tau of a drafter export over a prompt set, and its inputs.
 
 Loss and accuracy can look excellent while a served drafter accepts ~1 token; decoding is the only
-honest measure. This module loads the target and the export, reads and chat-templates the prompts
+honest measure. This module loads the target and the export (DFlash or DFlash2, optionally served
+at a block size below the trained one: --block-size), reads and chat-templates the prompts
 (generation prompt on, trailing assistant turns dropped) and takes the stop rules from the
 target's generation config, so the greedy output is what `model.generate`, and so the regenerated
 training data, would produce. evaluation.py decodes (plain greedy once, cached by baseline.py;
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from dflash_async.eval.evaluation import (
 from dflash_async.eval.lossless import LosslessError, eos_set, tie_tolerance_for
 from dflash_async.eval.regenerate import cpu_threads, write_jsonl
 from dflash_async.log import get_logger, progress
+from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.settings import EvalSettings
@@ -50,7 +53,7 @@ from dflash_async.target.loading import (
     text_config,
 )
 from dflash_async.target.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
-from dflash_async.usage import ArgumentParser, check_writable_folder, positive_int
+from dflash_async.usage import ArgumentParser, UsageError, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
 _DTYPES = {
@@ -61,12 +64,28 @@ _DTYPES = {
 }
 
 
+def serving_config(config: DrafterConfig, *, block_size: int | None) -> DrafterConfig:
+    """The drafter config decoded with: the trained one, or its block size lowered to
+    `block_size` (the same weights draft block_size-1 tokens per block: no tensor's shape depends
+    on the block size). UsageError (exit 2) for a block size the drafter was not trained for."""
+    if block_size is None or block_size == config.block_size:
+        return config
+    if not 2 <= block_size <= config.block_size:
+        raise UsageError(
+            f"--block-size {block_size}: must be in [2, {config.block_size}] "
+            f"(the drafter's trained block size is {config.block_size})"
+        )
+    return replace(config, block_size=block_size)
+
+
 def load_drafter(
-    folder: str | Path, *, device: torch.device, dtype: torch.dtype
+    folder: str | Path, *, device: torch.device, dtype: torch.dtype, block_size: int | None = None
 ) -> tuple[DFlashDrafter, DrafterConfig]:
-    """A servable export (ours or another tool's, docs/DFLASH.md s.7) as an eval-mode DFlashDrafter."""
+    """A servable export (ours or another tool's, docs/DFLASH.md s.7; DFlash or DFlash2) as an
+    eval-mode drafter of its kind, served at `block_size` (None: the trained one)."""
     config, tensors = load_drafter_export(Path(folder))
-    drafter = DFlashDrafter(config)
+    config = serving_config(config, block_size=block_size)
+    drafter = make_drafter(config)
     drafter.load_state_dict(tensors, strict=True)  # the export holds exactly these names
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False), config
 
@@ -228,14 +247,18 @@ def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def _load_fitting_drafter(
-    drafter_dir: str | Path, target: PreTrainedModel, device: torch.device
+    drafter_dir: str | Path, target: PreTrainedModel, device: torch.device, block_size: int | None
 ) -> tuple[DFlashDrafter, DrafterConfig]:
     """load_drafter on `device` in the target's dtype; DataError (one line, naming the folder) if
-    the export is missing, unreadable or built for another target."""
+    the export is missing, unreadable or built for another target; UsageError for --block-size."""
     dtype = frozen_embeddings(target)[0].dtype
     try:
-        drafter, config = load_drafter(drafter_dir, device=device, dtype=dtype)
+        drafter, config = load_drafter(
+            drafter_dir, device=device, dtype=dtype, block_size=block_size
+        )
         check_drafter_fits_target(config, target)
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         raise DataError(f"drafter export {str(drafter_dir)!r}: {e}") from e
     return drafter, config
@@ -256,18 +279,20 @@ def run_eval(
     baseline_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
     enable_thinking: bool = False,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """Load the target (empty path = the built-in tiny one, kept under cache_dir) and a drafter
     export, decode `num_prompts` prompts (from prompts_path, or the tiny demo's held-out
     prompts), log one `eval_completed` event, return the report. The greedy baseline is kept in
     `baseline_dir` (default: the results file's folder; None without one). Bad inputs raise
-    one-line ValueErrors: TargetError (target folder), DataError (drafter export, prompts file)."""
+    one-line ValueErrors: TargetError (target folder), DataError (drafter export, prompts file),
+    UsageError (a block_size above the trained one). block_size None: the trained one."""
     log = log or get_logger(__name__)
     device = torch.device(device)
     folder = Path(target_path) if target_path else ensure_tiny_target(Path(cache_dir))
     target = load_target(folder, device=device, dtype=dtype)
     tokenizer = load_target_tokenizer(folder)
-    drafter, config = _load_fitting_drafter(drafter_dir, target, device)
+    drafter, config = _load_fitting_drafter(drafter_dir, target, device, block_size)
     if prompts_path:
         records = read_prompts(prompts_path)[:num_prompts]
     else:
@@ -309,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the greedy baseline here (default: --results' folder)",
     )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="decode blocks of this size (<= the trained block size; default: the trained one)",
+    )
     return parser
 
 
@@ -329,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
             batch_size=args.batch_size, log=log, cache_dir=builtin_cache_dir(),
             results_path=args.results or None, baseline_dir=args.baseline_dir or None,
-            dtype=_DTYPES[args.dtype],
+            dtype=_DTYPES[args.dtype], block_size=args.block_size,
         )  # fmt: skip
     except LosslessError as e:
         log.error("eval_failed", reason="lossless_check", error=str(e))

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding of one sequence with a DFlash drafter: the reference decoder.
+"""Greedy speculative decoding of one sequence with a DFlash(2) drafter: the reference decoder.
 
 The algorithm that measures acceptance length (tau, docs/DFLASH.md section 8). batched.py decodes
 many prompts at once and must give the same tokens and tau; this one is the simple reference it
@@ -8,6 +8,7 @@ is tested against, and the decoder for hybrid targets. Batch 1, greedy, KV cache
              drafter's context; the target's next token is the first committed token.
     loop:    the drafter fills [last committed token, MASK x (B-1)] at positions pos..pos+B-1,
              seeing every committed token's features (all at positions < pos) and its own block;
+             its drafts are selector.py's (unary argmax, or the DFlash2 selector's walk);
              the target verifies the block in one forward: t_i = its argmax after block token i.
              accepted = leading drafts with d_{i+1} == t_i; commit t_0..t_accepted (the accepted
              drafts ARE the target's tokens, t_accepted is the bonus token), record accepted+1,
@@ -43,6 +44,7 @@ from dflash_async.eval.lossless import (
     eos_set,
     first_difference,
 )
+from dflash_async.eval.selector import draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import decoder_layers
@@ -114,9 +116,10 @@ class DFlashBlockDrafter:
         return attend, layers
 
     @torch.no_grad()
-    def block_logits(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        """Logits [B-1, V] of block slots 1..B-1 for the block [anchor, MASK x (B-1)]."""
-        cfg, embed, lm_head = self.config, self.embed_weight, self.lm_head_weight
+    def block_hidden(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
+        """Drafter states [B-1, d] (after the final norm) of block slots 1..B-1 for the block
+        [anchor, MASK x (B-1)]."""
+        cfg, embed = self.config, self.embed_weight
         block = torch.full((cfg.block_size,), cfg.mask_token_id, device=embed.device)
         block[0] = anchor_token
         block_embeds = embed[block].to(self.keys[0].device)  # [B, d]
@@ -125,10 +128,20 @@ class DFlashBlockDrafter:
         attend, unused = self._cached_attend()
         hidden = self.drafter(block_embeds, positions, no_features, positions[:0], attend)
         assert next(unused, None) is None, "the drafter skipped a layer's attention"
-        return hidden[1:].to(lm_head.device, lm_head.dtype) @ lm_head.T  # [B-1, V]
+        return hidden[1:]
 
+    def block_logits(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
+        """Unary logits [B-1, V] of block slots 1..B-1."""
+        lm_head = self.lm_head_weight
+        hidden = self.block_hidden(anchor_token, anchor_position)
+        return hidden.to(lm_head.device, lm_head.dtype) @ lm_head.T
+
+    @torch.no_grad()
     def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        return self.block_logits(anchor_token, anchor_position).argmax(-1)  # [B-1]
+        """Drafts [B-1]: the unary argmax, or a DFlash2 drafter's selector walk (selector.py)."""
+        hidden = self.block_hidden(anchor_token, anchor_position)[None]  # [1, B-1, d]
+        anchor = torch.tensor([anchor_token], device=self.lm_head_weight.device)
+        return draft_tokens(self.drafter, hidden, self.lm_head_weight, anchor)[0]
 
 
 @contextmanager

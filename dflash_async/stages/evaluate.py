@@ -1,6 +1,7 @@
 """Eval stage: tau of the drafter being trained, decoded on the target the run already holds.
 
-No second target load and no export to disk: at a step boundary the drafter's weights are copied
+No second target load and no export to disk: at a step boundary the drafter's weights (DFlash or
+DFlash2, whose drafts are its selector's walk: eval/selector.py) are copied
 (on the drafter's worker, one sync) into one evaluation copy on the target's device, kept for the
 whole run; then the decode jobs of eval/evaluation.py run on the target's DeviceWorker. That
 worker runs jobs in submission order, so decode steps (tens of ms each) interleave with the
@@ -27,6 +28,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from dflash_async.eval.evaluation import (
 )
 from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
+from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.settings import EvalSettings, SettingsError
@@ -59,15 +62,24 @@ Evaluate = Callable[..., Awaitable[dict[str, Any]]]
 
 
 def copy_weights(
-    source: DFlashDrafter, copy: DFlashDrafter | None, *, device: torch.device, dtype: torch.dtype
+    source: DFlashDrafter,
+    copy: DFlashDrafter | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int = 0,
 ) -> DFlashDrafter:
-    """The drafter's current weights in `copy` (made on first use, on `device` in `dtype`),
-    rounded through bf16 like the servable export: the in-run tau is the served drafter's, and
-    `eval` of the export saved at the same step reports the same tau. Call on the drafter's
-    worker: the copy is ordered after its last step on that stream."""
+    """The drafter's current weights in `copy` (made on first use, on `device` in `dtype`, a
+    drafter of the source's kind served at `block_size`, 0 = the trained one), rounded through
+    bf16 like the servable export: the in-run tau is the served drafter's, and `eval` of the
+    export saved at the same step reports the same tau. Call on the drafter's worker: the copy is
+    ordered after its last step on that stream."""
     if copy is None:
+        config = source.config
+        if block_size:
+            config = replace(config, block_size=block_size)  # checked by eval_setup
         with torch.device("meta"):
-            copy = DFlashDrafter(source.config)
+            copy = make_drafter(config)
         copy = copy.to_empty(device=device).to(dtype).eval().requires_grad_(False)
     copy.load_state_dict({k: v.to(EXPORT_DTYPE) for k, v in source.state_dict().items()})
     if source.fc.weight.device.type == "cuda":
@@ -118,8 +130,9 @@ class InRunEvaluator:
         source = self.drafter.step.objective.drafter
         dtype = frozen_embeddings(self.setup.target)[0].dtype
         self.copy = await self.drafter.worker.run(
-            copy_weights, source, self.copy, device=self.setup.device, dtype=dtype
-        )
+            functools.partial(copy_weights, block_size=self.settings.block_size),
+            source, self.copy, device=self.setup.device, dtype=dtype,
+        )  # fmt: skip
 
     async def _jobs(self, factories: Sequence[Callable[[], Decoder]]) -> tuple[list, float]:
         """Decode on the target's worker, one short job at a time; (results, device seconds)."""
@@ -213,6 +226,11 @@ def eval_setup(
         check_drafter_fits_target(drafter_config, target)
     except ValueError as e:
         raise SettingsError(f"evaluation: {e}") from e
+    if settings.block_size and not 2 <= settings.block_size <= drafter_config.block_size:
+        raise SettingsError(
+            f"DFLASH_EVAL__BLOCK_SIZE={settings.block_size}: must be 0 (the trained block size) "
+            f"or in [2, {drafter_config.block_size}]"
+        )
     tokenizer = load_target_tokenizer(target_path)
     if settings.prompts_path:
         records = read_prompts(settings.prompts_path)[: settings.num_prompts]
@@ -231,8 +249,6 @@ async def evaluation_off(step: int, *, wait: bool = False) -> dict[str, Any]:
 
 def _skip_reason(settings: EvalSettings, inputs: Any) -> str | None:
     """Why the run's evaluations are skipped (logged each time), or None."""
-    if inputs.drafter_config.kind != "dflash":  # decoding has no candidate-selector path yet
-        return f"decoding a {inputs.drafter_config.kind} drafter is not built yet"
     if not (inputs.builtin_target or settings.prompts_path):
         return "set DFLASH_EVAL__PROMPTS_PATH"
     return None

@@ -1,0 +1,70 @@
+"""The drafts of one block pass: the unary argmax (DFlash) or the candidate selector's walk (DFlash2).
+
+Both decoders (speculative.py, batched.py) run the drafter once per block and hand its slot
+hidden states here. A DFlash drafter drafts argmax(lm_head(h)) per slot. A DFlash2 drafter's
+selector walks slots 1..B-1 left to right from the anchor (docs/DFLASH.md, DFlash2 decoding):
+for slot i the candidates are the unary top-k (k = selector_top_k), each scored
+
+    score(c) = unary(c) + <pred[prev] * hidden_projection(h_i), succ[c]>
+
+with `prev` the token chosen for slot i-1 (the anchor for slot 1), and the draft is the argmax
+(T = 0). At training time `prev` is the gold token (teacher forcing); here it is the walk's own
+choice, since no gold exists at decode time. The B-1 slots are a static Python loop of device ops:
+no host sync inside; the drafts stay on the device until the target verifies them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_async.model.dflash2 import CandidateSelector
+
+
+def slot_candidates(unary: torch.Tensor, *, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, token ids) [b, k] of the strict top-k of one slot's unary logits [b, V]."""
+    top = unary.topk(top_k, dim=-1)
+    return top.values, top.indices
+
+
+def predecessor(path: list[torch.Tensor]) -> torch.Tensor:
+    """The predecessor [b] of the next slot: the latest token of the walk (anchor, choices...)."""
+    return path[-1]
+
+
+def selector_walk(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,  # [b, n, d] the slots' norm(x), n = B-1
+    unary: torch.Tensor,  # [b, n, V] the slots' unary logits
+    anchors: torch.Tensor,  # [b] int64: the last committed token of each row
+    *,
+    top_k: int,
+) -> torch.Tensor:
+    """The greedy selector path [b, n]: slot by slot, the best scored unary top-k candidate."""
+    path = [anchors.to(unary.device)]
+    z_dtype = selector.hidden_projection.weight.dtype
+    for i in range(hidden.shape[1]):  # n is static: B-1 slots
+        values, candidates = slot_candidates(unary[:, i], top_k=top_k)  # [b, k]
+        pair = selector.pair_scores(
+            hidden[:, i].to(z_dtype),
+            predecessor(path).to(hidden.device),
+            candidates.to(hidden.device),
+        )  # [b, k]
+        scores = values.float() + pair.to(unary.device).float()
+        path.append(candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0])
+    return torch.stack(path[1:], dim=1)
+
+
+def draft_tokens(
+    drafter: torch.nn.Module,
+    hidden: torch.Tensor,  # [b, n, d] drafter slots 1..B-1 after the final norm
+    lm_head_weight: torch.Tensor,  # [V, d] the target's
+    anchors: torch.Tensor,  # [b]
+) -> torch.Tensor:
+    """The drafts [b, n] of one block pass: the selector's walk if the drafter has one, else the
+    unary argmax per slot."""
+    unary = hidden.to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T  # [b, n, V]
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return unary.argmax(-1)
+    top_k = drafter.config.selector_top_k
+    return selector_walk(selector, hidden, unary, anchors, top_k=top_k)
