@@ -1,6 +1,8 @@
 """Print the placement model's predictions (BENCHMARKS.md, "Placement model") from one H200's
 measured stage rates: tokens/s per GPU of each layout at 1, 2, 4 and 8 GPUs, for today's target
-and the compiled packed target, at two anchor densities. CPU only, instant:
+and the compiled packed target, at two anchor densities; then the split targets
+(DFLASH_TARGET__STAGES): replicas x stages of a 235B-A22B and a ~1T FP8 MoE on 8 and 16 x 141 GB.
+CPU only, instant:
 
     PYTHONPATH=. python benchmarks/placement_model.py
 """
@@ -66,6 +68,39 @@ def rows():
                 yield target_name, density, drafter, gpus, p, split, chosen
 
 
+# ---- split targets (DFLASH_TARGET__STAGES): replicas x stages --------------------------------
+# Weights in FP8 (1 byte per parameter, experts included); per GPU the co-located drafter side
+# (the 8B-shaped drafter's state, activations and ring: ~38 GB, FITS above) and the target's
+# transient activations (~4 GB at 16k rows) sit beside the stage's weights, within 90% of 141 GB.
+# Throughput per replica: an MoE forward costs its ACTIVE parameters (2 FLOPs each per token),
+# and with k stages and at least k packs in flight the stages work concurrently, so a replica of
+# k stages delivers k times one GPU's rate on its share of the layers: the whole node runs
+# gpus * MFU * peak / (2 * active) target tokens/s whatever the split; what the split changes is
+# only whether the weights fit. So the choice is: the fewest stages whose per-GPU share fits
+# (fewest boundaries: one activation copy each, k-1 bubbles at start), and as many replicas as
+# the GPUs allow (more replicas: more packs in flight, less pipeline fill).
+MOE_TARGETS = {"235B-A22B FP8": (235e9, 22e9), "~1T-A32B FP8": (1.0e12, 32e9)}
+GB = 1e9
+BESIDE = 38 * GB + 4 * GB  # drafter side + target activations per GPU (co-located)
+
+
+def split_choice(total_params: float, gpus: int, *, device_bytes: float = 141 * GB):
+    """(replicas, stages, weight bytes per GPU) of the fewest stages that fit; None if none."""
+    for stages in (k for k in range(1, gpus + 1) if gpus % k == 0):
+        share = total_params / stages  # balanced by bytes (target/split.py)
+        if share + BESIDE <= 0.9 * device_bytes:
+            return gpus // stages, stages, share
+    return None
+
+
+def split_rows():
+    for name, (total, active) in MOE_TARGETS.items():
+        for gpus in (8, 16):
+            chosen = split_choice(total, gpus)
+            rate = gpus * 0.5 * 780e12 / (2 * active)  # target tokens/s of the node at MFU 0.5
+            yield name, gpus, chosen, rate
+
+
 def main() -> None:
     print("| target | anchors | drafter tok/s alone | GPUs | colocated tok/s per GPU | "
           "split tok/s per GPU (targets+drafters) | auto |")  # fmt: skip
@@ -74,6 +109,24 @@ def main() -> None:
         split_text = "—" if split is None else f"{p['split']:,.0f} ({split[0]}+{gpus - split[0]})"
         print(f"| {target} | {density} | {drafter:,.0f} | {gpus} | {p['colocated']:,.0f} | "
               f"{split_text} | {chosen} |")  # fmt: skip
+    print()
+    print("| target (FP8) | GPUs (141 GB) | replicas x stages | weights per GPU | "
+          "target tok/s (node, MFU 0.5) | why |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, gpus, chosen, rate in split_rows():
+        if chosen is None:
+            share = MOE_TARGETS[name][0] / gpus
+            print(f"| {name} | {gpus} | — | {share / GB:.0f} GB at {gpus} stages | — | exit 2: "
+                  f"no room beside it for the co-located drafter ({BESIDE / GB:.0f} GB); only "
+                  "drafter-free target GPUs (the split layout, not yet with STAGES) could hold it "
+                  "|")  # fmt: skip
+            continue
+        replicas, stages, share = chosen
+        why = (f"{stages} is the fewest stages whose share ({share / GB:.0f} GB) fits beside the "
+               f"drafter ({BESIDE / GB:.0f} GB) in 90% of 141 GB; {replicas} replica(s) fill "
+               "the node")  # fmt: skip
+        print(f"| {name} | {gpus} | {replicas} x {stages} | {share / GB:.0f} GB | {rate:,.0f} | "
+              f"{why} |")  # fmt: skip
 
 
 if __name__ == "__main__":

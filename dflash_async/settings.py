@@ -50,6 +50,9 @@ class TargetSettings(Section):
     packed_hybrid: bool = True
     """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels; false =
     HF on right-padded batches."""
+    stages: int = Field(1, ge=1)
+    """Stage workers per target replica: its decoder layers split into this many contiguous
+    ranges (balanced by bytes), each on its own device; 1 = the whole target on one device."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(parse_int_list)
 

@@ -41,6 +41,7 @@ from dflash_async.pipeline.startup import Node, prepare_node, start_node
 from dflash_async.runtime.channels import open_channel
 from dflash_async.runtime.meters import LoopLag
 from dflash_async.settings import Settings
+from dflash_async.stages.chain import chain_stage
 from dflash_async.stages.produce import target_stage
 from dflash_async.stages.read import read_stage
 from dflash_async.stages.report import GpuBusy, Throughput, report_stage
@@ -128,8 +129,11 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
                 node.samples.lengths, token_budget=spec.plan.token_budget, seed=spec.plan.seed,
                 start=start, epochs=node.plan.epochs, send=send_packs,
                 rank=rank.rank, world_size=rank.world_size, first_plan=node.plan.first_epoch))  # fmt: skip
+            for chain in node.chains:  # a split target: each replica a chain of stages
+                producers.start_soon(chain_stage, chain, node.samples, receive_packs.clone(),
+                                     node.rings.producer(chain.home))  # fmt: skip
             for worker, runner, home in zip(node.targets, node.target_runners, node.homes,
-                                            strict=True):  # fmt: skip
+                                            strict=True) if not node.chains else ():  # fmt: skip
                 producers.start_soon(target_stage, worker, runner, node.samples,
                                      receive_packs.clone(), node.rings.producer(home))  # fmt: skip
             receive_packs.close()

@@ -44,6 +44,7 @@ from dflash_async.settings_recipe import TrainSettings
 from dflash_async.stages.produce import TargetSpec
 from dflash_async.stages.read import PlanSpec
 from dflash_async.stages.save import SaveSpec
+from dflash_async.target.split import replica_devices
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def run_spec(settings: Settings) -> RunSpec:
         layout=pipe.layout, devices=devices, given=given, num_slots=pipe.num_slots,
         target_batch_tokens=pipe.target_batch_tokens, calibration_packs=pipe.calibration_packs,
     )  # fmt: skip
+    _check_stages(settings.target.stages, layout=pipe.layout, given=given, devices=devices)
     cuda = placement.drafter_devices[0].type == "cuda"
     return RunSpec(
         output_dir=settings.output_dir,
@@ -153,8 +155,23 @@ def _target_spec(target: TargetSettings, *, token_budget: int, max_batch_tokens:
     return TargetSpec(
         cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
         token_budget=token_budget, max_batch_tokens=max_batch_tokens,
-        packed_hybrid=target.packed_hybrid,
+        packed_hybrid=target.packed_hybrid, stages=target.stages,
     )  # fmt: skip
+
+
+def _check_stages(stages: int, *, layout: str, given, devices) -> None:
+    """A split target (DFLASH_TARGET__STAGES > 1) runs co-located on DEVICES, in groups of
+    `stages` devices (pipeline/split_placement.py); anything else is refused here (exit 2)."""
+    if stages == 1:
+        return
+    if given is not None or layout == "split":
+        raise SettingsError(
+            f"DFLASH_TARGET__STAGES={stages} runs a replica per {stages} devices of "
+            "DFLASH_PIPELINE__DEVICES with a drafter on every device; roles by hand "
+            "(TARGET_DEVICES/DRAFTER_DEVICES) and DFLASH_PIPELINE__LAYOUT=split are not supported "
+            "with it yet"
+        )
+    replica_devices(devices, stages=stages)  # exit 2 unless the devices divide evenly
 
 
 def _data_options(data: DataSettings, *, max_len: int, output_dir: Path) -> DataOptions:

@@ -19,7 +19,7 @@ import gc
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -34,7 +34,7 @@ from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.log import get_logger
 from dflash_async.model.architectures import text_config_of, unsupported_reason
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
-from dflash_async.pipeline import placing
+from dflash_async.pipeline import placing, split_placement
 from dflash_async.pipeline.distributed import (
     RankInfo,
     check_same_run,
@@ -46,6 +46,7 @@ from dflash_async.pipeline.specs import RunSpec
 from dflash_async.runtime.devices import DeviceWorker, open_device_worker
 from dflash_async.runtime.rings import RingSet
 from dflash_async.settings import SettingsError
+from dflash_async.stages.chain import TargetChain, load_chain
 from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_evaluator
 from dflash_async.stages.produce import TargetRunner, load_runner
 from dflash_async.stages.read import Plan, first_epoch, plan_run
@@ -95,6 +96,7 @@ class Node:
     # `await evaluate(step)`: tau now; a no-op when evaluation is off (and until start_node
     # opens the evaluator, its last act)
     evaluate: Evaluate = evaluation_off
+    chains: list[TargetChain] = field(default_factory=list)  # a split target's replicas (or none)
 
 
 async def prepare_node(
@@ -253,11 +255,18 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
         lambda: first_epoch(spec.plan, samples.lengths, rank=rank.rank, world_size=rank.world_size)
     )
-    targets = [await open_worker(place.first_device, "target0", False)]
-    runners = [await load(targets[0])]
-    roles = await placing.place(place, spec.step, cfg, samples, first, target_path=inputs.target_path,
-                                target=targets[0], runner=runners[0], log=log)  # fmt: skip
-    for i, device in enumerate(roles.targets[1:], start=1):
+    chains = []
+    if spec.target.stages > 1:  # a split target: chains of stage workers (stages/chain.py)
+        roles, chains = await _start_chains(spec, inputs, open_worker, log)
+        targets = [s.worker for c in chains for s in c.stages]
+        runners = [s.runner for c in chains for s in c.stages]
+    else:
+        targets = [await open_worker(place.first_device, "target0", False)]
+        runners = [await load(targets[0])]
+        roles = await placing.place(place, spec.step, cfg, samples, first,
+                                    target_path=inputs.target_path, target=targets[0],
+                                    runner=runners[0], log=log)  # fmt: skip
+    for i, device in enumerate(roles.targets[len(targets) :], start=len(targets)):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
     plan = await _plan_and_check(prepared, first, num_drafters=len(roles.drafters))
@@ -278,7 +287,25 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     stack.callback(gc.unfreeze)
     flops = placing.target_pack_flops(cfg, inputs.target_path)
     return Node(spec, rank, inputs, samples, prepared.resume, plan, targets, runners,
-                roles.homes, drafters, rings, flops)  # fmt: skip
+                roles.homes, drafters, rings, flops, chains=chains)  # fmt: skip
+
+
+async def _start_chains(spec: RunSpec, inputs: RunInputs, open_worker, log):
+    """Placed replicas x stages (exit 2 when a device cannot hold its share), then each
+    replica's chain of stage workers, loaded one replica at a time."""
+    t, cfg, stages = spec.target, inputs.drafter_config, spec.target.stages
+    roles, groups, homes = split_placement.place_split(
+        spec.placement, spec.step, cfg, target_path=inputs.target_path, stages=stages,
+        dtype=t.dtype_on(spec.placement.devices[0]), log=log,
+    )  # fmt: skip
+    chains = []
+    for r, (group, home) in enumerate(zip(groups, homes, strict=True)):
+        workers = [await open_worker(d, f"target{r}.{s}", False) for s, d in enumerate(group)]
+        chain = await load_chain(inputs.target_path, workers, spec=t,
+                                 layer_ids=cfg.target_layer_ids, log=log)  # fmt: skip
+        chain.home = home
+        chains.append(chain)
+    return roles, chains
 
 
 def _check_space(spec: RunSpec, drafter: DrafterRunner, cfg: DrafterConfig, log) -> None:

@@ -41,6 +41,7 @@ class TargetSpec:
     token_budget: int  # T rows of every pack
     max_batch_tokens: int  # most tokens per forward (HF fallback batches)
     packed_hybrid: bool  # Qwen3.5 on CUDA: the packed varlen forward
+    stages: int = 1  # stage workers per replica (stages/chain.py), each a range of layers
 
     def dtype_on(self, device: torch.device) -> torch.dtype:
         return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype

@@ -19,7 +19,7 @@ extents on the host; the packed paths never look at it.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
+from dflash_async.settings import SettingsError
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
 
@@ -50,6 +51,9 @@ class TargetPath:
     forward: FeatureForward
     name: str
     reason: str
+    # A stage's call: (hidden [1,T,d] or None, input_ids, position_ids, doc_ids, features,
+    # lengths) -> its range's output hidden (target/split.py); None: cannot be split (HF)
+    stage: Callable | None = None
 
 
 class HFPaddedForward:
@@ -90,6 +94,9 @@ class _Packed:
 
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         return self.packed(input_ids, position_ids, doc_ids, features)
+
+    def stage(self, hidden, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        return self.packed.stage(hidden, input_ids, position_ids, doc_ids, features)
 
 
 def _dense_layout_problem(model: nn.Module) -> str | None:
@@ -152,13 +159,31 @@ def select_target_forward(
     max_batch_tokens: int,
     compile: bool | None = None,
     packed_hybrid: bool = True,
+    layers: range | None = None,
 ) -> TargetPath:
     """The fastest exact forward this model, device and token budget allow (see module doc).
 
     compile None means: compile on CUDA, not on the CPU. packed_hybrid: allow the packed fla
-    forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID, on by default).
+    forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID, on by default). `layers`: one stage of a
+    split target (target/split.py) runs only this range; SettingsError (exit 2) when the chosen
+    forward is the HF fallback, which runs the model's own forward from the embedding on and so
+    cannot start at a middle layer.
     """
-    device = next(model.parameters()).device
+    path = _select(model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
+                   compile=compile, packed_hybrid=packed_hybrid, layers=layers)  # fmt: skip
+    if layers is not None and path.stage is None:
+        raise SettingsError(
+            f"DFLASH_TARGET__STAGES > 1: the target's forward is the HF fallback ({path.reason}), "
+            "which runs the whole model's own forward and cannot be split by layers; use "
+            "DFLASH_TARGET__STAGES=1"
+        )
+    return path
+
+
+def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed_hybrid, layers):
+    """select_target_forward's choice (see there)."""
+    first = text_model(model).layers[layers.start] if layers is not None else model
+    device = next(first.parameters()).device  # a stage's device: that of its first layer
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
     attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"
@@ -172,19 +197,18 @@ def select_target_forward(
         from dflash_async.target.packed_hybrid import PackedHybridForward, fla_kernels
 
         kernels = fla_kernels()
-        forward = PackedHybridForward(
-            text_model(model), layer_ids, kernels=kernels, attention=attention, compile=compile
-        )
+        forward = PackedHybridForward(text_model(model), layer_ids, kernels=kernels,
+                                      attention=attention, compile=compile, layers=layers)  # fmt: skip
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
-        return TargetPath(forward, "packed_hybrid", how)
+        return TargetPath(forward, "packed_hybrid", how, forward.stage)
     if model_type not in DENSE_TYPES | MOE_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
     if problem:
         return hf(f"{model_type}: {problem}")
     moe = model_type in MOE_TYPES
-    forward = PackedDenseForward(
-        text_model(model), layer_ids, attention=attention, compile=compile, moe_eager=moe
-    )
+    forward = PackedDenseForward(text_model(model), layer_ids, attention=attention,
+                                 compile=compile, moe_eager=moe, layers=layers)  # fmt: skip
     how = f"{model_type}: {attention} document-causal attention, compile={compile}"
-    return TargetPath(_Packed(forward), "packed_moe" if moe else "packed_dense", how)
+    packed = _Packed(forward)
+    return TargetPath(packed, "packed_moe" if moe else "packed_dense", how, packed.stage)

@@ -136,15 +136,18 @@ class PackedDenseForward:
         attention: str,
         compile: bool,
         moe_eager: bool = False,
+        layers: range | None = None,
     ) -> None:
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.hidden_size = text_model.config.hidden_size
+        self.layers = layers or range(max(self.layer_ids) + 1)  # a stage's range (target/split)
         self._embed = text_model.embed_tokens
         self._rotary = text_model.rotary_emb
-        self._layers = list(text_model.layers[: max(self.layer_ids) + 1])
-        self._columns = {i: j for j, i in enumerate(self.layer_ids)}  # layer -> column block
+        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
+                                strict=True))  # fmt: skip
+        self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
         self.attention = attention
         self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
@@ -166,15 +169,42 @@ class PackedDenseForward:
         features: torch.Tensor,  # [T, k*d], written in place
     ) -> torch.Tensor:
         """Write the captured layers' outputs into `features` (padding rows zero); returns it."""
+        self.stage(None, input_ids, position_ids, doc_ids, features)
+        return features
+
+    @torch.no_grad()
+    def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
+        """Run this forward's layer range on `hidden` [1, T, d] (None: embed `input_ids`, the
+        first stage), write the columns of the captured layers in the range (padding rows
+        zero), and return the range's output hidden states [1, T, d]. The mask and rotary
+        tables are rebuilt from the layout by every stage: the same ops, so the same values."""
         d = self.hidden_size
         mask = self.mask(doc_ids)
-        hidden = self._embed(input_ids[None])  # [1, T, d]
+        if hidden is None:
+            hidden = self._embed(input_ids[None])  # [1, T, d]
         cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
-        for i, layer in enumerate(self._layers):
+        for i, layer in self._layers.items():
             hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
             if self._moe_eager:
                 hidden = mlp_block(layer, hidden)
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(hidden[0])
-        return features.masked_fill_((doc_ids < 0)[:, None], 0)
+        mask_padding(features, doc_ids, self._columns.values(), d)
+        return hidden
+
+
+def stage_columns(layer_ids: Sequence[int], layers: range) -> dict[int, int]:
+    """layer -> its column block in the features, for the captured layers inside `layers`."""
+    return {i: j for j, i in enumerate(layer_ids) if i in layers}
+
+
+def mask_padding(features, doc_ids, columns, d: int) -> None:
+    """Zero the padding rows of the column blocks `columns` (all of them: the whole width)."""
+    padding = (doc_ids < 0)[:, None]
+    blocks = sorted(columns)
+    if blocks == list(range(features.shape[1] // d)):  # the whole width at once (unsplit)
+        features.masked_fill_(padding, 0)
+        return
+    for j in blocks:
+        features[:, j * d : (j + 1) * d].masked_fill_(padding, 0)

@@ -38,8 +38,10 @@ from dflash_async.target.packed_dense import (
     attend_sdpa,
     document_causal_block_mask,
     document_causal_mask,
+    mask_padding,
     mlp_block,
     rotate_half,
+    stage_columns,
 )
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
@@ -173,13 +175,16 @@ class PackedHybridForward:
         kernels: HybridKernels,
         attention: str,
         compile: bool,
+        layers: range | None = None,
     ) -> None:
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.hidden_size = text_model.config.hidden_size
         self.kernels = kernels
+        self.layers = layers or range(max(self.layer_ids) + 1)  # a stage's range (target/split)
         self._embed, self._rotary = text_model.embed_tokens, text_model.rotary_emb
-        self._layers = list(text_model.layers[: max(self.layer_ids) + 1])
-        self._columns = {i: j for j, i in enumerate(self.layer_ids)}
+        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
+                                strict=True))  # fmt: skip
+        self._columns = stage_columns(self.layer_ids, self.layers)
         self._flex = attention == "flex"
         self._attend = attend_flex if self._flex else attend_sdpa
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
@@ -212,13 +217,23 @@ class PackedHybridForward:
     @torch.no_grad()
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
+        self.stage(None, input_ids, position_ids, doc_ids, features, lengths)
+        return features
+
+    @torch.no_grad()
+    def stage(self, hidden, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        """This forward's layer range on `hidden` [1, T, d] (None: embed, the first stage); the
+        captured columns in the range written (padding rows zero); returns the range's output.
+        Every recurrent and convolution state lives inside one layer, so it never crosses a
+        stage (nor a document: the segments are rebuilt from `lengths` by every stage)."""
         d, T = self.hidden_size, input_ids.shape[0]
         segments = self._segments(np.asarray(lengths), T, input_ids.device)
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
-        hidden = self._embed(input_ids[None])  # [1, T, d]
+        if hidden is None:
+            hidden = self._embed(input_ids[None])  # [1, T, d]
         # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
         cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
-        for i, layer in enumerate(self._layers):
+        for i, layer in self._layers.items():
             if hasattr(layer, "linear_attn"):
                 hidden = self._mlp(layer, self._delta_layer(layer, hidden, segments))
             else:
@@ -226,4 +241,5 @@ class PackedHybridForward:
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(hidden[0])
-        return features.masked_fill_((doc_ids < 0)[:, None], 0)
+        mask_padding(features, doc_ids, self._columns.values(), d)
+        return hidden
