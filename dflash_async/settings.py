@@ -50,6 +50,11 @@ class TargetSettings(Section):
     packed_hybrid: bool = True
     """Qwen3.5 targets on CUDA: the packed varlen forward on flash-linear-attention kernels; false =
     HF on right-padded batches."""
+    quantize: Literal["none", "fp8"] = "none"
+    """fp8: quantize an unquantized checkpoint's decoder weights at load to FP8 e4m3 with 128x128
+    block scales (the format of served FP8 checkpoints), so the drafter trains on the features of
+    an FP8-served target; on a CPU they are then dequantized for compute. An FP8 or MXFP4
+    checkpoint is read as published whatever this says."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(parse_int_list)
 
