@@ -1,7 +1,8 @@
 """Which target architectures a drafter can be trained for, and how their configs are read.
 
 `SUPPORTED` is the plain table of the model_types start-up accepts (the README's list is generated
-from it); anything else exits 2 at start-up naming it (`unsupported_reason`). The readers below
+from it); anything else exits 2 at start-up naming it (`unsupported_reason`), and so does a
+quantized checkpoint whose `quant_method` is not in `SUPPORTED_QUANT_METHODS`. The readers below
 take the shape fields a drafter and the FLOP count need from a TEXT config, whatever its family
 calls them: MoE configs without a dense `intermediate_size`, Gemma 4's per-layer head_dim, the
 MLA head dimensions of DeepSeek-V3. Only `transformers` config objects are read: no model built.
@@ -59,7 +60,8 @@ def is_wrapper(config: Any) -> bool:
 
 
 def unsupported_reason(config: Any) -> str | None:
-    """None for a supported target config, else one line naming its model_type and the list."""
+    """None for a supported target config, else one line naming its model_type, or its
+    quantization_config's quant_method, and what is supported."""
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED:
         return quantization_problem(config)
