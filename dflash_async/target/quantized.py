@@ -17,11 +17,12 @@ Next step (issue 31's GPU part, not built): an FP8 matmul path on a GPU, compare
 `target/fp8_reference.py`; once it exists, nothing may be dequantized to a full bf16 copy on a
 GPU (until then a GPU dequantizes to bf16 too, and `target_weights_loaded` says so).
 
-Why not transformers' own loaders: in transformers 5.24, `FineGrainedFP8HfQuantizer` raises
-ImportError without `accelerate` even with `dequantize=True` (accelerate is not a dependency
-here), compressed-tensors needs the `compressed-tensors` package, and `Mxfp4Config(dequantize=
-True)` alone would leave FP8 on a different path; the dequantization is 3 tensor products of
-torch, the same for every format, so it is written here once.
+MXFP4 is dequantized by transformers' own loader (`Mxfp4Config(dequantize=True)`: it needs
+neither accelerate, triton nor kernels on a CPU in transformers 5.24). FP8 is dequantized here:
+in transformers 5.24 `FineGrainedFP8HfQuantizer.validate_environment` raises ImportError
+without `accelerate` (not a dependency of ours) even with `dequantize=True`, and
+compressed-tensors needs the `compressed-tensors` package (>= 0.15); the dequantization is one
+product per weight, the same for both formats.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.target.architectures import quant_method_of, text_config_of
@@ -46,10 +47,6 @@ from dflash_async.target.resolve import TargetError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest e4m3 value, where a block's amax lands
 FP8_BLOCK = (128, 128)  # the served checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8)
-MXFP4_GROUP = 32  # values sharing one e8m0 exponent
-# e2m1 code -> value (sign bit 3, then exponent and mantissa), as the gpt-oss reference reads it.
-_E2M1_POSITIVE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_VALUES = _E2M1_POSITIVE + tuple(-v for v in _E2M1_POSITIVE)
 _ROUTERS = frozenset({"gate", "router"})  # MoE routers: kept in bf16 by served FP8 checkpoints
 
 
@@ -113,17 +110,6 @@ def quantize_fp8(weight: torch.Tensor, *, block: tuple[int, int] = FP8_BLOCK):
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     full = expand_block_scales(scale, weight.shape, block)
     return (weight.float() / full).to(FP8_DTYPE), scale
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype):
-    """[.., R, G, 16] uint8 blocks and [.., R, G] uint8 exponents -> [.., R, G*32] values."""
-    if blocks.shape[:-1] != scales.shape:
-        raise TargetError(f"mxfp4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # low nibble first
-    values = lut[codes].flatten(-2)  # [.., R, G, 32]
-    exponents = scales.to(torch.int32).unsqueeze(-1) - 127
-    return torch.ldexp(values, exponents).flatten(-2).to(dtype)
 
 
 def _compressed_tensors_block(quant: dict[str, Any]) -> tuple[int, int] | None:
@@ -190,31 +176,12 @@ def _fp8_weights(tensors: _Tensors, quant: dict[str, Any], dtype: torch.dtype) -
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _mxfp4_weights(tensors: _Tensors, dtype: torch.dtype) -> Iterator:
-    """(name, tensor) of a gpt-oss MXFP4 checkpoint: `experts.X_blocks` + `X_scales` become the
-    `experts.X` parameter, [E, in, out] as gpt-oss computes x @ W (the blocks are [E, out, ..]
-    with the 32-value groups along the input dimension)."""
-    for name in sorted(tensors.names()):
-        if name.endswith("_scales"):
-            continue
-        if name.endswith("_blocks"):
-            base = name.removesuffix("_blocks")
-            rows = dequantize_mxfp4(tensors.get(name), tensors.get(base + "_scales"), dtype=dtype)
-            yield base, rows.transpose(-1, -2).contiguous()
-            continue
-        tensor = tensors.get(name)
-        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
 def read_dequantized(folder: Path, config: Any, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The checkpoint's state dict with every quantized weight dequantized to `dtype` (host
     tensors; the model moves to its device afterwards)."""
     quant = config.quantization_config
     quant = quant if isinstance(quant, dict) else quant.to_dict()
-    tensors = _Tensors(folder)
-    if quant["quant_method"] == "mxfp4":
-        return dict(_mxfp4_weights(tensors, dtype))
-    return dict(_fp8_weights(tensors, quant, dtype))
+    return dict(_fp8_weights(_Tensors(folder), quant, dtype))
 
 
 def load_dequantized(
@@ -223,7 +190,15 @@ def load_dequantized(
     """A quantized checkpoint as a plain model: its weights dequantized on the host and handed
     to transformers as a state dict, with a config without quantization_config (so transformers
     builds plain linears). A wrapper loads as its language model, its tensors renamed by
-    `wrapper_keys` (target/loading.py) and the others (a vision tower) dropped."""
+    `wrapper_keys` (target/loading.py) and the others (a vision tower) dropped. gpt-oss MXFP4
+    goes through transformers' Mxfp4Config(dequantize=True) instead (see the module doc)."""
+    if quant_method_of(config) == "mxfp4":  # transformers' own dequantization works here
+        return AutoModelForCausalLM.from_pretrained(
+            folder,
+            local_files_only=True,
+            dtype=dtype,
+            quantization_config=Mxfp4Config(dequantize=True),
+        )
     state = read_dequantized(folder, config, dtype=dtype)
     config = copy.deepcopy(config)
     del config.quantization_config
