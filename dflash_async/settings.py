@@ -53,6 +53,11 @@ class TargetSettings(Section):
     stages: int = Field(1, ge=1)
     """Stage workers per target replica: its decoder layers split into this many contiguous
     ranges (balanced by bytes), each on its own device; 1 = the whole target on one device."""
+    quantize: Literal["none", "fp8"] = "none"
+    """fp8: quantize an unquantized checkpoint's decoder weights at load to FP8 e4m3 with 128x128
+    block scales (the format of served FP8 checkpoints), so the drafter trains on the features of
+    an FP8-served target; on a CPU they are then dequantized for compute. An FP8 or MXFP4
+    checkpoint is read as published whatever this says."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(parse_int_list)
 

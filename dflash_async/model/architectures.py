@@ -1,7 +1,8 @@
 """Which target architectures a drafter can be trained for, and how their configs are read.
 
 `SUPPORTED` is the plain table of the model_types start-up accepts (the README's list is generated
-from it); anything else exits 2 at start-up naming it (`unsupported_reason`). The readers below
+from it); anything else exits 2 at start-up naming it (`unsupported_reason`), and so does a
+quantized checkpoint whose `quant_method` is not in `SUPPORTED_QUANT_METHODS`. The readers below
 take the shape fields a drafter and the FLOP count need from a TEXT config, whatever its family
 calls them: MoE configs without a dense `intermediate_size`, Gemma 4's per-layer head_dim, the
 MLA head dimensions of DeepSeek-V3. Only `transformers` config objects are read: no model built.
@@ -36,6 +37,14 @@ SUPPORTED: dict[str, str] = {
     "deepseek_v3": "DeepSeek-V3 (MLA)",
 }
 
+# quantization_config.quant_method -> the format, as the README lists it; target/quantized.py
+# reads these tensors (every other quantized checkpoint exits 2 at start-up, never loads as bf16).
+SUPPORTED_QUANT_METHODS: dict[str, str] = {
+    "fp8": "FP8 e4m3 with weight_scale_inv per weight_block_size block (DeepSeek-V3, Qwen3-FP8)",
+    "compressed-tensors": "compressed-tensors FP8 (float-quantized: tensor, channel or block)",
+    "mxfp4": "gpt-oss MXFP4 experts (e2m1 pairs, an e8m0 exponent per 32 values)",
+}
+
 # Families whose `intermediate_size` is the width of ONE routed expert, not of a dense MLP.
 _EXPERT_WIDTH_IS_INTERMEDIATE = frozenset({"gpt_oss", "minimax_m2"})
 
@@ -51,11 +60,59 @@ def is_wrapper(config: Any) -> bool:
 
 
 def unsupported_reason(config: Any) -> str | None:
-    """None for a supported target config, else one line naming its model_type and the list."""
+    """None for a supported target config, else one line naming its model_type, or its
+    quantization_config's quant_method, and what is supported."""
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED:
-        return None
+        return quantization_problem(config)
     return f"target model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
+
+
+def quant_method_of(config: Any) -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (a dict in config.json, an object once
+    transformers has read it); None for an unquantized checkpoint."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    return str(getattr(method, "value", method))
+
+
+def _quant_dict(config: Any) -> dict[str, Any]:
+    quant = config.quantization_config
+    return quant if isinstance(quant, dict) else quant.to_dict()
+
+
+def _compressed_tensors_problem(quant: dict[str, Any]) -> str | None:
+    """compressed-tensors checkpoints are read when their weights are 8-bit floats (FP8), stored
+    as such (`float-quantized`, `naive-quantized`); int4/int8 packings exit 2."""
+    fmt = quant.get("format")
+    weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+    fp8 = all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights)
+    if fmt in ("float-quantized", "naive-quantized") and weights and fp8:
+        return None
+    return (
+        f"target quantization_config quant_method 'compressed-tensors' with format {fmt!r} and "
+        f"weights {weights} is not supported (supported: FP8 weights, float-quantized)"
+    )
+
+
+def quantization_problem(config: Any) -> str | None:
+    """None for an unquantized checkpoint or a supported `quant_method`, else one line naming it
+    and the supported ones (a weight format we cannot read must never load as random bf16)."""
+    method = quant_method_of(config)
+    if method is None:
+        return None
+    if method == "compressed-tensors":
+        return _compressed_tensors_problem(_quant_dict(config))
+    if method == "mxfp4" and getattr(config, "model_type", None) != "gpt_oss":
+        return f"quant_method 'mxfp4' is read for gpt_oss targets only, not {config.model_type!r}"
+    if method in SUPPORTED_QUANT_METHODS:
+        return None
+    return (
+        f"target quantization_config quant_method {method!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}, or an unquantized checkpoint)"
+    )
 
 
 def layer_attribute(cfg: Any, name: str, default: Any = None) -> Any:

@@ -155,7 +155,7 @@ def _target_spec(target: TargetSettings, *, token_budget: int, max_batch_tokens:
     return TargetSpec(
         cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
         token_budget=token_budget, max_batch_tokens=max_batch_tokens,
-        packed_hybrid=target.packed_hybrid, stages=target.stages,
+        packed_hybrid=target.packed_hybrid, stages=target.stages, quantize=target.quantize,
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target.forward import TargetPath, select_target_forward
-from dflash_async.target.loading import fast_kernel_preflight, load_target, text_config
+from dflash_async.target.loading import fast_kernel_preflight, load_served_target, text_config
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class TargetSpec:
     max_batch_tokens: int  # most tokens per forward (HF fallback batches)
     packed_hybrid: bool  # Qwen3.5 on CUDA: the packed varlen forward
     stages: int = 1  # stage workers per replica (stages/chain.py), each a range of layers
+    quantize: str = "none"  # "fp8": the decoder weights quantized at load (target/quantized.py)
 
     def dtype_on(self, device: torch.device) -> torch.dtype:
         return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype
@@ -80,14 +81,17 @@ def load_runner(
     token_budget: int,
     max_batch_tokens: int,
     packed_hybrid: bool = True,
+    quantize: str = "none",
 ) -> TargetRunner:
     """Load the target on `device`, choose its forward and warm it up (the first call compiles).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
-    thread-safe). Logs the fast-kernel preflight and the chosen `target_path`.
+    thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
     """
     log = get_logger(__name__)
-    model = load_target(path, device=device, dtype=dtype)
+    model, weights = load_served_target(path, device=device, dtype=dtype, quantize=quantize)
+    log.info("target_weights_loaded", weight_format=weights.name, quant_method=weights.quant_method,
+             dequantized=weights.dequantized, device=str(device))  # fmt: skip
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     chosen = select_target_forward(

@@ -35,7 +35,13 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_async.model.architectures import is_wrapper, text_config_of
+from dflash_async.model.architectures import is_wrapper, quantization_problem, text_config_of
+from dflash_async.target.quantized import (
+    WeightFormat,
+    load_dequantized,
+    quantize_at_load,
+    weight_format_of,
+)
 from dflash_async.target.resolve import TargetError, resolve_target
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
@@ -71,12 +77,32 @@ def load_target(
     *,
     device: torch.device | str,
     dtype: torch.dtype | None = None,
+    quantize: str = "none",
 ) -> PreTrainedModel:
     """Load a local HF causal LM (never downloads), in eval mode with requires_grad False.
 
     dtype None means bf16 on GPU and fp32 on CPU. A multimodal wrapper loads as its language
     model alone (`_load_language_model`). Raises TargetError for a missing folder, a folder
-    without config.json or weights, or a config transformers cannot build a model from.
+    without config.json or weights, a quant_method we cannot read, or a config transformers
+    cannot build a model from. quantize: see `load_served_target`.
+    """
+    return load_served_target(path, device=device, dtype=dtype, quantize=quantize)[0]
+
+
+def load_served_target(
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    quantize: str = "none",
+) -> tuple[PreTrainedModel, WeightFormat]:
+    """`load_target` and the format its weights came in (target/quantized.py).
+
+    A quantized checkpoint (fp8, compressed-tensors FP8, gpt-oss mxfp4) is dequantized to
+    `dtype` at load; quantize="fp8" quantizes an unquantized one's decoder weights to e4m3 with
+    128x128 block scales and back (DFLASH_TARGET__QUANTIZE). On a GPU this is an interim step:
+    the issue's GPU part is an FP8 matmul path, after which nothing is dequantized to a full bf16
+    copy there.
     """
     folder = _checked_folder(path)
     device = torch.device(device)
@@ -85,19 +111,43 @@ def load_target(
     dtype = dtype or default_target_dtype(device)
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if is_wrapper(config):
-            model = _load_language_model(folder, config, device=device, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, local_files_only=True, dtype=dtype, **_device_map(device)
-            )
     except (OSError, ValueError, KeyError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TargetError(f"cannot load target {str(folder)!r}: {first_line}") from e
+        raise TargetError(f"cannot load target {str(folder)!r}: {_first_line(e)}") from e
+    problem = quantization_problem(config)
+    if problem:  # never load a format we cannot read as if it were bf16
+        raise TargetError(f"{problem}; target {str(folder)!r}")
+    weights = weight_format_of(config, quantize=quantize)
+    try:
+        model = _load_model(folder, config, weights=weights, device=device, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"cannot load target {str(folder)!r}: {_first_line(e)}") from e
     model.to(device)  # a no-op when loaded there directly
+    if weights.name == "quantized-at-load":
+        quantize_at_load(text_model(model).layers)  # on the device: no host round trip
     model.eval()
     model.requires_grad_(False)
-    return model
+    return model, weights
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _load_model(
+    folder: Path,
+    config: PretrainedConfig,
+    *,
+    weights: WeightFormat,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PreTrainedModel:
+    if weights.quant_method is not None:  # dequantized on the host (target/quantized.py)
+        return load_dequantized(folder, config, dtype=dtype, wrapper_keys=_WRAPPER_KEYS)
+    if is_wrapper(config):
+        return _load_language_model(folder, config, device=device, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, dtype=dtype, **_device_map(device)
+    )
 
 
 def _device_map(device: torch.device) -> dict[str, Any]:
