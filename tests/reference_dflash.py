@@ -12,7 +12,7 @@ duplicated to head_dim); v has no norm; attention scale 1/sqrt(head_dim); GQA: q
 i // (H / Hkv). The fused context C = hidden_norm(fc(features)) gets no input_layernorm and is projected
 by every layer's own k_proj / v_proj.
 
-The drafter variants (docs/DFLASH.md s.9), from the contract alone: layer i is a sliding layer iff
+The drafter variants (docs/DFLASH.md s.10), from the contract alone: layer i is a sliding layer iff
 config.layer_types[i] == "sliding_attention"; there its block sees only the context rows p with
 anchor - p < sliding_window. Inside the block, slot k sees slots 0..k (causal) in a sliding layer
 and every slot in a full one, unless config.is_causal says true (causal everywhere) or false
@@ -74,7 +74,7 @@ def visible_context_rows(
     doc_ids: torch.Tensor, anchor: int, window: int | None = None
 ) -> list[int]:
     """s.2: context row p is visible to the block at `anchor` iff same document and p < anchor;
-    s.9, a sliding layer of window W: also anchor - p < W."""
+    s.10, a sliding layer of window W: also anchor - p < W."""
     docs = doc_ids.tolist()
     return [
         p
@@ -88,12 +88,12 @@ def layer_is_sliding(config: DrafterConfig, i: int) -> bool:
 
 
 def layer_is_causal(config: DrafterConfig, i: int) -> bool:
-    """s.9: causal inside the block in sliding layers by default; is_causal overrides it."""
+    """s.10: causal inside the block in sliding layers by default; is_causal overrides it."""
     return layer_is_sliding(config, i) if config.is_causal is None else config.is_causal
 
 
 def transformed_logits(config: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
-    """s.9: logits * output_multiplier, then the softcap c * tanh(logits / c) when set."""
+    """s.10: logits * output_multiplier, then the softcap c * tanh(logits / c) when set."""
     logits = logits * config.output_multiplier
     cap = config.final_logit_softcapping
     return logits if cap is None else cap * torch.tanh(logits / cap)

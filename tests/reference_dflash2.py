@@ -99,7 +99,7 @@ def decoder_layer2(
     q = rope(rms_norm(q, params[p + "self_attn.q_norm.weight"], eps), block_pos, config.rope_theta)
     k = torch.cat([keys(ctx, ctx_pos), keys(h, block_pos)], dim=0)
     v = torch.cat([values(ctx), values(h)], dim=0)
-    causal = layer_is_causal(config, i)  # s.9, as in the DFlash reference
+    causal = layer_is_causal(config, i)  # s.10, as in the DFlash reference
     out = attend_causal_block(q, k, v, ctx.shape[0]) if causal else attend(q, k, v)
     a = linear(out, params[p + "self_attn.o_proj.weight"])
     x = x + conv(a, taps, base_a, 1, config)
@@ -160,7 +160,7 @@ def reference2(
     weight_sum, supervised, hits, correct, all_logits = 0.0, 0, 0, 0, []
     for a in anchors:
         hidden = block_hidden(params, config, embed, batch, context, a)  # [B, d]
-        logits = transformed_logits(config, linear(hidden, lm_head))  # [B, V] s.9 transforms
+        logits = transformed_logits(config, linear(hidden, lm_head))  # [B, V] s.10 transforms
         all_logits.append(logits)
         weights = block_weights(batch, a, config.block_size, gamma)
         for k in range(1, config.block_size):

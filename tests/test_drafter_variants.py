@@ -1,4 +1,4 @@
-"""The drafter variants of released drafters (docs/DFLASH.md s.9) for both kinds, against the
+"""The drafter variants of released drafters (docs/DFLASH.md s.10) for both kinds, against the
 independent block-by-block references (tests/reference_dflash.py, tests/reference_dflash2.py).
 
 A drafter mixing a sliding-window layer and a full one, with the per-layer in-block rule (and
@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import test_dflash2 as d2
 import torch
-from conftest import make_anchors, tiny_drafter
+from conftest import make_anchors, tiny_batch, tiny_drafter
 from test_objective_reference import (
     CASES,
     Setup,
@@ -296,3 +296,23 @@ def test_variant_settings_reach_the_drafter_spec() -> None:
     assert (fields["sliding_window"], fields["is_causal"]) == (64, False)
     assert (fields["output_multiplier"], fields["final_logit_softcapping"]) == (2.0, 30.0)
     assert fields["input_embedding_scale"] == 0.5
+
+
+@pytest.mark.parametrize("taps", [6, 8, 9])
+def test_any_number_of_taps_trains_and_equals_the_reference(taps: int) -> None:
+    from dflash_async.model.drafter_config import default_target_layer_ids
+
+    base = build(CASES["d32_hd16_B4_invalid_slots"], align=False)
+    config = replace(
+        base.config, num_target_layers=12, target_layer_ids=default_target_layer_ids(12, taps)
+    )
+    spec = replace(CASES["d32_hd16_B4_invalid_slots"].spec, num_features=taps)
+    s = replace(
+        base, config=config, drafter=tiny_drafter(config, spec.seed),
+        batch=tiny_batch(spec, config),
+    )  # fmt: skip
+    assert s.drafter.fc.weight.shape == (config.hidden_size, taps * config.hidden_size)
+    ref, ref_grads = reference_for(s)
+    sums, grads = run_objective(s)
+    assert_sums_match(sums, ref)
+    assert_grads_match(grads, ref_grads)

@@ -5,7 +5,7 @@ Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder
 target_layer_ids) and a bf16 `model.safetensors` with flat names and no embedding or lm_head.
 A DFlash2 drafter (s.9) is exported as ["DFlash2DraftModel"] with its convolution and selector
 fields in `dflash_config` and its extra tensors (`_dflash2_weight_shapes`).
-The drafter variants (s.9) are written where z-lab's reader looks for them: `layer_types`,
+The drafter variants (s.10) are written where z-lab's reader looks for them: `layer_types`,
 `sliding_window`, `use_sliding_window` and `is_causal` at the top level, `output_multiplier`,
 `final_logit_softcapping` and `input_embedding_scale` in `dflash_config` (only when set).
 A wrong config is the quiet failure here (s.6 bug 5: engines refuse to load, or load and read the
@@ -35,7 +35,7 @@ from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DFLASH2_FIELDS, DrafterConfig
 from dflash_async.model.layer_rules import SLIDING_ATTENTION, layer_types_of
 
-# dflash_config's logit and embedding fields (docs/DFLASH.md s.9) and their "unset" values
+# dflash_config's logit and embedding fields (docs/DFLASH.md s.10) and their "unset" values
 TRANSFORM_DEFAULTS = {
     "output_multiplier": 1.0,
     "final_logit_softcapping": None,
@@ -308,7 +308,7 @@ def drafter_config_from_json(
 
 
 def _layout_and_transforms(cfg: Mapping[str, Any], dflash: Mapping[str, Any]) -> dict:
-    """The s.9 variant fields of a config.json (as export_config_json writes them; z-lab's
+    """The s.10 variant fields of a config.json (as export_config_json writes them; z-lab's
     reader takes the dflash_config ones from the top level too). All-full layer_types read as
     () so that a default drafter's config equals the one it was exported from."""
     types = tuple(cfg.get("layer_types") or ())

@@ -6,7 +6,7 @@ T context rows followed by the Q = A*B block slots.
   target hidden state does not exist yet);
 - block slot s is visible iff it belongs to block j (bidirectional inside the block);
 - nothing is visible to an invalid anchor slot (its output is 0, and its loss is excluded).
-A layer's `AttentionRule` (layer_rules.py, the drafter variants of s.9) narrows both parts: a
+A layer's `AttentionRule` (layer_rules.py, the drafter variants of s.10) narrows both parts: a
 window W keeps context rows with a_j - p < W only, and `causal` lets slot k see slots 0..k of its
 block only. The default rule is the one above, and builds the very same mask.
 

@@ -11,8 +11,8 @@ servable checkpoint's (docs/DFLASH.md section 7), so export is a dtype cast and 
 
 Attention is injected as a callable `attend(q, k, v) -> out` (see attention.py): the dense-mask
 SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module. A
-drafter whose layers follow different rules (sliding-window layers, docs/DFLASH.md s.9) is given
-one callable per layer; `input_embedding_scale` (s.9) scales the block stream on the way in.
+drafter whose layers follow different rules (sliding-window layers, docs/DFLASH.md s.10) is given
+one callable per layer; `input_embedding_scale` (s.10) scales the block stream on the way in.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 DrafterKind = Literal["dflash", "dflash2"]
 # The fields only a DFlash2 drafter reads (docs/DFLASH.md s.9); a DFlash drafter ignores them.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# The drafter variants of released drafters (docs/DFLASH.md s.9), for both kinds, and their
+# The drafter variants of released drafters (docs/DFLASH.md s.10), for both kinds, and their
 # defaults: today's drafter. A run's identity lists one only when it differs from its default, so
 # the checkpoints written before the variants existed still resume.
 VARIANT_DEFAULTS: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Which attention rule each drafter layer trains under (docs/DFLASH.md s.9, the drafter variants).
+"""Which attention rule each drafter layer trains under (docs/DFLASH.md s.10, the drafter variants).
 
 A layer is `full_attention` (the rule of s.2: its document's context before the anchor, the whole
 block) or `sliding_attention` (only the W context rows closest to the anchor: `anchor - p < W`).

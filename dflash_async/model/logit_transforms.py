@@ -1,4 +1,4 @@
-"""The drafter's logit transforms after the target's lm_head (docs/DFLASH.md s.9).
+"""The drafter's logit transforms after the target's lm_head (docs/DFLASH.md s.10).
 
 z = m * logits, then, with a softcap c, z = c * tanh(z / c): exactly what a released drafter's
 inference code computes, so training (the chunked CE of objective.py, the DFlash2 top-k) and

@@ -11,7 +11,7 @@ Everything here is fixed-shape and sync-free: hyper-parameters are fixed when th
 built, per-step inputs are tensors, no op reads device data on the host. The lm_head over the
 A*(B-1) trained slots x vocab is never materialised at once: CE runs in chunks, and each chunk's
 gradient is made in the forward pass (one chunk of logits alive at a time, nothing recomputed).
-The drafter variants (docs/DFLASH.md s.9) plug in here: one mask per distinct layer rule (two at
+The drafter variants (docs/DFLASH.md s.10) plug in here: one mask per distinct layer rule (two at
 most) and the logit transforms inside each CE chunk, as at inference (logit_transforms.py).
 """
 

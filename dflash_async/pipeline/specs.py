@@ -125,7 +125,7 @@ def run_spec(settings: Settings) -> RunSpec:
 
 
 def _variant_fields(settings: Settings) -> dict:
-    """The drafter variants (docs/DFLASH.md s.9): sliding layers, the in-block rule, the logit
+    """The drafter variants (docs/DFLASH.md s.10): sliding layers, the in-block rule, the logit
     transforms and the embedding scale, as DrafterSpec (and DrafterConfig) fields."""
     drafter = settings.drafter
     return dict(
