@@ -13,7 +13,15 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.layer_rules import LAYER_TYPES, SLIDING_ATTENTION
 from dflash_async.settings_values import Section
+
+
+def parse_name_list(value: Any) -> Any:
+    """`"full_attention,sliding_attention"` -> a tuple of the names; other values as they are."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
 
 
 class DrafterSettings(Section):
@@ -37,6 +45,48 @@ class DrafterSettings(Section):
     """dflash2: rank r of the candidate selector's codebooks and hidden projection."""
     selector_top_k: int = Field(16, ge=1)
     """dflash2: candidates per slot the selector chooses among (the unary top-k)."""
+    layer_types: tuple[str, ...] = ()
+    """Comma list of full_attention|sliding_attention, one per drafter layer; empty = every
+    layer full attention. A sliding layer's block sees only the SLIDING_WINDOW context rows
+    closest to its anchor."""
+    sliding_window: int | None = Field(None, ge=1)
+    """W of the sliding layers: a block sees context rows p with anchor - p < W; needed with a
+    sliding_attention layer, ignored without one."""
+    is_causal: bool | None = None
+    """Inside the block: empty = causal (slot k sees slots 0..k) in sliding layers and
+    bidirectional in full ones; true = causal in every layer; false = bidirectional in every
+    layer."""
+    output_multiplier: float = Field(1.0, gt=0)
+    """m: the drafter's logits are lm_head(h) * m, in training as at inference."""
+    final_logit_softcapping: float | None = Field(None, gt=0)
+    """c: logits become c * tanh(logits / c) after the multiplier; empty = no cap."""
+    input_embedding_scale: float = 1.0
+    """s: the block's token embeddings are multiplied by s before the first layer."""
+
+    _split_layer_types = field_validator("layer_types", mode="before")(parse_name_list)
+
+    @field_validator("layer_types")
+    @classmethod
+    def _known_layer_types(cls, types: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: each entry is {' or '.join(LAYER_TYPES)}")
+        return types
+
+    @model_validator(mode="after")
+    def _layer_layout(self) -> DrafterSettings:
+        types = self.layer_types
+        if types and len(types) != self.num_layers:
+            raise ValueError(
+                f"DFLASH_DRAFTER__LAYER_TYPES names {len(types)} layers but "
+                f"DFLASH_DRAFTER__NUM_LAYERS={self.num_layers}"
+            )
+        if SLIDING_ATTENTION in types and self.sliding_window is None:
+            raise ValueError(
+                "DFLASH_DRAFTER__SLIDING_WINDOW must be set (at least 1) with sliding_attention "
+                "layers in DFLASH_DRAFTER__LAYER_TYPES"
+            )
+        return self
 
 
 class TrainSettings(Section):

@@ -11,6 +11,14 @@ MLP = down(silu(gate(x)) * up(x)); q/k get a per-head RMSNorm then RoPE (rotate_
 duplicated to head_dim); v has no norm; attention scale 1/sqrt(head_dim); GQA: q head i reads kv head
 i // (H / Hkv). The fused context C = hidden_norm(fc(features)) gets no input_layernorm and is projected
 by every layer's own k_proj / v_proj.
+
+The drafter variants (docs/DFLASH.md s.10), from the contract alone: layer i is a sliding layer iff
+config.layer_types[i] == "sliding_attention"; there its block sees only the context rows p with
+anchor - p < sliding_window. Inside the block, slot k sees slots 0..k (causal) in a sliding layer
+and every slot in a full one, unless config.is_causal says true (causal everywhere) or false
+(bidirectional everywhere); the causal case lists each query's keys one query at a time. The
+block's embeddings are multiplied by input_embedding_scale; the logits are lm_head(norm(x)) *
+output_multiplier, then final_logit_softcapping * tanh(logits / final_logit_softcapping) when set.
 """
 
 from __future__ import annotations
@@ -62,10 +70,33 @@ def candidate_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[in
     ]
 
 
-def visible_context_rows(doc_ids: torch.Tensor, anchor: int) -> list[int]:
-    """s.2: context row p is visible to the block at `anchor` iff same document and p < anchor."""
+def visible_context_rows(
+    doc_ids: torch.Tensor, anchor: int, window: int | None = None
+) -> list[int]:
+    """s.2: context row p is visible to the block at `anchor` iff same document and p < anchor;
+    s.10, a sliding layer of window W: also anchor - p < W."""
     docs = doc_ids.tolist()
-    return [p for p in range(anchor) if docs[p] == docs[anchor]]
+    return [
+        p
+        for p in range(anchor)
+        if docs[p] == docs[anchor] and (window is None or anchor - p < window)
+    ]
+
+
+def layer_is_sliding(config: DrafterConfig, i: int) -> bool:
+    return bool(config.layer_types) and config.layer_types[i] == "sliding_attention"
+
+
+def layer_is_causal(config: DrafterConfig, i: int) -> bool:
+    """s.10: causal inside the block in sliding layers by default; is_causal overrides it."""
+    return layer_is_sliding(config, i) if config.is_causal is None else config.is_causal
+
+
+def transformed_logits(config: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
+    """s.10: logits * output_multiplier, then the softcap c * tanh(logits / c) when set."""
+    logits = logits * config.output_multiplier
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def block_weights(batch: PackedBatch, anchor: int, block_size: int, gamma: float) -> list[float]:
@@ -110,6 +141,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=-1)  # [Bq, H*hd]
 
 
+def attend_causal_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+) -> torch.Tensor:
+    """Block query j sees the num_context context keys and block keys 0..j, listed one by one."""
+    rows = []
+    for j in range(q.shape[0]):
+        keys = list(range(num_context)) + [num_context + s for s in range(j + 1)]
+        rows.append(attend(q[j : j + 1], k[keys], v[keys]))
+    return torch.cat(rows, dim=0)
+
+
 def decoder_layer(
     params: Params,
     i: int,
@@ -118,8 +160,11 @@ def decoder_layer(
     block_pos: Sequence[int],
     ctx: torch.Tensor,
     ctx_pos: Sequence[int],
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """One Qwen3 layer on a block x [B, d] with KV injected from the visible context ctx [n, d]."""
+    """One Qwen3 layer on a block x [B, d] with KV injected from the visible context ctx [n, d];
+    causal: block slot j sees block slots 0..j only."""
     p = f"layers.{i}."
     H, Hkv, hd, eps = (
         config.num_attention_heads,
@@ -140,7 +185,8 @@ def decoder_layer(
     q = rope(rms_norm(q, params[p + "self_attn.q_norm.weight"], eps), block_pos, config.rope_theta)
     k = torch.cat([keys(ctx, ctx_pos), keys(h, block_pos)], dim=0)  # context first, then block
     v = torch.cat([values(ctx), values(h)], dim=0)
-    x = x + linear(attend(q, k, v), params[p + "self_attn.o_proj.weight"])
+    out = attend_causal_block(q, k, v, ctx.shape[0]) if causal else attend(q, k, v)
+    x = x + linear(out, params[p + "self_attn.o_proj.weight"])
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], eps)
     mlp = torch.nn.functional.silu(linear(h, params[p + "mlp.gate_proj.weight"]))
     mlp = mlp * linear(h, params[p + "mlp.up_proj.weight"])
@@ -160,16 +206,19 @@ def block_forward(
     mask_token_id: int,
 ) -> torch.Tensor:
     """Logits [B, V] of the block [x[anchor], MASK, ...] seen by its visible context only."""
-    rows = visible_context_rows(batch.doc_ids, anchor)
     positions = batch.position_ids.tolist()
-    ctx_pos = [positions[p] for p in rows]
     block_pos = [positions[anchor] + k for k in range(block_size)]
     tokens = [int(batch.input_ids[anchor])] + [mask_token_id] * (block_size - 1)
-    ctx = context[rows] if rows else context[:0]  # [n, d]
-    x = embed[torch.tensor(tokens)]  # [B, d]
+    x = embed[torch.tensor(tokens)] * config.input_embedding_scale  # [B, d]
     for i in range(config.num_hidden_layers):
-        x = decoder_layer(params, i, config, x, block_pos, ctx, ctx_pos)
-    return linear(rms_norm(x, params["norm.weight"], config.rms_norm_eps), lm_head)
+        window = config.sliding_window if layer_is_sliding(config, i) else None
+        rows = visible_context_rows(batch.doc_ids, anchor, window)
+        ctx = context[rows] if rows else context[:0]  # [n, d]
+        ctx_pos = [positions[p] for p in rows]
+        causal = layer_is_causal(config, i)
+        x = decoder_layer(params, i, config, x, block_pos, ctx, ctx_pos, causal=causal)
+    logits = linear(rms_norm(x, params["norm.weight"], config.rms_norm_eps), lm_head)
+    return transformed_logits(config, logits)
 
 
 def fused_context(params: Params, config: DrafterConfig, features: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,15 @@ import torch
 from reference_dflash import (
     Params,
     attend,
+    attend_causal_block,
     block_weights,
     fused_context,
+    layer_is_causal,
+    layer_is_sliding,
     linear,
     rms_norm,
     rope,
+    transformed_logits,
     visible_context_rows,
 )
 
@@ -95,7 +99,9 @@ def decoder_layer2(
     q = rope(rms_norm(q, params[p + "self_attn.q_norm.weight"], eps), block_pos, config.rope_theta)
     k = torch.cat([keys(ctx, ctx_pos), keys(h, block_pos)], dim=0)
     v = torch.cat([values(ctx), values(h)], dim=0)
-    a = linear(attend(q, k, v), params[p + "self_attn.o_proj.weight"])
+    causal = layer_is_causal(config, i)  # s.10, as in the DFlash reference
+    out = attend_causal_block(q, k, v, ctx.shape[0]) if causal else attend(q, k, v)
+    a = linear(out, params[p + "self_attn.o_proj.weight"])
     x = x + conv(a, taps, base_a, 1, config)
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], eps)
     taps = linear(h, params[p + "mlp_conv.kernel_projection.weight"])
@@ -115,14 +121,15 @@ def block_hidden(
 ) -> torch.Tensor:
     """norm(x) [B, d] of the block at `anchor`, seen by its visible context only."""
     B = config.block_size
-    rows = visible_context_rows(batch.doc_ids, anchor)
     positions = batch.position_ids.tolist()
-    ctx_pos = [positions[p] for p in rows]
     block_pos = [positions[anchor] + k for k in range(B)]
     tokens = [int(batch.input_ids[anchor])] + [config.mask_token_id] * (B - 1)
-    x = embed[torch.tensor(tokens)]
-    ctx = context[rows] if rows else context[:0]
+    x = embed[torch.tensor(tokens)] * config.input_embedding_scale
     for i in range(config.num_hidden_layers):
+        window = config.sliding_window if layer_is_sliding(config, i) else None
+        rows = visible_context_rows(batch.doc_ids, anchor, window)
+        ctx = context[rows] if rows else context[:0]
+        ctx_pos = [positions[p] for p in rows]
         x = decoder_layer2(params, i, config, x, block_pos, ctx, ctx_pos)
     return rms_norm(x, params["norm.weight"], config.rms_norm_eps)
 
@@ -153,7 +160,7 @@ def reference2(
     weight_sum, supervised, hits, correct, all_logits = 0.0, 0, 0, 0, []
     for a in anchors:
         hidden = block_hidden(params, config, embed, batch, context, a)  # [B, d]
-        logits = linear(hidden, lm_head)  # [B, V]
+        logits = transformed_logits(config, linear(hidden, lm_head))  # [B, V] s.10 transforms
         all_logits.append(logits)
         weights = block_weights(batch, a, config.block_size, gamma)
         for k in range(1, config.block_size):

@@ -5,6 +5,9 @@ Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder
 target_layer_ids) and a bf16 `model.safetensors` with flat names and no embedding or lm_head.
 A DFlash2 drafter (s.9) is exported as ["DFlash2DraftModel"] with its convolution and selector
 fields in `dflash_config` and its extra tensors (`_dflash2_weight_shapes`).
+The drafter variants (s.10) are written where z-lab's reader looks for them: `layer_types`,
+`sliding_window`, `use_sliding_window` and `is_causal` at the top level, `output_multiplier`,
+`final_logit_softcapping` and `input_embedding_scale` in `dflash_config` (only when set).
 A wrong config is the quiet failure here (s.6 bug 5: engines refuse to load, or load and read the
 wrong target layers), so the config is written field by field from the DrafterConfig and loading
 one back validates every field it needs.
@@ -30,6 +33,14 @@ from torch import nn
 from dflash_async.atomic import atomic_directory
 from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DFLASH2_FIELDS, DrafterConfig
+from dflash_async.model.layer_rules import SLIDING_ATTENTION, layer_types_of
+
+# dflash_config's logit and embedding fields (docs/DFLASH.md s.10) and their "unset" values
+TRANSFORM_DEFAULTS = {
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -101,6 +112,11 @@ def export_config_json(
     }
     if config.kind == "dflash2":
         dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+    dflash_config |= {
+        name: getattr(config, name)
+        for name, unset in TRANSFORM_DEFAULTS.items()
+        if getattr(config, name) != unset
+    }
     return {
         "architectures": [ARCHITECTURES[config.kind]],
         "model_type": "qwen3",
@@ -119,10 +135,7 @@ def export_config_json(
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": n,
-        "layer_types": ["full_attention"] * n,
+        **_layer_fields(config),
         "initializer_range": 0.02,
         "use_cache": True,
         "block_size": config.block_size,
@@ -131,6 +144,22 @@ def export_config_json(
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
     }
+
+
+def _layer_fields(config: DrafterConfig) -> dict[str, Any]:
+    """The top-level attention-layout fields: per-layer types, the window, the in-block rule
+    (`is_causal` only when it overrides the per-layer default)."""
+    types = list(layer_types_of(config.layer_types, config.num_hidden_layers))
+    sliding = SLIDING_ATTENTION in types
+    fields = {
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window if sliding else None,
+        "max_window_layers": config.num_hidden_layers,
+        "layer_types": types,
+    }
+    if config.is_causal is not None:
+        fields["is_causal"] = config.is_causal
+    return fields
 
 
 def _drafter_tensors(drafter: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -258,9 +287,6 @@ def drafter_config_from_json(
         missing.append("rope_theta")
     if missing:
         raise ValueError(f"{where}: missing fields {missing}")
-    layer_types = cfg.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"{where}: only full_attention layers are supported, got {layer_types}")
     heads = cfg["num_attention_heads"]
     return DrafterConfig(
         hidden_size=cfg["hidden_size"],
@@ -277,7 +303,27 @@ def drafter_config_from_json(
         mask_token_id=dflash["mask_token_id"],
         block_size=_block_size(cfg, dflash, where),
         **_variant_fields(cfg, dflash, where),
+        **_layout_and_transforms(cfg, dflash),
     )
+
+
+def _layout_and_transforms(cfg: Mapping[str, Any], dflash: Mapping[str, Any]) -> dict:
+    """The s.10 variant fields of a config.json (as export_config_json writes them; z-lab's
+    reader takes the dflash_config ones from the top level too). All-full layer_types read as
+    () so that a default drafter's config equals the one it was exported from."""
+    types = tuple(cfg.get("layer_types") or ())
+    sliding = SLIDING_ATTENTION in types
+    values: dict[str, Any] = {
+        "layer_types": types if sliding or len(set(types)) > 1 else (),
+        "sliding_window": cfg.get("sliding_window") if sliding else None,
+        "is_causal": cfg.get("is_causal"),
+    }
+    for name, unset in TRANSFORM_DEFAULTS.items():
+        value = dflash.get(name, cfg.get(name, unset))
+        values[name] = unset if value is None else float(value)
+    if values["final_logit_softcapping"] is not None and values["final_logit_softcapping"] <= 0:
+        values["final_logit_softcapping"] = None  # z-lab's reader: a cap <= 0 is no cap
+    return values
 
 
 def _variant_fields(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> dict:

@@ -6,6 +6,9 @@ T context rows followed by the Q = A*B block slots.
   target hidden state does not exist yet);
 - block slot s is visible iff it belongs to block j (bidirectional inside the block);
 - nothing is visible to an invalid anchor slot (its output is 0, and its loss is excluded).
+A layer's `AttentionRule` (layer_rules.py, the drafter variants of s.10) narrows both parts: a
+window W keeps context rows with a_j - p < W only, and `causal` lets slot k see slots 0..k of its
+block only. The default rule is the one above, and builds the very same mask.
 
 `dense_rule_mask` spells the rule literally as a [Q, T+Q] boolean mask for SDPA: the reference,
 usable on CPU with autograd. `flex_block_mask` builds a flex_attention BlockMask for the same rule
@@ -26,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_async.model.drafter import Attend
+from dflash_async.model.layer_rules import AttentionRule
+
+FULL_RULE = AttentionRule()
 
 try:  # flex_attention exists on every torch we support; keep the import local to this module
     from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
@@ -47,16 +53,24 @@ def dense_rule_mask(
     anchors: torch.Tensor,  # [A]
     valid: torch.Tensor,  # [A] bool
     block_size: int,
+    *,
+    rule: AttentionRule = FULL_RULE,
 ) -> torch.Tensor:
     """The rule as a [Q, T+Q] boolean mask (True = visible). Memory O(Q*(T+Q)): CPU/tests only."""
     T, A, B = doc_ids.shape[0], anchors.shape[0], block_size
     rows = torch.arange(T, device=doc_ids.device)
     anchor_doc = doc_ids[anchors]  # [A]
     context = (doc_ids[None, :] == anchor_doc[:, None]) & (rows[None, :] < anchors[:, None])
+    if rule.window is not None:  # sliding layer: the W rows closest to the anchor
+        context = context & (anchors[:, None] - rows[None, :] < rule.window)
     own_block = torch.eye(A, dtype=torch.bool, device=doc_ids.device)  # block j sees block j
     per_block = torch.cat([context, own_block.repeat_interleave(B, dim=1)], dim=1)  # [A, T+Q]
     per_block = per_block & valid[:, None]
-    return per_block.repeat_interleave(B, dim=0)  # [Q, T+Q]
+    mask = per_block.repeat_interleave(B, dim=0)  # [Q, T+Q]
+    if rule.causal:  # query row q = j*B+k sees block key T+s of its own block iff s <= q
+        slots = torch.arange(A * B, device=doc_ids.device)
+        mask[:, T:] &= slots[None, :] <= slots[:, None]
+    return mask
 
 
 def sdpa_attend(mask: torch.Tensor) -> Attend:
@@ -69,16 +83,28 @@ def sdpa_attend(mask: torch.Tensor) -> Attend:
 
 
 def _visible_intervals(
-    doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per query row: context interval [lo, hi) and own-block start in the KV index space."""
-    T = doc_ids.shape[0]
-    starts = document_starts(doc_ids)[anchors]  # [A]
-    hi = torch.where(valid, anchors, starts)  # empty interval for invalid slots
-    block_lo = T + torch.arange(anchors.shape[0], device=anchors.device) * block_size
-    block_lo = torch.where(valid, block_lo, -block_size)  # invalid: no block keys either
-    expand = lambda x: x.repeat_interleave(block_size)  # noqa: E731  [A] -> [Q]
-    return expand(starts), expand(hi), expand(block_lo)
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    rule: AttentionRule,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row [Q] each: context interval [lo, hi) and own-block interval [block_lo,
+    block_hi) in the KV index space (documents are contiguous, so each part is one interval)."""
+    T, B = doc_ids.shape[0], block_size
+    lo = document_starts(doc_ids)[anchors]  # [A]
+    if rule.window is not None:  # anchor - p < W  <=>  p >= anchor - W + 1
+        lo = torch.maximum(lo, anchors - (rule.window - 1))
+    hi = torch.where(valid, anchors, lo)  # empty interval for invalid slots
+    block_lo = T + torch.arange(anchors.shape[0], device=anchors.device) * B
+    block_lo = torch.where(valid, block_lo, -B)  # invalid: no block keys either
+    expand = lambda x: x.repeat_interleave(B)  # noqa: E731  [A] -> [Q]
+    block_lo = expand(block_lo)
+    if rule.causal:  # slot k: keys block_lo .. block_lo + k (invalid rows stay empty: <= 0)
+        block_hi = block_lo + torch.arange(anchors.shape[0] * B, device=anchors.device) % B + 1
+    else:
+        block_hi = block_lo + B
+    return expand(lo), expand(hi), block_lo, block_hi
 
 
 def flex_block_mask(
@@ -87,6 +113,8 @@ def flex_block_mask(
     valid: torch.Tensor,  # [A] bool
     block_size: int,
     tile: int = 128,
+    *,
+    rule: AttentionRule = FULL_RULE,
 ) -> BlockMask:
     """BlockMask of the rule, from fixed-shape tensor ops only (no host sync, capturable).
 
@@ -99,8 +127,8 @@ def flex_block_mask(
     if T % tile or Q % tile:
         raise ValueError(f"flex attention needs T={T} and Q={Q} to be multiples of {tile}")
     # int32 per-row bounds: the mask_mod reads them at q_idx, which the kernels carry as int32
-    lo, hi, block_lo = (x.to(torch.int32) for x in _visible_intervals(doc_ids, anchors, valid, B))
-    block_hi = block_lo + B  # [Q] each
+    intervals = _visible_intervals(doc_ids, anchors, valid, B, rule)
+    lo, hi, block_lo, block_hi = (x.to(torch.int32) for x in intervals)  # [Q] each
     tile_lo = torch.arange(0, S, tile, device=doc_ids.device, dtype=torch.int32)  # [S/tile]
     tile_hi = tile_lo + tile
     rows = lambda x: x[:, None]  # noqa: E731  [Q] -> [Q, 1], against [S/tile]

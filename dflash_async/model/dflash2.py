@@ -19,6 +19,7 @@ nothing). Parameter names are the servable checkpoint's, codebooks plain tensors
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from dflash_async.model.drafter import (
     DFlashDrafter,
     DraftLayer,
     compute_dtype,
+    layer_attends,
     rope_cos_sin,
 )
 from dflash_async.model.drafter_config import DrafterConfig
@@ -185,16 +187,17 @@ class DFlash2Drafter(DFlashDrafter):
         block_positions: torch.Tensor,  # [Q]
         features: torch.Tensor,  # [T, k*d]
         context_positions: torch.Tensor,  # [T]
-        attend: Attend,
+        attend: Attend | Sequence[Attend],  # one for all layers, or one per layer
     ) -> torch.Tensor:
         cfg = self.config
         dtype = compute_dtype(self.fc.weight)
         with step_range("features"):
             context = self._fused_context(self, features)  # [T, d]
-        x = block_embeds.to(dtype)
+        x = self.block_stream(block_embeds, dtype)
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
-        for layer in self.layers:
+        attends = layer_attends(attend, len(self.layers))
+        for layer, attend in zip(self.layers, attends, strict=True):
             with step_range("layer"):
                 x = self._dflash2_layer(
                     layer, x, context, block_rope, context_rope, attend, block_size=cfg.block_size

@@ -2,7 +2,8 @@
 
 This module owns the objective choice for DFlash2 (docs/DFLASH.md s.10; the authors published
 none). For a trained slot n (block j, slot k >= 1, weight w_n > 0 as in s.4):
-- unary logits u_n = lm_head(h_n); the DFlash loss term is w_n * CE(u_n, gold_n), exactly as
+- unary logits u_n = lm_head(h_n), after the drafter's logit transforms (output multiplier,
+  softcap: logit_transforms.py), as at inference; the DFlash loss term is w_n * CE(u_n, gold_n), exactly as
   DFlashObjective computes it (same chunks, same elementwise pass);
 - candidates S_n = the strict top-k of u_n (k = selector_top_k, torch.topk on the device);
 - predecessor = the GOLD token of the previous slot (the anchor token for k = 1: teacher forcing);
@@ -21,6 +22,7 @@ import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.dflash2 import DFlash2Drafter
+from dflash_async.model.logit_transforms import transformed_ce_and_grad
 from dflash_async.model.objective import (
     Anchors,
     DFlashObjective,
@@ -53,39 +55,55 @@ class _UnaryCEAndTopK(torch.autograd.Function):
     `hidden` through the k lm_head rows of the candidates, chunk by chunk in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, elementwise, k: int):
+    def forward(
+        ctx,
+        hidden,
+        lm_head_weight,
+        labels,
+        weights,
+        chunk_size: int,
+        elementwise,
+        k: int,
+        transform,
+    ):
         weight = lm_head_weight.to(hidden.dtype)  # [V, d]
         sums, hits, grads, values, indices = [], [], [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = hidden[start:end] @ weight.T  # [c, V]
-            ce_sum, hit, grad_logits = elementwise(logits, labels[start:end], weights[start:end])
-            top = logits.topk(k, dim=-1)  # on the device: no host sync
+            ce_sum, hit, grad_logits, z = transformed_ce_and_grad(
+                transform, elementwise, logits, labels[start:end], weights[start:end]
+            )  # z: the transformed (unary) logits, what the selector adds to
+            top = z.topk(k, dim=-1)  # on the device: no host sync
             sums.append(ce_sum)
             hits.append(hit)
             grads.append(grad_logits @ weight)  # [c, d]
             values.append(top.values)
             indices.append(top.indices)
         index = torch.cat(indices)  # [N, k]
-        ctx.save_for_backward(torch.cat(grads), index, weight)
-        ctx.chunk_size = chunk_size
+        top_values = torch.cat(values)  # [N, k] transformed: the chain rule reads them back
+        ctx.save_for_backward(torch.cat(grads), index, weight, top_values)
+        ctx.chunk_size, ctx.transform = chunk_size, transform
         hit = torch.cat(hits)
         ctx.mark_non_differentiable(hit, index)
-        return torch.stack(sums).sum(), hit, torch.cat(values), index
+        return torch.stack(sums).sum(), hit, top_values, index
 
     @staticmethod
     def backward(ctx, grad_sum, _grad_hit, grad_values, _grad_index):
-        grad_ce, index, weight = ctx.saved_tensors
+        grad_ce, index, weight, top_values = ctx.saved_tensors
         grad_hidden = grad_ce * grad_sum.to(grad_ce.dtype)
         if grad_values is not None:  # d/d hidden of sum_c g[n, c] * <hidden_n, W[c]>
             parts = []
             for start in range(0, index.shape[0], ctx.chunk_size):
                 end = start + ctx.chunk_size
                 rows = weight[index[start:end]]  # [c, k, d]
-                g = grad_values[start:end].to(rows.dtype)
+                g = grad_values[start:end]  # [c, k] d/dz at the candidates, chained to logits
+                if not ctx.transform.is_identity:
+                    g = ctx.transform.chain(g, top_values[start:end])
+                g = g.to(rows.dtype)
                 parts.append(torch.einsum("ck,ckd->cd", g, rows))
             grad_hidden = grad_hidden + torch.cat(parts).to(grad_hidden.dtype)
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 def selector_cross_entropy(
@@ -134,7 +152,7 @@ class DFlash2Objective(DFlashObjective):
         with step_range("lm_head_ce"):
             ce_sum, correct_pred, unary, candidates = _UnaryCEAndTopK.apply(
                 slots, self.lm_head_weight.detach(), gold, w, self.config.ce_chunk_size,
-                self.ce_elementwise, self.top_k,
+                self.ce_elementwise, self.top_k, self.logit_transform,
             )  # fmt: skip
         with step_range("lm_head_ce"):  # the selector: part of the head's range
             previous = selector_predecessors(labels).flatten()  # [N]

@@ -10,13 +10,15 @@ The drafter owns no embedding and no lm_head: the caller embeds with the target'
 servable checkpoint's (docs/DFLASH.md section 7), so export is a dtype cast and nothing else.
 
 Attention is injected as a callable `attend(q, k, v) -> out` (see attention.py): the dense-mask
-SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module.
+SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module. A
+drafter whose layers follow different rules (sliding-window layers, docs/DFLASH.md s.10) is given
+one callable per layer; `input_embedding_scale` (s.10) scales the block stream on the way in.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,15 @@ from dflash_async.model.step_ranges import step_range
 
 # attend(q [1, H, Q, hd], k [1, Hkv, S, hd], v [1, Hkv, S, hd]) -> [1, H, Q, hd], S = T + Q.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layer_attends(attend: Attend | Sequence[Attend], num_layers: int) -> Sequence[Attend]:
+    """One attend per layer: a single callable serves every layer (one rule for all)."""
+    if callable(attend):
+        return (attend,) * num_layers
+    if len(attend) != num_layers:
+        raise ValueError(f"{len(attend)} attention callables for {num_layers} layers")
+    return attend
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -221,6 +232,13 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
+    def block_stream(self, block_embeds: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The residual stream's input [Q, d]: the block's embeddings in the compute dtype, times
+        input_embedding_scale when it is not 1 (skipped at 1: the default step is unchanged)."""
+        x = block_embeds.to(dtype)
+        scale = self.config.input_embedding_scale
+        return x if scale == 1.0 else x * scale
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """C = hidden_norm(fc(concat of k target layers)): [T, k*d] -> [T, d]."""
         features = features.to(compute_dtype(self.fc.weight))
@@ -232,16 +250,17 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # [Q] RoPE positions (anchor position + slot)
         features: torch.Tensor,  # [T, k*d] target hidden states of the context rows
         context_positions: torch.Tensor,  # [T] RoPE positions within each document
-        attend: Attend,
+        attend: Attend | Sequence[Attend],  # one for all layers, or one per layer
     ) -> torch.Tensor:
         cfg = self.config
         dtype = compute_dtype(self.fc.weight)
         with step_range("features"):
             context = self._fused_context(self, features)  # [T, d]
-        x = block_embeds.to(dtype)  # the residual stream runs in the compute dtype
+        x = self.block_stream(block_embeds, dtype)  # the residual stream: the compute dtype
         block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
-        for layer in self.layers:
+        attends = layer_attends(attend, len(self.layers))
+        for layer, attend in zip(self.layers, attends, strict=True):
             if self._layer is not None:  # compiled: attention inside the layer's range
                 with step_range("layer"):
                     x = self._layer(layer, x, context, block_rope, context_rope, attend)

@@ -18,6 +18,7 @@ from dflash_async.model.architectures import (
     layer_attribute,
     text_config_of,
 )
+from dflash_async.model.layer_rules import AttentionRule, layer_rule_problem, layer_rules
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -29,6 +30,17 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 DrafterKind = Literal["dflash", "dflash2"]
 # The fields only a DFlash2 drafter reads (docs/DFLASH.md s.9); a DFlash drafter ignores them.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# The drafter variants of released drafters (docs/DFLASH.md s.10), for both kinds, and their
+# defaults: today's drafter. A run's identity lists one only when it differs from its default, so
+# the checkpoints written before the variants existed still resume.
+VARIANT_DEFAULTS: dict[str, Any] = {
+    "layer_types": (),
+    "sliding_window": None,
+    "is_causal": None,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -53,9 +65,17 @@ class DrafterConfig:
     conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel
     selector_rank: int = 256  # dflash2: r of the candidate selector
     selector_top_k: int = 16  # dflash2: candidates per slot
+    # per layer "full_attention" | "sliding_attention"; () = every layer full (layer_rules.py)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # W of the sliding layers
+    is_causal: bool | None = None  # None: causal in the block in sliding layers only
+    output_multiplier: float = 1.0  # logits * m after the lm_head
+    final_logit_softcapping: float | None = None  # c: c * tanh(logits / c); None = none
+    input_embedding_scale: float = 1.0  # s: the block's embeddings * s
 
     def __post_init__(self) -> None:
         self._check_shapes()
+        self._check_variants()
         if self.kind == "dflash2":
             self._check_dflash2()
 
@@ -77,7 +97,31 @@ class DrafterConfig:
         if self.kind == "dflash":
             for name in ("kind", *DFLASH2_FIELDS):
                 del values[name]
+        for name, default in VARIANT_DEFAULTS.items():
+            if values[name] == default:
+                del values[name]
         return values
+
+    def _check_variants(self) -> None:
+        problem = layer_rule_problem(
+            self.layer_types, num_layers=self.num_hidden_layers, sliding_window=self.sliding_window
+        )
+        if problem:
+            raise ValueError(problem)
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:
+            raise ValueError(f"final_logit_softcapping={cap} must be > 0 (or unset)")
+        if not self.output_multiplier > 0:
+            raise ValueError(f"output_multiplier={self.output_multiplier} must be > 0")
+
+    def attention_rules(self) -> tuple[AttentionRule, ...]:
+        """Each layer's mask rule (layer_rules.py): the full and the sliding rule at most."""
+        return layer_rules(
+            self.layer_types,
+            num_layers=self.num_hidden_layers,
+            sliding_window=self.sliding_window,
+            is_causal=self.is_causal,
+        )
 
     @property
     def conv_groups(self) -> int:
@@ -145,10 +189,18 @@ class DrafterSpec:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
 
     def variant_fields(self) -> dict[str, Any]:
-        """The DrafterConfig fields of the drafter kind (kind and the DFlash2 shapes)."""
-        return {"kind": self.kind, **{name: getattr(self, name) for name in DFLASH2_FIELDS}}
+        """The DrafterConfig fields of the drafter kind (kind and the DFlash2 shapes) and of its
+        variants (sliding layers, logit transforms, embedding scale: VARIANT_DEFAULTS)."""
+        names = (*DFLASH2_FIELDS, *VARIANT_DEFAULTS)
+        return {"kind": self.kind, **{name: getattr(self, name) for name in names}}
 
 
 def drafter_config_from_target(

@@ -11,6 +11,8 @@ Everything here is fixed-shape and sync-free: hyper-parameters are fixed when th
 built, per-step inputs are tensors, no op reads device data on the host. The lm_head over the
 A*(B-1) trained slots x vocab is never materialised at once: CE runs in chunks, and each chunk's
 gradient is made in the forward pass (one chunk of logits alive at a time, nothing recomputed).
+The drafter variants (docs/DFLASH.md s.10) plug in here: one mask per distinct layer rule (two at
+most) and the logit transforms inside each CE chunk, as at inference (logit_transforms.py).
 """
 
 from __future__ import annotations
@@ -33,8 +35,14 @@ from dflash_async.model.attention import (
     resolve_flex_backend,
     sdpa_attend,
 )
-from dflash_async.model.drafter import DFlashDrafter, compute_dtype
+from dflash_async.model.chunked_ce import (  # re-exported: the objectives' CE
+    ce_and_grad_from_logits,
+    linear_weighted_cross_entropy,
+)
+from dflash_async.model.drafter import Attend, DFlashDrafter, compute_dtype
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.layer_rules import AttentionRule
+from dflash_async.model.logit_transforms import logit_transform_of
 from dflash_async.model.step_ranges import step_range
 
 
@@ -184,19 +192,27 @@ class DFlashObjective(nn.Module):
             self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
         if config.compile:
             drafter.compile_layers()
+        self.rules = drafter.config.attention_rules()  # one per layer
+        self.logit_transform = logit_transform_of(drafter.config)
         B = config.block_size
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)
         self.decay = torch.tensor(decay, dtype=torch.float64, device=self.lm_head_weight.device)
 
-    def _attend(self, batch: PackedBatch, anchors: Anchors):
-        B = self.config.block_size
+    def _attend(self, batch: PackedBatch, anchors: Anchors) -> tuple[Attend, ...]:
+        """One attend per drafter layer, one mask per distinct rule (full and sliding at most)."""
+        made: dict[AttentionRule, Attend] = {}
+        for rule in self.rules:
+            if rule not in made:
+                made[rule] = self._rule_attend(batch, anchors, rule)
+        return tuple(made[rule] for rule in self.rules)
+
+    def _rule_attend(self, batch: PackedBatch, anchors: Anchors, rule: AttentionRule) -> Attend:
+        B, args = self.config.block_size, (batch.doc_ids, anchors.positions, anchors.valid)
         if self.config.attention == "flex":
-            mask = flex_block_mask(
-                batch.doc_ids, anchors.positions, anchors.valid, B, self.config.flex_tile
-            )
+            mask = flex_block_mask(*args, B, self.config.flex_tile, rule=rule)
             return flex_attend(mask, self.flex_fn, self._flex_options_for_this_call())
-        return sdpa_attend(dense_rule_mask(batch.doc_ids, anchors.positions, anchors.valid, B))
+        return sdpa_attend(dense_rule_mask(*args, B, rule=rule))
 
     def _flex_options_for_this_call(self) -> dict:
         """flex_attention's kernel options: BACKEND=FLASH where flash was resolved, except that
@@ -251,6 +267,7 @@ class DFlashObjective(nn.Module):
                 w,
                 self.config.ce_chunk_size,
                 self.ce_elementwise,
+                self.logit_transform,
             )
         trained = w > 0
         hit = (correct_pred & trained).view(-1, self.config.block_size - 1)  # [A, B-1]
@@ -269,101 +286,9 @@ class DFlashObjective(nn.Module):
 
     @torch.no_grad()
     def block_logits(self, batch: PackedBatch, anchors: Anchors) -> torch.Tensor:
-        """Full logits [A, B, V] (tests and small shapes only: materialises A*B x vocab)."""
+        """Full logits [A, B, V] after the logit transforms (tests and small shapes only:
+        materialises A*B x vocab)."""
         tokens, positions, _, _ = self._blocks(batch, anchors)
         hidden = self._hidden(batch, anchors, tokens, positions)
-        return hidden @ self.lm_head_weight.to(hidden.dtype).T
-
-
-def ce_and_grad_from_logits(
-    logits: torch.Tensor,  # [c, V]
-    labels: torch.Tensor,  # [c]
-    weights: torch.Tensor,  # [c]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sum(w*CE) (in >= fp32), argmax==label [c], and d sum(w*CE) / d logits [c, V].
-
-    Pure elementwise + row reductions: compiled on GPU it reads the logits twice and writes the
-    gradient once (eager: ~8 passes over [c, V] fp32).
-    """
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    lse = x.logsumexp(-1)  # [c]
-    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
-    trained = weights > 0
-    # select, never multiply by 0: a non-finite CE at an untrained slot must not leak in
-    w = torch.where(trained, weights, 0.0).to(x.dtype)
-    ce_sum = torch.where(trained, w * ce, 0.0).sum()
-    hit = x.argmax(-1) == labels
-    vocab = torch.arange(x.shape[1], device=x.device)
-    grad = ((x - lse[:, None]).exp() - (vocab[None, :] == labels[:, None]).to(x.dtype)) * w[:, None]
-    return ce_sum, hit, grad.to(logits.dtype)
-
-
-def _chunk_ce_and_grad(
-    hidden: torch.Tensor,  # [c, d]
-    lm_head_weight: torch.Tensor,  # [V, d]
-    labels: torch.Tensor,  # [c]
-    weights: torch.Tensor,  # [c]
-    need_grad: bool,
-    elementwise,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """sum(w*CE), argmax==label [c] and d sum(w*CE) / d hidden [c, d] for one chunk."""
-    weight = lm_head_weight.to(hidden.dtype)
-    logits = hidden @ weight.T  # [c, V]
-    ce_sum, hit, grad_logits = elementwise(logits, labels, weights)
-    grad_hidden = grad_logits @ weight if need_grad else None  # [c, d]
-    return ce_sum, hit, grad_hidden
-
-
-class _LinearWeightedCE(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ W^T, y_i), computed chunk by chunk; gradient made in forward.
-
-    The [N, V] logits never exist at once: each chunk's logits give its loss AND its gradient
-    with respect to `hidden` right away, so backward is one scale of a stored [N, d] tensor and
-    the lm_head matmul is not recomputed (what activation checkpointing would cost).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, elementwise):
-        need_grad = hidden.requires_grad
-        sums, hits, grads = [], [], []
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = start + chunk_size
-            ce_sum, hit, grad = _chunk_ce_and_grad(
-                hidden[start:end],
-                lm_head_weight,
-                labels[start:end],
-                weights[start:end],
-                need_grad,
-                elementwise,
-            )
-            sums.append(ce_sum)
-            hits.append(hit)
-            grads.append(grad)
-        if need_grad:
-            ctx.save_for_backward(torch.cat(grads))
-        hit = torch.cat(hits)
-        ctx.mark_non_differentiable(hit)
-        return torch.stack(sums).sum(), hit
-
-    @staticmethod
-    def backward(ctx, grad_sum, _grad_hit):
-        (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_sum.to(grad_hidden.dtype), None, None, None, None, None
-
-
-def linear_weighted_cross_entropy(
-    hidden: torch.Tensor,  # [N, d]
-    lm_head_weight: torch.Tensor,  # [V, d], frozen
-    labels: torch.Tensor,  # [N]
-    weights: torch.Tensor,  # [N], >= 0; positions with w == 0 are excluded by selection
-    chunk_size: int,
-    elementwise=ce_and_grad_from_logits,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of w * CE, argmax == label [N]) with at most [chunk_size, V] logits alive at a time.
-
-    The chunk count is static (N and chunk_size are fixed per built objective). `lm_head_weight`
-    gets no gradient (the target is frozen).
-    """
-    return _LinearWeightedCE.apply(
-        hidden, lm_head_weight.detach(), labels, weights, chunk_size, elementwise
-    )
+        logits = hidden @ self.lm_head_weight.to(hidden.dtype).T
+        return logits if self.logit_transform.is_identity else self.logit_transform(logits)

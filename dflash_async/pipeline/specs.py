@@ -95,6 +95,7 @@ def run_spec(settings: Settings) -> RunSpec:
             conv_group_size=settings.drafter.conv_group_size,
             selector_rank=settings.drafter.selector_rank,
             selector_top_k=settings.drafter.selector_top_k,
+            **_variant_fields(settings),
         ),
         data=_data_options(
             settings.data,
@@ -123,6 +124,18 @@ def run_spec(settings: Settings) -> RunSpec:
         eval=settings.eval,
         tensorboard_dir=settings.log.tensorboard_dir,
     )
+
+
+def _variant_fields(settings: Settings) -> dict:
+    """The drafter variants (docs/DFLASH.md s.10): sliding layers, the in-block rule, the logit
+    transforms and the embedding scale, as DrafterSpec (and DrafterConfig) fields."""
+    drafter = settings.drafter
+    return dict(
+        layer_types=tuple(drafter.layer_types), sliding_window=drafter.sliding_window,
+        is_causal=drafter.is_causal, output_multiplier=drafter.output_multiplier,
+        final_logit_softcapping=drafter.final_logit_softcapping,
+        input_embedding_scale=drafter.input_embedding_scale,
+    )  # fmt: skip
 
 
 def _step_spec(
