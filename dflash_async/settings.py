@@ -162,6 +162,15 @@ class EvalSettings(Section):
     prompts_path: str = ""
     """A jsonl file of prompts; empty = the built-in held-out demo prompts (built-in target only;
     with another target and no prompts file, evaluation is skipped with a log line)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of the speculative decode; 0 = greedy (checked lossless against plain
+    greedy). Above 0 drafts are sampled from the drafter's q and verified by rejection sampling
+    against the target's p (one prompt at a time, a seeded generator per prompt): tau then
+    measures acceptance at that temperature and the output is distributed as plain sampling."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus filter at T > 0 (applied after temperature and top-k, to q and p alike); 1 = off."""
+    top_k: int = Field(0, ge=0)
+    """Keep the k most likely tokens at T > 0 (after temperature, before top-p); 0 = off."""
 
 
 class LogSettings(Section):

@@ -6,7 +6,9 @@ unary(c) + sum_r pred[prev, r] * (W_h h)[r] * succ[c, r], prev = the previous sl
 anchor for slot 1), draft = the best scored candidate. Three mutants of the walk must break that
 agreement. The drafters are tiny and random with a successor codebook scaled up, so the selector
 really changes drafts (asserted). Then the batched decoder equals the reference decoder on a
-DFlash2 drafter, and `eval --block-size` serves the export below its trained block size.
+DFlash2 drafter, and `eval --block-size` serves the export below its trained block size. At T > 0
+the walk samples each slot from the selector's softmax over its candidates (the slot's q), and
+`eval --temperature 0,1.0` reports tau at each temperature.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash_async.eval import selector
 from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter
 from dflash_async.eval.harness import main
 from dflash_async.eval.lossless import check_lossless
+from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import DFlashBlockDrafter, greedy_generate, speculative_decode
 from dflash_async.model.dflash2 import CandidateSelector, DFlash2Drafter
 from dflash_async.model.drafter_config import drafter_config_from_target
@@ -238,3 +241,47 @@ def test_the_in_run_copy_of_a_dflash2_drafter_is_a_dflash2_drafter_at_the_eval_b
     assert isinstance(copy, DFlash2Drafter) and copy.config == replace(config, block_size=4)
     for name, value in source.state_dict().items():
         assert torch.equal(copy.state_dict()[name], value.bfloat16().float()), name
+
+
+def test_the_sampled_walk_draws_each_slot_from_the_selectors_softmax_over_its_candidates():
+    """T > 0: slot i's q is softmax(score / T) over the unary top-k (zero elsewhere), scored from
+    the previous slot's drawn token, and the draft is one of those candidates."""
+    drafter, one, _, lm_head = tiny_block_drafters()
+    temperature, anchor = 0.7, ANCHORS[1]
+    sampler = Sampler.for_prompt(SamplingOptions(temperature), 0, torch.device("cpu"))
+    drafts, q = one.draft_sampled(anchor, 9, sampler)
+    p = {n: t.double() for n, t in drafter.candidate_selector.named_parameters()}
+    prev = anchor
+    for i, h in enumerate(one.block_hidden(anchor, 9).double()):
+        unary = lm_head.double() @ h
+        candidates = unary.topk(TOP_K).indices
+        z = p["hidden_projection.weight"] @ h
+        pair = (p["predecessor_codebook"][prev] * z * p["successor_codebook"][candidates]).sum(-1)
+        expected = torch.zeros_like(unary)
+        expected[candidates] = ((unary[candidates] + pair) / temperature).softmax(-1)
+        torch.testing.assert_close(q[i].double(), expected, rtol=1e-4, atol=1e-5)
+        assert int(drafts[i]) in candidates.tolist()
+        prev = int(drafts[i])
+
+
+def test_eval_temperature_list_reports_tau_at_each_temperature(dflash2_export, capsys):
+    """eval --temperature 0,1.0 --top-k 3: the summary is T = 0's (lossless-checked), with
+    by_temperature holding both (greedy reports no filter); a bad --top-p exits 2 in one line."""
+    from dflash_async.__main__ import main as cli
+
+    folder, export = dflash2_export
+    argv = ["--target", str(folder), "--drafter", str(export), "--device", "cpu"]
+    argv += ["--max-new-tokens", "12", "--num-prompts", "2"]
+    with capture_logs():
+        assert main([*argv, "--temperature", "0,1.0", "--top-k", "3"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    by_t = summary["by_temperature"]
+    assert summary["temperature"] == 0.0 and summary["lossless_checked"]
+    assert [(r["temperature"], r["top_k"]) for r in by_t] == [
+        (0.0, 0),
+        (1.0, 3),
+    ]  # T = 0 filters nothing
+    assert by_t[0]["tau"] == summary["tau"] and by_t[1]["tau"] >= 1.0
+    with capture_logs():
+        assert cli(["eval", *argv, "--temperature", "0.7", "--top-p", "1.5"]) == 2
+    assert "--top-p" in capsys.readouterr().err

@@ -8,9 +8,12 @@ targets decode `batch_size` prompts per batch (batched.py); targets the batched 
 serve (hybrids: see batched_unsupported_reason) decode one prompt per job with the reference
 decoder (speculative.py), whose hybrid state rollback keeps them exact.
 
-Every speculative output is checked against the greedy one (lossless.py); the report is tau, the
-accepted-length histogram, the per-position acceptance rate, tokens/s of both decoders and the
-speedup, plus the settings it ran with (max_new_tokens, batch_size).
+Every greedy speculative output is checked against the greedy one (lossless.py); the report is
+tau, the accepted-length histogram, the per-position acceptance rate, tokens/s of both decoders and
+the speedup, plus the settings it ran with (max_new_tokens, batch_size, temperature, top_p, top_k).
+At T > 0 (setup.sampling) the speculative decode samples (sampling.py) with the reference decoder,
+one seeded generator per prompt; its output is distributed as plain sampling, not equal to the
+greedy one, so it is not checked against the baseline (the baseline still gives tokens/s).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from dflash_async.eval.batched import (
     cache_capacity,
 )
 from dflash_async.eval.lossless import GreedyResult, SpecResult, check_lossless
+from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import greedy_generate, speculative_generate
+from dflash_async.log import get_logger
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import frozen_embeddings
@@ -63,6 +68,7 @@ class DecodeSetup:
     eos: frozenset[int]
     suppress: tuple[int, ...]
     batch_size: int
+    sampling: SamplingOptions | None = None  # None: greedy; else T > 0 (sampled_or_none)
 
     @property
     def batched(self) -> bool:
@@ -117,6 +123,8 @@ def speculative_decoders(
 ) -> list[Callable[[], Decoder]]:
     """Factories of the speculative decoders of `drafter` (on the target's device)."""
     s = setup
+    if s.sampling is not None:
+        return _sampled_decoders(s, drafter, config)
     embed, lm_head = frozen_embeddings(s.target)
 
     def make(batch: list[list[int]]) -> Decoder:
@@ -137,6 +145,32 @@ def speculative_decoders(
         )  # fmt: skip
 
     return [lambda batch=batch: make(batch) for batch in _batches(s)]
+
+
+def _sampled_decoders(
+    setup: DecodeSetup, drafter: DFlashDrafter, config: DrafterConfig
+) -> list[Callable[[], Decoder]]:
+    """One reference decoder per prompt at T > 0, prompt i sampling with its own generator."""
+    s, options = setup, setup.sampling
+    assert options is not None
+    if s.batched:  # the batched decoder is greedy only: T > 0 falls back to the reference
+        get_logger(__name__).info(
+            "eval_sampled_reference", temperature=options.temperature,
+            reason="the batched decoder is greedy only; T > 0 decodes one prompt at a time",
+        )  # fmt: skip
+    embed, lm_head = frozen_embeddings(s.target)
+
+    def make(index: int, prompt: list[int]) -> Decoder:
+        sampler = Sampler.for_prompt(options, index, s.device)
+        return _OnePrompt(
+            lambda: speculative_generate(
+                s.target, drafter, config, embed, lm_head, prompt,
+                max_new_tokens=s.max_new_tokens, eos_token_id=s.eos, suppress_token_ids=s.suppress,
+                sampler=sampler,
+            )
+        )  # fmt: skip
+
+    return [lambda i=i, p=p: make(i, p) for i, p in enumerate(s.prompts)]
 
 
 def timed_job(fn: Callable[[], Any], device: torch.device, seconds: list[float]) -> Any:
@@ -171,9 +205,16 @@ def run_decoders(factories: Iterable[Callable[[], Decoder]], device: torch.devic
 
 
 def sample_report(
-    index: int, prompt: list[int], plain: GreedyResult, spec: SpecResult, tie_tolerance: float
+    index: int,
+    prompt: list[int],
+    plain: GreedyResult,
+    spec: SpecResult,
+    tie_tolerance: float,
+    *,
+    check: bool = True,
 ) -> dict[str, Any]:
-    """One prompt's JSON-ready result; LosslessError if spec is not plain (ties aside)."""
+    """One prompt's JSON-ready result; with `check` (greedy), LosslessError if spec is not plain
+    (ties aside)."""
     return {
         "index": index,
         "prompt_tokens": len(prompt),
@@ -182,7 +223,7 @@ def sample_report(
         "steps": len(spec.accepted_lengths),
         "tau": spec.tau,
         "accepted_lengths": spec.accepted_lengths,
-        "numerical_tie_at": check_lossless(index, plain, spec, tie_tolerance),
+        "numerical_tie_at": check_lossless(index, plain, spec, tie_tolerance) if check else None,
         "tokens": spec.tokens,
     }
 
@@ -234,14 +275,21 @@ def report(
     tie_tolerance: float,
 ) -> dict[str, Any]:
     """summarize() of the checked samples, the decode settings, and "samples"."""
+    check = setup.sampling is None  # T > 0: the guarantee is distributional (sampling.py)
     samples = [
-        sample_report(i, p, g, s, tie_tolerance)
+        sample_report(i, p, g, s, tie_tolerance, check=check)
         for i, (p, g, s) in enumerate(zip(setup.prompts, plain, spec, strict=True))
     ]
     summary = summarize(samples, block_size, plain_s=plain_s, speculative_s=speculative_s)
+    batched = setup.batched and setup.sampling is None
+    options = setup.sampling or SamplingOptions()
     decoding = {
         "max_new_tokens": setup.max_new_tokens,
-        "batch_size": setup.batch_size if setup.batched else 1,
-        "decoder": "batched" if setup.batched else "reference",
+        "batch_size": setup.batch_size if batched else 1,
+        "decoder": "batched" if batched else "reference",
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
+        "lossless_checked": check,
     }
     return summary | decoding | {"samples": samples}

@@ -8,7 +8,8 @@ target's generation config, so the greedy output is what `model.generate`, and s
 training data, would produce. evaluation.py decodes (plain greedy once, cached by baseline.py;
 then speculatively, batched), checks every sample lossless and reports tau, the accepted-length
 histogram, per-position acceptance and tokens/s. Defaults are EvalSettings' (settings.py): the
-in-run evaluation and this command decode the same way unless told otherwise.
+in-run evaluation and this command decode the same way unless told otherwise. --temperature 0,0.7
+(0 = greedy; above 0: sampling.py) reports the first, plus "by_temperature" for several.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from dflash_async.eval.evaluation import (
 )
 from dflash_async.eval.lossless import LosslessError, eos_set, tie_tolerance_for
 from dflash_async.eval.regenerate import cpu_threads, write_jsonl
+from dflash_async.eval.sampling import (
+    SamplingOptions,
+    sampled_or_none,
+    sampling_options,
+    temperatures,
+)
 from dflash_async.log import get_logger, progress
 from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
@@ -207,9 +214,11 @@ def evaluate(
     warmup: bool = True,
     baseline_dir: str | Path | None = None,
     target_id: str = "",
+    sampling: Sequence[SamplingOptions] = (SamplingOptions(),),
 ) -> dict[str, Any]:
-    """Decode every record greedily (or read the cached baseline) and speculatively; the report
-    of evaluation.report (summary, settings and "samples").
+    """Decode every record greedily (or read the cached baseline) and speculatively once per
+    entry of `sampling` (default: greedy); the report of evaluation.report (summary, settings and
+    "samples") of the first entry, plus "by_temperature" (every entry's summary) for several.
 
     Raises LosslessError if a sample's speculative output is not the greedy one (numerical ties
     aside, see lossless.py; tie_tolerance None = by the target's dtype). `warmup` decodes a few
@@ -231,14 +240,22 @@ def evaluate(
         run_decoders(greedy_decoders(trial)[:1], setup.device)
         run_decoders(speculative_decoders(trial, drafter, drafter_config)[:1], setup.device)
     plain, plain_s, cached = greedy_baseline(setup, folder=baseline_dir, target_id=target_id)
-    batches = speculative_decoders(setup, drafter, drafter_config)
-    shown = progress(batches, total=len(batches), task="eval speculative (batches)")
-    spec, spec_s = run_decoders(shown, setup.device)
-    result = report(
-        setup, plain, spec, block_size=drafter_config.block_size, plain_s=plain_s,
-        speculative_s=spec_s, tie_tolerance=tolerance,
-    )  # fmt: skip
-    return result | {"baseline_cached": cached}
+    results = []
+    for options in sampling:
+        sampled = replace(setup, sampling=sampled_or_none(options))
+        batches = speculative_decoders(sampled, drafter, drafter_config)
+        shown = progress(batches, total=len(batches), task="eval speculative (batches)")
+        spec, spec_s = run_decoders(shown, setup.device)
+        results.append(report(
+            sampled, plain, spec, block_size=drafter_config.block_size, plain_s=plain_s,
+            speculative_s=spec_s, tie_tolerance=tolerance,
+        ))  # fmt: skip
+    several = {"by_temperature": [_summary(r) for r in results]} if results[1:] else {}
+    return results[0] | several | {"baseline_cached": cached}
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in report.items() if k != "samples"}
 
 
 def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -280,13 +297,15 @@ def run_eval(
     dtype: torch.dtype | None = None,
     enable_thinking: bool = False,
     block_size: int | None = None,
+    sampling: Sequence[SamplingOptions] = (SamplingOptions(),),
 ) -> dict[str, Any]:
     """Load the target (empty path = the built-in tiny one, kept under cache_dir) and a drafter
     export, decode `num_prompts` prompts (from prompts_path, or the tiny demo's held-out
     prompts), log one `eval_completed` event, return the report. The greedy baseline is kept in
     `baseline_dir` (default: the results file's folder; None without one). Bad inputs raise
     one-line ValueErrors: TargetError (target folder), DataError (drafter export, prompts file),
-    UsageError (a block_size above the trained one). block_size None: the trained one."""
+    UsageError (a block_size above the trained one). block_size None: the trained one; sampling:
+    evaluate's."""
     log = log or get_logger(__name__)
     device = torch.device(device)
     folder = Path(target_path) if target_path else ensure_tiny_target(Path(cache_dir))
@@ -302,11 +321,11 @@ def run_eval(
             target, tokenizer, drafter, config, records,
             max_new_tokens=max_new_tokens, batch_size=batch_size, enable_thinking=enable_thinking,
             baseline_dir=baseline_dir or (Path(results_path).parent if results_path else None),
-            target_id=str(folder.resolve()),
+            target_id=str(folder.resolve()), sampling=sampling,
         )  # fmt: skip
     if results_path:
         write_results(report["samples"], results_path)
-    summary = {k: v for k, v in report.items() if k != "samples"}
+    summary = _summary(report)
     log.info("eval_completed", target=str(folder), drafter=str(drafter_dir), **summary)
     return report
 
@@ -315,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The options of `python -m dflash_async eval` (see main)."""
     parser = ArgumentParser(  # one-line argument errors (usage.py)
         prog="python -m dflash_async eval",
-        description="Acceptance length (tau) of a drafter export by greedy speculative decoding.",
+        description="Acceptance length (tau) of a drafter export by speculative decoding.",
     )
     parser.add_argument("--target", default="", help="local HF model folder; empty = tiny demo")
     parser.add_argument("--drafter", required=True, help="drafter export folder")
@@ -340,6 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode blocks of this size (<= the trained block size; default: the trained one)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=temperatures,
+        default=(defaults.temperature,),
+        help="sampling temperature(s), comma separated (0 = greedy; e.g. 0,0.7,1.0: tau at each)",
+    )
+    parser.add_argument("--top-p", type=float, default=defaults.top_p, help="1 = off; T > 0")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0 = off; T > 0")
+    parser.add_argument("--seed", type=int, default=0, help="of the per-prompt generators")
     return parser
 
 
@@ -351,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     `builtin_cache_dir()`.
     """
     args = build_parser().parse_args(argv)
+    opts = sampling_options(args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.baseline_dir:  # unwritable: one line, exit 2, before the target is loaded
         check_writable_folder(args.baseline_dir, argument="--baseline-dir")
     log = get_logger(__name__)
@@ -360,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
             batch_size=args.batch_size, log=log, cache_dir=builtin_cache_dir(),
             results_path=args.results or None, baseline_dir=args.baseline_dir or None,
-            dtype=_DTYPES[args.dtype], block_size=args.block_size,
+            dtype=_DTYPES[args.dtype], block_size=args.block_size, sampling=opts,
         )  # fmt: skip
     except LosslessError as e:
         log.error("eval_failed", reason="lossless_check", error=str(e))
         return 1
-    print(json.dumps({k: v for k, v in report.items() if k != "samples"}), flush=True)
+    print(json.dumps(_summary(report)), flush=True)
     return 0

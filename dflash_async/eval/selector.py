@@ -8,7 +8,9 @@ for slot i the candidates are the unary top-k (k = selector_top_k), each scored
     score(c) = unary(c) + <pred[prev] * hidden_projection(h_i), succ[c]>
 
 with `prev` the token chosen for slot i-1 (the anchor for slot 1), and the draft is the argmax
-(T = 0). At training time `prev` is the gold token (teacher forcing); here it is the walk's own
+(T = 0). At T > 0 (sampled_draft_tokens) the walk samples instead: the selector's softmax over
+its candidates at temperature T (then top-k, top-p: sampling.py's filter) is slot i's q, the
+distribution its draft is drawn from and the target's rejection test divides by. At training time `prev` is the gold token (teacher forcing); here it is the walk's own
 choice, since no gold exists at decode time. The B-1 slots are a static Python loop of device ops:
 no host sync inside; the drafts stay on the device until the target verifies them.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_async.eval.sampling import Sampler
 from dflash_async.model.dflash2 import CandidateSelector
 
 
@@ -41,17 +44,49 @@ def selector_walk(
 ) -> torch.Tensor:
     """The greedy selector path [b, n]: slot by slot, the best scored unary top-k candidate."""
     path = [anchors.to(unary.device)]
-    z_dtype = selector.hidden_projection.weight.dtype
     for i in range(hidden.shape[1]):  # n is static: B-1 slots
-        values, candidates = slot_candidates(unary[:, i], top_k=top_k)  # [b, k]
-        pair = selector.pair_scores(
-            hidden[:, i].to(z_dtype),
-            predecessor(path).to(hidden.device),
-            candidates.to(hidden.device),
-        )  # [b, k]
-        scores = values.float() + pair.to(unary.device).float()
+        scores, candidates = slot_scores(selector, hidden[:, i], unary[:, i], path, top_k=top_k)
         path.append(candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0])
     return torch.stack(path[1:], dim=1)
+
+
+def slot_scores(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,  # [b, d] one slot's norm(x)
+    unary: torch.Tensor,  # [b, V] its unary logits
+    path: list[torch.Tensor],
+    *,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores fp32, token ids) [b, k] of one slot's candidates given the walk so far."""
+    values, candidates = slot_candidates(unary, top_k=top_k)  # [b, k]
+    pair = selector.pair_scores(
+        hidden.to(selector.hidden_projection.weight.dtype),
+        predecessor(path).to(hidden.device),
+        candidates.to(hidden.device),
+    )  # [b, k]
+    return values.float() + pair.to(unary.device).float(), candidates
+
+
+def sampled_selector_walk(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,  # [b, n, d]
+    unary: torch.Tensor,  # [b, n, V]
+    anchors: torch.Tensor,  # [b]
+    *,
+    top_k: int,
+    sampler: Sampler,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [b, n], q [b, n, V]): the walk, each slot's token drawn from q = the filtered
+    softmax of its candidates' scores (zero off the candidates); the next slot's predecessor is
+    the drawn token. Device ops only."""
+    path, qs = [anchors.to(unary.device)], []
+    for i in range(hidden.shape[1]):
+        scores, candidates = slot_scores(selector, hidden[:, i], unary[:, i], path, top_k=top_k)
+        full = unary.new_full(unary[:, i].shape, float("-inf"), dtype=torch.float32)
+        qs.append(sampler.probs(full.scatter(1, candidates, scores)))  # [b, V]
+        path.append(sampler.draw(qs[-1]))
+    return torch.stack(path[1:], dim=1), torch.stack(qs, dim=1)
 
 
 def draft_tokens(
@@ -68,3 +103,22 @@ def draft_tokens(
         return unary.argmax(-1)
     top_k = drafter.config.selector_top_k
     return selector_walk(selector, hidden, unary, anchors, top_k=top_k)
+
+
+def sampled_draft_tokens(
+    drafter: torch.nn.Module,
+    hidden: torch.Tensor,  # [b, n, d]
+    lm_head_weight: torch.Tensor,  # [V, d]
+    anchors: torch.Tensor,  # [b]
+    *,
+    sampler: Sampler,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [b, n], q [b, n, V]) of one block pass at T > 0: each slot drawn from the filtered
+    unary distribution, or along the DFlash2 selector's sampled walk."""
+    unary = hidden.to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T  # [b, n, V]
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        q = sampler.probs(unary)
+        return sampler.draw(q), q
+    top_k = drafter.config.selector_top_k
+    return sampled_selector_walk(selector, hidden, unary, anchors, top_k=top_k, sampler=sampler)

@@ -21,6 +21,9 @@ snapshots it and, after a rejection, restores it and advances by the accepted to
 
 The last step may commit past `max_new_tokens`; its accepted length is recorded as drafted (it
 measures the drafter), the output is cut. Each step syncs the host once (the accept decision).
+
+With a Sampler (T > 0, sampling.py) the same loop samples: the first token ~ p, drafts ~ q (the
+drafter's, or the selector's walk), the verdict by rejection sampling; T = 0 runs the greedy code.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from dflash_async.eval.lossless import (
     eos_set,
     first_difference,
 )
-from dflash_async.eval.selector import draft_tokens
+from dflash_async.eval.sampling import Sampler
+from dflash_async.eval.selector import draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.target.loading import decoder_layers
@@ -142,6 +146,18 @@ class DFlashBlockDrafter:
         hidden = self.block_hidden(anchor_token, anchor_position)[None]  # [1, B-1, d]
         anchor = torch.tensor([anchor_token], device=self.lm_head_weight.device)
         return draft_tokens(self.drafter, hidden, self.lm_head_weight, anchor)[0]
+
+    @torch.no_grad()
+    def draft_sampled(
+        self, anchor_token: int, anchor_position: int, sampler: Sampler
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [B-1], their q [B-1, V]) sampled at the sampler's temperature."""
+        hidden = self.block_hidden(anchor_token, anchor_position)[None]  # [1, B-1, d]
+        anchor = torch.tensor([anchor_token], device=self.lm_head_weight.device)
+        drafts, q = sampled_draft_tokens(
+            self.drafter, hidden, self.lm_head_weight, anchor, sampler=sampler
+        )
+        return drafts[0], q[0]
 
 
 @contextmanager
@@ -262,10 +278,16 @@ def _verify(
     cache: DynamicCache,
     block: torch.Tensor,  # [1, B]: the anchor, then the B-1 drafts
     suppress: torch.Tensor | None,
+    sampled: tuple[Sampler, torch.Tensor] | None = None,  # T > 0: (sampler, q [B-1, V])
 ) -> tuple[int, list[int], torch.Tensor]:
     """The target's verdict on a block: (accepted drafts, the target's tokens t_0..t_accepted,
-    features [B, k*d] of the block rows). t_i is the target's argmax after block token i."""
+    features [B, k*d] of the block rows). t_i is the target's argmax after block token i (T > 0:
+    the accepted drafts, then the residual or bonus token: Sampler.verdict)."""
     logits, features = _target_step(target, outputs, layer_ids, block, cache, logits_to_keep=0)
+    if sampled is not None:
+        sampler, q = sampled
+        accepted, committed = sampler.verdict(_suppressed(logits, suppress), block[0, 1:], q)
+        return accepted, committed, features
     verified = _suppressed(logits, suppress).argmax(-1)  # [B]
     # Sync point: drafts and the target's tokens come to the host for the accept decision.
     both = torch.cat([block[0, 1:], verified]).tolist()
@@ -298,8 +320,10 @@ def speculative_decode(
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None,
     suppress_token_ids: Sequence[int] = (),
+    sampler: Sampler | None = None,
 ) -> SpecResult:
-    """Greedy speculative decoding of one prompt with any BlockDrafter (see the module doc)."""
+    """Speculative decoding of one prompt with any BlockDrafter (see the module doc): greedy, or
+    sampled with `sampler` (its drafter must also have `draft_sampled`)."""
     prompt, eos, suppress, cache = _decode_start(
         target, prompt_ids, eos_token_id, suppress_token_ids
     )
@@ -309,14 +333,19 @@ def speculative_decode(
         position = prompt.shape[1]  # of the newest committed token: the next anchor
         drafter.extend_context(features, torch.arange(position, device=device))
         # Sync point: the first new token (the first anchor) is needed on the host.
-        tokens = [int(_suppressed(logits[-1], suppress).argmax())]
+        first = _suppressed(logits[-1], suppress)
+        tokens = [sampler.first_token(first) if sampler else int(first.argmax())]
         accepted_lengths: list[int] = []
         while len(tokens) < max_new_tokens and not eos.intersection(tokens):
-            drafts = drafter.draft(tokens[-1], position).to(device)  # [B-1]
+            if sampler is None:
+                drafts, sampled = drafter.draft(tokens[-1], position).to(device), None  # [B-1]
+            else:
+                drafts, q = drafter.draft_sampled(tokens[-1], position, sampler)  # type: ignore[attr-defined]
+                drafts, sampled = drafts.to(device), (sampler, q)
             block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]  # [1, B]
             snapshot = hybrid_state.snapshot_linear_states(cache) if hybrid else None
             accepted, committed, features = _verify(
-                target, outputs, layer_ids, cache, block, suppress
+                target, outputs, layer_ids, cache, block, suppress, sampled
             )
             tokens += committed
             accepted_lengths.append(accepted + 1)
@@ -341,8 +370,10 @@ def speculative_generate(
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None,
     suppress_token_ids: Sequence[int] = (),
+    sampler: Sampler | None = None,
 ) -> SpecResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter (batch 1, KV caches)."""
+    """Speculative decoding of one prompt with a DFlash drafter (batch 1, KV caches): greedy, or
+    sampled with `sampler` (T > 0)."""
     max_context = len(prompt_ids) + max_new_tokens + drafter_config.block_size
     block_drafter = DFlashBlockDrafter(
         drafter, drafter_config, embed_weight, lm_head_weight, max_context=max_context
@@ -355,4 +386,5 @@ def speculative_generate(
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         suppress_token_ids=suppress_token_ids,
+        sampler=sampler,
     )

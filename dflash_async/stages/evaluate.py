@@ -48,6 +48,7 @@ from dflash_async.eval.evaluation import (
 )
 from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
+from dflash_async.eval.sampling import SamplingOptions, sampled_or_none
 from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.runtime.devices import DeviceWorker
@@ -239,7 +240,11 @@ def eval_setup(
         records = demo_prompts(settings.num_prompts, split="heldout")
     eos, suppress = stop_rules(target, tokenizer)
     prompts = prompts_of(tokenizer, records, enable_thinking=False)
-    return DecodeSetup(target, prompts, settings.max_new_tokens, eos, suppress, settings.batch_size)
+    sampling = SamplingOptions(settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    return DecodeSetup(
+        target, prompts, settings.max_new_tokens, eos, suppress, settings.batch_size,
+        sampling=sampled_or_none(sampling),
+    )  # fmt: skip
 
 
 async def evaluation_off(step: int, *, wait: bool = False) -> dict[str, Any]:
