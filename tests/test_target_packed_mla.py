@@ -146,6 +146,23 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(kind: s
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> None:
+    """The GPU path's attention (flex, its BlockMask over tiles of 128) run eagerly on the CPU:
+    flex takes MLA's value dim (16) narrower than q/k's (24). T = 256 with documents across tile
+    edges; same 1e-5 bound (summation order only)."""
+    model, rng = _model(VARIANTS[kind]()), np.random.default_rng(5)
+    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
+    layout = layout_pack(docs, 256)
+    outs = []
+    for attention in ("sdpa", "flex"):
+        forward = packed_mla.PackedMLAForward(text_model(model), LAYER_IDS, attention=attention,
+                                              compile=False)  # fmt: skip
+        out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
+        outs.append(forward(layout.input_ids, layout.position_ids, layout.doc_ids, out))
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+
+
 def _mutant(old: str, new: str):
     """packed_mla with the one occurrence of `old` in its source replaced by `new`."""
     source = inspect.getsource(packed_mla)
