@@ -8,7 +8,10 @@ extents on the host; the packed paths never look at it.
 - `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x (`target/packed_dense.py`); flex + compile on CUDA,
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
-  eagerly between compiled attention blocks.
+  eagerly between compiled attention blocks; GLM-4.5 (`glm4_moe`) through `target/packed_mla.py`
+  (partial-rotary attention, grouped top-k router with shared experts).
+- `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`), multi-head latent attention
+  and the grouped-router MoE (`target/packed_mla.py`).
 - `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
   turned off (`packed_hybrid=False`).
 - `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
@@ -31,9 +34,10 @@ from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.settings import SettingsError
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
+from dflash_async.target.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAForward
 
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
-MOE_TYPES = frozenset({"qwen3_moe"})
+MOE_TYPES = frozenset({"qwen3_moe"}) | GLM_MOE_TYPES
 QWEN35_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
 HYBRID_TYPES = QWEN35_TYPES | {"qwen3_next"}
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
@@ -46,7 +50,8 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_hybrid`, `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_hybrid`,
+    `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -136,6 +141,8 @@ def planned_path(model_type: str) -> str:
         return "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
     if model_type in HYBRID_TYPES:
         return "HF padded batches (no packed hybrid forward for its layers yet)"
+    if model_type in MLA_TYPES:
+        return "packed MLA MoE (document-causal attention)"
     if model_type in MOE_TYPES:
         return "packed MoE (document-causal attention)"
     if model_type in DENSE_TYPES:
@@ -201,14 +208,19 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                       attention=attention, compile=compile, layers=layers)  # fmt: skip
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
         return TargetPath(forward, "packed_hybrid", how, forward.stage)
-    if model_type not in DENSE_TYPES | MOE_TYPES:
+    if model_type not in DENSE_TYPES | MOE_TYPES | MLA_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
     if problem:
         return hf(f"{model_type}: {problem}")
     moe = model_type in MOE_TYPES
+    how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+    if model_type in MLA_TYPES | GLM_MOE_TYPES:
+        packed = _Packed(PackedMLAForward(text_model(model), layer_ids, attention=attention,
+                                          compile=compile, layers=layers))  # fmt: skip
+        name = "packed_mla" if model_type in MLA_TYPES else "packed_moe"
+        return TargetPath(packed, name, how, packed.stage)
     forward = PackedDenseForward(text_model(model), layer_ids, attention=attention,
                                  compile=compile, moe_eager=moe, layers=layers)  # fmt: skip
-    how = f"{model_type}: {attention} document-causal attention, compile={compile}"
     packed = _Packed(forward)
     return TargetPath(packed, "packed_moe" if moe else "packed_dense", how, packed.stage)
