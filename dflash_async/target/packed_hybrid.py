@@ -1,5 +1,5 @@
-"""The packed target forward for Qwen3.5 hybrids: Gated DeltaNet layers varlen, attention layers
-document-causal, one pack in one shape, features written in place.
+"""The packed target forward for Qwen3.5 hybrids, dense and MoE: Gated DeltaNet layers varlen,
+attention layers document-causal, one pack in one shape, features written in place.
 
 A Qwen3.5 text decoder interleaves Gated DeltaNet ("linear_attention") layers with gated full
 attention layers. Packing documents end to end is exact only if no state crosses a boundary:
@@ -10,6 +10,8 @@ attention layers. Packing documents end to end is exact only if no state crosses
 - the full-attention layers use the document-causal BlockMask of `packed_dense`, with Qwen3.5's
   output gate (sigmoid of the second half of q_proj) and partial rotary (the first `cos.shape[-1]`
   dims of each head).
+Qwen3.5-MoE's layers are the same with an MoE block in place of the MLP (`packed_hybrid_moe`: our
+router and gated shared expert around the HF grouped experts, run eagerly between compiled parts).
 Everything else (norms, projections, MLP, the gated RMSNorm) is the HF modules' own code. The
 kernels are passed in (`HybridKernels`) so the CPU tests can check the packing with plain torch
 ones; the product uses `fla_kernels()` on CUDA only (triton has no CPU backend).
@@ -43,6 +45,7 @@ from dflash_async.target.packed_dense import (
     rotate_half,
     stage_columns,
 )
+from dflash_async.target.packed_hybrid_moe import MoeBlock, moe_layout_problem
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
@@ -116,8 +119,11 @@ def hybrid_layout_problem(text_model: nn.Module) -> str | None:
                 return f"attention {type(attn).__name__} without Qwen3.5's output gate"
         else:
             return f"decoder layer {type(layer).__name__} is neither linear nor full attention"
-        if not hasattr(layer, "mlp") or hasattr(layer.mlp, "experts"):
-            return f"decoder layer {type(layer).__name__}: MoE or no MLP"
+        if not hasattr(layer, "mlp"):
+            return f"decoder layer {type(layer).__name__} has no MLP"
+        problem = moe_layout_problem(layer.mlp) if hasattr(layer.mlp, "experts") else None
+        if problem:
+            return problem
     return None
 
 
@@ -188,7 +194,8 @@ class PackedHybridForward:
         self._flex = attention == "flex"
         self._attend = attend_flex if self._flex else attend_sdpa
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
-        self._attention, self._mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
+        self._attention, self._dense_mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
+        self._attention_only, self._moe = wrap(gated_attention_block), MoeBlock(wrap)
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
 
     @staticmethod
@@ -214,6 +221,18 @@ class PackedHybridForward:
         core = self.kernels.delta(q, k, v.view(1, T, -1, gdn.head_v_dim), g, beta, segments)
         return self._delta_out(layer, hidden, core, z.view(1, T, -1, gdn.head_v_dim))
 
+    def _layer(self, layer, hidden, segments: Segments, attention: tuple) -> torch.Tensor:
+        """One decoder layer on hidden [1, T, d]: its token mixer, then its MLP or MoE block
+        (the MoE's experts eager between compiled parts); attention = (cos, sin, mask)."""
+        moe = hasattr(layer.mlp, "experts")
+        if hasattr(layer, "linear_attn"):
+            hidden = self._delta_layer(layer, hidden, segments)
+        elif moe:
+            hidden = self._attention_only(layer, hidden, *attention, self._attend)
+        else:  # attention and MLP in one compiled function
+            return self._attention(layer, hidden, *attention, self._attend)
+        return self._moe(layer, hidden) if moe else self._dense_mlp(layer, hidden)
+
     @torch.no_grad()
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
@@ -234,10 +253,7 @@ class PackedHybridForward:
         # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
         cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
         for i, layer in self._layers.items():
-            if hasattr(layer, "linear_attn"):
-                hidden = self._mlp(layer, self._delta_layer(layer, hidden, segments))
-            else:
-                hidden = self._attention(layer, hidden, cos, sin, mask, self._attend)
+            hidden = self._layer(layer, hidden, segments, (cos, sin, mask))
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(hidden[0])
