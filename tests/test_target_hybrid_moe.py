@@ -15,6 +15,8 @@ at initializer_range 0.1 so that the MoE block's output is of the residual's ord
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ from transformers import Qwen3_5MoeTextConfig
 
 from dflash_async.data.packing import layout_pack
 from dflash_async.target import packed_hybrid_moe
+from dflash_async.target.forward import planned_path, select_target_forward
 from dflash_async.target.loading import random_target, text_model
 from dflash_async.target.packed_hybrid import (
     HybridKernels,
@@ -156,3 +159,32 @@ def test_shared_expert_without_its_gate_is_caught(moe_model, monkeypatch) -> Non
         packed_hybrid_moe, "gated_shared_expert", lambda mlp, x: mlp.shared_expert(x)
     )
     assert min(_errors(moe_model)) > MUTANT_MIN
+
+
+def test_cpu_qwen35_moe_keeps_the_hf_path_because_fla_needs_cuda(moe_model) -> None:
+    """Its layers qualify (the old code refused them for their model_type); the device does not."""
+    path = select_target_forward(
+        moe_model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64
+    )
+    assert path.name == "hf" and "CUDA" in path.reason, path.reason
+
+
+def test_planned_path_of_qwen35_moe_is_the_packed_hybrid_forward() -> None:
+    for model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
+        assert planned_path(model_type).startswith("packed hybrid"), model_type
+
+
+@pytest.mark.gpu
+def test_gpu_fla_packed_qwen35_moe_rows_equal_each_document_alone() -> None:
+    """fp32, fla kernels, flex attention (compiled), grouped experts: the bound of
+    test_target_hybrid's GPU test (relative 5e-3 per document, TF32 dots in fla's kernels)."""
+    model = random_target(tiny_qwen35_moe(), seed=0).cuda()
+    path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
+    assert path.name == "packed_hybrid", path.reason
+    docs = _documents((70, 100, 3, 50), seed=1)
+    packed = _packed(path.forward, docs, 256, WIDTH, "cuda")
+    offsets = np.concatenate([[0], np.cumsum([len(d[0]) for d in docs])])
+    errors = _per_document_errors(model, docs, packed)
+    scales = [float(packed[lo:hi].abs().max()) for lo, hi in itertools.pairwise(offsets)]
+    relative = [e / s for e, s in zip(errors, scales, strict=True)]
+    assert max(relative) < 5e-3, (relative, errors)
