@@ -1,5 +1,5 @@
-"""The packed target forward for Qwen3.5 hybrids, dense and MoE: Gated DeltaNet layers varlen,
-attention layers document-causal, one pack in one shape, features written in place.
+"""The packed target forward for Qwen3.5 (dense, MoE) and Qwen3-Next hybrids: Gated DeltaNet
+layers varlen, attention layers document-causal, one pack in one shape, features written in place.
 
 A Qwen3.5 text decoder interleaves Gated DeltaNet ("linear_attention") layers with gated full
 attention layers. Packing documents end to end is exact only if no state crosses a boundary:
@@ -12,6 +12,8 @@ attention layers. Packing documents end to end is exact only if no state crosses
   dims of each head).
 Qwen3.5-MoE's layers are the same with an MoE block in place of the MLP (`packed_hybrid_moe`: our
 router and gated shared expert around the HF grouped experts, run eagerly between compiled parts).
+Qwen3-Next's too, except its Gated DeltaNet's fused projections (`next_delta_inputs`), its plain
+1-D rotary (partial as well) and a dense MLP in its `mlp_only_layers`.
 Everything else (norms, projections, MLP, the gated RMSNorm) is the HF modules' own code. The
 kernels are passed in (`HybridKernels`) so the CPU tests can check the packing with plain torch
 ones; the product uses `fla_kernels()` on CUDA only (triton has no CPU backend).
@@ -48,6 +50,10 @@ from dflash_async.target.packed_dense import (
 from dflash_async.target.packed_hybrid_moe import MoeBlock, moe_layout_problem
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+# Qwen3-Next's Gated DeltaNet: q, k, v, z fused in one projection grouped per key head, b and a in
+# another (its `fix_query_key_value_ordering` undoes the grouping)
+_NEXT_GDN_PARTS = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "norm",
+                   "out_proj")  # fmt: skip
 
 
 FLA_CHUNK = 64  # fla's chunk length for chunk_gated_delta_rule and the triton causal_conv1d
@@ -110,7 +116,8 @@ def hybrid_layout_problem(text_model: nn.Module) -> str | None:
     """None when every layer is a Qwen3.5-style Gated DeltaNet or gated-attention layer."""
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn"):
-            missing = [p for p in _GDN_PARTS if not hasattr(layer.linear_attn, p)]
+            parts = _NEXT_GDN_PARTS if hasattr(layer.linear_attn, "in_proj_qkvz") else _GDN_PARTS
+            missing = [p for p in parts if not hasattr(layer.linear_attn, p)]
             if missing:
                 return f"Gated DeltaNet {type(layer.linear_attn).__name__} lacks {missing}"
         elif hasattr(layer, "self_attn"):
@@ -159,6 +166,16 @@ def delta_inputs(layer, hidden):
     return mixed, z, g, beta
 
 
+def next_delta_inputs(layer, hidden):
+    """delta_inputs for Qwen3-Next's fused projections: (mixed qkv [1,T,C], z, g, beta)."""
+    gdn = layer.linear_attn
+    x = layer.input_layernorm(hidden)
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    mixed = torch.cat([t.reshape(*hidden.shape[:2], -1) for t in (q, k, v)], dim=-1)
+    g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [1, T, HV]
+    return mixed, z, g, b.sigmoid()
+
+
 def delta_output(layer, hidden, core, z):
     """Post-kernel part: gated RMSNorm per value head, out_proj, residual."""
     gdn = layer.linear_attn
@@ -171,7 +188,7 @@ def _gated_attention_mlp(layer, hidden, cos, sin, mask, attend):
 
 
 class PackedHybridForward:
-    """Features of a packed layout for a Qwen3.5 text decoder (see the module docstring)."""
+    """Features of a packed layout for a Qwen3.5(-MoE) or Qwen3-Next decoder (module docstring)."""
 
     def __init__(
         self,
@@ -197,6 +214,7 @@ class PackedHybridForward:
         self._attention, self._dense_mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
         self._attention_only, self._moe = wrap(gated_attention_block), MoeBlock(wrap)
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
+        self._next_delta_in = wrap(next_delta_inputs)
 
     @staticmethod
     def _segments(lengths: np.ndarray, T: int, device) -> Segments:
@@ -212,7 +230,8 @@ class PackedHybridForward:
 
     def _delta_layer(self, layer, hidden, segments: Segments):
         gdn = layer.linear_attn
-        mixed, z, g, beta = self._delta_in(layer, hidden)
+        fused = hasattr(gdn, "in_proj_qkvz")  # Qwen3-Next
+        mixed, z, g, beta = (self._next_delta_in if fused else self._delta_in)(layer, hidden)
         weight = gdn.conv1d.weight.squeeze(1)  # [C, W]
         mixed = self.kernels.conv(mixed, weight, segments)
         q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
@@ -250,8 +269,9 @@ class PackedHybridForward:
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
-        # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
-        cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
+        # [1, T]: Qwen3-Next's rotary as is; Qwen3.5's mrope expands it to one position row per
+        # grid axis (t, h, w), all equal for text, [3, 1, T]
+        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, r]
         for i, layer in self._layers.items():
             hidden = self._layer(layer, hidden, segments, (cos, sin, mask))
             if i in self._columns:

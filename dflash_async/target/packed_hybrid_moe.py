@@ -1,11 +1,11 @@
-"""The MoE block of the packed hybrid forward (Qwen3.5-MoE): router, grouped experts, gated shared
-expert, on the rows of a whole pack at once.
+"""The MoE block of the packed hybrid forward (Qwen3.5-MoE, Qwen3-Next): router, grouped
+experts, gated shared expert, on the rows of a whole pack at once.
 
 An MoE block is per token, so packing documents changes nothing about it: each row is routed on
 its own. What is ours is the arithmetic around the experts, the same as HF's SparseMoeBlock:
 - the router: softmax over all experts in fp32, top-k, the k weights renormalised to sum to one
-  where the router says so (`norm_topk_prob`; Qwen3.5-MoE's router has no such switch and always
-  renormalises), cast back to the logits' dtype;
+  where the router says so (Qwen3-Next's `norm_topk_prob`; Qwen3.5-MoE's router has no such
+  switch and always renormalises), cast back to the logits' dtype;
 - the shared expert, an MLP on every row scaled by sigmoid(shared_expert_gate(x)), added.
 The routed experts are the HF module's own call (`mlp.experts(x, indices, weights)`), which runs
 the model's `_experts_implementation`: "grouped_mm" by default (torch._grouped_mm over the rows
