@@ -113,7 +113,8 @@ def fla_kernels() -> HybridKernels:
 
 
 def hybrid_layout_problem(text_model: nn.Module) -> str | None:
-    """None when every layer is a Qwen3.5-style Gated DeltaNet or gated-attention layer."""
+    """None when every layer is a Qwen3.5- or Qwen3-Next-style Gated DeltaNet or gated-attention
+    layer with an MLP or a router + experts + gated shared expert MoE block."""
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn"):
             parts = _NEXT_GDN_PARTS if hasattr(layer.linear_attn, "in_proj_qkvz") else _GDN_PARTS

@@ -13,7 +13,9 @@ sorted by expert, offsets from a histogram: no host sync), the path the Qwen3-Mo
 takes too; "eager" (a loop over the experts hit) would sync once per layer.
 
 The router and the shared expert are one function (`moe_inputs`) so they can be compiled; the
-experts run eagerly between them (data-dependent grouping), as in `packed_dense`'s moe_eager.
+experts run eagerly after it (data-dependent grouping), as in `packed_dense`'s moe_eager. Eager
+also keeps them on grouped_mm: under torch.compile HF's dispatcher takes its per-expert fallback
+(`offs.tolist()`, a sync) for any dtype but bf16.
 """
 
 from __future__ import annotations
