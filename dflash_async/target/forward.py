@@ -12,9 +12,10 @@ extents on the host; the packed paths never look at it.
   (partial-rotary attention, grouped top-k router with shared experts).
 - `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`), multi-head latent attention
   and the grouped-router MoE (`target/packed_mla.py`).
-- `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
-  turned off (`packed_hybrid=False`).
-- `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
+- `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention
+  (`target/packed_hybrid.py`, its MoE block `target/packed_hybrid_moe.py`), unless turned off
+  (`packed_hybrid=False`).
+- `hf`: anything else (hybrids on the CPU or without fla too): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
 """
@@ -39,7 +40,10 @@ from dflash_async.target.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAFo
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe"}) | GLM_MOE_TYPES
 QWEN35_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
-HYBRID_TYPES = QWEN35_TYPES | {"qwen3_next"}
+QWEN35_MOE_TYPES = frozenset({"qwen3_5_moe_text", "qwen3_5_moe"})
+HYBRID_MOE_TYPES = QWEN35_MOE_TYPES | {"qwen3_next"}
+PACKED_HYBRID_TYPES = QWEN35_TYPES | HYBRID_MOE_TYPES  # target/packed_hybrid.py runs their layers
+HYBRID_TYPES = PACKED_HYBRID_TYPES
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
@@ -122,9 +126,9 @@ def _dense_layout_problem(model: nn.Module) -> str | None:
 
 
 def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
-    """None when the packed hybrid forward can run: Qwen3.5 layers, CUDA, fla installed."""
-    if text_config(model).model_type not in QWEN35_TYPES:
-        return "only Qwen3.5 layers have a packed varlen forward here"
+    """None when the packed hybrid forward can run: its layers, CUDA, fla installed."""
+    if text_config(model).model_type not in PACKED_HYBRID_TYPES:
+        return "only Qwen3.5, Qwen3.5-MoE and Qwen3-Next layers have a packed varlen forward here"
     if device.type != "cuda":
         return f"flash-linear-attention kernels need CUDA (device is {device.type})"
     if importlib.util.find_spec("fla") is None:
@@ -137,10 +141,11 @@ def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
 def planned_path(model_type: str) -> str:
     """The forward `select_target_forward` takes for a model_type whose layers have the usual
     shape, in words (the README's table; the run logs the real choice as target_path_chosen)."""
+    if model_type in HYBRID_MOE_TYPES:
+        return ("packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
+                "HF padded batches elsewhere")  # fmt: skip
     if model_type in QWEN35_TYPES:
         return "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
-    if model_type in HYBRID_TYPES:
-        return "HF padded batches (no packed hybrid forward for its layers yet)"
     if model_type in MLA_TYPES:
         return "packed MLA MoE (document-causal attention)"
     if model_type in MOE_TYPES:

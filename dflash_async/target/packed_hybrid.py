@@ -1,5 +1,5 @@
-"""The packed target forward for Qwen3.5 hybrids: Gated DeltaNet layers varlen, attention layers
-document-causal, one pack in one shape, features written in place.
+"""The packed target forward for Qwen3.5 (dense, MoE) and Qwen3-Next hybrids: Gated DeltaNet
+layers varlen, attention layers document-causal, one pack in one shape, features written in place.
 
 A Qwen3.5 text decoder interleaves Gated DeltaNet ("linear_attention") layers with gated full
 attention layers. Packing documents end to end is exact only if no state crosses a boundary:
@@ -10,6 +10,10 @@ attention layers. Packing documents end to end is exact only if no state crosses
 - the full-attention layers use the document-causal BlockMask of `packed_dense`, with Qwen3.5's
   output gate (sigmoid of the second half of q_proj) and partial rotary (the first `cos.shape[-1]`
   dims of each head).
+Qwen3.5-MoE's layers are the same with an MoE block in place of the MLP (`packed_hybrid_moe`: our
+router and gated shared expert around the HF grouped experts, run eagerly between compiled parts).
+Qwen3-Next's too, except its Gated DeltaNet's fused projections (`next_delta_inputs`), its plain
+1-D rotary (partial as well) and a dense MLP in its `mlp_only_layers`.
 Everything else (norms, projections, MLP, the gated RMSNorm) is the HF modules' own code. The
 kernels are passed in (`HybridKernels`) so the CPU tests can check the packing with plain torch
 ones; the product uses `fla_kernels()` on CUDA only (triton has no CPU backend).
@@ -43,8 +47,13 @@ from dflash_async.target.packed_dense import (
     rotate_half,
     stage_columns,
 )
+from dflash_async.target.packed_hybrid_moe import MoeBlock, moe_layout_problem
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+# Qwen3-Next's Gated DeltaNet: q, k, v, z fused in one projection grouped per key head, b and a in
+# another (its `fix_query_key_value_ordering` undoes the grouping)
+_NEXT_GDN_PARTS = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "norm",
+                   "out_proj")  # fmt: skip
 
 
 FLA_CHUNK = 64  # fla's chunk length for chunk_gated_delta_rule and the triton causal_conv1d
@@ -104,10 +113,12 @@ def fla_kernels() -> HybridKernels:
 
 
 def hybrid_layout_problem(text_model: nn.Module) -> str | None:
-    """None when every layer is a Qwen3.5-style Gated DeltaNet or gated-attention layer."""
+    """None when every layer is a Qwen3.5- or Qwen3-Next-style Gated DeltaNet or gated-attention
+    layer with an MLP or a router + experts + gated shared expert MoE block."""
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn"):
-            missing = [p for p in _GDN_PARTS if not hasattr(layer.linear_attn, p)]
+            parts = _NEXT_GDN_PARTS if hasattr(layer.linear_attn, "in_proj_qkvz") else _GDN_PARTS
+            missing = [p for p in parts if not hasattr(layer.linear_attn, p)]
             if missing:
                 return f"Gated DeltaNet {type(layer.linear_attn).__name__} lacks {missing}"
         elif hasattr(layer, "self_attn"):
@@ -116,8 +127,11 @@ def hybrid_layout_problem(text_model: nn.Module) -> str | None:
                 return f"attention {type(attn).__name__} without Qwen3.5's output gate"
         else:
             return f"decoder layer {type(layer).__name__} is neither linear nor full attention"
-        if not hasattr(layer, "mlp") or hasattr(layer.mlp, "experts"):
-            return f"decoder layer {type(layer).__name__}: MoE or no MLP"
+        if not hasattr(layer, "mlp"):
+            return f"decoder layer {type(layer).__name__} has no MLP"
+        problem = moe_layout_problem(layer.mlp) if hasattr(layer.mlp, "experts") else None
+        if problem:
+            return problem
     return None
 
 
@@ -153,6 +167,16 @@ def delta_inputs(layer, hidden):
     return mixed, z, g, beta
 
 
+def next_delta_inputs(layer, hidden):
+    """delta_inputs for Qwen3-Next's fused projections: (mixed qkv [1,T,C], z, g, beta)."""
+    gdn = layer.linear_attn
+    x = layer.input_layernorm(hidden)
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+    mixed = torch.cat([t.reshape(*hidden.shape[:2], -1) for t in (q, k, v)], dim=-1)
+    g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)  # [1, T, HV]
+    return mixed, z, g, b.sigmoid()
+
+
 def delta_output(layer, hidden, core, z):
     """Post-kernel part: gated RMSNorm per value head, out_proj, residual."""
     gdn = layer.linear_attn
@@ -165,7 +189,7 @@ def _gated_attention_mlp(layer, hidden, cos, sin, mask, attend):
 
 
 class PackedHybridForward:
-    """Features of a packed layout for a Qwen3.5 text decoder (see the module docstring)."""
+    """Features of a packed layout for a Qwen3.5(-MoE) or Qwen3-Next decoder (module docstring)."""
 
     def __init__(
         self,
@@ -188,8 +212,10 @@ class PackedHybridForward:
         self._flex = attention == "flex"
         self._attend = attend_flex if self._flex else attend_sdpa
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
-        self._attention, self._mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
+        self._attention, self._dense_mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
+        self._attention_only, self._moe = wrap(gated_attention_block), MoeBlock(wrap)
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
+        self._next_delta_in = wrap(next_delta_inputs)
 
     @staticmethod
     def _segments(lengths: np.ndarray, T: int, device) -> Segments:
@@ -205,7 +231,8 @@ class PackedHybridForward:
 
     def _delta_layer(self, layer, hidden, segments: Segments):
         gdn = layer.linear_attn
-        mixed, z, g, beta = self._delta_in(layer, hidden)
+        fused = hasattr(gdn, "in_proj_qkvz")  # Qwen3-Next
+        mixed, z, g, beta = (self._next_delta_in if fused else self._delta_in)(layer, hidden)
         weight = gdn.conv1d.weight.squeeze(1)  # [C, W]
         mixed = self.kernels.conv(mixed, weight, segments)
         q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
@@ -213,6 +240,18 @@ class PackedHybridForward:
         q, k = q.view(1, T, -1, gdn.head_k_dim), k.view(1, T, -1, gdn.head_k_dim)
         core = self.kernels.delta(q, k, v.view(1, T, -1, gdn.head_v_dim), g, beta, segments)
         return self._delta_out(layer, hidden, core, z.view(1, T, -1, gdn.head_v_dim))
+
+    def _layer(self, layer, hidden, segments: Segments, attention: tuple) -> torch.Tensor:
+        """One decoder layer on hidden [1, T, d]: its token mixer, then its MLP or MoE block
+        (the MoE's experts eager between compiled parts); attention = (cos, sin, mask)."""
+        moe = hasattr(layer.mlp, "experts")
+        if hasattr(layer, "linear_attn"):
+            hidden = self._delta_layer(layer, hidden, segments)
+        elif moe:
+            hidden = self._attention_only(layer, hidden, *attention, self._attend)
+        else:  # attention and MLP in one compiled function
+            return self._attention(layer, hidden, *attention, self._attend)
+        return self._moe(layer, hidden) if moe else self._dense_mlp(layer, hidden)
 
     @torch.no_grad()
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
@@ -231,13 +270,11 @@ class PackedHybridForward:
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
-        # mrope: one position row per grid axis (t, h, w), all equal for text: [3, 1, T]
-        cos, sin = self._rotary(hidden, position_ids[None, None].expand(3, 1, -1))  # [1, T, r]
+        # [1, T]: Qwen3-Next's rotary as is; Qwen3.5's mrope expands it to one position row per
+        # grid axis (t, h, w), all equal for text, [3, 1, T]
+        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, r]
         for i, layer in self._layers.items():
-            if hasattr(layer, "linear_attn"):
-                hidden = self._mlp(layer, self._delta_layer(layer, hidden, segments))
-            else:
-                hidden = self._attention(layer, hidden, cos, sin, mask, self._attend)
+            hidden = self._layer(layer, hidden, segments, (cos, sin, mask))
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(hidden[0])
