@@ -1,13 +1,17 @@
 """The packed gpt-oss forward (sliding windows, attention sinks, its MoE) equals each document run
 alone through HF, row for row; and the parity test catches a window off by one, missing sinks
-and the router's top-k normalisation changed.
+and the router's top-k normalisation changed. The same for MiniMax-M2 (target/packed_moe_window).
 
 Tolerance 1e-5 in fp32: both sides run the same projections on the same rows and differ only in
 summation order (masked keys add exact zeros; the sink enters as sigmoid(lse - s) here and as an
 extra softmax column in HF: the same quotient Z/(Z+e^s), rounded differently), i.e. a few fp32
-ulps of the features, whose magnitude here is below 0.1 (ulp 7.5e-9): measured 1.5e-8 (sdpa)
-and 3e-8 (flex). 1e-5 leaves a 300x margin over that and sits 1000x below the smallest mutant's
-deviation (measured 1.7e-2, router; 2.3e-2 window; 5.3e-2 sinks), asserted above `_MUTANT_GAP`.
+ulps of the features, whose magnitude here is below 0.14 (ulp <= 1.5e-8): measured 1.5e-8 to
+3e-8 (sdpa and flex, both families). 1e-5 leaves a 300x margin over that and sits 400x below the
+smallest mutant's deviation (measured: gpt-oss router 1.7e-2, window 2.3e-2, sinks 5.3e-2;
+MiniMax-M2 renormalisation 4.1e-3, correction bias 5.5e-3), asserted above `_MUTANT_GAP`.
+
+MiniMax-M2 (its own q/k norms, partial RoPE and sigmoid router; no windows, no sinks) is held to
+the same parity and its router mutants to the same gap.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def _window_off_by_one(doc_ids, window):
     return mask if window is None else mask & (rows[:, None] - rows[None, :] <= window)
 
 
-def _route_softmax_before_topk(router, x):
+def _route_softmax_before_topk(moe, x):
+    router = moe.router
     probs = torch.softmax(torch.nn.functional.linear(x, router.weight, router.bias), dim=-1)
     weights, experts = torch.topk(probs, router.top_k, dim=-1)
     return experts, weights
@@ -155,3 +160,70 @@ def test_selected_cpu_path_of_gpt_oss_is_packed_and_exact(model) -> None:
     out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
     path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
     assert _max_deviation(out, _alone(model, docs)) < ATOL
+
+
+# MiniMax-M2: no windows, no sinks; its own q/k norms, partial RoPE and sigmoid router.
+
+
+@pytest.fixture(scope="module")
+def minimax():
+    """The tiny MiniMax-M2 with partial RoPE (8 of 16 dims), router logits of order 1 (at init
+    they are ~0.02, so every sigmoid score is ~0.5 and renormalising two of them changes little)
+    and a nonzero correction bias (zero at init, hiding whether the choice adds it)."""
+    config = tiny_config("minimax_m2")
+    config.rope_parameters["partial_rotary_factor"] = 0.5
+    model = random_target(config, seed=4)
+    generator = torch.Generator().manual_seed(0)
+    for layer in text_model(model).layers:
+        layer.mlp.gate.weight.mul_(30)
+        bias = layer.mlp.e_score_correction_bias
+        bias.copy_(torch.randn(bias.shape, generator=generator) * 0.2)
+    assert text_model(model).rotary_emb.inv_freq.numel() == 4  # r = 8 rotary dims of 16
+    return model
+
+
+def test_every_packed_minimax_m2_row_equals_its_document_run_alone_through_hf(minimax) -> None:
+    docs = _docs(minimax.config.vocab_size, seed=5)
+    assert _max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) < ATOL
+
+
+def test_flex_path_of_minimax_m2_is_exact_too(minimax) -> None:
+    docs = _docs(minimax.config.vocab_size, seed=6)
+    packed = _packed(_forward(minimax, "flex"), docs, token_budget=128)
+    assert _max_deviation(packed, _alone(minimax, docs)) < ATOL
+
+
+def _minimax_choice_without_bias(moe, x):
+    scores = torch.sigmoid(torch.nn.functional.linear(x, moe.gate.weight).float())
+    _, experts = torch.topk(scores, moe.gate.top_k, dim=-1)
+    weights = scores.gather(1, experts)
+    return experts, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _minimax_weights_not_renormalised(moe, x):
+    scores = torch.sigmoid(torch.nn.functional.linear(x, moe.gate.weight).float())
+    _, experts = torch.topk(scores + moe.e_score_correction_bias, moe.gate.top_k, dim=-1)
+    return experts, scores.gather(1, experts)
+
+
+MINIMAX_MUTANTS = {
+    "router_choice_without_correction_bias": _minimax_choice_without_bias,
+    "router_weights_not_renormalised": _minimax_weights_not_renormalised,
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MINIMAX_MUTANTS))
+def test_parity_check_catches_the_minimax_router_mutant(minimax, monkeypatch, mutant) -> None:
+    monkeypatch.setattr(pmw, "minimax_route", MINIMAX_MUTANTS[mutant])
+    docs = _docs(minimax.config.vocab_size, seed=5)
+    assert _max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) > _MUTANT_GAP
+
+
+def test_selected_cpu_path_of_minimax_m2_is_packed_and_exact(minimax) -> None:
+    path = select_target_forward(minimax, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == "packed_moe_window" and path.stage is not None, path.reason
+    docs = _docs(minimax.config.vocab_size, seed=7)
+    layout = layout_pack(docs, TOKEN_BUDGET)
+    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
+    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    assert _max_deviation(out, _alone(minimax, docs)) < ATOL

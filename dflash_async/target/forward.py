@@ -11,7 +11,7 @@ extents on the host; the packed paths never look at it.
   eagerly between compiled attention blocks.
 - `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
   turned off (`packed_hybrid=False`).
-- `packed_moe_window`: gpt-oss, sliding windows and attention sinks (`target/packed_moe_window.py`).
+- `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`target/packed_moe_window.py`).
 - `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
@@ -140,8 +140,8 @@ def planned_path(model_type: str) -> str:
         return "HF padded batches (no packed hybrid forward for its layers yet)"
     if model_type in MOE_TYPES:
         return "packed MoE (document-causal attention)"
-    if model_type in pmw.WINDOW_TYPES:
-        return "packed MoE with sliding windows and attention sinks (document-causal attention)"
+    if model_type in pmw.PACKED_TYPES:
+        return pmw.planned(model_type)
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"
@@ -205,12 +205,12 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                       attention=attention, compile=compile, layers=layers)  # fmt: skip
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
         return TargetPath(forward, "packed_hybrid", how, forward.stage)
-    if model_type in pmw.WINDOW_TYPES:  # gpt-oss (target/packed_moe_window.py)
-        if problem := pmw.window_layout_problem(text_model(model)):
+    if model_type in pmw.PACKED_TYPES:  # gpt-oss, MiniMax-M2 (target/packed_moe_window.py)
+        if problem := pmw.layout_problem(text_model(model)):
             return hf(f"{model_type}: {problem}")
         packed = _Packed(pmw.PackedWindowMoeForward(text_model(model), layer_ids, attention=attention,
                                                     compile=compile, layers=layers))  # fmt: skip
-        how = f"{model_type}: {attention} document-causal windowed attention with sinks"
+        how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
         return TargetPath(packed, "packed_moe_window", how, packed.stage)
     if model_type not in DENSE_TYPES | MOE_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")

@@ -1,5 +1,6 @@
 """target/packed_moe_window.py owns the packed forward of MoE targets with sliding-window layers
-and learned attention sinks: gpt-oss (`gpt_oss`). One pack in, its features written in place.
+and learned attention sinks, gpt-oss (`gpt_oss`), and of MiniMax-M2 (`minimax_m2`: neither, but
+its own router and q/k norms). One pack in, its features written in place.
 
 The layout is `packed_dense`'s (input_ids / position_ids restarting at 0 / doc_ids, -1 padding
 last), and so is the rule that nothing crosses a document. What gpt-oss adds, and where it lives:
@@ -18,6 +19,9 @@ last), and so is the rule that nothing crosses a document. What gpt-oss adds, an
   the HF experts module itself (its clamped SwiGLU with alpha/limit and biases, run through
   whatever `config._experts_implementation` transformers picked: grouped_mm or the eager loop),
   kept out of the compiled region as the Qwen3-MoE packed path does.
+MiniMax-M2 (`minimax_qkv`, `minimax_route`): full causal attention, RMSNorm over the whole q and k
+projections, partial RoPE (`rope_partial`, the first r dims of each head), a sigmoid router
+whose choice adds `e_score_correction_bias` and whose weights are the chosen scores renormalised.
 Sync points: none here in the steady state. The HF experts' *eager* implementation syncs (its
 `nonzero()` over the hit experts and a Python comparison per expert); grouped_mm does not.
 """
@@ -35,6 +39,7 @@ from dflash_async.target.packed_dense import (
     _ordered,
     document_causal_mask,
     mask_padding,
+    rotate_half,
     stage_columns,
 )
 
@@ -43,7 +48,7 @@ try:
 except ImportError:  # pragma: no cover
     AuxRequest = BlockMask = flex_attention = None
 
-WINDOW_TYPES = frozenset({"gpt_oss"})
+PACKED_TYPES = frozenset({"gpt_oss", "minimax_m2"})
 
 
 def window_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -97,14 +102,17 @@ def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLE
     )  # fmt: skip
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """out [1, H, T, hd] of a sink-less softmax, lse [1, H, T] its log-sum-exp, sinks [H]:
-    the output with each head's sink logit in the denominator, out * sigmoid(lse - sink)."""
+    the output with each head's sink logit in the denominator, out * sigmoid(lse - sink).
+    sinks None (a family without them): out itself."""
+    if sinks is None:
+        return out
     gate = torch.sigmoid(lse.float() - sinks.float()[None, :, None])  # [1, H, T]
     return out * gate[..., None].to(out.dtype)
 
 
-def attend_dense_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+def attend_dense_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [1, H, T, hd], k/v [1, Hkv, T, hd], mask [T, T] bool -> [1, H, T, hd] (CPU reference:
     explicit logits, so the log-sum-exp is at hand; every row sees at least itself)."""
     groups = q.shape[1] // k.shape[1]
@@ -116,8 +124,8 @@ def attend_dense_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torc
     return with_sinks(out, lse, sinks)
 
 
-def attend_flex_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
-    """flex_attention (its lse is natural-log) with `mask` a BlockMask; then the sinks."""
+def attend_flex_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """flex_attention (its lse is natural-log) with `mask` a BlockMask; then the sinks (if any)."""
     out, aux = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                               return_aux=AuxRequest(lse=True))  # fmt: skip
     return with_sinks(out, aux.lse, sinks)
@@ -130,39 +138,88 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
-    """hidden [1, T, d] + the HF layer's self-attention (pre-norm residual), window and sinks."""
+def rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """MiniMax-M2 RoPE: x [1, H, T, hd], cos/sin [1, T, r] (r <= hd, HF's rotate_half form) on
+    the first r dims of each head; the other hd - r pass through."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    rot = rot * cos[:, None] + rotate_half(rot) * sin[:, None]
+    return torch.cat((rot, rest), dim=-1)
+
+
+def gpt_oss_qkv(attn: nn.Module, x, cos, sin) -> tuple[torch.Tensor, ...]:
+    """x [1, T, d] -> q [1, H, T, hd], k/v [1, Hkv, T, hd]: biased projections, RoPE halves."""
+    shape = (1, x.shape[1], -1, attn.head_dim)
+    q = rope_halves(attn.q_proj(x).view(shape).transpose(1, 2), cos, sin)
+    k = rope_halves(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
+    return q, k, attn.v_proj(x).view(shape).transpose(1, 2)
+
+
+def minimax_qkv(attn: nn.Module, x, cos, sin) -> tuple[torch.Tensor, ...]:
+    """MiniMax-M2: RMSNorm over the whole q (k) projection, all heads at once, then partial RoPE."""
+    shape = (1, x.shape[1], -1, attn.head_dim)
+    q = rope_partial(attn.q_norm(attn.q_proj(x)).view(shape).transpose(1, 2), cos, sin)
+    k = rope_partial(attn.k_norm(attn.k_proj(x)).view(shape).transpose(1, 2), cos, sin)
+    return q, k, attn.v_proj(x).view(shape).transpose(1, 2)
+
+
+def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend, qkv) -> torch.Tensor:
+    """hidden [1, T, d] + the HF layer's self-attention (pre-norm residual): window by `mask`,
+    the sinks of the layer if it has them (gpt-oss), q/k/v by the family's `qkv`."""
     attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    shape = (1, hidden.shape[1], -1, attn.head_dim)
-    q = rope_halves(attn.q_proj(x).view(shape).transpose(1, 2), cos, sin)  # [1, H, T, hd]
-    k = rope_halves(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)  # [1, Hkv, T, hd]
-    v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, T, hd]
-    out = attend(q, k, v, mask, attn.scaling, attn.sinks)  # [1, H, T, hd]
+    q, k, v = qkv(attn, layer.input_layernorm(hidden), cos, sin)
+    out = attend(q, k, v, mask, attn.scaling, getattr(attn, "sinks", None))  # [1, H, T, hd]
     return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
 
 
-def gpt_oss_route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_oss_route(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, d] -> (experts [N, k] int64, weights [N, k]): top-k of the biased router logits,
     then a softmax over the k selected (not over all experts)."""
+    router = moe.router
     logits = nn.functional.linear(x, router.weight, router.bias)  # [N, E]
     top, experts = torch.topk(logits, router.top_k, dim=-1)  # [N, k] each
     return experts, torch.softmax(top, dim=-1)
 
 
-def moe_block(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [1, T, d] + the MoE (our router, HF's experts) on the post-attention norm."""
+def minimax_route(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M2: sigmoid scores (fp32); the choice is top-k of score + e_score_correction_bias,
+    the weights are the chosen experts' plain scores renormalised to sum 1."""
+    gate = moe.gate
+    scores = torch.sigmoid(nn.functional.linear(x.to(gate.weight.dtype), gate.weight).float())
+    _, experts = torch.topk(scores + moe.e_score_correction_bias, gate.top_k, dim=-1, sorted=False)
+    weights = scores.gather(1, experts)  # [N, k]
+    return experts, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def moe_block(layer: nn.Module, hidden: torch.Tensor, route) -> torch.Tensor:
+    """hidden [1, T, d] + the MoE (our `route`, HF's experts) on the post-attention norm."""
     x = layer.post_attention_layernorm(hidden)[0]  # [T, d]
-    experts, weights = gpt_oss_route(layer.mlp.router, x)
+    experts, weights = route(layer.mlp, x)
     return hidden + layer.mlp.experts(x, experts, weights)[None]
 
 
-def window_layout_problem(text_model: nn.Module) -> str | None:
-    """None when every decoder layer has the gpt-oss shape this forward runs."""
+def family(model_type: str) -> tuple[Callable, Callable]:
+    """model_type -> (its qkv, its router): the only per-family code of this forward."""
+    table = {"gpt_oss": (gpt_oss_qkv, gpt_oss_route), "minimax_m2": (minimax_qkv, minimax_route)}
+    return table[model_type]
+
+
+def planned(model_type: str) -> str:
+    """This forward in words, for the README's table (forward.planned_path)."""
+    if model_type == "gpt_oss":
+        return "packed MoE with sliding windows and attention sinks (document-causal attention)"
+    return "packed MoE, sigmoid router (document-causal attention)"
+
+
+def layout_problem(text_model: nn.Module) -> str | None:
+    """None when every decoder layer has the shape of its family that this forward runs."""
+    gpt_oss = text_model.config.model_type == "gpt_oss"
     for layer in text_model.layers:
         attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        if getattr(attn, "sinks", None) is None or not hasattr(mlp, "router"):
+        if gpt_oss and (getattr(attn, "sinks", None) is None or not hasattr(mlp, "router")):
             return f"decoder layer {type(layer).__name__} without sinks or a router"
+        if not gpt_oss and not hasattr(mlp, "e_score_correction_bias"):
+            return f"decoder layer {type(layer).__name__} without a corrected sigmoid router"
     rope = getattr(text_model.rotary_emb, "rope_type", None)
     if rope not in ("default", "yarn"):
         return f"rope_type {rope!r} (only 'default' and 'yarn')"
@@ -170,7 +227,7 @@ def window_layout_problem(text_model: nn.Module) -> str | None:
 
 
 class PackedWindowMoeForward:
-    """Features of a packed layout for gpt-oss (see the module docstring); the interface of
+    """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring); the interface of
     `PackedDenseForward`: `attention` "sdpa" (dense masks, CPU, any T) or "flex" (CUDA, T %
     128 == 0), `compile` the attention blocks (the MoE runs eagerly between them), `layers` a
     split target's stage range, `stage()` one stage's call."""
@@ -193,7 +250,9 @@ class PackedWindowMoeForward:
         self._rotary = text_model.rotary_emb
         self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
                                 strict=True))  # fmt: skip
-        self._windows = {i: layer.self_attn.sliding_window for i, layer in self._layers.items()}
+        self._windows = {i: getattr(layer.self_attn, "sliding_window", None)
+                         for i, layer in self._layers.items()}  # fmt: skip
+        self._qkv, self._route = family(text_model.config.model_type)
         self._columns = stage_columns(self.layer_ids, self.layers)
         self.attention = attention
         self._attend = attend_flex_sinks if attention == "flex" else attend_dense_sinks
@@ -220,11 +279,11 @@ class PackedWindowMoeForward:
         masks = self.masks(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
-        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd/2] each
+        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd/2] or [1, T, r] each
         for i, layer in self._layers.items():
             mask = masks[self._windows[i]]
-            hidden = self._attention_fn(layer, hidden, cos, sin, mask, self._attend)
-            hidden = moe_block(layer, hidden)
+            hidden = self._attention_fn(layer, hidden, cos, sin, mask, self._attend, self._qkv)
+            hidden = moe_block(layer, hidden, self._route)
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(hidden[0])
