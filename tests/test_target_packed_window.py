@@ -16,6 +16,8 @@ the same parity and its router mutants to the same gap.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,27 @@ def test_selected_cpu_path_of_minimax_m2_is_packed_and_exact(minimax) -> None:
     out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
     path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
     assert _max_deviation(out, _alone(minimax, docs)) < ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind", ["gpt_oss", "minimax_m2"])
+def test_gpu_flex_packed_rows_equal_each_document_alone(request, kind: str, compile: bool) -> None:
+    """fp32 on CUDA (no TF32), flex tiles of 128 at T = 256, documents across tile edges and
+    longer than the window: the same 1e-5 bound as on the CPU."""
+    model = copy.deepcopy(request.getfixturevalue("model" if kind == "gpt_oss" else "minimax"))
+    model = model.cuda()  # a copy: the module-scoped fixture stays on the CPU
+    forward = pmw.PackedWindowMoeForward(
+        text_model(model), LAYER_IDS, attention="flex", compile=compile
+    )
+    rng = np.random.default_rng(8)
+    docs = [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
+    layout = layout_pack(docs, 256).to("cuda")
+    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
+    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
+    alone = [
+        capture_features(model, torch.as_tensor(ids, device="cuda")[None],
+                         torch.ones(1, len(ids), device="cuda"), LAYER_IDS)[0]
+        for ids, _ in docs
+    ]  # fmt: skip
+    assert _max_deviation(out.cpu(), [a.cpu() for a in alone]) < ATOL
