@@ -22,8 +22,10 @@ last), and so is the rule that nothing crosses a document. What gpt-oss adds, an
 MiniMax-M2 (`minimax_qkv`, `minimax_route`): full causal attention, RMSNorm over the whole q and k
 projections, partial RoPE (`rope_partial`, the first r dims of each head), a sigmoid router
 whose choice adds `e_score_correction_bias` and whose weights are the chosen scores renormalised.
-Sync points: none here in the steady state. The HF experts' *eager* implementation syncs (its
-`nonzero()` over the hit experts and a Python comparison per expert); grouped_mm does not.
+Sync points: none in this module's steady state (masks, sinks, routing are fixed-shape device
+ops). The HF experts module is theirs: its grouped_mm path (transformers' default; run eagerly
+here, so CUDA's native grouped_mm on Hopper) has none; its fallback (`offs.tolist()`, once per
+MoE layer) and its "eager" loop (`nonzero()` over the hit experts) each sync.
 """
 
 from __future__ import annotations
