@@ -15,6 +15,7 @@ extents on the host; the packed paths never look at it.
 - `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention
   (`target/packed_hybrid.py`, its MoE block `target/packed_hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).
+- `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`target/packed_moe_window.py`).
 - `hf`: anything else (hybrids on the CPU or without fla too): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
@@ -33,6 +34,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.settings import SettingsError
+from dflash_async.target import packed_moe_window as pmw
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
 from dflash_async.target.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAForward
@@ -150,6 +152,8 @@ def planned_path(model_type: str) -> str:
         return "packed MLA MoE (document-causal attention)"
     if model_type in MOE_TYPES:
         return "packed MoE (document-causal attention)"
+    if model_type in pmw.PACKED_TYPES:
+        return pmw.planned(model_type)
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"
@@ -213,6 +217,13 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                       attention=attention, compile=compile, layers=layers)  # fmt: skip
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
         return TargetPath(forward, "packed_hybrid", how, forward.stage)
+    if model_type in pmw.PACKED_TYPES:  # gpt-oss, MiniMax-M2 (target/packed_moe_window.py)
+        if problem := pmw.layout_problem(text_model(model)):
+            return hf(f"{model_type}: {problem}")
+        packed = _Packed(pmw.PackedWindowMoeForward(text_model(model), layer_ids, attention=attention,
+                                                    compile=compile, layers=layers))  # fmt: skip
+        how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
+        return TargetPath(packed, "packed_moe_window", how, packed.stage)
     if model_type not in DENSE_TYPES | MOE_TYPES | MLA_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
