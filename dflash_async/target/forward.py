@@ -9,6 +9,8 @@ extents on the host; the packed paths never look at it.
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks.
+- `packed_window`: Mistral and Gemma 3 text, sliding windows in the document-causal mask
+  (`target/packed_window.py`).
 - `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
   turned off (`packed_hybrid=False`).
 - `hf`: anything else (Qwen3-Next; hybrids on the CPU or without fla): the HF forward on
@@ -31,6 +33,7 @@ from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.settings import SettingsError
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
+from dflash_async.target.packed_window import WINDOW_TYPES, window_layout_problem
 
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe"})
@@ -46,7 +49,8 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_hybrid`, `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_window`,
+    `packed_hybrid`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -140,6 +144,8 @@ def planned_path(model_type: str) -> str:
         return "packed MoE (document-causal attention)"
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
+    if model_type in WINDOW_TYPES | {"gemma3"}:  # the wrapper runs its gemma3_text layers
+        return "packed window (document-causal sliding-window attention)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"
 
 
@@ -201,6 +207,10 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                       attention=attention, compile=compile, layers=layers)  # fmt: skip
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
         return TargetPath(forward, "packed_hybrid", how, forward.stage)
+    if model_type in WINDOW_TYPES:
+        return _select_window(
+            model, layer_ids, hf, attention=attention, compile=compile, layers=layers
+        )
     if model_type not in DENSE_TYPES | MOE_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
@@ -212,3 +222,18 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
     how = f"{model_type}: {attention} document-causal attention, compile={compile}"
     packed = _Packed(forward)
     return TargetPath(packed, "packed_moe" if moe else "packed_dense", how, packed.stage)
+
+
+def _select_window(model, layer_ids, hf, *, attention, compile, layers) -> TargetPath:
+    """Mistral / Gemma 3 text: the packed sliding-window forward, or HF saying why not."""
+    from dflash_async.target.packed_window import PackedWindowForward
+
+    inner, model_type = text_model(model), text_config(model).model_type
+    problem = window_layout_problem(inner)
+    if problem:
+        return hf(f"{model_type}: {problem}")
+    forward = PackedWindowForward(inner, layer_ids, attention=attention, compile=compile,
+                                  layers=layers)  # fmt: skip
+    how = f"{model_type}: {attention} document-causal sliding-window attention, compile={compile}"
+    packed = _Packed(forward)
+    return TargetPath(packed, "packed_window", how, packed.stage)
