@@ -144,6 +144,8 @@ def planned_path(model_type: str) -> str:
         return "packed MoE (document-causal attention)"
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
+    if model_type == "gemma4_text":
+        return "packed window; HF padded batches with per-layer inputs, KV sharing or MoE blocks"
     if model_type in WINDOW_TYPES | {"gemma3"}:  # the wrapper runs its gemma3_text layers
         return "packed window (document-causal sliding-window attention)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"

@@ -1,6 +1,7 @@
 """target/packed_window.py owns the packed forward of dense sliding-window decoders: Mistral (one
-window on every layer) and Gemma 3 text (interleaved local/full layers, sandwich norms, a RoPE
-base per layer kind), on the same fixed pack layout as `target/packed_dense.py`.
+window on every layer), Gemma 3 text (interleaved local/full layers, sandwich norms, a RoPE
+base per layer kind) and Gemma 4 text (its layer: `target/packed_gemma4.py`), on the same fixed
+pack layout as `target/packed_dense.py`.
 
 The window is part of the document-causal rule: row q sees key k iff doc(k) == doc(q), k <= q and
 q - k < window (HF's `sliding_window_overlay`: kv_idx > q_idx - window), so each row sees the keys
@@ -39,10 +40,13 @@ from dflash_async.target.packed_dense import (
     mlp_block,
     stage_columns,
 )
+from dflash_async.target.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 
-WINDOW_TYPES = frozenset({"mistral", "gemma3_text"})
+WINDOW_TYPES = frozenset({"mistral", "gemma3_text", "gemma4_text"})
 SLIDING, FULL = "sliding_attention", "full_attention"
-_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
+_ROPE_TYPES = frozenset(
+    {"default", "linear", "llama3", "yarn", "proportional"}
+)  # no length-dependent update
 _PRE_NORM_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _SANDWICH_PARTS = _PRE_NORM_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
 
@@ -120,7 +124,9 @@ def window_layout_problem(inner: nn.Module) -> str | None:
         return "attn_logit_softcapping is set, and HF's Gemma 3 attention ignores it (see module)"
     if not _rope_types(inner.rotary_emb) <= _ROPE_TYPES:
         return f"rope_type {_rope_types(inner.rotary_emb)} (only {sorted(_ROPE_TYPES)})"
-    parts = _SANDWICH_PARTS if config.model_type == "gemma3_text" else _PRE_NORM_PARTS
+    if config.model_type == "gemma4_text" and (problem := gemma4_layout_problem(config)):
+        return problem
+    parts = _PRE_NORM_PARTS if config.model_type == "mistral" else _SANDWICH_PARTS
     for layer in inner.layers:
         if {name for name, _ in layer.named_children()} != parts:
             return f"decoder layer {type(layer).__name__} without the parts {sorted(parts)}"
@@ -149,6 +155,13 @@ def sandwich_layer(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Te
 def pre_norm_layer(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
     """The Llama-shaped decoder layer (Mistral) on hidden [1, T, d]."""
     return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
+
+
+_LAYER_FNS: dict[str, Callable] = {
+    "mistral": pre_norm_layer,
+    "gemma3_text": sandwich_layer,
+    "gemma4_text": gemma4_layer,
+}
 
 
 class PackedWindowForward:
@@ -184,8 +197,7 @@ class PackedWindowForward:
         self._columns = stage_columns(self.layer_ids, self.layers)
         self.attention = attention
         self._attend = attend_flex if attention == "flex" else attend_sdpa
-        sandwich = config.model_type == "gemma3_text"
-        layer_fn: Callable = sandwich_layer if sandwich else pre_norm_layer
+        layer_fn = _LAYER_FNS[config.model_type]
         self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
 
     def kind_window(self, kind: str) -> int | None:
