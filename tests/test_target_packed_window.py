@@ -106,6 +106,14 @@ def test_selected_cpu_path_is_packed_and_every_row_equals_its_document_alone(win
     _assert_rows_equal_each_document_alone(window_model, docs, _run(path, docs))
 
 
+def test_mistral_windows_every_layer_even_when_its_config_lists_layer_types() -> None:
+    """HF's Mistral picks its mask from `sliding_window` alone and ignores `layer_types`."""
+    model = random_target(_config("mistral", layer_types=[FULL, SLIDING] * 2), seed=1)
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    docs = _documents(model.config.vocab_size, seed=6)
+    _assert_rows_equal_each_document_alone(model, docs, _run(path, docs))
+
+
 def test_two_stages_of_the_layer_range_give_the_whole_forward(window_model) -> None:
     """A split target (target/split.py): layers [0, 2) then [2, 4) write the same features."""
     docs = _documents(window_model.config.vocab_size, seed=3)

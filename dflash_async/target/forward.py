@@ -9,7 +9,7 @@ extents on the host; the packed paths never look at it.
   the SDPA dense-mask reference on the CPU.
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks.
-- `packed_window`: Mistral and Gemma 3 text, sliding windows in the document-causal mask
+- `packed_window`: Mistral, Gemma 3 and Gemma 4 text, sliding windows in the document-causal mask
   (`target/packed_window.py`).
 - `packed_hybrid`: Qwen3.5 on CUDA with flash-linear-attention (`target/packed_hybrid.py`), unless
   turned off (`packed_hybrid=False`).
@@ -33,7 +33,11 @@ from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.settings import SettingsError
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
-from dflash_async.target.packed_window import WINDOW_TYPES, window_layout_problem
+from dflash_async.target.packed_window import (
+    WINDOW_TYPES,
+    PackedWindowForward,
+    window_layout_problem,
+)
 
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe"})
@@ -227,9 +231,7 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
 
 
 def _select_window(model, layer_ids, hf, *, attention, compile, layers) -> TargetPath:
-    """Mistral / Gemma 3 text: the packed sliding-window forward, or HF saying why not."""
-    from dflash_async.target.packed_window import PackedWindowForward
-
+    """Mistral, Gemma 3/4 text: the packed sliding-window forward, or HF saying why not."""
     inner, model_type = text_model(model), text_config(model).model_type
     problem = window_layout_problem(inner)
     if problem:

@@ -98,9 +98,10 @@ def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLE
 
 
 def layer_kinds(config) -> tuple[str, ...]:
-    """Each decoder layer's attention kind: Gemma's `layer_types`; Mistral: all one kind."""
+    """Each decoder layer's attention kind: Gemma's `layer_types`; Mistral: all one kind (HF's
+    Mistral windows every layer when `sliding_window` is set, whatever `layer_types` says)."""
     types = getattr(config, "layer_types", None)
-    if types:
+    if types and config.model_type != "mistral":
         return tuple(types)
     kind = SLIDING if getattr(config, "sliding_window", None) else FULL
     return (kind,) * config.num_hidden_layers
