@@ -178,6 +178,23 @@ def test_gemma3_with_attention_softcapping_falls_back_to_hf_and_says_why() -> No
     assert path.name == "hf" and "attn_logit_softcapping" in path.reason
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_hf_gemma3_ignores_attn_logit_softcapping_which_is_why_packed_refuses_it(
+    implementation: str,
+) -> None:
+    """A cap of 0.1 would flatten every softmax, yet HF's features do not move: transformers 5.x
+    never hands `attn_logit_softcapping` to the attention function. The packed path refuses such
+    configs (HF runs them) rather than pick a side; when this fails, HF applies the cap, and the
+    packed path can take it as a score modification (tanh) checked against HF."""
+    x = torch.arange(3, 15)[None]  # [1, 12] longer than the window
+    features = []
+    for cap in (None, 0.1):
+        model = random_target(_config("gemma3_text", attn_logit_softcapping=cap), seed=1)
+        model.set_attn_implementation(implementation)
+        features.append(capture_features(model, x, torch.ones_like(x), LAYER_IDS))
+    assert torch.equal(*features)
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
