@@ -32,6 +32,7 @@ from dflash_async.target.packed_dense import document_causal_mask
 from dflash_async.target.packed_window import (
     FULL,
     SLIDING,
+    PackedWindowForward,
     window_block_mask,
     window_causal_mask,
 )
@@ -223,6 +224,23 @@ def test_gemma3_multimodal_wrapper_runs_its_text_layers_packed_and_exact() -> No
 def test_readme_table_says_the_window_families_are_packed() -> None:
     for kind in (*KINDS, "gemma3"):
         assert planned_path(kind).startswith("packed"), kind
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_path_through_flex_attentions_cpu_reference_equals_each_document_alone(case) -> None:
+    """The GPU path's BlockMask and mask_mod run by flex_attention itself (its unfused eager
+    implementation on the CPU): T = 256, two flex tiles, documents across the tile edge."""
+    kind, overrides = CASES[case]
+    model = _model(kind, **overrides)
+    forward = PackedWindowForward(text_model(model), LAYER_IDS, attention="flex", compile=False)
+    rng = np.random.default_rng(5)
+    docs = [(rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool))
+            for n in (70, 100, 3, 50)]  # fmt: skip
+    layout = layout_pack(docs, 256)
+    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
+    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
+    _assert_rows_equal_each_document_alone(model, docs, out)
 
 
 @pytest.mark.gpu
