@@ -12,6 +12,8 @@ extents on the host; the packed paths never look at it.
   (partial-rotary attention, grouped top-k router with shared experts).
 - `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`), multi-head latent attention
   and the grouped-router MoE (`target/packed_mla.py`).
+- `packed_window`: Mistral, Gemma 3 and Gemma 4 text, sliding windows in the document-causal mask
+  (`target/packed_window.py`).
 - `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention
   (`target/packed_hybrid.py`, its MoE block `target/packed_hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).
@@ -38,6 +40,11 @@ from dflash_async.target import packed_moe_window as pmw
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
 from dflash_async.target.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAForward
+from dflash_async.target.packed_window import (
+    WINDOW_TYPES,
+    PackedWindowForward,
+    window_layout_problem,
+)
 
 DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 MOE_TYPES = frozenset({"qwen3_moe"}) | GLM_MOE_TYPES
@@ -56,8 +63,8 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_hybrid`,
-    `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
+    `packed_moe_window`, `packed_hybrid`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -156,6 +163,10 @@ def planned_path(model_type: str) -> str:
         return pmw.planned(model_type)
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
+    if model_type == "gemma4_text":
+        return "packed window; HF padded batches with per-layer inputs, KV sharing or MoE blocks"
+    if model_type in WINDOW_TYPES | {"gemma3"}:  # the wrapper runs its gemma3_text layers
+        return "packed window (document-causal sliding-window attention)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"
 
 
@@ -224,6 +235,10 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                                     compile=compile, layers=layers))  # fmt: skip
         how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
         return TargetPath(packed, "packed_moe_window", how, packed.stage)
+    if model_type in WINDOW_TYPES:
+        return _select_window(
+            model, layer_ids, hf, attention=attention, compile=compile, layers=layers
+        )
     if model_type not in DENSE_TYPES | MOE_TYPES | MLA_TYPES:
         return hf(f"model_type {model_type!r} has no packed forward here")
     problem = _dense_layout_problem(model)
@@ -240,3 +255,16 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
                                  compile=compile, moe_eager=moe, layers=layers)  # fmt: skip
     packed = _Packed(forward)
     return TargetPath(packed, "packed_moe" if moe else "packed_dense", how, packed.stage)
+
+
+def _select_window(model, layer_ids, hf, *, attention, compile, layers) -> TargetPath:
+    """Mistral, Gemma 3/4 text: the packed sliding-window forward, or HF saying why not."""
+    inner, model_type = text_model(model), text_config(model).model_type
+    problem = window_layout_problem(inner)
+    if problem:
+        return hf(f"{model_type}: {problem}")
+    forward = PackedWindowForward(inner, layer_ids, attention=attention, compile=compile,
+                                  layers=layers)  # fmt: skip
+    how = f"{model_type}: {attention} document-causal sliding-window attention, compile={compile}"
+    packed = _Packed(forward)
+    return TargetPath(packed, "packed_window", how, packed.stage)
