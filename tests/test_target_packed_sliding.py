@@ -1,4 +1,4 @@
-"""Packed sliding-window dense targets (Mistral, Gemma 3, Gemma 4 text): every captured row of a pack equals its document alone through HF.
+"""The packed sliding-window forward (target/packed_window.py) equals each document run alone
 through HF, row for row, for Mistral (a window on every layer), Gemma 3 and Gemma 4 text (local
 and full layers interleaved, each with its own RoPE table).
 
