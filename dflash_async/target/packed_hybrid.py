@@ -206,6 +206,9 @@ class PackedHybridForward:
         self.kernels = kernels
         self.layers = layers or range(max(self.layer_ids) + 1)  # a stage's range (target/split)
         self._embed, self._rotary = text_model.embed_tokens, text_model.rotary_emb
+        # Qwen3.5's rotary is an mrope (one position row per grid axis t, h, w); transformers
+        # 5.17 wants those rows given, [3, 1, T] (all equal for text); Qwen3-Next's is 1-D
+        self._mrope = text_model.config.model_type != "qwen3_next"
         self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
                                 strict=True))  # fmt: skip
         self._columns = stage_columns(self.layer_ids, self.layers)
@@ -254,6 +257,12 @@ class PackedHybridForward:
         return self._moe(layer, hidden) if moe else self._dense_mlp(layer, hidden)
 
     @torch.no_grad()
+    def _rope_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The rotary's position input: [3, 1, T] for an mrope, [1, T] otherwise."""
+        if self._mrope:
+            return position_ids[None, None].expand(3, 1, -1)
+        return position_ids[None]
+
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
         self.stage(None, input_ids, position_ids, doc_ids, features, lengths)
@@ -270,9 +279,7 @@ class PackedHybridForward:
         mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
-        # [1, T]: Qwen3-Next's rotary as is; Qwen3.5's mrope expands it to one position row per
-        # grid axis (t, h, w), all equal for text, [3, 1, T]
-        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, r]
+        cos, sin = self._rotary(hidden, self._rope_positions(position_ids))  # [1, T, r]
         for i, layer in self._layers.items():
             hidden = self._layer(layer, hidden, segments, (cos, sin, mask))
             if i in self._columns:
