@@ -28,6 +28,7 @@ from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target import packed_moe_window as pmw
 from dflash_async.target.forward import planned_path, select_target_forward
 from dflash_async.target.loading import random_target, text_model
+from dflash_async.target.packed_dense import document_causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -94,7 +95,7 @@ def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) ->
 
 def _window_off_by_one(doc_ids, window):
     rows = torch.arange(doc_ids.shape[0])
-    mask = pmw.document_causal_mask(doc_ids)
+    mask = document_causal_mask(doc_ids)
     return mask if window is None else mask & (rows[:, None] - rows[None, :] <= window)
 
 

@@ -35,15 +35,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from dflash_async.model.attention import document_starts
 from dflash_async.target.packed_dense import (
-    FLEX_TILE,
-    _ordered,
-    document_causal_mask,
     mask_padding,
     rotate_half,
     stage_columns,
 )
+from dflash_async.target.packed_window import window_block_mask
+from dflash_async.target.packed_window import window_causal_mask as window_mask
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -51,57 +49,6 @@ except ImportError:  # pragma: no cover
     AuxRequest = BlockMask = flex_attention = None
 
 PACKED_TYPES = frozenset({"gpt_oss", "minimax_m2"})
-
-
-def window_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[T] -> [T, T] bool: q sees k iff same document, k <= q and (window None or q - k < W)."""
-    mask = document_causal_mask(doc_ids)
-    if window is None:
-        return mask
-    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
-    return mask & (rows[:, None] - rows[None, :] < window)
-
-
-def first_visible(doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[T] -> [T] int64: lo(q), the first key row q sees (max of its start and q - W + 1)."""
-    starts = document_starts(doc_ids)
-    if window is None:
-        return starts
-    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
-    return torch.maximum(starts, rows - (window - 1))
-
-
-def window_mask_mod(lo: torch.Tensor) -> Callable:
-    """flex mask_mod of the rule: q sees k iff lo[q] <= k <= q (lo from `first_visible`)."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
-
-    return mask_mod
-
-
-def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLEX_TILE):
-    """`window_mask` as a flex BlockMask, sync-free (fixed-shape tensor ops; T % tile == 0).
-
-    Row q sees the interval [lo(q), q]; a key tile is full for a query tile when every row sees
-    all of it, partial when some row sees some of it; only partial tiles run the mask_mod.
-    """
-    T = doc_ids.shape[0]
-    if T % tile:
-        raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
-    lo = first_visible(doc_ids, window)  # [T]
-    rows = torch.arange(T, device=doc_ids.device)
-    tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
-    tile_hi = tile_lo + tile
-    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
-    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
-    n = T // tile
-    some = sees_some.view(n, tile, n).any(1)
-    full = sees_all.view(n, tile, n).all(1)
-    return BlockMask.from_kv_blocks(
-        *_ordered(some & ~full), *_ordered(full), BLOCK_SIZE=tile, mask_mod=window_mask_mod(lo),
-        seq_lengths=(T, T),
-    )  # fmt: skip
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
