@@ -49,28 +49,41 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], order[None, None]
 
 
-def document_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE) -> BlockMask:
-    """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0).
+def first_visible_key(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[T] -> [T] lo(q): the first key row q sees (its document's start, or q - window + 1)."""
+    starts = document_starts(doc_ids)
+    if window is None:
+        return starts
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    return torch.maximum(starts, rows - (window - 1))
 
-    Documents are contiguous, so row q sees exactly the keys [start(q), q]. A key tile is "full"
-    for a query tile when every row of it sees every key of the tile, "partial" when some row
-    sees some key; only partial tiles evaluate the mask_mod.
+
+def document_causal_block_mask(
+    doc_ids: torch.Tensor, tile: int = FLEX_TILE, *, window: int | None = None
+) -> BlockMask:
+    """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0); with
+    a `window`, also q - k < window (sliding-window layers: target/packed_window.py).
+
+    Documents are contiguous, so row q sees exactly the keys [lo(q), q], lo(q) its document's
+    start (or q - window + 1). A key tile is "full" for a query tile when every row of it sees
+    every key of the tile, "partial" when some row sees some key; only partial tiles evaluate
+    the mask_mod.
     """
     T = doc_ids.shape[0]
     if T % tile:
         raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
-    starts = document_starts(doc_ids)  # [T]
+    lo = first_visible_key(doc_ids, window)  # [T]
     rows = torch.arange(T, device=doc_ids.device)
     tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
     tile_hi = tile_lo + tile
-    sees_some = (starts[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
-    sees_all = (starts[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
+    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
+    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
     n = T // tile
     some = sees_some.view(n, tile, n).any(1)
     full = sees_all.view(n, tile, n).all(1)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx >= starts[q_idx])
+        return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
 
     return BlockMask.from_kv_blocks(
         *_ordered(some & ~full), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,

@@ -26,15 +26,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from dflash_async.model.attention import document_starts
 from dflash_async.target.packed_dense import (
     FLEX_TILE,
-    BlockMask,
-    _ordered,
     _rope,
     attend_flex,
     attend_sdpa,
     attention_block,
+    document_causal_block_mask,
     document_causal_mask,
     mask_padding,
     mlp_block,
@@ -60,41 +58,9 @@ def window_causal_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tenso
     return mask & (rows[:, None] - rows[None, :] < window)
 
 
-def first_visible_key(doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[T] -> [T] lo(q): the first key row q sees (its document's start, or q - window + 1)."""
-    starts = document_starts(doc_ids)
-    if window is None:
-        return starts
-    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
-    return torch.maximum(starts, rows - (window - 1))
-
-
 def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLEX_TILE):
-    """The rule of `window_causal_mask` as a flex BlockMask, sync-free (T % tile == 0).
-
-    Row q sees exactly the keys [lo(q), q]; a key tile is "full" for a query tile when every row
-    sees all of it, "partial" when some row sees some of it (only those evaluate mask_mod).
-    """
-    T = doc_ids.shape[0]
-    if T % tile:
-        raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
-    lo = first_visible_key(doc_ids, window)  # [T]
-    rows = torch.arange(T, device=doc_ids.device)
-    tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
-    tile_hi = tile_lo + tile
-    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
-    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
-    n = T // tile
-    some = sees_some.view(n, tile, n).any(1)
-    full = sees_all.view(n, tile, n).all(1)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
-
-    return BlockMask.from_kv_blocks(
-        *_ordered(some & ~full), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
-        seq_lengths=(T, T),
-    )  # fmt: skip
+    """The rule of `window_causal_mask` as a flex BlockMask (packed_dense's, with the window)."""
+    return document_causal_block_mask(doc_ids, tile, window=window)
 
 
 def layer_kinds(config) -> tuple[str, ...]:
