@@ -15,8 +15,23 @@ pytestmark = [
 ]
 
 
-def _small_config():
-    return SHAPES["small"]()
+def _small_config(variant: str = "dflash"):
+    """The small bench shape as DFlash, DFlash2, or a variant with sliding layers (W 512 in
+    4096-token packs of 4 documents, so the window cuts every document) and soft-capping."""
+    import dataclasses
+
+    config = SHAPES["small"]()
+    if variant in ("dflash2", "dflash2_sliding"):
+        config = dataclasses.replace(config, kind="dflash2")
+    if variant in ("sliding", "dflash2_sliding"):
+        config = dataclasses.replace(
+            config, layer_types=("sliding_attention", "full_attention"), sliding_window=512,
+            final_logit_softcapping=30.0,
+        )  # fmt: skip
+    return config
+
+
+VARIANTS = ["dflash", "dflash2", "sliding", "dflash2_sliding"]
 
 
 def _loss_and_grads(step, anchors):
@@ -29,9 +44,13 @@ def _loss_and_grads(step, anchors):
     return (sums.ce_sum / sums.weight_sum).item(), grads
 
 
-def test_flex_path_matches_sdpa_reference_in_bf16():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flex_path_matches_sdpa_reference_in_bf16(variant: str):
+    """Also for DFlash2 (its convolutions and selector term in the loss) and sliding layers
+    (the flex mask's window against the dense SDPA mask): the same derivation holds, as the
+    attention rounding is the only difference between the paths."""
     device = torch.device("cuda", 0)
-    config = _small_config()
+    config = _small_config(variant)
     flex_fn = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
     kwargs = dict(token_budget=4096, num_anchors=256, device=device)
     sdpa = build_step(config, attention="sdpa", seed=0, **kwargs)
@@ -63,12 +82,19 @@ def test_flex_path_matches_sdpa_reference_in_bf16():
     assert cosine > 1 - (8 * u) ** 2 / 2, cosine
 
 
-@pytest.mark.parametrize("compiled_update", [False, True], ids=["reference_update", "compiled"])
-def test_whole_step_captures_with_strict_capture_mode_and_replays_finite(compiled_update: bool):
-    """Phase B either way: torch's clip + fused AdamW, or update.py's compiled AdamW."""
+@pytest.mark.parametrize(
+    "compiled_update, variant",
+    [(False, "dflash")] + [(True, v) for v in VARIANTS],  # the variants with the default update
+    ids=["reference_update"] + [f"compiled-{v}" for v in VARIANTS],
+)
+def test_whole_step_captures_with_strict_capture_mode_and_replays_finite(
+    compiled_update: bool, variant: str
+):
+    """Phase B either way: torch's clip + fused AdamW, or update.py's compiled AdamW; DFlash2's
+    selector top-k and convolutions and the sliding masks inside the one captured graph."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    config = _small_config()
+    config = _small_config(variant)
     flex_fn = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
     step = build_step(
         config, token_budget=4096, num_anchors=256, device=device, attention="flex",

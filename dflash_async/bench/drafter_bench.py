@@ -304,6 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
     )
+    parser.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash")
+    parser.add_argument("--block-size", type=int, help="the shape's own (16) unless given")
+    parser.add_argument("--vocab-size", type=int, help="the shape's own unless given")
+    parser.add_argument(
+        "--layer-types", help="full_attention|sliding_attention, one for every layer or a list"
+    )
+    parser.add_argument("--sliding-window", type=int, help="W of the sliding layers")
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -329,9 +336,26 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
 
 
+def shape_config(args) -> DrafterConfig:
+    """The --shape's drafter with --kind, --block-size, --vocab-size (the mask token then the
+    last id), --layer-types and --sliding-window applied; bad values: DrafterConfig's ValueError."""
+    config = SHAPES[args.shape]()
+    changes: dict = {"kind": args.kind}
+    if args.block_size:
+        changes["block_size"] = args.block_size
+    if args.vocab_size:
+        changes |= {"vocab_size": args.vocab_size, "mask_token_id": args.vocab_size - 1}
+    if args.layer_types:
+        types = tuple(args.layer_types.split(","))
+        changes["layer_types"] = types * config.num_hidden_layers if len(types) == 1 else types
+    if args.sliding_window:
+        changes["sliding_window"] = args.sliding_window
+    return dataclasses.replace(config, **changes)
+
+
 def _bench_variant(args, device: torch.device, mode: str, options: dict) -> DrafterBench:
     return bench_drafter(
-        SHAPES[args.shape](),
+        shape_config(args),
         token_budget=args.token_budget,
         num_anchors=args.num_anchors,
         num_docs=args.num_docs,

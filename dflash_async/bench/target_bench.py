@@ -23,6 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dflash_async.data.packing import layout_pack
+from dflash_async.model.architectures import experts_per_token
+from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
 from dflash_async.target.loading import decoder_layers, text_config
@@ -30,12 +32,21 @@ from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 
 def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
-    """Public model shapes (config values as published) and the captured layer ids."""
-    from transformers import Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
+    """Public model shapes (config values as published) and the captured layer ids (the
+    published drafters' for the first three, docs/DFLASH.md s.1's default rule for the rest)."""
+    from transformers import (
+        DeepseekV3Config,
+        Gemma3TextConfig,
+        GptOssConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     qwen = dict(vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, max_position_embeddings=40960)  # fmt: skip
-    return {
+    shapes = {
         "qwen3-8b": (
             Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, **qwen),
@@ -56,6 +67,33 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
                            **qwen),
             (1, 12, 23, 34, 44),
         ),
+        # transformers' defaults are Qwen3.5-35B-A3B's published text config (40 layers, 3 Gated
+        # DeltaNet : 1 gated attention, 256 experts, 8 routed + 1 shared of width 512)
+        "qwen3.5-35b-a3b": Qwen3_5MoeTextConfig(tie_word_embeddings=False),
+        # gpt-oss-20b: 24 layers alternating a 128-token window with full attention, sinks,
+        # 32 experts (top 4) of width 2880, yarn RoPE (transformers' defaults otherwise = 120b)
+        "gpt-oss-20b": GptOssConfig(num_hidden_layers=24, num_local_experts=32,
+                                    layer_types=["sliding_attention", "full_attention"] * 12),
+        # the DeepSeek-V3 / Kimi-K2 architecture (MLA, shared + routed experts) at the shape of
+        # Moonlight-16B-A3B, the published deepseek_v3 model that fits one GPU in bf16
+        "moonlight-16b-a3b": DeepseekV3Config(
+            hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+            num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+            n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+            first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
+            routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
+            rope_theta=50000.0, tie_word_embeddings=False),
+        # Gemma-3-12B's text model: 5 sliding (1024) : 1 full layers, head_dim 256
+        "gemma3-12b": Gemma3TextConfig(
+            hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+            query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=False),
+    }  # fmt: skip
+    return {
+        name: shape if isinstance(shape, tuple)
+        else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
+        for name, shape in shapes.items()
     }  # fmt: skip
 
 
@@ -73,24 +111,55 @@ def document_lengths(token_budget: int, seed: int) -> np.ndarray:
 
 def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
     """Forward FLOPs over the real tokens: 2 per multiply-add of every weight matrix of the layers
-    that run (MoE experts at top_k / num_experts), plus QK^T and PV over the visible pairs of the
-    full-attention layers. Norms, rotary and the linear-attention recurrence are not counted."""
+    that run (a routed expert at top_k / num_experts of the tokens), plus QK^T and PV over the
+    visible pairs of each attention layer (document-causal, within the window of a sliding
+    layer; MLA: the query-key width nope + rope, the value width v_head_dim). Norms, rotary,
+    the routers' top-k and the linear-attention recurrence are not counted."""
     config, tokens = text_config(model), float(lengths.sum())
-    pairs = float((lengths * (lengths + 1) // 2).sum())  # document-causal (query, key) pairs
+    top_k = experts_per_token(config)
     flops = 0.0
-    for layer in list(decoder_layers(model))[: max(layer_ids) + 1]:
+    for index, layer in enumerate(list(decoder_layers(model))[: max(layer_ids) + 1]):
         for name, p in layer.named_parameters():
             if p.ndim < 2:
-                continue
-            share = 1.0
-            if ".experts." in f".{name}" and getattr(config, "num_experts", None):
-                share = config.num_experts_per_tok / config.num_experts
-            flops += 2 * tokens * p.numel() * share
+                continue  # biases, norms, sinks
+            flops += 2 * tokens * p.numel() * _expert_share(name, p, config, top_k)
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
-            heads = config.num_attention_heads
-            flops += 2 * 2 * heads * attn.head_dim * pairs
+            flops += _attention_flops(config, index, lengths)
     return flops
+
+
+def _expert_share(name: str, p: torch.Tensor, config, top_k: int) -> float:
+    """The fraction of tokens a weight sees: top_k / experts for routed experts, else 1."""
+    if not top_k or ".experts." not in f".{name}.":
+        return 1.0
+    if p.ndim == 3:  # fused experts [E, ...]
+        return top_k / p.shape[0]
+    experts = next(
+        getattr(config, n)
+        for n in ("num_experts", "num_local_experts", "n_routed_experts")
+        if getattr(config, n, None)
+    )
+    return top_k / experts
+
+
+def _attention_flops(config, index: int, lengths: np.ndarray) -> float:
+    layer_types = getattr(config, "layer_types", None) or ()
+    kind = layer_types[index] if index < len(layer_types) else "full_attention"
+    if kind == "linear_attention":
+        return 0.0
+    n = lengths.astype(np.float64)
+    pairs = n * (n + 1) / 2  # document-causal (query, key) pairs
+    window = getattr(config, "sliding_window", None)
+    if kind == "sliding_attention" and window:
+        w = float(window)  # each query sees itself and the W - 1 keys before it (HF's rule)
+        pairs = np.where(n <= w, pairs, w * (w + 1) / 2 + (n - w) * w)
+    heads = config.num_attention_heads
+    qk = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
+    if qk:  # MLA
+        return float(2 * heads * (qk + config.v_head_dim) * pairs.sum())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return float(2 * 2 * heads * head_dim * pairs.sum())
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
