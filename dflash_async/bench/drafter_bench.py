@@ -111,6 +111,7 @@ def build_step(
         ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, flex_backend=flex_backend,
         flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
         flex_autotune=flex_autotune, working_weights=working_weights is not False,
+        kind=config.kind,
     )  # fmt: skip
     return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device, rank=0,
                               total_steps=BENCH_STEPS, flex_fn=flex_fn)  # fmt: skip
