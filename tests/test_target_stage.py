@@ -36,5 +36,6 @@ def test_loading_a_runner_logs_its_path_and_warms_up_in_the_asked_dtype(tmp_path
     assert (
         chosen and chosen[0]["target_path"] == "packed_dense" and chosen[0]["dtype"] == "bfloat16"
     )
+    assert (chosen[0]["weight_format"], chosen[0]["kernel"]) == ("bf16", "bf16")
     assert any(e["event"] == "target_warmed_up" for e in events)
     assert next(runner.model.parameters()).dtype is torch.bfloat16

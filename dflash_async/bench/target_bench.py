@@ -7,13 +7,16 @@ documents with chat-like lengths (lognormal, mean ~700) in the fixed drafter lay
 each writing the captured layers' features [T, k*d]. Printed per path: tokens/s, MFU against the
 measured H200 bf16 peak (780 TFLOP/s, docs/GPU.md), the first-call (compile) seconds, the max
 abs difference of the fast features from the reference, the reference's largest feature and the
-relative (Frobenius) difference. Whether such a bf16 difference is noise is settled by the GPU
+relative (Frobenius) difference, and the weights' GPU bytes. `--quantize none,fp8` adds an FP8
+row per shape (target/fp8_linear.py: the same model's decoder matmuls in e4m3, row-wise), its
+difference taken against the bf16 fast path and shown next to bf16's own (fast vs HF). Whether such a bf16 difference is noise is settled by the GPU
 tests (tests/test_target_gpu.py, test_target_hybrid.py): the fast path is no farther from the
 fp32 model than the HF path is.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -27,7 +30,8 @@ from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
-from dflash_async.target.loading import decoder_layers, text_config
+from dflash_async.target.fp8_linear import swap_fp8_matmuls
+from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 
@@ -120,8 +124,8 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
     flops = 0.0
     for index, layer in enumerate(list(decoder_layers(model))[: max(layer_ids) + 1]):
         for name, p in layer.named_parameters():
-            if p.ndim < 2:
-                continue  # biases, norms, sinks
+            if p.ndim < 2 or name.endswith("scale"):  # biases, norms, sinks; FP8 scales
+                continue
             flops += 2 * tokens * p.numel() * _expert_share(name, p, config, top_k)
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
@@ -180,72 +184,126 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
-def bench_shape(name: str, *, token_budget: int, repeats: int, seed: int = 0) -> dict:
+def _weight_bytes(before: int) -> int:
+    """Bytes allocated on the GPU since `before` (the target's weights, after a cache flush)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() - before
+
+
+def bench_shape(
+    name: str,
+    *,
+    token_budget: int,
+    repeats: int,
+    seed: int = 0,
+    quantize: tuple[str, ...] = ("none",),
+) -> list[dict]:
+    """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
+    path) and `fp8` (the same model's decoder matmuls swapped into target/fp8_linear.py's
+    e4m3 row-wise linears and experts, the fast path again). The bf16 row always runs: FP8's
+    feature error is measured against its fast path's features, next to bf16's own noise (its
+    fast path against HF)."""
     config, layer_ids = shape_configs()[name]
+    before = torch.cuda.memory_allocated()
     with torch.device("cuda"):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
+    bf16_bytes = _weight_bytes(before)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)
     rng = np.random.default_rng(seed)
     docs = [(rng.integers(0, 32000, n), np.ones(n, dtype=bool)) for n in lengths]
     layout = layout_pack(docs, token_budget).to("cuda")
     args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    flops = forward_flops(model, layer_ids, lengths)
+    flops = forward_flops(model, layer_ids, lengths)  # the bf16 model's matmuls; FP8's the same
     row = {
         "shape": name,
+        "quantize": "none",
         "T": token_budget,
         "documents": len(lengths),
         "layers": max(layer_ids) + 1,
+        "weight_bytes": bf16_bytes,
     }
 
-    def measure(label: str, forward) -> torch.Tensor:
+    def measure(target: dict, label: str, forward) -> torch.Tensor:
         out = torch.empty(token_budget, len(layer_ids) * d, dtype=torch.bfloat16, device="cuda")
         first, seconds = _timed(lambda: forward(*args, out, lengths), repeats)
-        row[label] = {"tokens_per_s": round(lengths.sum() / seconds), "mfu": round(mfu(flops, seconds), 3),
-                      "ms": round(seconds * 1e3, 1), "first_call_s": round(first, 1)}  # fmt: skip
+        target[label] = {"tokens_per_s": round(lengths.sum() / seconds), "mfu": round(mfu(flops, seconds), 3),
+                         "ms": round(seconds * 1e3, 1), "first_call_s": round(first, 1)}  # fmt: skip
         return out
 
-    reference = measure("hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
-    path = select_target_forward(
-        model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
-        packed_hybrid=True,
-    )  # fmt: skip
+    def fast_path(target):
+        return select_target_forward(
+            target, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
+            packed_hybrid=True,
+        )  # fmt: skip
+
+    reference = measure(row, "hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
+    path = fast_path(model)
     row["fast_path"], row["fast_reason"] = path.name, path.reason
-    fast = measure("fast", path.forward)
-    diff, ref = fast.float() - reference.float(), reference.float()
-    row["max_abs_diff"] = float(diff.abs().max())
-    row["hf_max_abs"] = float(ref.abs().max())
-    row["rel_diff"] = float(diff.norm() / ref.norm())
+    fast = measure(row, "fast", path.forward)
+    _differences(row, fast, reference)
+    rows = [row]
+    if "fp8" in quantize:
+        del path, reference
+        torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
+        counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
+        fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
+        fp8.update(quantize="fp8", weight_bytes=_weight_bytes(before), swapped=counts)
+        path = fast_path(model)
+        fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
+        _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
+        fp8["bf16_rel_diff"] = row["rel_diff"]  # bf16's own noise, for comparison
+        rows.append(fp8)
     del model
     torch.cuda.empty_cache()
-    return row
+    return rows
+
+
+def _differences(row: dict, features: torch.Tensor, reference: torch.Tensor) -> None:
+    diff, ref = features.float() - reference.float(), reference.float()
+    row["max_abs_diff"] = float(diff.abs().max())
+    row["ref_max_abs"] = float(ref.abs().max())
+    row["rel_diff"] = float(diff.norm() / ref.norm())
 
 
 def main(argv: list[str] | None = None) -> None:
-    """bench target [--shapes a,b] [--token-budget T] [--repeats N]: one JSON line per shape on
-    stdout, the side-by-side table on stderr; GPU only (without CUDA a UsageError, exit 2)."""
+    """bench target [--shapes a,b] [--token-budget T] [--repeats N] [--quantize none,fp8]: one
+    JSON line per shape and quantization on stdout, the side-by-side table on stderr; GPU only
+    (without CUDA a UsageError, exit 2)."""
     parser = ArgumentParser(prog="python -m dflash_async bench target")
     parser.add_argument("--shapes", default="qwen3-8b,qwen3.5-9b,qwen3-30b-a3b")
     parser.add_argument("--token-budget", type=positive_int, default=16384)
     parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--quantize", default="none", help="none,fp8: bf16 and FP8 rows")
     options = parser.parse_args(argv)
+    quantize = tuple(options.quantize.split(","))
+    if not set(quantize) <= {"none", "fp8"}:
+        parser.error(f"--quantize {options.quantize!r}: a list of none and fp8")
     require_cuda("bench target", "cuda:0")
     rows = []
     for name in options.shapes.split(","):
-        rows.append(bench_shape(name, token_budget=options.token_budget, repeats=options.repeats))
-        print(json.dumps(rows[-1]), flush=True)
+        for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
+                               quantize=quantize):  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
     table = [
-        f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md)",
-        f"{'shape':<15}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}{'MFU':>6}"
-        f"{'compile s':>10}{'max|diff|':>10}{'max|HF|':>9}{'rel diff':>9}",
+        f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md), for "
+        "FP8 rows too; fp8 rows: diff against the bf16 fast path, bf16 noise = bf16 fast vs HF",
+        f"{'shape':<15}{'quant':<6}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}"
+        f"{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'max|diff|':>10}{'max|ref|':>9}"
+        f"{'rel diff':>9}{'bf16 noise':>11}",
     ]
     for r in rows:
+        hf = r.get("hf", {"tokens_per_s": "-", "mfu": "-"})
+        noise = f"{r['bf16_rel_diff']:.2g}" if "bf16_rel_diff" in r else "-"
         table.append(
-            f"{r['shape']:<15}{r['fast_path']:<14}{r['hf']['tokens_per_s']:>10}{r['hf']['mfu']:>6}"
-            f"{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}{r['fast']['first_call_s']:>10}"
-            f"{r['max_abs_diff']:>10.3g}{r['hf_max_abs']:>9.3g}{r['rel_diff']:>9.2g}"
+            f"{r['shape']:<15}{r['quantize']:<6}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
+            f"{hf['mfu']:>6}{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}"
+            f"{r['fast']['first_call_s']:>10}{r['weight_bytes'] / 1e9:>11.2f}"
+            f"{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}{r['rel_diff']:>9.2g}{noise:>11}"
         )
     print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines

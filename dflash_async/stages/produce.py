@@ -100,7 +100,9 @@ def load_runner(
     )  # fmt: skip
     param = next(model.parameters())
     log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,
-             device=str(device), dtype=str(param.dtype).removeprefix("torch."))  # fmt: skip
+             device=str(device), dtype=str(param.dtype).removeprefix("torch."),
+             weight_format=weights.name, kernel=weights.kernel,
+             kernel_reason=weights.kernel_reason)  # fmt: skip
     width = len(layer_ids) * text_config(model).hidden_size
     inputs = PackedBatch.empty(token_budget, width, device=device, feature_dtype=param.dtype)
     runner = TargetRunner(model, chosen, inputs)

@@ -36,8 +36,10 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.model.architectures import is_wrapper, quantization_problem, text_config_of
+from dflash_async.target.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.target.quantized import (
     WeightFormat,
+    fp8_sources,
     load_dequantized,
     quantize_at_load,
     weight_format_of,
@@ -95,14 +97,16 @@ def load_served_target(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
     quantize: str = "none",
+    fp8_matmuls: bool = True,
 ) -> tuple[PreTrainedModel, WeightFormat]:
     """`load_target` and the format its weights came in (target/quantized.py).
 
-    A quantized checkpoint (fp8, compressed-tensors FP8, gpt-oss mxfp4) is dequantized to
-    `dtype` at load; quantize="fp8" quantizes an unquantized one's decoder weights to e4m3 with
-    128x128 block scales and back (DFLASH_TARGET__QUANTIZE). On a GPU this is an interim step:
-    the issue's GPU part is an FP8 matmul path, after which nothing is dequantized to a full bf16
-    copy there.
+    On a CUDA device with FP8 tensor cores (and `fp8_matmuls`), an fp8 or compressed-tensors
+    FP8 checkpoint, or quantize="fp8", keeps its decoder matmuls in e4m3 (target/fp8_linear.py:
+    row-wise scales; the model is built on the host, each weight quantized on the device as it
+    moves there, so the device never holds the bf16 copy). Elsewhere, and for gpt-oss mxfp4, a
+    quantized checkpoint is dequantized to `dtype` at load, and quantize="fp8" quantizes the
+    decoder weights to e4m3 with 128x128 block scales and back (DFLASH_TARGET__QUANTIZE).
     """
     folder = _checked_folder(path)
     device = torch.device(device)
@@ -117,12 +121,19 @@ def load_served_target(
     if problem:  # never load a format we cannot read as if it were bf16
         raise TargetError(f"{problem}; target {str(folder)!r}")
     weights = weight_format_of(config, quantize=quantize)
+    weights = matmul_kernel(weights, device, enabled=fp8_matmuls)
+    fp8 = weights.kernel != "bf16"
     try:
-        model = _load_model(folder, config, weights=weights, device=device, dtype=dtype)
+        model = _load_model(folder, config, weights=weights, dtype=dtype,
+                            device=torch.device("cpu") if fp8 else device)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
         raise TargetError(f"cannot load target {str(folder)!r}: {_first_line(e)}") from e
+    if fp8:  # each decoder weight quantized on the device as it moves there, before the rest
+        sources = fp8_sources(folder, config) if weights.quant_method == "fp8" else {}
+        swap_fp8_matmuls(text_model(model).layers, device=device, out_dtype=dtype,
+                         sources=sources)  # fmt: skip
     model.to(device)  # a no-op when loaded there directly
-    if weights.name == "quantized-at-load":
+    if weights.name == "quantized-at-load" and not fp8:
         quantize_at_load(text_model(model).layers)  # on the device: no host round trip
     model.eval()
     model.requires_grad_(False)

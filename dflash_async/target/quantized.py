@@ -13,9 +13,11 @@ Owns the weight formats a target may come in and what is done with them at load:
   checkpoints above, so a drafter trains on the features of an FP8-served target.
 
 On a CPU everything is dequantized to the compute dtype (fp32) at load, which is what CI covers.
-Next step (issue 31's GPU part, not built): an FP8 matmul path on a GPU, compared against
-`target/fp8_reference.py`; once it exists, nothing may be dequantized to a full bf16 copy on a
-GPU (until then a GPU dequantizes to bf16 too, and `target_weights_loaded` says so).
+On a CUDA device with FP8 tensor cores an fp8 checkpoint, or QUANTIZE=fp8, runs its decoder
+matmuls in FP8 instead (`target/fp8_linear.py`: row-wise e4m3, block weights requantized per row
+on the device from the checkpoint's own e4m3 values, `fp8_sources`); the host holds the
+dequantized state dict during the load only, the GPU never holds a bf16 copy of those weights.
+MXFP4 experts stay dequantized to bf16 everywhere (no MXFP4 kernel here).
 
 MXFP4 is dequantized by transformers' own loader (`Mxfp4Config(dequantize=True)`: it needs
 neither accelerate, triton nor kernels on a CPU in transformers 5.24). FP8 is dequantized here:
@@ -61,6 +63,8 @@ class WeightFormat:
     name: str
     quant_method: str | None
     dequantized: bool
+    kernel: str = "bf16"  # the decoder matmuls' kernel (target/fp8_linear.py: scaled_mm_rowwise)
+    kernel_reason: str = ""  # why that kernel (logged with target_path_chosen)
 
 
 def weight_format_of(config: Any, *, quantize: str) -> WeightFormat:
@@ -174,6 +178,38 @@ def _fp8_weights(tensors: _Tensors, quant: dict[str, Any], dtype: torch.dtype) -
         elif tensor.dtype == FP8_DTYPE:
             raise TargetError(f"{name} is float8 but the checkpoint has no {scale_name}")
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+# Where a checkpoint's text decoder layers live (plain, Qwen3.5 / Qwen3-VL wrapper, Gemma 3 wrapper).
+_LAYER_NAME = re.compile(
+    r"^(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+\..+)\.weight$"
+)
+
+
+def fp8_sources(folder: Path, config: Any) -> dict[str, Any]:
+    """An fp8 checkpoint's decoder linears with block scales: module name relative to the
+    decoder's `layers` ("0.self_attn.q_proj") -> a loader of (e4m3 [N, K], scale_inv, block),
+    read from the files when called (one weight at a time). Per-expert tensors are listed too but
+    match no module (transformers fuses experts at load): those requantize from the loaded weight.
+    compressed-tensors (other scale names and layouts) gives {}: requantized from its weights."""
+    quant = config.quantization_config
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    if quant.get("quant_method") != "fp8":
+        return {}
+    tensors, configured = _Tensors(folder), quant.get("weight_block_size")
+    names = set(tensors.names())
+
+    def load(name: str, scale_name: str):
+        weight, scale = tensors.get(name), tensors.get(scale_name).float()
+        block = _scale_block(scale, weight.shape, configured)
+        return weight, scale.reshape(1, 1) if scale.numel() == 1 else scale, block
+
+    sources = {}
+    for name in names:
+        scale_name = name.removesuffix("weight") + "weight_scale_inv"
+        if (match := _LAYER_NAME.match(name)) and scale_name in names:
+            sources[match.group(1)] = lambda n=name, s=scale_name: load(n, s)
+    return sources
 
 
 def read_dequantized(folder: Path, config: Any, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:

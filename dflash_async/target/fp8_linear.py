@@ -1,0 +1,276 @@
+"""FP8 matmuls of the target on a GPU (issue 31): the decoder's linears and MoE experts kept in e4m3.
+
+Owns the row-wise FP8 format the target's matmuls run in, and the swap of a loaded target's
+decoder modules into it (`swap_fp8_matmuls`):
+- weights: e4m3 [N, K] with one fp32 scale per output row (W ~= W_q * s_w[n]); no bf16 copy kept;
+- activations: quantized on the device per token (one scale per row of x: amax / 448), so a
+  token's scale depends on its own values alone and nothing crosses tokens (or documents);
+- the matmul: `torch._scaled_mm` row-wise (scale_a [T, 1], scale_b [1, N], fp32; bf16 out), the
+  experts `torch._scaled_grouped_mm` row-wise (scale_a [S], scale_b [E, N]).
+
+Why row-wise and not the checkpoints' 128x128 blocks: row-wise `_scaled_mm` runs on Hopper in
+every torch we use (2.11 on the GPU box); `F.scaled_mm` with BlockWise1x128 x BlockWise128x128
+exists in torch 2.13's Python API, but is refused on the CPU and untested here on a GPU (not an
+option yet). A block-scaled checkpoint weight is therefore requantized per output row on the
+device, one weight at a time: dequantized in fp32 (W = W_q * s_block, exact but for fp32's
+2^-24), then each row scaled so its amax is 448 and rounded to e4m3 again. That second rounding
+is the cost of the format: per element |W_row - W| <= 2^-4 |W| + 2^-10 s_row (e4m3 keeps 3
+mantissa bits: half an ulp is 2^-4 relative for normal values; below 2^-6 the subnormal spacing
+is 2^-9 of the scale, half of it 2^-10), a fresh e4m3 rounding of the value, zero where the row
+scale is the block's scale times a power of two. `tests/test_fp8_linear.py` checks the bound.
+
+CPU-GPU syncs: none in the forwards (amax, scales and routing offsets stay on the device), except
+the per-expert loop `_grouped_loop` (offs.tolist(), one sync per call), used only where
+`torch._scaled_grouped_mm` does not exist or cannot run (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
+from dflash_async.target.quantized import FP8_DTYPE, FP8_MAX, WeightFormat, dequantize_fp8
+
+ALIGN = 16  # _scaled_mm: K and N multiples of 16 (16-byte rows of e4m3)
+MIN_FEATURES = 16  # smaller linears (Qwen3.5's shared_expert_gate, N = 1) stay in bf16
+KERNEL = "scaled_mm_rowwise"
+GROUPED_KERNEL = "scaled_grouped_mm_rowwise"
+
+
+def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [..., R, C] -> (e4m3 [..., R, C], scales [..., R] fp32): each row scaled so its
+    largest |value| is 448 (an all-zero row gets scale 1). On the values' device, no sync."""
+    values = values.float()
+    amax = values.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (values / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_q [T, K] e4m3 row-major, scale [T, 1] fp32): one scale per token."""
+    x_q, scale = quantize_rows(x)
+    return x_q, scale.unsqueeze(-1)
+
+
+def requantize_blocks_to_rows(
+    weight: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled e4m3 weight [N, K] (scale_inv [ceil(N/bm), ceil(K/bn)]) -> row-wise
+    (e4m3 [N, K], scales [N]): dequantized in fp32 on its device, then `quantize_rows` (the
+    error bound is in the module doc)."""
+    return quantize_rows(dequantize_fp8(weight, scale_inv, block=block, dtype=torch.float32))
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def rowwise_mm(x_q, x_scale, w_q, w_scale, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """x_q [T, K] e4m3 (row-major) @ w_q [N, K]^T (passed column-major as w_q.t()), scaled by
+    x_scale [T, 1] and w_scale [1, N]: y [T, N] in out_dtype, fp32 accumulation."""
+    return torch._scaled_mm(
+        x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype, use_fast_accum=False
+    )
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T + b with W in e4m3 and a scale per output row, x quantized per token.
+
+    weight [N_pad, K_pad] e4m3 and weight_scale [N_pad] fp32 are frozen parameters (so `.to`,
+    parameter counts and split placement see them); rows and columns are zero-padded to
+    multiples of 16 (`_scaled_mm`'s alignment), and the output is cut back to N.
+    """
+
+    def __init__(self, weight_q, weight_scale, bias, *, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = weight_q.shape
+        self.in_features, self.out_features, self.out_dtype = k, n, out_dtype
+        padded = weight_q.new_zeros(_padded(n), _padded(k))
+        padded[:n, :k] = weight_q
+        scales = weight_scale.new_ones(_padded(n))
+        scales[:n] = weight_scale
+        self.weight = nn.Parameter(padded, requires_grad=False)
+        self.weight_scale = nn.Parameter(scales.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, out_dtype: torch.dtype) -> Fp8Linear:
+        """Quantize a linear's weight per row, on the weight's device."""
+        weight_q, scale = quantize_rows(linear.weight.detach())
+        return cls(weight_q, scale, linear.bias, out_dtype=out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        if k != self.weight.shape[1]:
+            flat = F.pad(flat, (0, self.weight.shape[1] - k))  # zero columns: no change to y
+        x_q, x_scale = quantize_tokens(flat)
+        y = rowwise_mm(x_q, x_scale, self.weight, self.weight_scale.view(1, -1),
+                       out_dtype=self.out_dtype)[:, : self.out_features]  # fmt: skip
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+
+def _grouped_native(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype):
+    """torch._scaled_grouped_mm row-wise: x_q [S, K] rows grouped by expert (offsets [E] int32,
+    cumulative), w_q [E, N, K] passed column-major; x_scale [S], w_scale [E, N]."""
+    return torch._scaled_grouped_mm(x_q, w_q.transpose(-2, -1), x_scale, w_scale, offs=offsets,
+                                    out_dtype=out_dtype, use_fast_accum=False)  # fmt: skip
+
+
+def _grouped_loop(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype):
+    """The same product, one `_scaled_mm` per expert. Sync point: offsets.tolist() (once per call);
+    only where _scaled_grouped_mm is missing or has no kernel (the CPU)."""
+    out = torch.zeros(x_q.shape[0], w_q.shape[1], dtype=out_dtype, device=x_q.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = rowwise_mm(x_q[start:end], x_scale[start:end, None], w_q[e],
+                                        w_scale[e][None], out_dtype=out_dtype)  # fmt: skip
+        start = end
+    return out
+
+
+def grouped_kernel(device: torch.device) -> tuple[Callable, str]:
+    """(the experts' grouped FP8 product, its name). `_scaled_grouped_mm` (one launch for every
+    expert, no sync) where torch has it on a CUDA device; else the per-expert loop, which syncs
+    once per layer and launches up to E matmuls (chosen without measurement: the grouped kernel
+    is one launch over the same FLOPs, the loop cannot be faster)."""
+    if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
+        return _grouped_native, GROUPED_KERNEL
+    return _grouped_loop, "scaled_mm_rowwise_per_expert_loop"
+
+
+def experts_problem(experts: nn.Module) -> str | None:
+    """None when `Fp8Experts` computes exactly what this HF experts module does: fused
+    [gate; up] weights [E, 2I, d] and down [E, d, I], no biases, the default gate act(g) * u."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return f"{type(experts).__name__} has no fused gate_up_proj / down_proj"
+    flags = {"has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False, "has_gate": True}  # fmt: skip
+    for flag, wanted in flags.items():
+        if getattr(experts, flag, wanted) != wanted:
+            return f"{type(experts).__name__} has {flag}={not wanted}"
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"{type(experts).__name__} has its own gating (clamped SwiGLU)"
+    return None
+
+
+class Fp8Experts(nn.Module):
+    """The HF experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d]`
+    with e4m3 row-wise expert weights: the rows sorted by expert as transformers'
+    `grouped_mm_experts_forward` does (sort, histc, cumsum: no sync), each gathered row
+    quantized per row (a row is one token), the two grouped FP8 products, the routing weights,
+    the sum over k in fp32."""
+
+    def __init__(self, experts: nn.Module, *, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.out_dtype = out_dtype
+        gate_up, gate_up_scale = quantize_rows(experts.gate_up_proj.detach())
+        down, down_scale = quantize_rows(experts.down_proj.detach())
+        for name, value in (("gate_up_proj", gate_up), ("gate_up_scale", gate_up_scale),
+                            ("down_proj", down), ("down_scale", down_scale)):  # fmt: skip
+            setattr(self, name, nn.Parameter(value, requires_grad=False))
+        self.grouped, self.kernel = grouped_kernel(gate_up.device)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        rows = hidden_states[perm // k]  # [S, d], S = T * k, grouped by expert
+        # histc, not bincount (fixed output size); CPU histc takes floats, CUDA's ints (HF's choice)
+        ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
+        counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)  # [E], on the device
+        x_q, x_scale = quantize_rows(rows)
+        h = self.grouped(x_q, x_scale, self.gate_up_proj, self.gate_up_scale, offsets,
+                         out_dtype=self.out_dtype)  # fmt: skip
+        gate, up = h.chunk(2, dim=-1)
+        h_q, h_scale = quantize_rows(self.act_fn(gate) * up)
+        out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
+                           out_dtype=self.out_dtype)  # fmt: skip
+        out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+        restored = torch.empty_like(out)
+        restored[perm] = out
+        return restored.view(tokens, k, -1).float().sum(dim=1).to(hidden_states.dtype)
+
+
+def kernel_problem(device: torch.device) -> str | None:
+    """None when this device runs `torch._scaled_mm` row-wise on e4m3 (CUDA, compute capability
+    >= 8.9: Ada, Hopper, Blackwell), else why not."""
+    if device.type != "cuda":
+        return f"FP8 matmuls run on CUDA only (device is {device.type}): dequantized"
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no torch._scaled_mm: dequantized"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor} has no FP8 tensor cores: dequantized"
+    return None
+
+
+def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool) -> WeightFormat:
+    """The format with the matmul kernel its decoder layers will run and why (target_path_chosen)."""
+    if weights.name == "bf16":
+        return dataclasses.replace(weights, kernel_reason="an unquantized target, QUANTIZE=none")
+    if weights.name == "mxfp4":
+        return dataclasses.replace(weights, kernel_reason="mxfp4 experts dequantized to the "
+                                   "compute dtype (no MXFP4 kernel here)")  # fmt: skip
+    problem = kernel_problem(device) if enabled else "FP8 matmuls turned off: dequantized"
+    if problem:
+        return dataclasses.replace(weights, kernel_reason=problem)
+    grouped = GROUPED_KERNEL if hasattr(torch, "_scaled_grouped_mm") else "a per-expert loop"
+    why = (f"e4m3 weights with a scale per output row, activations per token on the device; "
+           f"fused MoE experts through {grouped}; 128x128 block checkpoints requantized per row")  # fmt: skip
+    return dataclasses.replace(weights, dequantized=False, kernel=KERNEL, kernel_reason=why)
+
+
+@torch.no_grad()
+def swap_fp8_matmuls(
+    layers: nn.Module,
+    *,
+    device: torch.device,
+    out_dtype: torch.dtype = torch.bfloat16,
+    sources: dict[str, Callable[[], tuple]] | None = None,
+) -> dict[str, int]:
+    """Replace the decoder's linears (but routers and tiny ones) by `Fp8Linear` and its fused
+    HF experts by `Fp8Experts` (where `experts_problem` is None), one module at a time: each
+    weight is moved to `device`, quantized there and its bf16 copy dropped. `sources` maps a
+    module name (relative to `layers`) to a loader of its checkpoint's (e4m3, scale_inv, block),
+    requantized from the block format instead of the (dequantized) weight. Returns counts."""
+    sources = sources or {}
+    swapped = {"linear": 0, "experts": 0, "kept": 0}
+    for name, module in list(layers.named_modules()):
+        parent_name, _, last = name.rpartition(".")
+        parent = layers.get_submodule(parent_name) if name else None
+        if isinstance(module, nn.Linear) and last not in ROUTERS:
+            if min(module.in_features, module.out_features) < MIN_FEATURES:
+                swapped["kept"] += 1
+                continue
+            if name in sources:
+                fp8, scale_inv, block = sources[name]()
+                weight_q, scale = requantize_blocks_to_rows(
+                    fp8.to(device), scale_inv.to(device), block=block
+                )
+                bias = None if module.bias is None else module.bias.to(device)
+                new = Fp8Linear(weight_q, scale, bias, out_dtype=out_dtype)
+            else:
+                new = Fp8Linear.from_linear(module.to(device), out_dtype=out_dtype)
+            setattr(parent, last, new)
+            swapped["linear"] += 1
+        elif last == "experts" and experts_problem(module) is None:
+            setattr(parent, last, Fp8Experts(module.to(device), out_dtype=out_dtype))
+            swapped["experts"] += 1
+    return swapped
