@@ -164,9 +164,9 @@ def planned_path(model_type: str) -> str:
     if model_type in DENSE_TYPES:
         return "packed dense (document-causal attention)"
     if model_type == "gemma4_text":
-        return "packed window on the CPU (HF padded batches on a GPU for now, and with per-layer inputs, KV sharing or MoE blocks)"
+        return "packed window (document-causal sliding window; HF padded batches with per-layer inputs, KV sharing or MoE blocks)"
     if model_type in WINDOW_TYPES | {"gemma3"}:  # the wrapper runs its gemma3_text layers
-        return "packed window on the CPU (document-causal sliding window); HF padded batches on a GPU for now"
+        return "packed window (document-causal sliding window)"
     return "HF padded batches of whole documents (exact; no packed forward yet)"
 
 
@@ -261,11 +261,6 @@ def _select_window(model, layer_ids, hf, *, attention, compile, layers) -> Targe
     """Mistral, Gemma 3/4 text: the packed sliding-window forward, or HF saying why not."""
     inner, model_type = text_model(model), text_config(model).model_type
     problem = window_layout_problem(inner)
-    if next(model.parameters()).is_cuda:
-        # Its flex path differed from HF beyond tolerance for 2 of the 6 cases of
-        # tests/test_target_packed_sliding.py on an H200 (2026-12-01, transformers 5.17):
-        # HF's padded batches on a GPU until that test passes there.
-        problem = "the packed window forward is not yet verified on a GPU"
     if problem:
         return hf(f"{model_type}: {problem}")
     forward = PackedWindowForward(inner, layer_ids, attention=attention, compile=compile,
