@@ -8,8 +8,9 @@
 #     (benchmarks/split_chain_gpu.py), and the DFlash2 step at the Qwen3-8B shape;
 #   drafter: the DFlash2 step at block 8 with a 248k vocabulary, and a sliding-window drafter
 #     (W 2048) against full attention at T = 49152;
-#   target: `bench target` for the new families (gpt-oss-20b, Qwen3.5-35B-A3B, Moonlight-16B-A3B
-#     = the DeepSeek-V3 architecture) and Gemma-3-12B's packed window (window_parity_gpu part 2).
+#   target: the FP8 GPU tests, `bench target` with FP8 beside bf16 at the Qwen3-8B shape, and for
+#     the new families (gpt-oss-20b, Qwen3.5-35B-A3B, Gemma-3-12B, Moonlight-16B-A3B = the
+#     DeepSeek-V3 architecture).
 # Usage: benchmarks/h200_wave3b.sh verify|drafter|target ...; carry .whl (structlog, pydantic,
 # pydantic-settings, python-dotenv, flash-linear-attention) as the device README says.
 set -uo pipefail
@@ -50,13 +51,15 @@ for which in "$@"; do
       --layer-types sliding_attention --sliding-window 2048
   fi
   if [ "$which" = target ]; then
-    part "bench target: new families"
-    timeout 330 python3 -m dflash_async bench target \
-      --shapes gpt-oss-20b,qwen3.5-35b-a3b,moonlight-16b-a3b --repeats 3 2>&1 \
-      | grep -E '^\{|MFU|shape|^[a-z0-9.-]+ +packed|^[a-z0-9.-]+ +hf|Error' | tail -12
-    part "Gemma-3-12B packed window vs HF"
-    PYTHONPATH=$PYTHONPATH:tests timeout 120 python3 benchmarks/window_parity_gpu.py --part 2 \
-      2>&1 | grep -E '^\{|Error' | tail -3
+    part "FP8 GPU tests"
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+      tests/test_fp8_gpu.py 2>&1 | grep -v "^\s*$" | tail -25
+    part "bench target: FP8 beside bf16, and the new families (bf16)"
+    timeout 330 python3 -m dflash_async bench target --quantize none,fp8 --shapes qwen3-8b \
+      --repeats 3 2>&1 | grep -E '^\{|Error' | tail -4
+    timeout 330 python3 -m dflash_async bench target --repeats 3 \
+      --shapes gpt-oss-20b,qwen3.5-35b-a3b,gemma3-12b,moonlight-16b-a3b 2>&1 \
+      | grep -E '^\{|Error' | tail -8
   fi
 done
 part "done"
