@@ -4,7 +4,9 @@ Three measurements, each printed as a table:
 - tokenization: records/s of `load_samples` (no cache) on synthetic ShareGPT conversations of
   ~1k tokens (3 user/assistant exchanges), with the tiny target's tokenizer and with the
   Qwen-style byte-level BPE built by the repository's tests/fixtures/chat_tokenizer.py, in one
-  process and with worker processes;
+  process and with worker processes; or, with --path (and --tokenizer, a target folder or any
+  folder holding a tokenizer), a real data file read as `run` reads it: the run's data defaults,
+  its tokenizer loader and a cache folder, first load (tokenize + cache write) then reload;
 - cached reload: `load_samples` of a cache entry holding 1 M samples (written directly, so the
   bench does not tokenize 1 M records first);
 - planning off the loop: the read stage planning one epoch of 5 M synthetic lengths in its
@@ -36,7 +38,12 @@ from dflash_async.data.fast_bpe import check_tokenizer
 from dflash_async.data.fast_template import render_qwen3
 from dflash_async.data.formats import chat_messages, resolve_files
 from dflash_async.data.packing import PackCursor
-from dflash_async.data.samples import DataOptions, encode_options, load_samples
+from dflash_async.data.samples import (
+    DROP_REASONS,
+    DataOptions,
+    encode_options,
+    load_samples,
+)
 from dflash_async.data.tokenization import direct_backend
 from dflash_async.runtime.channels import open_channel
 from dflash_async.settings_env import repo_root
@@ -50,10 +57,13 @@ USER_WORDS, ASSISTANT_WORDS = 60, 190  # ~1k tokens per conversation with either
 class _Quiet:
     def __init__(self) -> None:
         self.encoder = ""
+        self.loaded: dict = {}
 
     def info(self, event: str, **fields: Any) -> None:
         if event == "tokenizer_chosen":
             self.encoder = fields["encoder"]
+        elif event == "data_loaded":
+            self.loaded = fields
 
 
 def _fixtures() -> Any:
@@ -138,6 +148,46 @@ def bench_tokenization(
                     }
                 )
                 print(format_table(rows[-1]), flush=True)
+    return rows
+
+
+def bench_file(path: str, tokenizer_path: str, workers: list[int]) -> list[dict]:
+    """`path` read as `run` reads DFLASH_DATA__PATH: the target folder's tokenizer through the
+    run's loader, the run's data defaults (DataSettings) and block size, a fresh cache folder per
+    worker count; the first load tokenizes and writes the cache, the second only maps it."""
+    from dflash_async.pipeline.specs import _data_options
+    from dflash_async.settings import DataSettings
+    from dflash_async.settings_recipe import TrainSettings
+    from dflash_async.target.loading import load_target_tokenizer
+
+    block_size = TrainSettings().block_size
+    rows = []
+    for count in workers:
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            tokenizer = load_target_tokenizer(tokenizer_path)
+            tokenizer_s = time.perf_counter() - started
+            options = _data_options(DataSettings(workers=count), max_len=DataSettings().max_len,
+                                    output_dir=Path(folder))  # fmt: skip
+            timed = []
+            for _ in range(2):  # first load, then the cached reload
+                started, cpu, log = time.perf_counter(), _cpu_s(), _Quiet()
+                samples = load_samples(path, tokenizer, options=options, block_size=block_size,
+                                       log=log)  # fmt: skip
+                timed.append((time.perf_counter() - started, _cpu_s() - cpu, log))
+            (first_s, cpu_s, first), (reload_s, _, again) = timed
+            assert not first.loaded["cached"] and again.loaded["cached"]
+            tokens = int(samples.lengths.sum())
+            rows.append({"path": Path(path).name, "encoder": first.encoder, "workers": count,
+                         "records": first.loaded["records"], "samples": len(samples), "tokens": tokens,
+                         "supervised_tokens": int(samples.loss_mask.sum()),
+                         "tokenizer_load_s": round(tokenizer_s, 2),
+                         "first_load_s": round(first_s, 2),
+                         "tokens_per_s": round(tokens / first_s),
+                         "cpu_s": round(cpu_s, 2), "reload_s": round(reload_s, 3),
+                         "filtered": {k: first.loaded[k] for k in DROP_REASONS
+                                      if first.loaded.get(k)}})  # fmt: skip
+            print(format_table(rows[-1]), flush=True)
     return rows
 
 
@@ -313,9 +363,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plan-samples", type=int, default=5_000_000)
     parser.add_argument("--only", choices=("tokenize", "reload", "plan"), default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before planning")
+    parser.add_argument("--path", help="a real data file or folder (as DFLASH_DATA__PATH)")
+    parser.add_argument("--tokenizer", help="with --path: a folder holding the target tokenizer")
     options = parser.parse_args(argv)
-    if options.only in (None, "tokenize"):
-        workers = [int(w) for w in options.workers.split(",")]
+    if (options.path is None) != (options.tokenizer is None):
+        parser.error("--path and --tokenizer go together")
+    workers = [int(w) for w in options.workers.split(",")]
+    if options.path is not None and options.only in (None, "tokenize"):
+        bench_file(options.path, options.tokenizer, workers)
+    elif options.only in (None, "tokenize"):
         bench_tokenization(options.records, workers, tuple(options.tokenizers.split(",")))
     if options.only in (None, "reload"):
         bench_cached_reload(options.reload_samples)
