@@ -62,6 +62,10 @@ def arch_env(shared: dict[str, str], target: Path, output_dir: Path) -> dict[str
         "DFLASH_TRAIN__MAX_STEPS": "3", "DFLASH_TRAIN__SAVE_EVERY": "0",
         "DFLASH_EVAL__PROMPTS_PATH": shared["prompts"], "DFLASH_EVAL__NUM_PROMPTS": "2",
         "DFLASH_EVAL__MAX_NEW_TOKENS": "12", "DFLASH_EVAL__AT_END": "true",
+        # On the CPU also where CUDA exists: with `auto` devices a GPU machine ran these on its
+        # GPU (compile, CUDA graphs), which this test does not claim to check; the GPU paths of
+        # the families have their own GPU tests (test_target_packed_*.py, test_target_hybrid*).
+        "DFLASH_PIPELINE__DEVICES": "cpu",
     }  # fmt: skip
 
 
