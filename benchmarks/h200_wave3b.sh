@@ -5,8 +5,9 @@
 #     drafter steps captured strictly; the hybrid targets' rotary fix; the merged flex block
 #     mask; the batched decoder), the packed-window parity against fp64
 #     (benchmarks/window_parity_gpu.py part 1), the split target on one GPU
-#     (benchmarks/split_chain_gpu.py), and the DFlash2 step at the Qwen3-8B shape;
-#   drafter: the DFlash2 step at block 8 with a 248k vocabulary, and a sliding-window drafter
+#     (benchmarks/split_chain_gpu.py);
+#   drafter: the DFlash2 step at the Qwen3-8B shape and at block 8 with a 248k vocabulary, and a
+#     sliding-window drafter
 #     (W 2048) against full attention at T = 49152;
 #   target: the FP8 GPU tests, `bench target` with FP8 beside bf16 at the Qwen3-8B shape, and for
 #     the new families (gpt-oss-20b, Qwen3.5-35B-A3B, Gemma-3-12B, Moonlight-16B-A3B = the
@@ -20,7 +21,7 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 drafter() {  # label, then bench drafter arguments
   local label=$1; shift
   part "bench drafter: $label"
-  timeout 170 python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
+  timeout 135 python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
     | grep '^{' | python3 -c "import json,sys
 for l in sys.stdin:
     r=json.loads(l); keep=('kind','block_size','vocab_size','token_budget','num_anchors','layer_types','sliding_window','step_ms','tflops','mfu','peak_mem_gib','peak_all_gib','loss','flex_backend','error')
@@ -41,9 +42,9 @@ for which in "$@"; do
     part "split target on one GPU, Qwen3-8B shape"
     timeout 200 python3 benchmarks/split_chain_gpu.py --stages 2,3 --packs 20 2>&1 \
       | grep -E '^\{|Error|error' | tail -8
-    drafter "dflash2 qwen3-8b" --kind dflash2 --steps 10
   fi
   if [ "$which" = drafter ]; then
+    drafter "dflash2 qwen3-8b" --kind dflash2 --steps 10
     drafter "dflash2 block 8, vocab 248320, 2048 anchors" --kind dflash2 --block-size 8 \
       --vocab-size 248320 --num-anchors 2048 --steps 10
     drafter "dflash full attention T=49152" --token-budget 49152 --steps 5
