@@ -21,8 +21,8 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 drafter() {  # label, then bench drafter arguments
   local label=$1; shift
   part "bench drafter: $label"
-  timeout 135 python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
-    | grep '^{' | python3 -c "import json,sys
+  timeout 120 python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
+    | tee -a "$out/drafter_raw.log" | grep '^{' | python3 -c "import json,sys
 for l in sys.stdin:
     r=json.loads(l); keep=('kind','block_size','vocab_size','token_budget','num_anchors','layer_types','sliding_window','step_ms','tflops','mfu','peak_mem_gib','peak_all_gib','loss','flex_backend','error')
     print(json.dumps({'label':'$label',**{k:r.get(k) for k in keep if k in r}}))"
@@ -44,11 +44,14 @@ for which in "$@"; do
       | grep -E '^\{|Error|error' | tail -8
   fi
   if [ "$which" = drafter ]; then
+    part "GPU tests of the DFlash2 step"
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short -k dflash2 \
+      tests/test_gpu_drafter.py 2>&1 | grep -v "^\s*$" | tail -20
     drafter "dflash2 qwen3-8b" --kind dflash2 --steps 10
     drafter "dflash2 block 8, vocab 248320, 2048 anchors" --kind dflash2 --block-size 8 \
       --vocab-size 248320 --num-anchors 2048 --steps 10
-    drafter "dflash full attention T=49152" --token-budget 49152 --steps 5
-    drafter "dflash sliding W=2048 T=49152" --token-budget 49152 --steps 5 \
+    drafter "dflash full attention T=49152" --token-budget 49152 --steps 3
+    drafter "dflash sliding W=2048 T=49152" --token-budget 49152 --steps 3 \
       --layer-types sliding_attention --sliding-window 2048
   fi
   if [ "$which" = target ]; then
