@@ -27,16 +27,18 @@ mode runs the very same functions. Static buffers are never reallocated after co
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from dflash_async.data.packing import PackedBatch
-from dflash_async.model.attention import document_starts
+from dflash_async.model.attention import FULL_RULE, document_starts
+from dflash_async.model.layer_rules import AttentionRule
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_buffer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
@@ -63,11 +65,24 @@ def working_copies(params: list[nn.Parameter], *, dtype: torch.dtype) -> list[to
 
 
 def visible_pairs(
-    doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    rules: Sequence[AttentionRule] = (FULL_RULE,),
 ) -> torch.Tensor:
-    """Attended (query, key) pairs of the step, for FLOP accounting (0-d, on the device)."""
+    """Attended (query, key) pairs of the step per layer, averaged over the layers' `rules`, for
+    FLOP accounting (0-d, on the device): a block sees its document's context rows before the
+    anchor (a sliding layer: the W - 1 closest, model/attention.py's rule) and its own block's
+    slots (a causal layer: slots 0..k). The mean times the layer count is the step's sum."""
     context = torch.where(valid, anchors - document_starts(doc_ids)[anchors], 0)  # [A]
-    return block_size * (context.sum() + valid.sum() * block_size)
+    blocks = valid.sum()
+    total = torch.zeros((), device=anchors.device, dtype=torch.int64)
+    for rule, layers in collections.Counter(rules).items():  # at most two distinct rules
+        seen = context if rule.window is None else context.clamp(max=rule.window - 1)
+        own = block_size * (block_size + 1) // 2 if rule.causal else block_size * block_size
+        total = total + layers * (block_size * seen.sum() + own * blocks)
+    return total.double() / len(rules)  # exact below 2^53 pairs
 
 
 class DrafterStep:
@@ -260,7 +275,8 @@ class DrafterStep:
         if len(self._written) != len(self.params):
             missing = sorted(set(range(len(self.params))) - self._written)
             raise RuntimeError(f"drafter parameters {missing} got no gradient in this step")
-        pairs = visible_pairs(batch.doc_ids, anchors.positions, anchors.valid, self.block_size)
+        pairs = visible_pairs(batch.doc_ids, anchors.positions, anchors.valid, self.block_size,
+                              self.objective.drafter.config.attention_rules())  # fmt: skip
         self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
 
     def _update(self) -> None:
