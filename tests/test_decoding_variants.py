@@ -20,6 +20,7 @@ from tiny_decoding import VOCAB, tiny_qwen3_target
 
 from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter
 from dflash_async.eval.lossless import check_lossless
+from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import DFlashBlockDrafter, greedy_generate, speculative_decode
 from dflash_async.model.attention import dense_rule_mask, sdpa_attend
 from dflash_async.model.dflash2 import make_drafter
@@ -129,3 +130,15 @@ def test_sliding_drafters_decode_losslessly_and_batched_equals_the_reference(tar
     assert [r.accepted_lengths for r in batched] == [r.accepted_lengths for r in reference]
     for i, (p, spec) in enumerate(zip(prompts, reference, strict=True)):
         assert check_lossless(i, greedy_generate(target, p, 30, None), spec, 0.0) is None
+
+
+def test_a_softcapped_dflash_drafters_sampled_q_is_the_softmax_of_its_transformed_logits():
+    """T > 0: q is softmax(c * tanh(m * logits / c) / T), the distribution the drafter trained."""
+    fields = dict(output_multiplier=3.0, final_logit_softcapping=0.5)
+    drafter, config, embed, lm_head, features = tiny_variant("dflash", fields)
+    one = DFlashBlockDrafter(drafter, config, embed, lm_head, max_context=32)
+    one.extend_context(features[:9], torch.arange(9))
+    sampler = Sampler.for_prompt(SamplingOptions(0.7), 0, torch.device("cpu"))
+    _, q = one.draft_sampled(40, 9, sampler)
+    z = 0.5 * torch.tanh(3.0 * one.block_logits(40, 9).double() / 0.5)
+    torch.testing.assert_close(q.double(), (z / 0.7).softmax(-1), rtol=1e-6, atol=1e-9)
