@@ -50,12 +50,20 @@ def strong_selector_(drafter: DFlash2Drafter, seed: int) -> DFlash2Drafter:
     return drafter.eval().requires_grad_(False)
 
 
+def contract_unary(drafter: DFlash2Drafter, lm_head, h) -> torch.Tensor:
+    """A slot's unary logits [V] in fp64 as trained: z = m * lm_head(h), then c * tanh(z / c)."""
+    cfg = drafter.config
+    z = cfg.output_multiplier * (lm_head.double() @ h.double())
+    cap = cfg.final_logit_softcapping
+    return z if cap is None else cap * torch.tanh(z / cap)
+
+
 def contract_walk(drafter: DFlash2Drafter, hidden, lm_head, anchor: int, top_k: int) -> list[int]:
     """The contract's walk for one block, in plain Python over the parameters (no selector code)."""
     p = {n: t.double() for n, t in drafter.candidate_selector.named_parameters()}
     prev, path = anchor, []
     for h in hidden.double():  # [d] per slot, left to right
-        unary = (lm_head.double() @ h).tolist()
+        unary = contract_unary(drafter, lm_head, h).tolist()
         candidates = sorted(range(len(unary)), key=lambda c: -unary[c])[:top_k]
         z = p["hidden_projection.weight"] @ h  # [r]
         score = {
@@ -68,11 +76,12 @@ def contract_walk(drafter: DFlash2Drafter, hidden, lm_head, anchor: int, top_k: 
     return path
 
 
-def tiny_block_drafters(seed: int = 3):
-    """A fp64 DFlash2 drafter (B = 6, top-4 of 97) with 9 context tokens, as both decoders'
-    drafters: (drafter, one-sequence BlockDrafter, rows drafter of 3 rows, lm_head)."""
+def tiny_block_drafters(seed: int = 3, **variant):
+    """A fp64 DFlash2 drafter (B = 6, top-4 of 97, DrafterConfig fields `variant`) with 9
+    context tokens, as both decoders' drafters: (drafter, one-sequence BlockDrafter, rows
+    drafter of 3 rows, lm_head)."""
     config = replace(tiny_config(TinySpec(block_size=6)), kind="dflash2", conv_group_size=8,
-                     selector_rank=8, selector_top_k=TOP_K)  # fmt: skip
+                     selector_rank=8, selector_top_k=TOP_K, **variant)  # fmt: skip
     drafter = strong_selector_(DFlash2Drafter(config).double(), seed)
     embed, lm_head = tiny_target_weights(config, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -127,6 +136,44 @@ WALK_MUTANTS = {
     "top_k_not_applied": (selector, "slot_candidates", _full_vocabulary),
     "codebooks_swapped": (CandidateSelector, "pair_scores", _swapped_codebooks),
 }
+
+
+def test_the_walk_scores_the_transformed_unary_logits_of_a_softcapped_multiplied_drafter():
+    """With output_multiplier m and final_logit_softcapping c the selector adds its pair scores
+    to z = c * tanh(m * lm_head(h) / c), as the objective trains it (DFLASH.md s.10), at T = 0 and
+    in the sampled walk's q; the raw lm_head logits give other drafts here (asserted)."""
+    drafter, one, rows, lm_head = tiny_block_drafters(
+        output_multiplier=3.0, final_logit_softcapping=0.5
+    )
+    expected = contract_drafts(drafter, one, lm_head)
+    assert decoder_drafts(one, rows) == expected
+    raw = replace(drafter.config, output_multiplier=1.0, final_logit_softcapping=None)
+    raw_walk = [
+        contract_walk(replace_config(drafter, raw), one.block_hidden(a, 9), lm_head, a, TOP_K)
+        for a in ANCHORS
+    ]
+    assert raw_walk != expected  # the transform changes the walk: what is compared
+    sampler = Sampler.for_prompt(SamplingOptions(0.7), 0, torch.device("cpu"))
+    _, q = one.draft_sampled(ANCHORS[1], 9, sampler)
+    h = one.block_hidden(ANCHORS[1], 9)[0]
+    unary = contract_unary(drafter, lm_head, h)
+    p = {n: t.double() for n, t in drafter.candidate_selector.named_parameters()}
+    z = p["hidden_projection.weight"] @ h.double()
+    candidates = unary.topk(TOP_K).indices
+    pair = (p["predecessor_codebook"][ANCHORS[1]] * z * p["successor_codebook"][candidates]).sum(-1)
+    expected_q = torch.zeros_like(unary)
+    expected_q[candidates] = ((unary[candidates] + pair) / 0.7).softmax(-1)
+    torch.testing.assert_close(q[0].double(), expected_q, rtol=1e-4, atol=1e-5)
+
+
+def replace_config(drafter: DFlash2Drafter, config) -> DFlash2Drafter:
+    """The same module seen with another config (contract_walk reads only its transform)."""
+
+    class Viewed:
+        candidate_selector = drafter.candidate_selector
+
+    Viewed.config = config
+    return Viewed()
 
 
 @pytest.mark.parametrize("mutant", WALK_MUTANTS, ids=WALK_MUTANTS)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from dflash_async.eval.block_masks import layer_masks
 from dflash_async.eval.lossless import GreedyResult, SpecResult, cut_at_stop
 from dflash_async.eval.selector import draft_tokens
 from dflash_async.eval.speculative import cache_kwarg, captured_layers
@@ -185,16 +186,20 @@ class RowsBlockDrafter:
         context_visible = (
             torch.arange(capacity, device=device)[None] < positions.to(device)[:, None]
         )
-        mask = torch.cat([context_visible, context_visible.new_ones(b, cfg.block_size)], dim=1)
-        layers = iter(zip(self.keys, self.values, strict=True))
+        plain = torch.cat([context_visible, context_visible.new_ones(b, cfg.block_size)], dim=1)
+        masks = layer_masks(
+            cfg.attention_rules(), positions.to(device), slots=capacity, block_size=cfg.block_size
+        )  # None: a full bidirectional layer, the plain mask
+        masks = [plain[:, None, None] if m is None else m for m in masks]
+        layers = iter(zip(self.keys, self.values, masks, strict=True))
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            context_k, context_v = next(layers)  # the drafter calls attend once per layer
+            context_k, context_v, mask = next(layers)  # the drafter calls attend once per layer
             rows = lambda x: x[0].unflatten(1, (b, -1)).transpose(0, 1)  # noqa: E731  [b, H, B, hd]
             k = torch.cat([context_k, rows(k)], dim=2)  # [b, Hkv, S+B, hd]
             v = torch.cat([context_v, rows(v)], dim=2)
             out = F.scaled_dot_product_attention(
-                rows(q), k, v, attn_mask=mask[:, None, None], enable_gqa=True
+                rows(q), k, v, attn_mask=mask, enable_gqa=True
             )  # [b, H, B, hd]
             return out.transpose(0, 1).flatten(1, 2)[None]  # [1, H, b*B, hd]
 

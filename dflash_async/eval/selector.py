@@ -21,6 +21,7 @@ import torch
 
 from dflash_async.eval.sampling import Sampler
 from dflash_async.model.dflash2 import CandidateSelector
+from dflash_async.model.logit_transforms import logit_transform_of
 
 
 def slot_candidates(unary: torch.Tensor, *, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +90,20 @@ def sampled_selector_walk(
     return torch.stack(path[1:], dim=1), torch.stack(qs, dim=1)
 
 
+def unary_logits(
+    drafter: torch.nn.Module,
+    hidden: torch.Tensor,  # [b, n, d]
+    lm_head_weight: torch.Tensor,  # [V, d]
+) -> torch.Tensor:
+    """The slots' unary logits [b, n, V] as trained: lm_head(h), then the drafter's logit
+    transforms (output multiplier, softcap; logit_transforms.py). The selector adds its pair
+    scores to these and a sampled draft's q is their softmax, so both need the transformed
+    logits (only the argmax is unchanged by them)."""
+    unary = hidden.to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T
+    transform = logit_transform_of(drafter.config)
+    return unary if transform.is_identity else transform(unary)
+
+
 def draft_tokens(
     drafter: torch.nn.Module,
     hidden: torch.Tensor,  # [b, n, d] drafter slots 1..B-1 after the final norm
@@ -97,7 +112,7 @@ def draft_tokens(
 ) -> torch.Tensor:
     """The drafts [b, n] of one block pass: the selector's walk if the drafter has one, else the
     unary argmax per slot."""
-    unary = hidden.to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T  # [b, n, V]
+    unary = unary_logits(drafter, hidden, lm_head_weight)  # [b, n, V]
     selector = getattr(drafter, "candidate_selector", None)
     if selector is None:
         return unary.argmax(-1)
@@ -115,7 +130,7 @@ def sampled_draft_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(drafts [b, n], q [b, n, V]) of one block pass at T > 0: each slot drawn from the filtered
     unary distribution, or along the DFlash2 selector's sampled walk."""
-    unary = hidden.to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T  # [b, n, V]
+    unary = unary_logits(drafter, hidden, lm_head_weight)  # [b, n, V]
     selector = getattr(drafter, "candidate_selector", None)
     if selector is None:
         q = sampler.probs(unary)

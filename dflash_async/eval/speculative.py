@@ -40,6 +40,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from dflash_async.eval import hybrid_state
+from dflash_async.eval.block_masks import layer_masks
 from dflash_async.eval.lossless import (
     GreedyResult,
     SpecResult,
@@ -108,14 +109,18 @@ class DFlashBlockDrafter:
         self.length = end
 
     def _cached_attend(self) -> tuple[Callable[..., torch.Tensor], Iterator[Any]]:
-        """An `attend` for one block pass: layer i's call prepends layer i's cached context."""
-        layers = iter(zip(self.keys, self.values, strict=True))
+        """An `attend` for one block pass: layer i's call prepends layer i's cached context,
+        masked by layer i's trained rule (block_masks.py; none for a full bidirectional one)."""
+        anchor = torch.tensor([self.length], device=self.keys[0].device)
+        masks = layer_masks(self.config.attention_rules(), anchor, slots=self.length,
+                            block_size=self.config.block_size)  # fmt: skip
+        layers = iter(zip(self.keys, self.values, masks, strict=True))
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            context_k, context_v = next(layers)  # the drafter calls attend once per layer, in order
+            context_k, context_v, mask = next(layers)  # one call per layer, in order
             k = torch.cat([context_k[:, :, : self.length], k], dim=2)  # [1, Hkv, T+B, hd]
             v = torch.cat([context_v[:, :, : self.length], v], dim=2)
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
         return attend, layers
 
