@@ -122,7 +122,8 @@ def static_batched_row(model: Any, prompts: list[list[int]], options: Any) -> di
     tokens = sum(map(len, new_ids))
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return {"row": "static_batched", "cache": "static", "batch": plan.batch,
-            "cache_len": plan.cache_len, "compiled": pool.compile, "prompts": len(prompts),
+            "cache_len": plan.cache_len, "compiled": pool.compile,
+            "compile_mode": pool.config.compile_config.mode if pool.compile else None, "prompts": len(prompts),
             "batches": -(-len(prompts) // plan.batch), "new_tokens": tokens,
             "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
             "warmup_s": round(warmup, 1), "max_memory_gib": round(memory, 1)}  # fmt: skip

@@ -11,7 +11,7 @@ Every batch is one HF `model.generate` with a `StaticCache` of `plan.batch` rows
 `plan.cache_len` tokens (left padding, the attention mask; transformers derives the position ids
 from the mask, so a padded row equals the row alone: tests/test_regen_batched.py checks it token
 for token on the CPU). On a GPU, generate compiles the decode step (`CompileConfig`: inductor,
-CUDA graphs); the cache and batch keep one shape, so it compiles once: the cache length is the
+CUDA graphs from torch 2.13 on); the cache and batch keep one shape, so it compiles once: the cache length is the
 longest prompt rounded up to `_LENGTH_BUCKET` plus `max_new_tokens`, and a last, short batch is
 filled up with copies of its last prompt (their answers are dropped). A longer prompt later
 re-plans (a new shape: one more compile).
@@ -36,6 +36,7 @@ from queue import SimpleQueue
 from typing import Any
 
 import torch
+from torch.torch_version import TorchVersion
 from transformers import (
     CompileConfig,
     GenerationConfig,
@@ -53,6 +54,10 @@ _LENGTH_BUCKET = 256  # cache length rounded up: a somewhat longer prompt later 
 _MAX_BATCH = 1024
 _CPU_BATCH = 32  # no compile on the CPU: any batch works, this one is quick
 _JOIN_S = 120.0  # a worker stops within one decode step once asked; a prefill can take longer
+# CUDA graphs (inductor's "reduce-overhead") run in a Python thread from torch 2.13 on: before,
+# cudagraph trees assert in any thread but the one that imported them (pytorch#123177, fixed by
+# pytorch#184357); older torch compiles the decode step without them ("default")
+_GRAPHS_IN_THREADS = TorchVersion(torch.__version__) >= (2, 13)
 # transformers renamed generate's `past_key_values` to `cache` (the old name warns until 6.0)
 _CACHE_KWARG = (
     "cache"
@@ -173,7 +178,8 @@ class GenerationPool:
 
     `config` is the generation config of every batch (greedy or sampled, eos, max_new_tokens...);
     `batch_size` None: as large as fits (`_CPU_BATCH` on the CPU); `compile` None: on a GPU,
-    with `compile_config` (default: inductor with CUDA graphs, static shapes).
+    with `compile_config` (default: inductor, static shapes, CUDA graphs where torch allows them
+    in a thread: see _GRAPHS_IN_THREADS).
     Use it as a context manager: the threads start on entry and are stopped and joined on exit,
     an error or Ctrl-C included (a running generate stops at its next step).
     """
@@ -196,7 +202,8 @@ class GenerationPool:
         self.compile = on_gpu if compile is None else compile
         self.config = copy.deepcopy(config)
         if self.compile:  # dynamic shapes off: every batch has one shape, compiled once
-            compile_config = copy.copy(compile_config) or CompileConfig(dynamic=False)
+            mode = "reduce-overhead" if _GRAPHS_IN_THREADS else "default"
+            compile_config = copy.copy(compile_config) or CompileConfig(dynamic=False, mode=mode)
             compile_config._compile_all_devices = not on_gpu  # a CPU test compiles too
             self.config.compile_config = compile_config
         else:
