@@ -14,8 +14,10 @@ import pytest
 import torch
 from transformers import CompileConfig, Qwen3Config
 
+import dflash_async.regen.attention as attention
 import dflash_async.regen.batched as batched
 from dflash_async.eval.regenerate import generate_ids, generation_config, regenerate, render_prompt
+from dflash_async.regen.attention import gqa_attention
 from dflash_async.regen.batched import (
     GenerationPool,
     fit_batch,
@@ -69,14 +71,25 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def test_batched_static_cache_greedy_ids_equal_one_prompt_at_a_time(tiny: tuple) -> None:
+def test_batched_static_cache_greedy_ids_equal_one_prompt_at_a_time(
+    tiny: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, tokenizer = tiny
     rows = _rows(tokenizer)
     assert max(map(len, rows)) > 10 * min(map(len, rows))  # very different lengths
     expected = _one_at_a_time(model, tokenizer, rows)
     assert any(len(_until_eos(e, tokenizer.eos_token_id)) == MAX_NEW for e in expected)
+    decode_steps = []
+
+    def counted(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        decode_steps.append(query.shape[2] == 1)
+        return gqa_attention(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "gqa_attention", counted)
     with GenerationPool([model], config=_config(model, tokenizer), batch_size=4) as pool:
         got = run_to_end(pool.generate(rows))  # batches [longest 4], [the other 2]
+    assert sum(decode_steps) > MAX_NEW  # the decode steps went through regen/attention.py
+    assert model.config._attn_implementation == "sdpa"  # and the model is as it was
     eos = tokenizer.eos_token_id
     assert [_until_eos(g, eos) for g in got] == [_until_eos(e, eos) for e in expected]
 
@@ -199,3 +212,27 @@ def test_bench_regen_runs_end_to_end_on_the_cpu_with_the_tiny_shape(capsys) -> N
     assert rows["hf_generate"]["new_tokens"] == 8 * 4  # 2 batches of 4 prompts, every token
     assert rows["static_batched"]["new_tokens"] == 12 * 4
     assert rows["summary"]["speedup"] > 0 and "speedup" in err
+
+
+def test_the_decode_attention_equals_hf_sdpa_without_repeating_the_cache() -> None:
+    """One query row over a cache with left padding and an unfilled tail, 4 query heads on 2 KV
+    heads: regen/attention.py's grouped matmuls give HF sdpa's output (which repeats K and V)."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from dflash_async.regen.attention import gqa_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator)
+               for shape in ((3, 4, 1, 8), (3, 2, 10, 8), (3, 2, 10, 8)))  # fmt: skip
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False  # left padding
+    mask[:, ..., 8:] = False  # the cache's unfilled tail
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, scaling=0.3)
+    got, _ = gqa_attention(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == expected.shape == (3, 1, 4, 8)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):  # the masked keys matter: not a vacuous comparison
+        torch.testing.assert_close(gqa_attention(module, q, k, v, mask | True, scaling=0.3)[0], got)

@@ -7,7 +7,8 @@ the order given: the prompts are sorted longest first (a batch pads little), cut
 next batch), and the answers are put back in input order, so the result does not depend on
 batching or on which device ran what.
 
-Every batch is one HF `model.generate` with a `StaticCache` of `plan.batch` rows by
+Every batch is one HF `model.generate` (its decode steps' attention: regen/attention.py, which
+reads the cache without copying it per query head) with a `StaticCache` of `plan.batch` rows by
 `plan.cache_len` tokens (left padding, the attention mask; transformers derives the position ids
 from the mask, so a padded row equals the row alone: tests/test_regen_batched.py checks it token
 for token on the CPU). On a GPU, generate compiles the decode step (`CompileConfig`: inductor,
@@ -30,7 +31,7 @@ import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
@@ -47,6 +48,7 @@ from transformers import (
 )
 
 from dflash_async.eval.regenerate import generate_ids
+from dflash_async.regen.attention import gqa_decode
 
 _HEADROOM = 0.9  # of the free memory: the caching allocator's fragmentation
 _RESERVE_BYTES = 4 * 2**30  # inductor and CUDA-graph workspace, cuBLAS, the sampling temporaries
@@ -216,9 +218,12 @@ class GenerationPool:
         self._jobs: SimpleQueue[_Job | None] = SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._attention = ExitStack()
 
     def __enter__(self) -> GenerationPool:
         self._stop.clear()
+        for replica in self.replicas:  # regen/attention.py: decode steps without repeat_kv
+            self._attention.enter_context(gqa_decode(replica.model))
         self._threads = [threading.Thread(target=self._work, args=(r,), daemon=True,
                                           name=f"regenerate-{r.device}")
                          for r in self.replicas]  # fmt: skip
@@ -233,6 +238,7 @@ class GenerationPool:
         for thread in self._threads:
             thread.join(timeout=_JOIN_S)
         self._threads = []
+        self._attention.close()
 
     def plan_for(self, longest: int) -> Plan:
         """The shape for prompts up to `longest` tokens: the current one while it holds."""
