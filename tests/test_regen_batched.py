@@ -22,7 +22,7 @@ from dflash_async.regen.batched import (
     GenerationPool,
     fit_batch,
     kv_bytes_per_token,
-    prefill_bytes_per_token,
+    row_bytes,
     run_to_end,
 )
 from dflash_async.regen.corpus import Conversation
@@ -185,21 +185,17 @@ def test_the_batch_is_what_fits_in_the_free_memory() -> None:
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          vocab_size=151936)  # fmt: skip
-    kv, act = (
-        kv_bytes_per_token(config, torch.bfloat16),
-        prefill_bytes_per_token(config, torch.bfloat16),
-    )
+    kv = kv_bytes_per_token(config, torch.bfloat16)
     assert kv == 2 * 36 * 8 * 128 * 2 == 147456
-    fit = dict(kv_per_token=kv, prefill_per_token=act, vocab_size=151936)
-    rows = fit_batch(budget_bytes=100 * 2**30, cache_len=2048, prompt_len=1536, **fit)
-    per_row = kv * 2048 + act * 1536 + 1536 * 2048 + 12 * 151936
-    assert rows % 8 == 0 and rows * per_row <= 100 * 2**30 < (rows + 8) * per_row
+    row = row_bytes(config, torch.bfloat16, prompt_len=1536, cache_len=2048)
+    assert kv * 2048 < row < 2 * kv * 2048  # the cache, then the prefill of 1536 tokens
+    rows = fit_batch(budget_bytes=100 * 2**30, row_bytes=row)
+    assert rows % 8 == 0 and rows * row <= 100 * 2**30 < (rows + 8) * row
     assert 150 < rows < 300
-    assert (
-        fit_batch(budget_bytes=100 * 2**30, cache_len=576, prompt_len=64, **fit) == 1024
-    )  # the cap
-    assert fit_batch(budget_bytes=per_row * 5, cache_len=2048, prompt_len=1536, **fit) == 5
-    assert fit_batch(budget_bytes=-1, cache_len=2048, prompt_len=1536, **fit) == 0
+    short = row_bytes(config, torch.bfloat16, prompt_len=32, cache_len=288)
+    assert fit_batch(budget_bytes=100 * 2**30, row_bytes=short) == 1024  # the cap
+    assert fit_batch(budget_bytes=row * 5, row_bytes=row) == 5
+    assert fit_batch(budget_bytes=-1, row_bytes=row) == 0
 
 
 def test_bench_regen_runs_end_to_end_on_the_cpu_with_the_tiny_shape(capsys) -> None:

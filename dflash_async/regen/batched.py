@@ -17,10 +17,11 @@ longest prompt rounded up to `_LENGTH_BUCKET` plus `max_new_tokens`, and a last,
 filled up with copies of its last prompt (their answers are dropped). A longer prompt later
 re-plans (a new shape: one more compile).
 
-The batch is as large as fits (`fit_batch`): per row, the KV cache (bytes per token x cache
-length) plus the prefill's activations (bytes per prompt token x prompt length), the mask and the
-step's float32 logits, against the device's free memory after the weights (measured once, before
-any cache) times `_HEADROOM`, less `_RESERVE_BYTES` for the compiler, CUDA graphs and cuBLAS.
+The batch is as large as fits (`fit_batch`): per row (`row_bytes`) the KV cache (bytes per token
+x cache length) plus the prefill's activations, the mask and a step's float32 scores and logits,
+against the device's free memory after the weights (measured once, before any cache) times
+`_HEADROOM`, less `_RESERVE_BYTES` for the compiler, CUDA graphs and cuBLAS. An out-of-memory
+error says to pass a smaller batch size.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ _RESERVE_BYTES = 4 * 2**30  # inductor and CUDA-graph workspace, cuBLAS, the sam
 _LENGTH_BUCKET = 256  # cache length rounded up: a somewhat longer prompt later needs no re-plan
 _MAX_BATCH = 1024
 _CPU_BATCH = 32  # no compile on the CPU: any batch works, this one is quick
-_JOIN_S = 120.0  # a worker stops within one decode step once asked; a prefill can take longer
+_JOIN_S = 30.0  # a worker stops within a decode step or a prefill once asked (daemon threads: a
+# compile still running past this does not hold the process)
 # CUDA graphs (inductor's "reduce-overhead") run in a Python thread from torch 2.13 on: before,
 # cudagraph trees assert in any thread but the one that imported them (pytorch#123177, fixed by
 # pytorch#184357); older torch compiles the decode step without them ("default")
@@ -68,46 +70,44 @@ _CACHE_KWARG = (
 )
 
 
+def _shape(config: Any) -> tuple[Any, int, int, int]:
+    """(text config, query heads, KV heads, head dim)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text, heads, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes the static cache holds per token and row: K and V of every layer (linear-attention
     or sliding layers counted as full ones: an over-estimate, never an under-estimate)."""
-    text = config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    text, _, kv_heads, head_dim = _shape(config)
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
-def prefill_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """The prefill's largest live activations per prompt token: the residual stream and its norm,
-    attention's q/k/v and output, the MLP's gate, up and product (one layer at a time)."""
-    text = config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+def row_bytes(config: Any, dtype: torch.dtype, *, prompt_len: int, cache_len: int) -> int:
+    """The most memory one batch row needs besides the weights: its KV cache; the prefill's
+    largest live activations, one layer at a time (per prompt token the residual stream, its
+    norm, q/k/v, the attention output and the MLP's gate, activation, up and product; per cached
+    token sdpa's K and V repeated to every query head; the mask, boolean and as sdpa's float
+    bias); a decode step's float32 attention scores (three live) and logits, scores and softmax
+    over the vocabulary."""
+    text, heads, kv_heads, head_dim = _shape(config)
     inner = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    qkv = (heads + 2 * kv_heads) * head_dim
-    return dtype.itemsize * (4 * text.hidden_size + qkv + 3 * inner)
-
-
-def fit_batch(
-    *,
-    budget_bytes: int,
-    cache_len: int,
-    prompt_len: int,
-    kv_per_token: int,
-    prefill_per_token: int,
-    vocab_size: int,
-    cap: int = _MAX_BATCH,
-) -> int:
-    """Rows that fit in `budget_bytes` (see the module docstring); a multiple of 8 from 8 up."""
-    per_row = (
-        kv_per_token * cache_len
-        + prefill_per_token * prompt_len
-        + prompt_len * cache_len  # the prefill's boolean mask
-        + 3 * 4 * vocab_size  # a step's logits in float32, the processed scores, the softmax
+    size = dtype.itemsize
+    per_prompt_token = size * (4 * text.hidden_size + (heads + 2 * kv_heads) * head_dim + 4 * inner)
+    per_cached_token = size * 2 * heads * head_dim + 3 * prompt_len + 3 * 4 * heads
+    return (
+        kv_bytes_per_token(config, dtype) * cache_len
+        + per_prompt_token * prompt_len
+        + per_cached_token * cache_len
+        + 3 * 4 * text.vocab_size
     )
-    rows = min(cap, max(budget_bytes, 0) // per_row)
+
+
+def fit_batch(*, budget_bytes: int, row_bytes: int, cap: int = _MAX_BATCH) -> int:
+    """Rows that fit in `budget_bytes`: a multiple of 8 from 8 up, at most `cap`."""
+    rows = min(cap, max(budget_bytes, 0) // row_bytes)
     return rows - rows % 8 if rows >= 8 else rows
 
 
@@ -252,12 +252,8 @@ class GenerationPool:
             batch = _CPU_BATCH
         else:
             model = self.replicas[0].model
-            config, dtype = model.config, model.dtype
-            batch = min(fit_batch(budget_bytes=budget, cache_len=cache_len, prompt_len=longest,
-                                  kv_per_token=kv_bytes_per_token(config, dtype),
-                                  prefill_per_token=prefill_bytes_per_token(config, dtype),
-                                  vocab_size=config.get_text_config(decoder=True).vocab_size)
-                        for budget in self._budgets)  # fmt: skip
+            row = row_bytes(model.config, model.dtype, prompt_len=longest, cache_len=cache_len)
+            batch = min(fit_batch(budget_bytes=budget, row_bytes=row) for budget in self._budgets)
             if batch < 1:
                 raise RuntimeError(
                     f"a prompt of {longest} tokens + {max_new} new does not fit one row's cache "
@@ -313,6 +309,11 @@ class GenerationPool:
                 with _seeded(seed, replica.device) if sampled else nullcontext():
                     new_ids = replica.run(rows, plan, self.config, stopping_criteria=stopping)
                 future.set_result(new_ids[:real])
+            except torch.OutOfMemoryError as error:
+                future.set_exception(torch.OutOfMemoryError(
+                    f"{replica.device}: out of memory generating {plan.batch} rows x "
+                    f"{plan.cache_len} cached tokens; pass a smaller batch size (--batch-size): "
+                    f"{error}"))  # fmt: skip
             except BaseException as error:  # handed to the caller's thread, which raises it
                 future.set_exception(error)
 
