@@ -232,3 +232,29 @@ def test_the_decode_attention_equals_hf_sdpa_without_repeating_the_cache() -> No
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):  # the masked keys matter: not a vacuous comparison
         torch.testing.assert_close(gqa_attention(module, q, k, v, mask | True, scaling=0.3)[0], got)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_compiled_pool_runs_in_its_thread_with_one_graph(tiny_folder: Path) -> None:
+    """The GPU path as `regenerate` runs it: inductor in the worker thread (CUDA graphs from torch
+    2.13 on), the tiny target in fp32 on cuda:0. GPU kernels differ by batch shape, so the ids are
+    compared loosely with the one-at-a-time HF path: at least half of the rows the same."""
+    from torch._dynamo.utils import counters
+
+    model = load_target(tiny_folder, device=torch.device("cuda", 0))
+    tokenizer = load_target_tokenizer(tiny_folder)
+    rows = _rows(tokenizer)
+    expected = _one_at_a_time(model, tokenizer, rows)
+    torch._dynamo.reset()
+    counters.clear()
+    with GenerationPool([model], config=_config(model, tokenizer), batch_size=4) as pool:
+        assert pool.compile
+        got = run_to_end(pool.generate(rows))
+        got_again = run_to_end(pool.generate(rows))
+    assert got_again == got  # the same batches: the same ids
+    assert counters["stats"]["unique_graphs"] == 1
+    eos = tokenizer.eos_token_id
+    got, expected = [_until_eos(g, eos) for g in got], [_until_eos(e, eos) for e in expected]
+    same = sum(g == e for g, e in zip(got, expected, strict=True))
+    assert same >= len(rows) / 2, (same, got, expected)
+    torch._dynamo.reset()
