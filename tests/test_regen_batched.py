@@ -165,6 +165,16 @@ def test_an_error_in_a_worker_reaches_the_caller_and_the_threads_end(
     assert not any(thread.is_alive() for thread in threads)
 
 
+def test_workers_that_died_fail_the_call_instead_of_hanging(
+    tiny: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tokenizer = tiny
+    monkeypatch.setattr(GenerationPool, "_work", lambda self, replica, jobs: None)  # ends at once
+    pool = GenerationPool([model], config=_config(model, tokenizer), batch_size=2, tick_s=0.01)
+    with pytest.raises(RuntimeError, match="every worker thread"), pool:
+        run_to_end(pool.generate(_rows(tokenizer)))
+
+
 def test_closing_mid_batch_stops_the_running_generate_at_its_next_step(tiny: tuple) -> None:
     model, tokenizer = tiny
     config = _config(model, tokenizer)

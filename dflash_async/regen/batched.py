@@ -222,9 +222,14 @@ class GenerationPool:
 
     def __enter__(self) -> GenerationPool:
         self._stop.clear()
-        for replica in self.replicas:  # regen/attention.py: decode steps without repeat_kv
-            self._attention.enter_context(gqa_decode(replica.model))
-        self._threads = [threading.Thread(target=self._work, args=(r,), daemon=True,
+        self._jobs = SimpleQueue()  # nothing left over from an earlier block
+        try:
+            for replica in self.replicas:  # regen/attention.py: decode steps without repeat_kv
+                self._attention.enter_context(gqa_decode(replica.model))
+        except BaseException:
+            self._attention.close()
+            raise
+        self._threads = [threading.Thread(target=self._work, args=(r, self._jobs), daemon=True,
                                           name=f"regenerate-{r.device}")
                          for r in self.replicas]  # fmt: skip
         for thread in self._threads:
@@ -288,6 +293,8 @@ class GenerationPool:
                         new_ids = future.result(timeout=self.tick_s)
                         break
                     except FutureTimeout:
+                        if not any(thread.is_alive() for thread in self._threads):
+                            raise RuntimeError("every worker thread of the pool ended") from None
                         yield None
                 for j, ids in zip(chunk, new_ids, strict=True):
                     results[j] = ids
@@ -296,12 +303,12 @@ class GenerationPool:
             for _, future in pending:
                 future.cancel()  # not started yet: never runs (after an error or a close)
 
-    def _work(self, replica: _Replica) -> None:
+    def _work(self, replica: _Replica, jobs: SimpleQueue[_Job | None]) -> None:
         if replica.device.type == "cuda":
             torch.cuda.set_device(replica.device)
         stopping = StoppingCriteriaList([_Stop(self._stop)])
         sampled = bool(self.config.do_sample)
-        while (job := self._jobs.get()) is not None:
+        while (job := jobs.get()) is not None:
             rows, real, plan, seed, future = job
             if not future.set_running_or_notify_cancel():
                 continue
