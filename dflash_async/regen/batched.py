@@ -203,9 +203,8 @@ class GenerationPool:
         on_gpu = all(r.device.type == "cuda" for r in self.replicas)
         self.compile = on_gpu if compile is None else compile
         self.config = copy.deepcopy(config)
-        self.config.cache_implementation = (
-            None  # the pool passes its own cache (generate refuses both)
-        )
+        # the pool passes its own cache, and generate refuses a cache_implementation beside one
+        self.config.cache_implementation = None
         if self.compile:  # dynamic shapes off: every batch has one shape, compiled once
             mode = "reduce-overhead" if _GRAPHS_IN_THREADS else "default"
             compile_config = copy.copy(compile_config) or CompileConfig(dynamic=False, mode=mode)
