@@ -125,6 +125,8 @@ BAD_INPUTS = {
         "{root}/out.jsonl", "--target", "{root}/no_model"], {}, ["no_model"]),
     "regenerate/bad_argument": (["regenerate", "--input", "{good}", "--output", "{root}/o.jsonl",
         "--target", "{root}", "--batch-size", "0"], {}, ["--batch-size"]),
+    "regenerate/repeated_device": (["regenerate", "--input", "{good}", "--output",
+        "{root}/o.jsonl", "--target", "{root}", "--devices", "cpu,cpu"], {}, ["--devices", "once"]),
     "eval/missing_drafter": (["eval", "--drafter", "{root}/no_drafter", "--device", "cpu"], {},
                              ["no_drafter"]),
     "eval/malformed_prompts": (["eval", "--drafter", "{root}", "--prompts", "{bad}"], {},
