@@ -116,7 +116,7 @@ def cmd_settings(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("drafter", "target", "data", "packing")
+BENCHES = ("drafter", "target", "data", "packing", "regen")
 # the research benchmarks that left the package: their old `bench` names and scripts
 MOVED_BENCHES = {
     "attention": "attention_bench.py",
@@ -137,9 +137,9 @@ def bench_name(text: str) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks of the product's builders: `bench drafter|target|data|packing [...]` (the GPU
-    drafter step, the target's forward paths, the data stages, the packer). The research
-    benchmarks are scripts in benchmarks/research/."""
+    """Benchmarks of the product's builders: `bench drafter|target|data|packing|regen [...]` (the
+    GPU drafter step, the target's forward paths, the data stages, the packer, in-process
+    regeneration). The research benchmarks are scripts in benchmarks/research/."""
     _configure_logging()
     if args.what == "drafter":
         from dflash_async.bench.drafter_bench import main
@@ -147,6 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from dflash_async.bench.target_bench import main
     elif args.what == "data":
         from dflash_async.bench.data_bench import main
+    elif args.what == "regen":
+        from dflash_async.bench.regen_bench import main
     else:
         from dflash_async.bench.packing_bench import main
     main(args.rest)

@@ -125,6 +125,8 @@ BAD_INPUTS = {
         "{root}/out.jsonl", "--target", "{root}/no_model"], {}, ["no_model"]),
     "regenerate/bad_argument": (["regenerate", "--input", "{good}", "--output", "{root}/o.jsonl",
         "--target", "{root}", "--batch-size", "0"], {}, ["--batch-size"]),
+    "regenerate/repeated_device": (["regenerate", "--input", "{good}", "--output",
+        "{root}/o.jsonl", "--target", "{root}", "--devices", "cpu,cpu"], {}, ["--devices", "once"]),
     "eval/missing_drafter": (["eval", "--drafter", "{root}/no_drafter", "--device", "cpu"], {},
                              ["no_drafter"]),
     "eval/malformed_prompts": (["eval", "--drafter", "{root}", "--prompts", "{bad}"], {},
@@ -210,10 +212,10 @@ def test_settings_prints_a_preset_whose_paths_are_absent_here_and_warns(
 # regenerate with the tiny target's generation failing: an internal error after the target loaded
 FAILING_REGENERATE = """
 import sys
-import dflash_async.regen.engines as engines
-def regenerate(*args, **kwargs):
+import dflash_async.regen.batched as batched
+def generate_ids(*args, **kwargs):
     raise RuntimeError("generation failed")
-engines.regenerate_with_stats = regenerate
+batched.generate_ids = generate_ids
 from dflash_async.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -296,3 +296,32 @@ def test_an_output_at_or_inside_the_input_or_an_empty_input_exits_2_with_one_lin
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
     assert all(text in lines[0] for text in expected), lines[0]
     assert {p: p.read_bytes() for p in before} == before  # the input is as it was
+
+
+def test_an_interrupt_inside_an_add_leaves_the_last_flush_standing(tmp_path: Path) -> None:
+    """A signal's KeyboardInterrupt between a record's count and its bytes: the flush after it
+    (the command's `finally`) must not record the half-added record; the re-run redoes it."""
+    from dflash_async.regen.shards import ShardWriter, read_progress
+
+    identity = {"input_fingerprint": "x"}
+    writer = ShardWriter(tmp_path, identity=identity, records_per_shard=10,
+                         progress=read_progress(tmp_path, identity))  # fmt: skip
+    writer.add({"n": 0})
+    writer.flush()
+    real_write = writer._partial.write
+
+    def interrupted(data: bytes) -> int:
+        raise KeyboardInterrupt
+
+    writer._partial.write = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        writer.add({"n": 1})  # counted, not written
+    writer._partial.write = real_write
+    writer.flush()  # the `finally`: a no-op now
+    writer.close()
+    resumed = ShardWriter(tmp_path, identity=identity, records_per_shard=10,
+                          progress=read_progress(tmp_path, identity))  # fmt: skip
+    assert resumed.done == 1  # record 1 is redone, not skipped
+    resumed.add({"n": 1})
+    resumed.finish()
+    assert records(tmp_path) == [{"n": 0}, {"n": 1}]

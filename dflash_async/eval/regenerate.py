@@ -72,7 +72,7 @@ def turns_to_generate(messages: list[dict[str, Any]], turns: str = "all") -> lis
     return indices[-1:] if turns == "last" else indices
 
 
-def _generation_config(
+def generation_config(
     model: PreTrainedModel,
     tokenizer: Any,
     *,
@@ -121,13 +121,11 @@ def _left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     return input_ids, mask
 
 
-def _generate_batch(
-    model: PreTrainedModel,
-    tokenizer: Any,
-    rows: list[list[int]],
-    config: GenerationConfig,
-) -> list[tuple[str, bool, int]]:
-    """Generate for one batch of prompt ids: (answer text, ended by eos, new tokens) each."""
+def generate_ids(
+    model: PreTrainedModel, rows: list[list[int]], config: GenerationConfig, **generate_kwargs: Any
+) -> list[list[int]]:
+    """The new ids of each prompt (left-padded together, one `model.generate`), eos and the
+    padding after it included; `generate_kwargs` (a cache, stopping criteria) go to generate."""
     device = next(model.parameters()).device
     input_ids, mask = _left_padded(rows, config.pad_token_id)
     with torch.no_grad():
@@ -135,14 +133,31 @@ def _generate_batch(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
             generation_config=config,
+            **generate_kwargs,
         )
     # Sync point: the generated ids come back to the host to be decoded.
-    new_ids = out[:, input_ids.shape[1] :].tolist()
+    return out[:, input_ids.shape[1] :].tolist()
+
+
+def answers(
+    new_ids: list[list[int]], tokenizer: Any, config: GenerationConfig
+) -> list[tuple[str, bool, int]]:
+    """(answer text, ended by eos, new tokens including the eos) of each row of `generate_ids`."""
     eos_ids = _eos_ids(config)
     return [_answer(row, tokenizer, eos_ids) for row in new_ids]
 
 
-def _render_prompt(
+def _generate_batch(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    rows: list[list[int]],
+    config: GenerationConfig,
+) -> list[tuple[str, bool, int]]:
+    """Generate for one batch of prompt ids: (answer text, ended by eos, new tokens) each."""
+    return answers(generate_ids(model, rows, config), tokenizer, config)
+
+
+def render_prompt(
     tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
 ) -> str:
     return tokenizer.apply_chat_template(
@@ -213,7 +228,7 @@ def regenerate_with_stats(
         )
     records = [_checked_conversation(c, f"conversation {i}") for i, c in enumerate(conversations)]
     chosen = [turns_to_generate(r["messages"], turns) for r in records]
-    config = _generation_config(
+    config = generation_config(
         model, tokenizer, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature
     )
     stats: dict[str, Any] = {"turns": 0, "new_tokens": [0] * len(records), "truncated_turns": 0}
@@ -239,7 +254,7 @@ def _run_round(
     show_progress: bool,
 ) -> None:
     """Fill the assistant turn `index` of each (record number, index), longest prompts first."""
-    prompts = [_render_prompt(tokenizer, records[n]["messages"][:i], template_kwargs)
+    prompts = [render_prompt(tokenizer, records[n]["messages"][:i], template_kwargs)
                for n, i in jobs]  # fmt: skip
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # the template has them
     order = sorted(range(len(jobs)), key=lambda j: -len(rows[j]))  # similar lengths together

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dflash_async.regen.corpus import Split
     from dflash_async.usage import positive_int
 
+    def batch_size(text: str) -> int | None:
+        return None if text == "auto" else positive_int(text)
+
     def split(text: str) -> Split:
         try:
             return Split.parse(text)
@@ -44,8 +47,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--target", help="in process: local HF model folder or cached model id")
     engine.add_argument("--server", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     add("--model", help="the server's model name (default: the first it lists)")
-    add("--device", default="cpu", help="in process: the target's device")
-    add("--batch-size", type=positive_int, default=32, help="in process: conversations a batch")
+    add(
+        "--devices",
+        "--device",
+        default="auto",
+        help="in process: the devices, one target replica and worker thread each, e.g. "
+        "cuda:0,cuda:1 or 0,1 or cpu (auto: every visible GPU, else the CPU)",
+    )
+    add(
+        "--batch-size",
+        type=batch_size,
+        default="auto",
+        help="in process: prompts a batch (auto: as many as fit in the free GPU memory; 32 on CPU)",
+    )
+    add(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="in process: compile the decode step (default: on a GPU)",
+    )
     add("--concurrency", type=positive_int, default=64, help="server: requests in flight")
     add("--timeout", type=float, default=600.0, help="server: seconds per request")
     add("--retries", type=int, default=5, help="server: retries of a failed request")
@@ -125,7 +145,7 @@ def main(args: argparse.Namespace) -> Path:
     output = Path(args.output)
     check_output_outside_input(args.input, output)
     check_writable_folder(output, argument="--output")
-    device = _device(args)
+    devices = _devices(args)
     total, fingerprint = corpus.scan()
     if total == 0:
         from dflash_async.data.formats import DataError
@@ -140,7 +160,7 @@ def main(args: argparse.Namespace) -> Path:
     if progress.complete:
         log.info("regenerate_completed", output=str(output), records=total, already_done=True)
         return output
-    engine = _engine(args, sampling, model_name=model_name, device=device)
+    engine = _engine(args, sampling, model_name=model_name, devices=devices)
     _drive(engine, corpus, output, identity=identity, progress=progress, total=total, args=args,
            log=log)  # fmt: skip
     return output
@@ -155,12 +175,23 @@ def _sampling(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def _device(args: argparse.Namespace) -> Any:
+def _devices(args: argparse.Namespace) -> list[Any]:
+    """--devices as torch devices (exit 2 for one that does not exist here or appears twice)."""
     if args.server:
-        return None
-    from dflash_async.runtime.devices import parse_device
+        return []
+    import torch
 
-    return parse_device(args.device, setting="--device")
+    from dflash_async.runtime.devices import parse_device
+    from dflash_async.usage import UsageError
+
+    text = args.devices.strip().lower()
+    if text == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+    devices = [parse_device(item, setting="--device") for item in text.split(",") if item.strip()]
+    if not devices or len(set(devices)) < len(devices):
+        raise UsageError(f"--devices {args.devices!r}: name each device once, e.g. cuda:0,cuda:1")
+    return devices
 
 
 def _served_model(args: argparse.Namespace) -> str | None:
@@ -199,7 +230,9 @@ def _identity(
     }
 
 
-def _engine(args: argparse.Namespace, sampling: Any, *, model_name: str | None, device: Any) -> Any:
+def _engine(
+    args: argparse.Namespace, sampling: Any, *, model_name: str | None, devices: list[Any]
+) -> Any:
     if args.server:
         from dflash_async.regen.engines import ServerEngine
 
@@ -210,9 +243,9 @@ def _engine(args: argparse.Namespace, sampling: Any, *, model_name: str | None, 
     from dflash_async.regen.engines import InProcessEngine
     from dflash_async.target.loading import load_target, load_target_tokenizer
 
-    model = load_target(args.target, device=device)  # TargetError: exit 2
-    return InProcessEngine(model, load_target_tokenizer(args.target), sampling=sampling,
-                           batch_size=args.batch_size)  # fmt: skip
+    models = [load_target(args.target, device=device) for device in devices]  # TargetError: exit 2
+    return InProcessEngine(models, load_target_tokenizer(args.target), sampling=sampling,
+                           batch_size=args.batch_size, compile=args.compile)  # fmt: skip
 
 
 def _drive(

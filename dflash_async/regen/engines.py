@@ -7,7 +7,8 @@
   `chat_template_kwargs`, which both servers pass to the template. Timeouts, connection errors,
   408/429 and 5xx are retried with exponential back-off; another 4xx is the server rejecting the
   record (the command skips it or fails, by --on-error).
-- `InProcessEngine`: the target loaded here, batched `model.generate` (eval/regenerate.py).
+- `InProcessEngine`: the target loaded here, one replica per device, batched generation with a
+  static KV cache, prompts sorted by length (regen/batched.py).
 
 Both yield one `Outcome` per conversation in input order, so the output does not depend on the
 engine's concurrency; `None` now and then while waiting, so the caller can log progress.
@@ -15,6 +16,8 @@ engine's concurrency; `None` now and then while waiting, so the caller can log p
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import random
 import threading
@@ -22,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -30,7 +33,14 @@ from http.client import HTTPException
 from queue import SimpleQueue
 from typing import Any
 
-from dflash_async.eval.regenerate import cpu_threads, regenerate_with_stats, turns_to_generate
+from dflash_async.eval.regenerate import (
+    answers,
+    cpu_threads,
+    generation_config,
+    render_prompt,
+    turns_to_generate,
+)
+from dflash_async.regen.batched import GenerationPool
 from dflash_async.regen.corpus import Conversation
 from dflash_async.usage import UsageError
 
@@ -70,44 +80,68 @@ class ServerError(RuntimeError):
     """The server failed past the retries, or refuses every request (exit 1)."""
 
 
-def _chunks(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:
-    chunk: list[Conversation] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 class InProcessEngine:
-    """The target in this process: batches of `batch_size` conversations through HF generate."""
+    """The target in this process: a `GenerationPool` (regen/batched.py) of one replica per
+    device, fed windows of conversations; `batch_size` None: as large as fits.
 
-    def __init__(self, model: Any, tokenizer: Any, *, sampling: Sampling, batch_size: int) -> None:
-        self.model, self.tokenizer = model, tokenizer
-        self.sampling, self.batch_size = sampling, batch_size
+    A window is `window_batches` batches per device of conversations; its turns are generated
+    round by round (round r: the r-th chosen turn of each conversation, given the earlier ones as
+    regenerated), each round's prompts sorted by length across the window, and its outcomes come
+    out in input order once its last round is done (a kill redoes at most the window in flight).
+    """
+
+    def __init__(
+        self,
+        models: Sequence[Any],
+        tokenizer: Any,
+        *,
+        sampling: Sampling,
+        batch_size: int | None,
+        compile: bool | None = None,
+        window_batches: int = 4,
+        tick_s: float = 1.0,
+    ) -> None:
+        s = sampling
+        self.tokenizer, self.sampling = tokenizer, sampling
+        config = generation_config(models[0], tokenizer, max_new_tokens=s.max_new_tokens,
+                                   greedy=s.greedy, temperature=s.temperature)  # fmt: skip
+        self.pool = GenerationPool(models, config=config, batch_size=batch_size, compile=compile,
+                                   seed=s.seed, tick_s=tick_s)  # fmt: skip
+        self.window_batches = window_batches
         # on the CPU one intra-op thread decodes several times faster (cpu_threads says why)
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        on_cpu = any(r.device.type == "cpu" for r in self.pool.replicas)
         self.threads = 1 if on_cpu else None
 
-    def outcomes(self, conversations: Iterable[Conversation]) -> Iterator[Outcome | None]:
-        with cpu_threads(self.threads):
-            yield from self._outcomes(conversations)
+    def _window_size(self) -> int:
+        plan = self.pool.plan  # none before the first window: a guess of what fits
+        batch = plan.batch if plan is not None else self.pool.batch_size or 64
+        return self.window_batches * batch * len(self.pool.replicas)
 
-    def _outcomes(self, conversations: Iterable[Conversation]) -> Iterator[Outcome]:
-        s = self.sampling
-        for chunk in _chunks(conversations, self.batch_size):
-            records, stats = regenerate_with_stats(
-                self.model, self.tokenizer, [c.record for c in chunk],
-                max_new_tokens=s.max_new_tokens, batch_size=self.batch_size, greedy=s.greedy,
-                temperature=s.temperature, seed=s.seed, turns=s.turns,
-                template_kwargs=s.template_kwargs,
-            )  # fmt: skip
-            for conversation, record, tokens in zip(
-                chunk, records, stats["new_tokens"], strict=True
+    def outcomes(self, conversations: Iterable[Conversation]) -> Iterator[Outcome | None]:
+        source = iter(conversations)
+        with cpu_threads(self.threads), self.pool:
+            while window := list(itertools.islice(source, self._window_size())):
+                yield from self._window(window)
+
+    def _window(self, window: list[Conversation]) -> Iterator[Outcome | None]:
+        s, tokenizer = self.sampling, self.tokenizer
+        records = [copy.deepcopy(c.record) for c in window]
+        chosen = [turns_to_generate(r["messages"], s.turns) for r in records]
+        tokens = [0] * len(records)
+        for round_ in range(max((len(t) for t in chosen), default=0)):
+            jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
+            prompts = [render_prompt(tokenizer, records[n]["messages"][:i], s.template_kwargs)
+                       for n, i in jobs]  # fmt: skip
+            # no special tokens added: the template has them
+            rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+            new_ids = yield from self.pool.generate(rows)
+            for (n, index), (text, _, count) in zip(
+                jobs, answers(new_ids, tokenizer, self.pool.config), strict=True
             ):
-                yield Outcome(conversation, record, tokens)
+                records[n]["messages"][index] = {"role": "assistant", "content": text}
+                tokens[n] += count
+        for conversation, record, count in zip(window, records, tokens, strict=True):
+            yield Outcome(conversation, record, count)
 
 
 def completions_url(server: str) -> str:

@@ -12,7 +12,8 @@ manifest, then emptying the partial. A re-run trusts only the manifest: it trunc
 to the recorded bytes and regenerates what came after, so a kill at any point (SIGKILL included)
 resumes after the last recorded record and, with deterministic answers (greedy), ends with the
 same bytes as an uninterrupted run. A crash between a shard's file and the manifest rewrites the
-same shard again.
+same shard again. A kill inside an atomic write leaves only its temporary, which the re-run
+deletes.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ class ShardWriter:
         self.output, self.identity, self.per_shard = output, identity, records_per_shard
         self.progress = progress
         output.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
         self._finish_recorded_shards()
         self._partial_path = output / (shard_name(len(progress.shards)) + ".partial")
         self._partial = self._reopen_partial()
         self._unflushed = False
+        self._consistent = True  # False while add/flush/finish run (see flush)
 
     def _reopen_partial(self) -> Any:
         """The in-progress shard cut back to what the manifest recorded (the rest is redone)."""
@@ -94,6 +97,13 @@ class ShardWriter:
         partial.truncate(size)
         partial.seek(size)
         return partial
+
+    def _remove_stale_temporaries(self) -> None:
+        """A kill inside an atomic write leaves its temporary (`.shard-00001.jsonl.tmp-...`, the
+        manifest's): never renamed, so never part of the output; the re-run deletes them."""
+        for pattern in (".shard-*.jsonl.tmp-*", f".{MANIFEST}.tmp-*"):
+            for stale in self.output.glob(pattern):
+                stale.unlink(missing_ok=True)
 
     def _finish_recorded_shards(self) -> None:
         """A crash right after a shard was recorded: its file exists (it is written first); drop
@@ -109,24 +119,35 @@ class ShardWriter:
 
     def add(self, record: dict[str, Any] | None) -> None:
         """The next input record's answer (None: skipped); finishes the shard when it is full."""
+        self._consistent = False
         self.progress.consumed += 1
         self._unflushed = True
         if record is None:
             self.progress.skipped += 1
-            return
-        self._partial.write(json.dumps(record, ensure_ascii=False, default=str).encode() + b"\n")
-        self.progress.partial_records += 1
-        if self.progress.partial_records == self.per_shard:
-            self._finish_shard()
+        else:
+            line = json.dumps(record, ensure_ascii=False, default=str).encode() + b"\n"
+            self._partial.write(line)
+            self.progress.partial_records += 1
+            if self.progress.partial_records == self.per_shard:
+                self._finish_shard()
+        self._consistent = True
 
     def flush(self) -> None:
-        """Make every record added so far survive a crash (the partial, then the manifest)."""
-        if not self._unflushed:
+        """Make every record added so far survive a crash (the partial, then the manifest).
+
+        A no-op after an add, flush or finish that did not return (a signal's KeyboardInterrupt
+        lands between any two statements, an error): the counts may then be half updated (a
+        record counted and not written, or written and not counted), and the manifest of the
+        last flush, which is consistent, stands; the re-run redoes what came after it.
+        """
+        if not self._unflushed or not self._consistent:
             return
+        self._consistent = False
         self._partial.flush()
         os.fsync(self._partial.fileno())
         self.progress.partial_bytes = self._partial.tell()
         self._write_manifest()
+        self._consistent = True
 
     def _finish_shard(self) -> Path:
         self._partial.flush()
@@ -147,12 +168,14 @@ class ShardWriter:
 
     def finish(self) -> None:
         """The input is done: the last (shorter) shard, and the manifest marked complete."""
+        self._consistent = False
         if self.progress.partial_records:
             self._finish_shard()
         self.progress.complete = True
         self._write_manifest()
         self.close()
         self._partial_path.unlink(missing_ok=True)
+        self._consistent = True
 
     def close(self) -> None:
         if not self._partial.closed:
