@@ -12,7 +12,9 @@
 #   target: the FP8 GPU tests, `bench target` with FP8 beside bf16 at the Qwen3-8B shape, and for
 #     the new families (gpt-oss-20b, Qwen3.5-35B-A3B, Gemma-3-12B, Moonlight-16B-A3B = the
 #     DeepSeek-V3 architecture).
-# Usage: benchmarks/h200_wave3b.sh verify|drafter|target ...; carry .whl (structlog, pydantic,
+#   final: the in-process regeneration engine's GPU test and `bench regen` (issue 33), the FP8
+#     GPU tests (issue 31), the DFlash2 step at the Qwen3-8B shape (issue 30).
+# Usage: benchmarks/h200_wave3b.sh verify|drafter|target|final ...; carry .whl (structlog, pydantic,
 # pydantic-settings, python-dotenv, flash-linear-attention) as the device README says.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -21,7 +23,7 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 drafter() {  # label, then bench drafter arguments
   local label=$1; shift
   part "bench drafter: $label"
-  timeout 120 python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
+  timeout "${DRAFTER_TIMEOUT:-120}" python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
     | tee -a "$out/drafter_raw.log" | grep '^{' | python3 -c "import json,sys
 for l in sys.stdin:
     r=json.loads(l); keep=('kind','block_size','vocab_size','token_budget','num_anchors','layer_types','sliding_window','step_ms','tflops','mfu','peak_mem_gib','peak_all_gib','loss','flex_backend','error')
@@ -64,6 +66,19 @@ for which in "$@"; do
     timeout 330 python3 -m dflash_async bench target --repeats 3 \
       --shapes gpt-oss-20b,qwen3.5-35b-a3b,gemma3-12b,moonlight-16b-a3b 2>&1 \
       | grep -E '^\{|Error' | tail -8
+  fi
+  if [ "$which" = final ]; then
+    part "GPU test of the batched regeneration engine"
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+      tests/test_regen_batched.py 2>&1 | grep -v "^\s*$" | tail -12
+    part "bench regen, Qwen3-8B shape, 512 new tokens"
+    timeout 240 python3 -m dflash_async bench regen --prompts 400 --max-new-tokens 512 \
+      2> "$out/bench_regen.err" | tee "$out/bench_regen.jsonl"
+    tail -8 "$out/bench_regen.err"
+    part "FP8 GPU tests"
+    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+      tests/test_fp8_gpu.py 2>&1 | grep -v "^\s*$" | tail -25
+    DRAFTER_TIMEOUT=175 drafter "dflash2 qwen3-8b" --kind dflash2 --steps 5
   fi
 done
 part "done"
