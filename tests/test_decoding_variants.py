@@ -6,8 +6,9 @@ mask of model/attention.py) for the block at that anchor: in a sliding layer blo
 only the context rows p with (anchor + k) - p < W (z-lab's per-slot window) and is causal inside
 the block, `is_causal` overrides the in-block rule. The full bidirectional rule gives other states
 here (asserted), and so does a decoder windowing every slot from the anchor (anchor - p < W, the
-rule before z-lab's), so decoding with either is caught. Then speculative decoding with such drafters (DFlash and DFlash2) is lossless and
-the batched decoder equals the reference, drafts included.
+rule before z-lab's), so decoding with either is caught. Then speculative decoding with such
+drafters (DFlash and DFlash2) is lossless and the batched decoder equals the reference, drafts
+included.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ A drafter mixing a sliding-window layer and a full one, with the per-layer in-bl
 both overrides), an output multiplier, a softcap and an embedding scale: sums, logits and
 gradients equal the references; the flex BlockMask (tiles + mask_mod, evaluated on index tensors)
 spells the dense mask of every rule; the mutants are caught, among them the window taken from the
-anchor for every slot (anchor - p < W, the rule before z-lab's per-slot one); the defaults are the
-old drafter bit for bit; the export's config.json round-trips the fields; bad settings exit 2 naming the field.
+anchor for every slot (anchor - p < W, the rule before z-lab's per-slot one); the defaults are
+the old drafter bit for bit; the export's config.json round-trips the fields; bad settings exit 2
+naming the field.
 """
 
 from __future__ import annotations
