@@ -47,11 +47,11 @@ class DrafterSettings(Section):
     """dflash2: candidates per slot the selector chooses among (the unary top-k)."""
     layer_types: tuple[str, ...] = ()
     """Comma list of full_attention|sliding_attention, one per drafter layer; empty = every
-    layer full attention. A sliding layer's block sees only the SLIDING_WINDOW context rows
-    closest to its anchor."""
+    layer full attention. A sliding layer's block slot k sees only the context rows within
+    SLIDING_WINDOW of its own position anchor + k (z-lab's per-slot window)."""
     sliding_window: int | None = Field(None, ge=1)
-    """W of the sliding layers: a block sees context rows p with anchor - p < W; needed with a
-    sliding_attention layer, ignored without one."""
+    """W of the sliding layers: block slot k sees context rows p with (anchor + k) - p < W (and
+    block slots s with |k - s| < W); needed with a sliding_attention layer, ignored without one."""
     is_causal: bool | None = None
     """Inside the block: empty = causal (slot k sees slots 0..k) in sliding layers and
     bidirectional in full ones; true = causal in every layer; false = bidirectional in every

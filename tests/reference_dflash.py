@@ -13,10 +13,12 @@ i // (H / Hkv). The fused context C = hidden_norm(fc(features)) gets no input_la
 by every layer's own k_proj / v_proj.
 
 The drafter variants (docs/DFLASH.md s.10), from the contract alone: layer i is a sliding layer iff
-config.layer_types[i] == "sliding_attention"; there its block sees only the context rows p with
-anchor - p < sliding_window. Inside the block, slot k sees slots 0..k (causal) in a sliding layer
-and every slot in a full one, unless config.is_causal says true (causal everywhere) or false
-(bidirectional everywhere); the causal case lists each query's keys one query at a time. The
+config.layer_types[i] == "sliding_attention"; there block slot k (position anchor + k) sees only
+the keys within sliding_window of its own position (z-lab's per-slot window): context rows p with
+(anchor + k) - p < sliding_window, block slots s with |k - s| < sliding_window. Inside the block,
+slot k sees slots 0..k (causal) in a sliding layer and every slot in a full one, unless
+config.is_causal says true (causal everywhere) or false (bidirectional everywhere). A layer whose
+slots see different keys (causal or sliding) lists each query's keys one query at a time. The
 block's embeddings are multiplied by input_embedding_scale; the logits are lm_head(norm(x)) *
 output_multiplier, then final_logit_softcapping * tanh(logits / final_logit_softcapping) when set.
 """
@@ -70,17 +72,25 @@ def candidate_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[in
     ]
 
 
-def visible_context_rows(
-    doc_ids: torch.Tensor, anchor: int, window: int | None = None
-) -> list[int]:
-    """s.2: context row p is visible to the block at `anchor` iff same document and p < anchor;
-    s.10, a sliding layer of window W: also anchor - p < W."""
+def visible_context_rows(doc_ids: torch.Tensor, anchor: int) -> list[int]:
+    """s.2: context row p is visible to the block at `anchor` iff same document and p < anchor."""
     docs = doc_ids.tolist()
-    return [
-        p
-        for p in range(anchor)
-        if docs[p] == docs[anchor] and (window is None or anchor - p < window)
-    ]
+    return [p for p in range(anchor) if docs[p] == docs[anchor]]
+
+
+def slot_keys(
+    rows: Sequence[int], anchor: int, block_size: int, *, window: int | None, causal: bool
+) -> list[list[int]]:
+    """s.10, per block slot k: the indices into the keys [rows; block slots 0..B-1] it sees.
+    Context row p iff window is None or (anchor + k) - p < window; block slot s iff s <= k
+    (causal) and |k - s| < window (a sliding layer)."""
+    n, out = len(rows), []
+    near = lambda gap: window is None or gap < window  # noqa: E731
+    for k in range(block_size):
+        context = [i for i, p in enumerate(rows) if near(anchor + k - p)]
+        block = [n + s for s in range(block_size) if (s <= k or not causal) and near(abs(k - s))]
+        out.append(context + block)
+    return out
 
 
 def layer_is_sliding(config: DrafterConfig, i: int) -> bool:
@@ -90,6 +100,17 @@ def layer_is_sliding(config: DrafterConfig, i: int) -> bool:
 def layer_is_causal(config: DrafterConfig, i: int) -> bool:
     """s.10: causal inside the block in sliding layers by default; is_causal overrides it."""
     return layer_is_sliding(config, i) if config.is_causal is None else config.is_causal
+
+
+def layer_slot_keys(
+    config: DrafterConfig, i: int, rows: Sequence[int], anchor: int
+) -> list[list[int]] | None:
+    """Layer i's `slot_keys` of the block at `anchor` (None: a full bidirectional layer)."""
+    window = config.sliding_window if layer_is_sliding(config, i) else None
+    causal = layer_is_causal(config, i)
+    if window is None and not causal:
+        return None
+    return slot_keys(rows, anchor, config.block_size, window=window, causal=causal)
 
 
 def transformed_logits(config: DrafterConfig, logits: torch.Tensor) -> torch.Tensor:
@@ -141,15 +162,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=-1)  # [Bq, H*hd]
 
 
-def attend_causal_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int
+def attend_listed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: Sequence[Sequence[int]] | None
 ) -> torch.Tensor:
-    """Block query j sees the num_context context keys and block keys 0..j, listed one by one."""
-    rows = []
-    for j in range(q.shape[0]):
-        keys = list(range(num_context)) + [num_context + s for s in range(j + 1)]
-        rows.append(attend(q[j : j + 1], k[keys], v[keys]))
-    return torch.cat(rows, dim=0)
+    """Block query j attends to keys[j] only, one query at a time (None: every query all keys)."""
+    if keys is None:
+        return attend(q, k, v)
+    return torch.cat([attend(q[j : j + 1], k[list(keys[j])], v[list(keys[j])])
+                      for j in range(q.shape[0])])  # fmt: skip
 
 
 def decoder_layer(
@@ -161,10 +181,10 @@ def decoder_layer(
     ctx: torch.Tensor,
     ctx_pos: Sequence[int],
     *,
-    causal: bool = False,
+    seen: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """One Qwen3 layer on a block x [B, d] with KV injected from the visible context ctx [n, d];
-    causal: block slot j sees block slots 0..j only."""
+    seen: what each block slot sees of [ctx; block] (`slot_keys`; None: everything)."""
     p = f"layers.{i}."
     H, Hkv, hd, eps = (
         config.num_attention_heads,
@@ -185,7 +205,7 @@ def decoder_layer(
     q = rope(rms_norm(q, params[p + "self_attn.q_norm.weight"], eps), block_pos, config.rope_theta)
     k = torch.cat([keys(ctx, ctx_pos), keys(h, block_pos)], dim=0)  # context first, then block
     v = torch.cat([values(ctx), values(h)], dim=0)
-    out = attend_causal_block(q, k, v, ctx.shape[0]) if causal else attend(q, k, v)
+    out = attend_listed(q, k, v, seen)
     x = x + linear(out, params[p + "self_attn.o_proj.weight"])
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], eps)
     mlp = torch.nn.functional.silu(linear(h, params[p + "mlp.gate_proj.weight"]))
@@ -210,13 +230,12 @@ def block_forward(
     block_pos = [positions[anchor] + k for k in range(block_size)]
     tokens = [int(batch.input_ids[anchor])] + [mask_token_id] * (block_size - 1)
     x = embed[torch.tensor(tokens)] * config.input_embedding_scale  # [B, d]
+    rows = visible_context_rows(batch.doc_ids, anchor)
+    ctx = context[rows] if rows else context[:0]  # [n, d]
+    ctx_pos = [positions[p] for p in rows]
     for i in range(config.num_hidden_layers):
-        window = config.sliding_window if layer_is_sliding(config, i) else None
-        rows = visible_context_rows(batch.doc_ids, anchor, window)
-        ctx = context[rows] if rows else context[:0]  # [n, d]
-        ctx_pos = [positions[p] for p in rows]
-        causal = layer_is_causal(config, i)
-        x = decoder_layer(params, i, config, x, block_pos, ctx, ctx_pos, causal=causal)
+        seen = layer_slot_keys(config, i, rows, anchor)
+        x = decoder_layer(params, i, config, x, block_pos, ctx, ctx_pos, seen=seen)
     logits = linear(rms_norm(x, params["norm.weight"], config.rms_norm_eps), lm_head)
     return transformed_logits(config, logits)
 

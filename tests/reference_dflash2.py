@@ -18,12 +18,10 @@ from dataclasses import dataclass
 import torch
 from reference_dflash import (
     Params,
-    attend,
-    attend_causal_block,
+    attend_listed,
     block_weights,
     fused_context,
-    layer_is_causal,
-    layer_is_sliding,
+    layer_slot_keys,
     linear,
     rms_norm,
     rope,
@@ -74,8 +72,10 @@ def decoder_layer2(
     block_pos: Sequence[int],
     ctx: torch.Tensor,
     ctx_pos: Sequence[int],
+    seen: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """One DFlash2 layer on one block x [B, d] with the visible context ctx [n, d]."""
+    """One DFlash2 layer on one block x [B, d] with the visible context ctx [n, d]; seen: what
+    each block slot sees of [ctx; block] (reference_dflash.slot_keys; None: everything)."""
     p = f"layers.{i}."
     H, Hkv, hd, eps = (
         config.num_attention_heads,
@@ -99,8 +99,7 @@ def decoder_layer2(
     q = rope(rms_norm(q, params[p + "self_attn.q_norm.weight"], eps), block_pos, config.rope_theta)
     k = torch.cat([keys(ctx, ctx_pos), keys(h, block_pos)], dim=0)
     v = torch.cat([values(ctx), values(h)], dim=0)
-    causal = layer_is_causal(config, i)  # s.10, as in the DFlash reference
-    out = attend_causal_block(q, k, v, ctx.shape[0]) if causal else attend(q, k, v)
+    out = attend_listed(q, k, v, seen)  # s.10, as in the DFlash reference
     a = linear(out, params[p + "self_attn.o_proj.weight"])
     x = x + conv(a, taps, base_a, 1, config)
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], eps)
@@ -125,12 +124,12 @@ def block_hidden(
     block_pos = [positions[anchor] + k for k in range(B)]
     tokens = [int(batch.input_ids[anchor])] + [config.mask_token_id] * (B - 1)
     x = embed[torch.tensor(tokens)] * config.input_embedding_scale
+    rows = visible_context_rows(batch.doc_ids, anchor)
+    ctx = context[rows] if rows else context[:0]
+    ctx_pos = [positions[p] for p in rows]
     for i in range(config.num_hidden_layers):
-        window = config.sliding_window if layer_is_sliding(config, i) else None
-        rows = visible_context_rows(batch.doc_ids, anchor, window)
-        ctx = context[rows] if rows else context[:0]
-        ctx_pos = [positions[p] for p in rows]
-        x = decoder_layer2(params, i, config, x, block_pos, ctx, ctx_pos)
+        seen = layer_slot_keys(config, i, rows, anchor)
+        x = decoder_layer2(params, i, config, x, block_pos, ctx, ctx_pos, seen)
     return rms_norm(x, params["norm.weight"], config.rms_norm_eps)
 
 

@@ -2,11 +2,13 @@
 
 A block pass of the decoders (eval/speculative.py one sequence, eval/batched.py per row) must give
 the same slot states as the training forward (the drafter on one packed document, the dense
-mask of model/attention.py) for the block at that anchor: a sliding layer sees only the W
-context rows closest to the anchor and is causal inside the block, `is_causal` overrides the
-in-block rule. The full bidirectional rule gives other states here (asserted), so decoding with
-it is caught. Then speculative decoding with such drafters (DFlash and DFlash2) is lossless and
-the batched decoder equals the reference, drafts included.
+mask of model/attention.py) for the block at that anchor: in a sliding layer block slot k sees
+only the context rows p with (anchor + k) - p < W (z-lab's per-slot window) and is causal inside
+the block, `is_causal` overrides the in-block rule. The full bidirectional rule gives other states
+here (asserted), and so does a decoder windowing every slot from the anchor (anchor - p < W, the
+rule before z-lab's), so decoding with either is caught. Then speculative decoding with such
+drafters (DFlash and DFlash2) is lossless and the batched decoder equals the reference, drafts
+included.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from conftest import TinySpec, randomize_, tiny_config, tiny_target_weights
 from tiny_decoding import VOCAB, tiny_qwen3_target
 
+from dflash_async.eval import block_masks
 from dflash_async.eval.batched import BatchedDecode, RowsBlockDrafter
 from dflash_async.eval.lossless import check_lossless
 from dflash_async.eval.sampling import Sampler, SamplingOptions
@@ -29,12 +32,15 @@ from dflash_async.target.loading import frozen_embeddings
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-B, T, ANCHORS = 5, 14, (3, 9, 13)  # anchors: the window binds at 9 and 13, not at 3
+B, T, ANCHORS = 5, 14, (3, 9, 13)  # every slot's window binds at anchor 13
 VARIANTS = {
     "sliding_then_full": dict(
         layer_types=("sliding_attention", "full_attention"), sliding_window=4
     ),
     "sliding_window_1": dict(layer_types=("full_attention", "sliding_attention"), sliding_window=1),
+    "sliding_window_above_B": dict(
+        layer_types=("sliding_attention", "full_attention"), sliding_window=7
+    ),
     "all_causal": dict(is_causal=True),
     "sliding_bidirectional": dict(
         layer_types=("sliding_attention", "sliding_attention"), sliding_window=3, is_causal=False
@@ -92,6 +98,33 @@ def test_a_decoding_block_pass_equals_the_training_forward_under_each_layers_rul
     # decoded under the full bidirectional rule (the same weights), the states differ
     full = replace(config, layer_types=(), sliding_window=None, is_causal=None)
     one, row = decoder_block_states(drafter, full, embed, lm_head, features, ANCHORS[2], 81)
+    assert not torch.allclose(one, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(row, expected, rtol=1e-6, atol=1e-6)
+
+
+def _window_from_the_anchor(rule, anchors, *, slots, block_size):
+    """The decoders' mask before z-lab's rule: every slot windowed from the anchor."""
+    mask = ORIGINAL_RULE_MASK(replace(rule, window=None), anchors, slots=slots,
+                              block_size=block_size)  # fmt: skip
+    if rule.window is not None:
+        mask[..., :slots] &= anchors[:, None, None, None] - torch.arange(slots) < rule.window
+    return mask
+
+
+ORIGINAL_RULE_MASK = block_masks.rule_mask
+SLIDING = [v for v in VARIANTS if "sliding" in v]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("variant", SLIDING, ids=SLIDING)
+def test_a_decoder_windowing_every_slot_from_the_anchor_differs_from_the_training_forward(
+    variant, kind, monkeypatch
+):
+    drafter, config, embed, lm_head, features = tiny_variant(kind, VARIANTS[variant])
+    anchor, token = ANCHORS[2], 81  # the window binds at 13
+    expected = training_block_states(drafter, config, embed, features, anchor, token)
+    monkeypatch.setattr(block_masks, "rule_mask", _window_from_the_anchor)
+    one, row = decoder_block_states(drafter, config, embed, lm_head, features, anchor, token)
     assert not torch.allclose(one, expected, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(row, expected, rtol=1e-6, atol=1e-6)
 

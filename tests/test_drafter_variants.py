@@ -4,8 +4,10 @@ independent block-by-block references (tests/reference_dflash.py, tests/referenc
 A drafter mixing a sliding-window layer and a full one, with the per-layer in-block rule (and
 both overrides), an output multiplier, a softcap and an embedding scale: sums, logits and
 gradients equal the references; the flex BlockMask (tiles + mask_mod, evaluated on index tensors)
-spells the dense mask of every rule; four mutants are caught; the defaults are the old drafter bit
-for bit; the export's config.json round-trips the fields; bad settings exit 2 naming the field.
+spells the dense mask of every rule; the mutants are caught, among them the window taken from the
+anchor for every slot (anchor - p < W, the rule before z-lab's per-slot one); the defaults are
+the old drafter bit for bit; the export's config.json round-trips the fields; bad settings exit 2
+naming the field.
 """
 
 from __future__ import annotations
@@ -127,16 +129,23 @@ def test_flex_block_mask_and_mask_mod_spell_the_dense_mask_of_each_rule(rule) ->
     assert torch.equal(flex_visible(flex, *dense.shape, 8), dense)
 
 
-def test_the_rule_masks_narrow_the_full_one_as_the_contract_says() -> None:
-    """Window W: exactly the context rows with anchor - p < W; causal: the block's lower
-    triangle; both leave everything else of the full rule."""
+@pytest.mark.parametrize("window", [3, 6])  # below and above B = 4
+def test_the_rule_masks_narrow_the_full_one_as_the_contract_says(window) -> None:
+    """Window W, z-lab's per-slot rule: slot k (position anchor + k) sees exactly the context
+    rows with (anchor + k) - p < W and the block slots s with |k - s| < W; causal: the block's
+    lower triangle; both leave everything else of the full rule."""
     doc_ids, anchors, B = mask_case()
     T, args = doc_ids.shape[0], (doc_ids, anchors.positions, anchors.valid, B)
     full = attention.dense_rule_mask(*args)
-    sliding = attention.dense_rule_mask(*args, rule=AttentionRule(window=3))
-    anchor = anchors.positions.repeat_interleave(B)[:, None]
-    assert torch.equal(sliding[:, :T], full[:, :T] & (anchor - torch.arange(T) < 3))
-    assert torch.equal(sliding[:, T:], full[:, T:])
+    sliding = attention.dense_rule_mask(*args, rule=AttentionRule(window=window))
+    slot = torch.arange(full.shape[0]) % B
+    position = (anchors.positions.repeat_interleave(B) + slot)[:, None]
+    assert torch.equal(sliding[:, :T], full[:, :T] & (position - torch.arange(T) < window))
+    near = (slot[:, None] - torch.arange(B).repeat(len(anchors.valid))[None, :]).abs() < window
+    assert torch.equal(sliding[:, T:], full[:, T:] & near)
+    assert window < B or torch.equal(sliding[:, T:], full[:, T:])
+    old = full[:, :T] & (position - slot[:, None] - torch.arange(T) < window)  # anchor - p < W
+    assert not torch.equal(sliding[:, :T], old)  # the window binds inside the block here
     causal = attention.dense_rule_mask(*args, rule=AttentionRule(causal=True))
     assert torch.equal(causal[:, T:], full[:, T:].tril()) and torch.equal(
         causal[:, :T], full[:, :T]
@@ -144,8 +153,18 @@ def test_the_rule_masks_narrow_the_full_one_as_the_contract_says() -> None:
 
 
 def _window_plus_one(*args, rule=attention.FULL_RULE):
-    window = None if rule.window is None else rule.window + 1  # anchor - p <= W
+    window = None if rule.window is None else rule.window + 1  # (anchor + k) - p <= W
     return ORIGINAL_DENSE(*args, rule=replace(rule, window=window))
+
+
+def _window_from_the_anchor(doc_ids, anchors, valid, B, *, rule=attention.FULL_RULE):
+    """The rule before z-lab's: every slot of a block windowed from the anchor (anchor - p < W),
+    the block's own slots never windowed."""
+    mask = ORIGINAL_DENSE(doc_ids, anchors, valid, B, rule=replace(rule, window=None))
+    if rule.window is not None:
+        anchor = anchors.repeat_interleave(B)[:, None]
+        mask[:, : doc_ids.shape[0]] &= anchor - torch.arange(doc_ids.shape[0]) < rule.window
+    return mask
 
 
 def _causal_swapped(*args, rule=attention.FULL_RULE):
@@ -155,6 +174,7 @@ def _causal_swapped(*args, rule=attention.FULL_RULE):
 ORIGINAL_DENSE = attention.dense_rule_mask
 MUTANTS = {
     "sliding_window_off_by_one": (objective, "dense_rule_mask", _window_plus_one),
+    "window_from_the_anchor": (objective, "dense_rule_mask", _window_from_the_anchor),
     "causal_and_bidirectional_swapped": (objective, "dense_rule_mask", _causal_swapped),
     "softcap_only_at_export": (
         objective, "logit_transform_of", lambda c: LogitTransform(c.output_multiplier, None)
@@ -185,6 +205,33 @@ def test_flex_intervals_that_ignore_the_window_or_the_causal_rule_disagree_with_
         flex = attention.flex_block_mask(*args, 8, rule=rule)
         dense = attention.dense_rule_mask(*args, rule=rule)
         assert not torch.equal(flex_visible(flex, *dense.shape, 8), dense), rule
+
+
+@pytest.mark.parametrize("window", [3, 6])  # below and above B = 4
+def test_flex_intervals_windowed_from_the_anchor_disagree_with_the_dense_mask(
+    window, monkeypatch
+) -> None:
+    """The old rule in the flex path (context lo = anchor - (W - 1) for every slot, the block
+    never windowed) is caught by the flex/dense comparison, with W >= B as well."""
+    doc_ids, anchors, B = mask_case()
+    args = (doc_ids, anchors.positions, anchors.valid, B)
+    original = attention._visible_intervals
+
+    def from_the_anchor(doc_ids, anchors, valid, block_size, rule):
+        lo, hi, block_lo, block_hi = original(doc_ids, anchors, valid, block_size,
+                                              replace(rule, window=None))  # fmt: skip
+        lo = torch.maximum(lo, anchors.repeat_interleave(block_size) - (rule.window - 1))
+        return lo, torch.maximum(hi, lo), block_lo, block_hi
+
+    rule = AttentionRule(window=window)
+    dense = attention.dense_rule_mask(*args, rule=rule)
+    assert torch.equal(flex_visible(attention.flex_block_mask(*args, 8, rule=rule), *dense.shape, 8),
+                       dense)  # fmt: skip
+    monkeypatch.setattr(attention, "_visible_intervals", from_the_anchor)
+    flex = attention.flex_block_mask(*args, 8, rule=rule)
+    old = _window_from_the_anchor(*args, rule=rule)
+    assert torch.equal(flex_visible(flex, *dense.shape, 8), old)  # the mutant is the old rule
+    assert not torch.equal(old, dense)
 
 
 def test_explicit_defaults_are_the_default_drafter_bit_for_bit() -> None:

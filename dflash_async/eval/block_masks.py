@@ -4,9 +4,12 @@ Both decoders (speculative.py one sequence, batched.py per row) run the drafter 
 [anchor, MASK x (B-1)] with its queries on keys [context slots (S), block (B)]. Each layer's
 AttentionRule (model/layer_rules.py, docs/DFLASH.md s.10) narrows that exactly as the training
 mask of model/attention.py does:
-- context slot p (slot index = RoPE position) is visible iff p < anchor, and in a sliding layer
-  also anchor - p < W, with `anchor` the position of the block's first token;
-- block slot s is visible to slot k iff s <= k in a causal layer, always in a bidirectional one.
+- context slot p (slot index = RoPE position) is visible to block slot k iff p < anchor, and in
+  a sliding layer also (anchor + k) - p < W, with `anchor` the position of the block's first
+  token: z-lab's per-slot window (its `_attention_mask`, each query windowed from its own
+  position anchor + k), the mask a served drafter sees;
+- block slot s is visible to slot k iff s <= k in a causal layer, always in a bidirectional one,
+  and in a sliding layer only where |k - s| < W (binding only when W < B).
 A full, bidirectional layer gets None here: the decoder keeps its own plain mask (bit for bit
 what it decoded before variants existed). One mask per distinct rule, so two at most.
 """
@@ -30,18 +33,17 @@ def rule_mask(
     block_size: int,
 ) -> torch.Tensor:
     """[b, 1, B, S+B] boolean (True = visible) for one rule."""
-    device = anchors.device
-    slot = torch.arange(slots, device=device)[None, :]  # [1, S]
-    context = slot < anchors[:, None]  # [b, S]
-    if rule.window is not None:  # anchor - p < W
-        context = context & (anchors[:, None] - slot < rule.window)
+    device, b = anchors.device, anchors.shape[0]
+    slot = torch.arange(slots, device=device)[None, None, :]  # [1, 1, S]: p
+    k = torch.arange(block_size, device=device)  # the block's query slots
+    context = (slot < anchors[:, None, None]).expand(b, block_size, slots)  # [b, B, S]
     block = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
     if rule.causal:  # slot k sees block slots 0..k
         block = block.tril()
-    b = anchors.shape[0]
-    mask = torch.cat(
-        [context[:, None, :].expand(b, block_size, slots), block.expand(b, -1, -1)], dim=2
-    )
+    if rule.window is not None:  # query position anchor + k: (anchor + k) - p < W
+        context = context & ((anchors[:, None, None] + k[None, :, None]) - slot < rule.window)
+        block = block & ((k[:, None] - k[None, :]).abs() < rule.window)  # |k - s| < W
+    mask = torch.cat([context, block.expand(b, -1, -1)], dim=2)
     return mask[:, None]  # [b, 1, B, S+B]
 
 

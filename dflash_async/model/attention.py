@@ -6,14 +6,18 @@ T context rows followed by the Q = A*B block slots.
   target hidden state does not exist yet);
 - block slot s is visible iff it belongs to block j (bidirectional inside the block);
 - nothing is visible to an invalid anchor slot (its output is 0, and its loss is excluded).
-A layer's `AttentionRule` (layer_rules.py, the drafter variants of s.10) narrows both parts: a
-window W keeps context rows with a_j - p < W only, and `causal` lets slot k see slots 0..k of its
-block only. The default rule is the one above, and builds the very same mask.
+A layer's `AttentionRule` (layer_rules.py, the drafter variants of s.10) narrows both parts. A
+window W is z-lab's per-slot rule (its `_attention_mask`, the servable contract): slot k sits at
+position a_j + k and sees key position p iff |(a_j + k) - p| < W, so context rows with
+a_j + k - p < W, and block slots s with |k - s| < W (binding only when W < B). `causal` lets slot
+k see slots 0..k of its block only. The default rule is the one above, and builds the very same
+mask.
 
 `dense_rule_mask` spells the rule literally as a [Q, T+Q] boolean mask for SDPA: the reference,
 usable on CPU with autograd. `flex_block_mask` builds a flex_attention BlockMask for the same rule
 directly from fixed-shape tensors (no compile, no host sync, so it can live inside a CUDA graph):
-since documents are contiguous, the visible context of block j is the interval [start(d_j), a_j).
+since documents are contiguous, the visible context of slot k of block j is the interval
+[max(start(d_j), a_j + k - (W - 1)), a_j), and its visible block slots one interval too.
 `resolve_flex_backend` picks flex_attention's kernels: torch's Triton ones, or flash-attn-4's
 (CuTe DSL) through flex's FLASH backend where that is installed and the GPU is a Hopper or
 Blackwell.
@@ -61,15 +65,17 @@ def dense_rule_mask(
     rows = torch.arange(T, device=doc_ids.device)
     anchor_doc = doc_ids[anchors]  # [A]
     context = (doc_ids[None, :] == anchor_doc[:, None]) & (rows[None, :] < anchors[:, None])
-    if rule.window is not None:  # sliding layer: the W rows closest to the anchor
-        context = context & (anchors[:, None] - rows[None, :] < rule.window)
     own_block = torch.eye(A, dtype=torch.bool, device=doc_ids.device)  # block j sees block j
     per_block = torch.cat([context, own_block.repeat_interleave(B, dim=1)], dim=1)  # [A, T+Q]
     per_block = per_block & valid[:, None]
     mask = per_block.repeat_interleave(B, dim=0)  # [Q, T+Q]
-    if rule.causal:  # query row q = j*B+k sees block key T+s of its own block iff s <= q
-        slots = torch.arange(A * B, device=doc_ids.device)
+    slots = torch.arange(A * B, device=doc_ids.device)  # query row q = j*B+k, block key T+s
+    if rule.causal:  # q sees block key T+s of its own block iff s <= q
         mask[:, T:] &= slots[None, :] <= slots[:, None]
+    if rule.window is not None:  # z-lab: query position a_j + k, key position p: |a_j+k - p| < W
+        position = anchors.repeat_interleave(B) + slots % B  # [Q]: a_j + k
+        mask[:, :T] &= position[:, None] - rows[None, :] < rule.window
+        mask[:, T:] &= (slots[:, None] - slots[None, :]).abs() < rule.window  # own block: k - s
     return mask
 
 
@@ -90,21 +96,23 @@ def _visible_intervals(
     rule: AttentionRule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query row [Q] each: context interval [lo, hi) and own-block interval [block_lo,
-    block_hi) in the KV index space (documents are contiguous, so each part is one interval)."""
+    block_hi) in the KV index space (documents are contiguous, so each part is one interval).
+    With a window, lo varies inside a block: slot k's lower bound is a_j + k - (W - 1)."""
     T, B = doc_ids.shape[0], block_size
-    lo = document_starts(doc_ids)[anchors]  # [A]
-    if rule.window is not None:  # anchor - p < W  <=>  p >= anchor - W + 1
-        lo = torch.maximum(lo, anchors - (rule.window - 1))
-    hi = torch.where(valid, anchors, lo)  # empty interval for invalid slots
-    block_lo = T + torch.arange(anchors.shape[0], device=anchors.device) * B
-    block_lo = torch.where(valid, block_lo, -B)  # invalid: no block keys either
     expand = lambda x: x.repeat_interleave(B)  # noqa: E731  [A] -> [Q]
-    block_lo = expand(block_lo)
-    if rule.causal:  # slot k: keys block_lo .. block_lo + k (invalid rows stay empty: <= 0)
-        block_hi = block_lo + torch.arange(anchors.shape[0] * B, device=anchors.device) % B + 1
-    else:
-        block_hi = block_lo + B
-    return expand(lo), expand(hi), block_lo, block_hi
+    slot = torch.arange(anchors.shape[0] * B, device=anchors.device) % B  # [Q]: k
+    anchor = expand(anchors)
+    lo = expand(document_starts(doc_ids)[anchors])  # [Q]
+    if rule.window is not None:  # (a_j + k) - p < W  <=>  p >= a_j + k - W + 1 (may pass a_j)
+        lo = torch.maximum(lo, anchor + slot - (rule.window - 1))
+    hi = torch.where(expand(valid), anchor, lo)  # empty interval for invalid slots
+    block_start = T + torch.arange(anchors.shape[0], device=anchors.device) * B
+    block_start = expand(torch.where(valid, block_start, -B))  # invalid: no block keys either
+    first, end = torch.zeros_like(slot), (slot + 1 if rule.causal else torch.full_like(slot, B))
+    if rule.window is not None:  # block slot s: |k - s| < W  <=>  k - W < s < k + W
+        first, end = (slot - (rule.window - 1)).clamp(min=0), end.clamp(max=slot + rule.window)
+    # invalid rows stay empty: block_start + end <= 0, below every key index
+    return lo, hi, block_start + first, block_start + end
 
 
 def flex_block_mask(
@@ -120,7 +128,10 @@ def flex_block_mask(
 
     Requires T and Q = A*B to be multiples of `tile`. A KV tile is "full" for a query tile when
     every row of the query tile sees every key of the KV tile (no mask_mod needed there), and
-    "partial" when some row sees some key.
+    "partial" when some row sees some key. Both are decided per query row, then reduced over the
+    tile's rows (any / all), so bounds that vary from row to row (a window's per-slot lo, a causal
+    block's per-slot end) are bounded exactly: a tile no row sees is skipped, none is full unless
+    every row sees all of it.
     """
     T, A, B = doc_ids.shape[0], anchors.shape[0], block_size
     Q, S = A * B, doc_ids.shape[0] + A * B

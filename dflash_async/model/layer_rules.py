@@ -1,7 +1,8 @@
 """Which attention rule each drafter layer trains under (docs/DFLASH.md s.10, the drafter variants).
 
 A layer is `full_attention` (the rule of s.2: its document's context before the anchor, the whole
-block) or `sliding_attention` (only the W context rows closest to the anchor: `anchor - p < W`).
+block) or `sliding_attention` (z-lab's per-slot window: block slot k, at position anchor + k,
+sees only the context rows with `(anchor + k) - p < W` and the block slots with |k - s| < W).
 Inside the block a layer is bidirectional or causal (slot k sees slots 0..k): sliding layers are
 causal and full layers bidirectional by default, and `is_causal` overrides that for every layer.
 This module owns that mapping and nothing else; the two mask implementations of a rule are
@@ -22,7 +23,8 @@ LAYER_TYPES: tuple[LayerType, ...] = (FULL_ATTENTION, SLIDING_ATTENTION)
 @dataclass(frozen=True)
 class AttentionRule:
     """One layer's mask rule. window None: every context row of the document before the anchor;
-    W: only rows p with anchor - p < W. causal: block slot k sees block slots 0..k only."""
+    W: slot k only rows p with (anchor + k) - p < W, and block slots s with |k - s| < W.
+    causal: block slot k sees block slots 0..k only."""
 
     window: int | None = None
     causal: bool = False

@@ -72,16 +72,27 @@ def visible_pairs(
     rules: Sequence[AttentionRule] = (FULL_RULE,),
 ) -> torch.Tensor:
     """Attended (query, key) pairs of the step per layer, averaged over the layers' `rules`, for
-    FLOP accounting (0-d, on the device): a block sees its document's context rows before the
-    anchor (a sliding layer: the W - 1 closest, model/attention.py's rule) and its own block's
-    slots (a causal layer: slots 0..k). The mean times the layer count is the step's sum."""
+    FLOP accounting (0-d, on the device): slot k of a block sees its document's c context rows
+    before the anchor (a sliding layer: rows p >= anchor + k - (W - 1), so min(c, W - 1 - k) of
+    them, none once k >= W - 1: model/attention.py's per-slot rule) and its own block's slots s
+    (a causal layer: s <= k; a sliding one: |k - s| < W). The mean times the layer count is the
+    step's sum."""
     context = torch.where(valid, anchors - document_starts(doc_ids)[anchors], 0)  # [A]
     blocks = valid.sum()
+    B = block_size
     total = torch.zeros((), device=anchors.device, dtype=torch.int64)
     for rule, layers in collections.Counter(rules).items():  # at most two distinct rules
-        seen = context if rule.window is None else context.clamp(max=rule.window - 1)
-        own = block_size * (block_size + 1) // 2 if rule.causal else block_size * block_size
-        total = total + layers * (block_size * seen.sum() + own * blocks)
+        W = rule.window
+        if W is None:
+            seen = B * context.sum()
+        else:  # sum over k of min(c, max(0, W - 1 - k)): fixed [A, B], no host read
+            reach = (W - 1 - torch.arange(B, device=anchors.device)).clamp(min=0)  # [B]
+            seen = torch.minimum(context[:, None], reach[None, :]).sum()
+        own = sum(  # block slots s each slot k sees: host integers of B, W and causal
+            min(k + 1 if rule.causal else B, k + (W or B)) - max(0, k - (W or B) + 1)
+            for k in range(B)
+        )
+        total = total + layers * (seen + own * blocks)
     return total.double() / len(rules)  # exact below 2^53 pairs
 
 
