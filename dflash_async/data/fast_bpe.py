@@ -4,12 +4,13 @@ used only where it is shown to give the HF tokenizer's ids and offsets.
 
 Why it can be exact. tiktoken merges, within each regex piece, the adjacent pair whose joined bytes
 form the lowest-ranked token (rank = HF id), leftmost first; HF merges the adjacent pair highest in
-its merges list, leftmost first. `check_tokenizer` derives, for every multi-byte token in id order,
-the pair that rank-BPE on its bytes with only lower ranks ends in, and requires that list to be
-the HF merges list, pair for pair. Then each pair tiktoken merges is one HF has, with ranks in merge
-order (BPE inside a token's span runs as on the token alone, so a merged pair is that token's
-derived pair), and both pick the same pair at every step; every token is what BPE makes of its own
-bytes, so tiktoken's whole-piece lookup and HF's `ignore_merges` change nothing.
+its merges list, leftmost first. `check_tokenizer` requires the pair that rank-BPE on each
+multi-byte token's bytes with only lower ranks ends in to be that token's HF merge, and the HF
+merges to be in id order (shown by running HF's BPE on every token: `_merges_why`). Then each
+pair tiktoken merges is one HF has, with ranks in merge order (BPE inside a token's span runs as
+on the token alone, so a merged pair is that token's derived pair), and both pick the same pair
+at every step; every token is what BPE makes of its own bytes, so tiktoken's whole-piece lookup
+and HF's `ignore_merges` change nothing.
 
 The rest must match too, or `check_tokenizer` says why not and the HF tokenizer is used:
 normalizer none or NFC; pre-tokenizer one Split(regex, isolated) + ByteLevel without prefix space
