@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from data_samples import EventLog, chat_records
+from fast_bpe_reference import derived_merges, merges_match
 from fixtures.chat_tokenizer import QWEN_SPLIT, qwen3_like_tokenizer, qwen_style_tokenizer
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -193,11 +194,55 @@ def test_word_level_and_missing_tiktoken_are_refused(monkeypatch, qwen_style):
 
 def test_derived_merges_follow_rank_bpe_on_lower_ranks():
     ranks = {bytes([b]): b for b in range(256)} | {b"bc": 256, b"ab": 257, b"abc": 258}
-    assert fast_bpe.derived_merges(ranks) == ([(b"b", b"c"), (b"a", b"b"), (b"a", b"bc")], "")
+    assert derived_merges(ranks) == ([(b"b", b"c"), (b"a", b"b"), (b"a", b"bc")], "")
     ranks |= {b"aa": 259, b"aaa": 260}  # a tie: the leftmost pair first, as tiktoken merges
-    assert fast_bpe.derived_merges(ranks)[0][-1] == (b"aa", b"a")
+    assert derived_merges(ranks)[0][-1] == (b"aa", b"a")
     ranks[b"xyz"] = 261  # no lower token joins any two of its bytes
-    assert "not a merge" in fast_bpe.derived_merges(ranks)[1]
+    assert "not a merge" in derived_merges(ranks)[1]
+
+
+def _byte_vocab(tokens: list[str]) -> dict[str, int]:
+    alphabet = sorted(fast_bpe.byte_decoder(), key=fast_bpe.byte_decoder().get)
+    return {c: i for i, c in enumerate(alphabet)} | {t: 256 + i for i, t in enumerate(tokens)}
+
+
+def _verdicts(tokens: list[str], merges: list[tuple[str, str]]) -> tuple[bool, bool]:
+    """(fast_bpe's merge check passes, the Python derivation matches) on one vocabulary."""
+    vocab = _byte_vocab(tokens)
+    decode = fast_bpe.byte_decoder()
+    ranks = {bytes(decode[c] for c in t): r for t, r in vocab.items()}
+    return fast_bpe._merges_why(vocab, set(), merges) == "", merges_match(ranks, merges)
+
+
+def test_the_merge_check_refuses_merges_in_rank_order_that_rank_bpe_would_not_make():
+    """ab < bc < abc: rank-BPE on "abc" merges ab first and ends in (ab, c); merges listing
+    (a, bc) are in rank order with lower parts, so only running BPE tells them apart."""
+    tokens = ["ab", "bc", "abc"]
+    assert _verdicts(tokens, [("a", "b"), ("b", "c"), ("ab", "c")]) == (True, True)
+    assert _verdicts(tokens, [("a", "b"), ("b", "c"), ("a", "bc")]) == (False, False)
+    why = fast_bpe._merges_why(_byte_vocab(tokens), set(), [("a", "b"), ("b", "c"), ("a", "bc")])
+    assert "'abc'" in why and "HF's merges" in why
+
+
+def test_the_merge_check_agrees_with_deriving_the_merges_on_random_vocabularies():
+    rng = random.Random(0)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        tokens, merges = [], []
+        for _ in range(rng.randrange(1, 14)):  # joins of random earlier tokens over "abc"
+            parts = list("abc") + tokens
+            a, b = rng.choice(parts), rng.choice(parts)
+            if a + b not in tokens and len(a + b) <= 6:
+                tokens.append(a + b)
+                merges.append((a, b))
+        if rng.random() < 0.3 and len(tokens) > 1:  # ranks no longer in creation order
+            i, j = rng.sample(range(len(tokens)), 2)
+            tokens[i], tokens[j] = tokens[j], tokens[i]
+            merges[i], merges[j] = merges[j], merges[i]
+        fast, reference = _verdicts(tokens, merges)
+        assert fast == reference, (tokens, merges)
+        seen[fast] += 1
+    assert min(seen.values()) > 40, seen  # both verdicts were tried often
 
 
 def test_encode_chunk_with_the_fast_encoder_equals_the_hf_path(qwen_style):
@@ -245,3 +290,43 @@ def test_an_encoder_that_differs_on_the_runs_first_records_is_not_used(monkeypat
     monkeypatch.setattr(tokenization, "check_tokenizer", lambda backend: (None, "off"))
     for a, b in zip(got, run_encode_all(qwen_style, EventLog()), strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def run_in_processes(tokenizer, log) -> list:
+    chats = chat_records()
+    options = encode_options(DataOptions(max_len=100_000, enable_thinking=True), block_size=1)
+    records = [(f"line {i}", c) for i, c in enumerate(chats * 6)]  # 6 chunks for 2 processes
+    return list(encode_all(records, tokenizer, options, workers=2, chunk_records=4, log=log))
+
+
+def assert_same_chunks(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.counts == b.counts and a.bad == b.bad
+        for name in ("tokens", "loss_mask", "lengths"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_processes_that_start_before_the_proof_give_what_one_process_gives(monkeypatch):
+    """The proof runs while the tokenizer processes encode with the candidate tables: proven,
+    their chunks equal one process's; refused (here by a stand-in proof that fails), every chunk
+    is the HF tokenizer's, the ones encoded before the verdict included."""
+    tokenizer = qwen3_like_tokenizer()
+    log = EventLog()
+    fast = run_in_processes(tokenizer, log)
+    assert log.of("tokenizer_chosen")["encoder"] == "tiktoken"
+    assert_same_chunks(fast, run_encode_all(tokenizer, EventLog()) * 2)
+    monkeypatch.setattr(tokenization, "proof_why", lambda fast, spec: "refused for the test")
+    log = EventLog()
+    refused = run_in_processes(tokenizer, log)
+    chosen = log.of("tokenizer_chosen")
+    assert chosen["encoder"] == "huggingface" and chosen["why"] == "refused for the test"
+    monkeypatch.setattr(tokenization, "check_tokenizer", lambda backend: (None, "off"))
+    assert_same_chunks(refused, run_encode_all(tokenizer, EventLog()) * 2)
+    # the HF path and the fast one agree here, so the test would pass without the redo: the
+    # mutant encoder below differs, and its chunks must not reach the output
+    wrong, _ = check_tokenizer(qwen_style_tokenizer().backend_tokenizer)
+    monkeypatch.setattr(tokenization, "fast_candidate", lambda backend, **_: (wrong, "", {}))
+    assert_same_chunks(
+        run_in_processes(tokenizer, EventLog()), run_encode_all(tokenizer, EventLog()) * 2
+    )

@@ -4,12 +4,13 @@ used only where it is shown to give the HF tokenizer's ids and offsets.
 
 Why it can be exact. tiktoken merges, within each regex piece, the adjacent pair whose joined bytes
 form the lowest-ranked token (rank = HF id), leftmost first; HF merges the adjacent pair highest in
-its merges list, leftmost first. `check_tokenizer` derives, for every multi-byte token in id order,
-the pair that rank-BPE on its bytes with only lower ranks ends in, and requires that list to be
-the HF merges list, pair for pair. Then each pair tiktoken merges is one HF has, with ranks in merge
-order (BPE inside a token's span runs as on the token alone, so a merged pair is that token's
-derived pair), and both pick the same pair at every step; every token is what BPE makes of its own
-bytes, so tiktoken's whole-piece lookup and HF's `ignore_merges` change nothing.
+its merges list, leftmost first. `check_tokenizer` requires the pair that rank-BPE on each
+multi-byte token's bytes with only lower ranks ends in to be that token's HF merge, and the HF
+merges to be in id order (shown by running HF's BPE on every token: `_merges_why`). Then each
+pair tiktoken merges is one HF has, with ranks in merge order (BPE inside a token's span runs as
+on the token alone, so a merged pair is that token's derived pair), and both pick the same pair
+at every step; every token is what BPE makes of its own bytes, so tiktoken's whole-piece lookup
+and HF's `ignore_merges` change nothing.
 
 The rest must match too, or `check_tokenizer` says why not and the HF tokenizer is used:
 normalizer none or NFC; pre-tokenizer one Split(regex, isolated) + ByteLevel without prefix space
@@ -145,30 +146,46 @@ def _cpus() -> int:
 
 def check_tokenizer(backend: Any) -> tuple[FastBPE | None, str]:
     """(FastBPE, "") for a `tokenizers.Tokenizer` it encodes exactly, else (None, why not)."""
+    fast, why, spec = fast_candidate(backend)
+    if fast is not None and (why := proof_why(fast, spec)):
+        return None, why
+    return fast, why
+
+
+def fast_candidate(
+    backend: Any, *, spec_json: str | None = None
+) -> tuple[FastBPE | None, str, dict]:
+    """The tables of the encoder and the tokenizer's spec, if the cheap checks pass (~0.8 s for
+    150k tokens); it may be used only once `proof_why(fast, spec)` is "" (~1.5 s more).
+    `spec_json`: the backend's `to_str()` where the caller has it already."""
     try:
         import tiktoken  # noqa: F401
     except ImportError:
-        return None, "tiktoken is not installed"
+        return None, "tiktoken is not installed", {}
     if backend.encode_special_tokens:
-        return None, "special tokens are split as text (encode_special_tokens)"
-    spec = json.loads(backend.to_str())
+        return None, "special tokens are split as text (encode_special_tokens)", {}
+    spec = json.loads(backend.to_str() if spec_json is None else spec_json)
     for check in (_normalizer_why, _post_processor_why, _model_why):
         if why := check(spec):
-            return None, why
+            return None, why, spec
     pattern, why = _pattern(spec.get("pre_tokenizer"))
     if pattern is None:
-        return None, why
+        return None, why, spec
     added, why = _added_tokens(spec["added_tokens"], normalized_ok=spec.get("normalizer") is None)
     if added is None:
-        return None, why
+        return None, why, spec
     ranks, why = _ranks(spec["model"]["vocab"], set(added.values()))
     if ranks is None:
-        return None, why
-    if why := _merges_why(ranks, spec["model"]["merges"]):
-        return None, why
-    if why := engines_disagree(pattern):
-        return None, why
-    return FastBPE(ranks, pattern, added, nfc=spec.get("normalizer") is not None), ""
+        return None, why, spec
+    return FastBPE(ranks, pattern, added, nfc=spec.get("normalizer") is not None), "", spec
+
+
+def proof_why(fast: FastBPE, spec: dict) -> str:
+    """ "" if the candidate's merges and regex engines are shown to act as HF's; else why not."""
+    model = spec["model"]
+    if why := _merges_why(model["vocab"], set(fast.added.values()), model["merges"]):
+        return why
+    return engines_disagree(fast.pattern)
 
 
 def _normalizer_why(spec: dict) -> str:
@@ -243,50 +260,48 @@ def _added_tokens(tokens: list[dict], *, normalized_ok: bool) -> tuple[dict | No
 
 def _ranks(vocab: dict[str, int], added_ids: set[int]) -> tuple[dict | None, str]:
     """{token bytes: id} of the BPE vocabulary less the added tokens; every byte a token."""
+    # byte-level characters -> their bytes as latin-1 characters; any other character is left
+    # or made one latin-1 cannot encode, so a token holding it fails the encode below
     decode = byte_decoder()
+    table = {c: 0x10FFFF for c in range(256)} | {ord(c): b for c, b in decode.items()}
     ranks = {}
     for text, rank in vocab.items():
         if rank in added_ids:
             continue
-        if not all(c in decode for c in text):
+        try:
+            ranks[text.translate(table).encode("latin-1")] = rank
+        except UnicodeEncodeError:
             return None, f"vocabulary token {text!r} is not byte-level"
-        ranks[bytes(decode[c] for c in text)] = rank
     if len({t for t in ranks if len(t) == 1}) != 256:
         return None, "not every byte is a token"
     return ranks, ""
 
 
-def derived_merges(ranks: dict[bytes, int]) -> tuple[list[tuple[bytes, bytes]] | None, str]:
-    """Per multi-byte token in rank order, the pair rank-BPE on its bytes with lower ranks only
-    ends in; None and why if a token does not end as two parts."""
-    merges = []
-    for token, rank in sorted(((t, r) for t, r in ranks.items() if len(t) > 1), key=lambda x: x[1]):
-        parts = [token[i : i + 1] for i in range(len(token))]
-        while len(parts) > 2:
-            pairs = [ranks.get(a + b, rank) for a, b in pairwise(parts)]
-            best = min(pairs)
-            if best >= rank:
-                return None, f"token {token!r} (id {rank}) is not a merge of two lower tokens"
-            i = pairs.index(best)  # leftmost, as tiktoken
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        merges.append((parts[0], parts[1]))
-    return merges, ""
+def _merges_why(vocab: dict[str, int], added_ids: set[int], merges: list) -> str:
+    """ "" if HF's merges are, pair for pair, what rank-BPE on each token's bytes with lower ranks
+    ends in (the module's docstring); else why not. Shown without running rank-BPE in Python:
+    (a) merge k joins two tokens of lower ids into the multi-byte token of the k-th lowest id (so
+    merge order is rank order and every multi-byte token has one merge), and (b) HF's own BPE,
+    whole-word lookup off, turns every multi-byte token's bytes into that one token. By induction
+    on the id, HF's and rank-BPE's runs on a token then pick the same pair at every step: they
+    can differ first only where rank-BPE merges a pair HF does not list into a token u of lower
+    id than HF's pick, but u's span ran as u alone, which ends in u's listed merge. So the pair
+    rank-BPE ends in is HF's merge; tests hold this equal to deriving the pairs directly."""
+    from tokenizers import Tokenizer, models
 
-
-def _merges_why(ranks: dict[bytes, int], merges: list) -> str:
-    derived, why = derived_merges(ranks)
-    if derived is None:
-        return why
-    decode = byte_decoder()
-    pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
-    if not all(c in decode for pair in pairs for part in pair for c in part):
-        return "a merge holds a token that is not byte-level"
-    hf = [tuple(bytes(decode[c] for c in part) for part in pair) for pair in pairs]
-    if len(hf) != len(derived):
-        return f"{len(hf)} merges where the vocabulary's ranks give {len(derived)}"
-    for i, (got, want) in enumerate(zip(hf, derived, strict=True)):
-        if got != want:
-            return f"merge {i} is {got!r} where rank order gives {want!r}"
+    bpe = {text: rank for text, rank in vocab.items() if rank not in added_ids}
+    words = sorted((r, t) for t, r in bpe.items() if len(t) > 1)  # byte-level: 1 char, 1 byte
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    if len(pairs) != len(words):
+        return f"{len(pairs)} merges where the vocabulary's ranks give {len(words)}"
+    for i, ((a, b), (rank, text)) in enumerate(zip(pairs, words, strict=True)):
+        if a + b != text or not bpe.get(a, rank) < rank or not bpe.get(b, rank) < rank:
+            return f"merge {i} is {(a, b)!r} where rank order gives a split of {text!r}"
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+    got = hf.encode([t for _, t in words], is_pretokenized=True, add_special_tokens=False).ids
+    if got != [r for r, _ in words]:
+        first = next(t for (r, t) in words if hf.encode([t], is_pretokenized=True).ids != [r])
+        return f"token {first!r} is not what HF's merges make of its bytes"
     return ""
 
 
@@ -310,16 +325,14 @@ def engines_disagree(pattern: str) -> str:
         return encoding.decode_bytes(encoding.encode_ordinary(text)).decode()
 
     space = "".join(chr(c) for c in range(CHECKED_BELOW) if not 0xD800 <= c < 0xE000)
-    for regex in (r"\p{L}", r"\p{N}", r"\s"):
-        hf, fast = matched_hf(regex, space), matched_tiktoken(regex, space)
+    for regex in (r"\p{L}", r"\p{N}", r"\s"):  # runs ("+"): the same characters, fewer pieces
+        hf, fast = matched_hf(regex + "+", space), matched_tiktoken(regex + "+", space)
         if hf != fast:
             differ = sorted(set(hf) ^ set(fast))[:3]
             return f"the regex engines class {[hex(ord(c)) for c in differ]} differently as {regex}"
     if "(?i:" in pattern:
-        letters = "stremvld"
-        alike = [
-            c for c in space if any(x in letters for x in c.casefold() + c.lower() + c.upper())
-        ]
+        letters = frozenset("stremvld")
+        alike = [c for c in space if not letters.isdisjoint(c.casefold() + c.lower() + c.upper())]
         probe = " ".join("'" + a + b for a in alike for b in alike)
         if matched_hf(_CONTRACTIONS, probe) != matched_tiktoken(_CONTRACTIONS, probe):
             return "the regex engines match the case-insensitive contractions differently"

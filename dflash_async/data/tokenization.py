@@ -7,21 +7,20 @@ derived from its offsets exactly as `encode_chat` does one at a time. The filter
 fewer than 2 x block_size supervised tokens) run in the same pass, so a chunk comes back as three
 flat arrays plus its counts: nothing per record crosses a process boundary.
 
-With `workers > 1` chunks go to spawned processes (spawn, not fork: the parent runs an event loop
-and device threads), a bounded number in flight, results taken in file order; the first bad
-record in file order is the one reported. A data set of a few chunks stays in this process.
+With `workers > 1` chunks go to spawned processes (tokenize_pool.py), a bounded number in
+flight, results taken in file order; the first bad record in file order is the one reported. A
+data set of a few chunks stays in this process.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain, islice
 from typing import Any
 
@@ -36,7 +35,7 @@ from dflash_async.data.chat import (
     supervised_turns,
     token_mask,
 )
-from dflash_async.data.fast_bpe import FastBPE, check_tokenizer
+from dflash_async.data.fast_bpe import FastBPE, check_tokenizer, fast_candidate, proof_why
 from dflash_async.data.fast_template import choose_renderer
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
@@ -155,17 +154,25 @@ def direct_backend(tokenizer: Any) -> Any:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class BackendOnly:
     """What a tokenizer process reads of a tokenizer whose backend tokenize_batch calls: it
     pickles without transformers, so a process that renders with fast_template never imports
-    transformers (~1 s of start-up per process)."""
+    transformers (~1 s of start-up per process). The backend travels as its JSON and is built
+    on first use (~0.6 s for a 150k vocabulary): a process whose texts the fast encoder takes
+    never builds it."""
 
-    backend_tokenizer: Any  # tokenizers.Tokenizer
+    backend_json: str  # tokenizers.Tokenizer.to_str()
     chat_template: Any
     name_or_path: str
     split_special_tokens: bool
     size: int  # len(tokenizer): the vocabulary with added tokens
+
+    @cached_property
+    def backend_tokenizer(self) -> Any:  # tokenizers.Tokenizer
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.backend_json)
 
     def __len__(self) -> int:
         return self.size
@@ -175,7 +182,7 @@ def _for_workers(tokenizer: Any) -> Any:
     backend = direct_backend(tokenizer)
     if backend is None:
         return tokenizer
-    return BackendOnly(backend, getattr(tokenizer, "chat_template", None),
+    return BackendOnly(backend.to_str(), getattr(tokenizer, "chat_template", None),
                        str(getattr(tokenizer, "name_or_path", "")),
                        bool(getattr(tokenizer, "split_special_tokens", False)), len(tokenizer))  # fmt: skip
 
@@ -234,22 +241,6 @@ def _filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts:
     return ids, mask
 
 
-# Per-process state of a tokenizer worker, set once by the pool initializer so the tokenizer is
-# pickled once per process rather than once per chunk. Only spawned worker processes set it.
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer: Any, options: EncodeOptions, fast: tuple) -> None:
-    # One thread of Rust tokenization per process (HF and fast_bpe read it): the processes
-    # already fill the cores.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=tokenizer, options=options, fast=fast)
-
-
-def _encode_chunk_in_worker(chunk: list[Raw]) -> ChunkResult:
-    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], *_WORKER["fast"])
-
-
 def encode_all(
     records: Iterable[Raw],
     tokenizer: Any,
@@ -264,11 +255,23 @@ def encode_all(
     chunks = _chunked(iter(records), chunk_records)
     first = list(islice(chunks, 3))
     fast_render = _fast_renderer(first, tokenizer, options, log)
-    fast = (fast_render, _fast_encoder(first, tokenizer, options, log, fast_render))
+    texts = _first_renderings(first, tokenizer, options, fast_render)
     if workers > 1 and len(first) > 2:
-        results = _encode_in_pool(chain(first, chunks), tokenizer, options, workers, fast)
-    else:
-        results = (encode_chunk(c, tokenizer, options, *fast) for c in chain(first, chunks))
+        from dflash_async.data.tokenize_pool import encode_in_pool  # it imports this module
+
+        for_workers = _for_workers(tokenizer)
+        spec_json = getattr(for_workers, "backend_json", None)
+        fast_encode, verdict, proving = _fast_encoder_proving(texts, tokenizer, log, spec_json)
+        try:
+            results = encode_in_pool(chain(first, chunks), for_workers, options,
+                                     workers=workers, fast=(fast_render, fast_encode),
+                                     verdict=verdict)  # fmt: skip
+            yield from _with_progress(results, log, progress_every_s)
+        finally:
+            proving.shutdown(wait=False)
+        return
+    fast = (fast_render, _fast_encoder(texts, tokenizer, log))
+    results = (encode_chunk(c, tokenizer, options, *fast) for c in chain(first, chunks))
     yield from _with_progress(results, log, progress_every_s)
 
 
@@ -292,20 +295,52 @@ def _fast_renderer(chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptio
     return fast_render
 
 
-def _fast_encoder(
-    chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, log: Any, fast_render: Any
-) -> FastBPE | None:
-    """fast_bpe's encoder if it is proven to encode as the tokenizer and gives the tokenizer's
-    ids and offsets on the run's first SAMPLE renderings; logs which encoder and why. Its
-    checks cost ~1 s once (less for a small vocabulary, a few s for a 150k one)."""
+def _first_renderings(
+    chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, fast_render: Any
+) -> list[str]:
+    """The run's first SAMPLE chat renderings: what the fast encoder is compared on."""
     first = islice(chain.from_iterable(chunks), FAST_ENCODE_SAMPLE)
     rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in first]
-    texts = [r[1] for r in rendered if r[0] == "chat"]
+    return [r[1] for r in rendered if r[0] == "chat"]
+
+
+_NO_BACKEND = "the tokenizer has truncation, padding or no fast backend"
+
+
+def _fast_encoder(texts: list[str], tokenizer: Any, log: Any) -> FastBPE | None:
+    """fast_bpe's encoder if it is proven to encode as the tokenizer and gives the tokenizer's
+    ids and offsets on the run's first renderings; logs which encoder and why. Its checks cost
+    ~1 s once (less for a small vocabulary, ~2.5 s for a 150k one)."""
     if not texts:  # pre-tokenized data, or nothing readable: nothing to check it on
         return None
     backend = direct_backend(tokenizer)
-    no_backend = (None, "the tokenizer has truncation, padding or no fast backend")
-    fast, why = no_backend if backend is None else check_tokenizer(backend)
+    fast, why = (None, _NO_BACKEND) if backend is None else check_tokenizer(backend)
+    return _compared(fast, why, texts, tokenizer, log)
+
+
+def _fast_encoder_proving(texts: list[str], tokenizer: Any, log: Any, spec_json: Any) -> tuple:
+    """_fast_encoder for tokenizer processes: (the candidate encoder, a Future of whether it may
+    be used or None, the thread proving it): the proof runs while the processes start."""
+    proving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-fast-bpe-proof")
+    backend = direct_backend(tokenizer)
+    if not texts:
+        return None, None, proving
+    fast, why, spec = (
+        (None, _NO_BACKEND, {}) if backend is None else fast_candidate(backend, spec_json=spec_json)
+    )
+
+    def decide() -> bool:
+        failed = proof_why(fast, spec) if fast is not None else why
+        return _compared(None if failed else fast, failed, texts, tokenizer, log) is not None
+
+    if fast is None:  # refused already: log it now, nothing to wait for
+        decide()
+        return None, None, proving
+    return fast, proving.submit(decide), proving
+
+
+def _compared(fast: FastBPE | None, why: str, texts: list[str], tokenizer: Any, log: Any):
+    """`fast` if it gives the tokenizer's ids and offsets on `texts` (else None); logs which."""
     checked = 0
     if fast is not None:  # texts it leaves to HF (None) are not compared
         pairs = zip(fast.encode_batch(texts), tokenize_batch(tokenizer, texts), strict=True)
@@ -322,32 +357,6 @@ def _fast_encoder(
 def _chunked(records: Iterator[Raw], size: int) -> Iterator[list[Raw]]:
     while chunk := list(islice(records, size)):
         yield chunk
-
-
-def _encode_in_pool(
-    chunks: Iterator[list[Raw]],
-    tokenizer: Any,
-    options: EncodeOptions,
-    workers: int,
-    fast: tuple,
-) -> Iterator[ChunkResult]:
-    # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
-    pool = ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(_for_workers(tokenizer), options, fast),
-    )
-    in_flight: deque[Future] = deque()
-    try:
-        for chunk in chunks:  # 2 chunks per worker in flight bound the memory held
-            in_flight.append(pool.submit(_encode_chunk_in_worker, chunk))
-            if len(in_flight) >= 2 * workers:
-                yield in_flight.popleft().result()
-        while in_flight:
-            yield in_flight.popleft().result()
-    finally:  # on a DataError mid-way, do not tokenize the rest first
-        pool.shutdown(cancel_futures=True)
 
 
 def _with_progress(
