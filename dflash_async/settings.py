@@ -58,6 +58,10 @@ class TargetSettings(Section):
     block scales (the format of served FP8 checkpoints), so the drafter trains on the features of
     an FP8-served target; on a CPU they are then dequantized for compute. An FP8 or MXFP4
     checkpoint is read as published whatever this says."""
+    weights: Literal["checkpoint", "random"] = "checkpoint"
+    """random: draw the weights from the model's own init (seeded by DFLASH_TRAIN__SEED), layer by
+    layer on the device, from a PATH that needs only config.json and the tokenizer; for throughput
+    runs and benchmarks only (the features of random weights are meaningless for a real drafter)."""
 
     _split_layer_ids = field_validator("target_layer_ids", mode="before")(parse_int_list)
 

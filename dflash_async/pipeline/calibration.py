@@ -53,7 +53,8 @@ async def calibrate(
     slot = PackedBatch.empty(budget, width, device=target.device,
                              feature_dtype=runner.inputs.features.dtype)  # fmt: skip
     step = await drafter.run(drafter_step_on, drafter.device, step_spec, config,
-                             target_path=target_path, rank=0, total_steps=1)  # fmt: skip
+                             target_path=target_path, rank=0, total_steps=1,
+                             random_seed=runner.random_seed)  # fmt: skip
     fill = (_fill, runner, samples, planned[1:], slot)
     train_on = (_train_on, step, slot, k)
     await target.run(_fill, runner, samples, planned[:1], slot)  # warm-up: first calls compile

@@ -31,6 +31,7 @@ from dflash_async.runtime.devices import DeviceWorker, open_device_worker, parse
 from dflash_async.runtime.rings import Notifier, RingSet, SlotRing
 from dflash_async.settings import SettingsError
 from dflash_async.stages.produce import TargetRunner
+from dflash_async.target.random_weights import held_bytes
 
 ASSUMED_TARGET_MFU = 0.5  # FLOP estimates before any measurement (docs/GPU.md: 0.36 .. 0.70)
 ASSUMED_DRAFTER_MFU = 0.6  # (docs/GPU.md: 0.48 .. 0.67)
@@ -144,7 +145,10 @@ async def place(
     rates = estimated_rates(*flops)
     # a repeated GPU holds several pairs; repeated cpu entries stand for separate devices
     pairs = max(devices.count(d) for d in devices) if devices[0].type == "cuda" else 1
-    memory = memory_needs(spec, step, config, target_path, target.device).times(pairs)
+    random = getattr(runner, "random_seed", None) is not None  # no files: what it holds
+    loaded = held_bytes(runner.model) if random else None
+    memory = memory_needs(spec, step, config, target_path, target.device,
+                          weight_bytes=loaded).times(pairs)  # fmt: skip
 
     def choose(rates: placement.StageRates) -> placement.Placement:
         return placement.decide(spec.layout, gpus=len(devices), rates=rates, memory=memory,
@@ -215,11 +219,14 @@ def drafter_params(config: DrafterConfig) -> int:
 
 def memory_needs(
     spec: PlacementSpec, step: StepSpec, config: DrafterConfig, target_path: str,
-    device: torch.device,
+    device: torch.device, *, weight_bytes: int | None = None,
 ) -> placement.MemoryNeeds:  # fmt: skip
-    """placement.MemoryNeeds of this run on `device` (its total memory; unbounded on cpu)."""
+    """placement.MemoryNeeds of this run on `device` (its total memory; unbounded on cpu).
+    The target's weight bytes are its files' unless given (a random target: what it holds)."""
     cfg, budget = config, step.token_budget
     files = [*Path(target_path).glob("*.safetensors"), *Path(target_path).glob("*.bin")]
+    if weight_bytes is None:
+        weight_bytes = sum(f.stat().st_size for f in files)
     frozen = cfg.vocab_size * cfg.hidden_size * 2  # embed + lm_head (tied ones counted twice)
     state, saved = placement.drafter_bytes(
         params=drafter_params(cfg), frozen_params=frozen, hidden=cfg.hidden_size,
@@ -228,7 +235,7 @@ def memory_needs(
         block_size=cfg.block_size, ce_chunk=step.ce_chunk_size,
     )  # fmt: skip
     weights, transient = placement.target_bytes(
-        weight_bytes=sum(f.stat().st_size for f in files), hidden=cfg.hidden_size,
+        weight_bytes=weight_bytes, hidden=cfg.hidden_size,
         ffn=cfg.intermediate_size, num_features=cfg.num_features, token_budget=budget,
         batch_tokens=spec.target_batch_tokens,
     )  # fmt: skip

@@ -107,7 +107,11 @@ def run_spec(settings: Settings) -> RunSpec:
         ),
         step=_step_spec(train, token_budget=budget, cuda=cuda, kind=settings.drafter.kind),
         target=_target_spec(
-            settings.target, token_budget=budget, max_batch_tokens=pipe.target_batch_tokens
+            settings.target,
+            token_budget=budget,
+            max_batch_tokens=pipe.target_batch_tokens,
+            seed=train.seed,
+            decode=_evaluation_decodes(settings),
         ),
         placement=placement,
         nodes=NodesSpec(
@@ -162,14 +166,28 @@ def _step_spec(
     )  # fmt: skip
 
 
-def _target_spec(target: TargetSettings, *, token_budget: int, max_batch_tokens: int) -> TargetSpec:
+def _target_spec(
+    target: TargetSettings, *, token_budget: int, max_batch_tokens: int, seed: int, decode: bool
+) -> TargetSpec:
     """DFLASH_TARGET__DTYPE per device type: auto is bf16 on a GPU, fp32 on the CPU."""
     named = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(target.dtype)
     return TargetSpec(
         cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
         token_budget=token_budget, max_batch_tokens=max_batch_tokens,
         packed_hybrid=target.packed_hybrid, stages=target.stages, quantize=target.quantize,
+        weights=target.weights, seed=seed, decode=decode,
     )  # fmt: skip
+
+
+def _evaluation_decodes(settings: Settings) -> bool:
+    """Whether the in-run evaluation will decode on the target (then a random target is drawn
+    whole: every layer, the final norm, the lm_head): it is on (EVERY, AT_START or AT_END) and
+    has prompts (its own for any target but the built-in one; else it is skipped:
+    stages/evaluate.py)."""
+    e = settings.eval
+    return bool(e.every or e.at_start or e.at_end) and bool(
+        e.prompts_path or not settings.target.path
+    )
 
 
 def _check_stages(stages: int, *, layout: str, given, devices) -> None:

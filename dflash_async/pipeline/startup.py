@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import torch
@@ -174,6 +175,8 @@ def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> Dr
     architecture outside model/architectures.SUPPORTED is SettingsError (exit 2) naming it.
     The mask token, unless set, is the target tokenizer's (target/mask_token.py; the built-in
     target's `<|mask|>` by its first rule), logged with the rule that chose it."""
+    if Path(target_path).is_dir() and not (Path(target_path) / "config.json").is_file():
+        raise TargetError(f"target folder {target_path!r} has no config.json")
     try:
         target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -250,7 +253,8 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
         return await worker.run(load_runner, inputs.target_path, device=worker.device,
                                 dtype=t.dtype_on(worker.device), layer_ids=cfg.target_layer_ids,
                                 token_budget=t.token_budget, max_batch_tokens=t.max_batch_tokens,
-                                packed_hybrid=t.packed_hybrid, quantize=t.quantize)  # fmt: skip
+                                packed_hybrid=t.packed_hybrid, quantize=t.quantize,
+                                weights=t.weights, seed=t.seed, decode=t.decode)  # fmt: skip
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
         lambda: first_epoch(spec.plan, samples.lengths, rank=rank.rank, world_size=rank.world_size)
@@ -338,7 +342,7 @@ async def _start_drafters(
         step = await worker.run(
             drafter_step_on, worker.device, spec.step, inputs.drafter_config,
             target_path=inputs.target_path, rank=rank.rank * len(workers) + i,
-            total_steps=total_steps,
+            total_steps=total_steps, random_seed=spec.target.random_seed,
         )  # fmt: skip
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
         if spec.step.cuda_graph:

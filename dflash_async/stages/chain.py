@@ -36,10 +36,11 @@ from dflash_async.runtime.channels import ReceiveChannel, SendChannel, open_chan
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import RingProducer
-from dflash_async.stages.produce import TargetRunner, TargetSpec
+from dflash_async.stages.produce import TargetRunner, TargetSpec, load_logged_random
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target.forward import TargetPath, select_target_forward
-from dflash_async.target.loading import load_target, text_config, text_model
+from dflash_async.target.loading import _checked_folder, load_target, text_config, text_model
+from dflash_async.target.random_weights import meta_target, random_config
 from dflash_async.target.split import Split, layer_sizes, split_layers
 
 Chooser = Callable[[torch.nn.Module, range], TargetPath]  # a stage's forward for its range
@@ -109,21 +110,49 @@ async def load_chain(
     log,
 ) -> TargetChain:  # fmt: skip
     """Load the target once on the host (in the first stage's thread; the GPU part of issue 34
-    would load each stage's layers straight onto its device), then `build_chain`."""
+    would load each stage's layers straight onto its device), then `build_chain`. A random
+    target (spec.weights) is drawn instead, each stage's layers straight onto its device
+    (`_random_chain_model`)."""
     host = torch.device("cpu")
+    if spec.random_seed is not None:
+        model, split = await workers[0].run(_random_chain_model, path, workers, spec=spec,
+                                            last_layer=max(layer_ids), log=log)  # fmt: skip
+        return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log,
+                                 split=split)  # fmt: skip
     model = await workers[0].run(load_target, path, device=host, dtype=spec.dtype_on(host))
     return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log)
 
 
+def _random_chain_model(path: str, workers: Sequence[DeviceWorker], *, spec: TargetSpec,
+                        last_layer: int, log):  # fmt: skip
+    """(the random target, its split): the split from the meta-built model's bytes (as
+    `build_chain` would cut it), then every stage's layers drawn on that stage's device, the
+    embedding and rotary on the first; with spec.decode the layers past the last captured one
+    and the lm_head on the host (where a loaded split target keeps them)."""
+    devices = [w.device for w in workers]
+    dtype = spec.dtype_on(devices[0])
+    meta = meta_target(random_config(_checked_folder(path)), dtype=dtype)
+    split = split_layers(layer_sizes(text_model(meta), last_layer=last_layer), stages=len(devices))
+    stage_of = {i: s for s, r in enumerate(split.ranges) for i in r}
+    model, _ = load_logged_random(
+        path, device=devices[0], dtype=dtype, seed=spec.seed, last_layer=last_layer,
+        decode=spec.decode, quantize=spec.quantize, log=log,
+        layer_device=lambda i: devices[stage_of[i]], tail_device=torch.device("cpu"),
+    )  # fmt: skip
+    return model, split
+
+
 async def build_chain(
     model, workers: Sequence[DeviceWorker], *, spec: TargetSpec, layer_ids: tuple[int, ...], log,
-    choose: Chooser | None = None,
+    choose: Chooser | None = None, split: Split | None = None,
 ) -> TargetChain:  # fmt: skip
-    """Split the model's layers by bytes, move each stage's layers (and the embedding, to the
-    first) onto its device in its thread, choose each stage's forward (`choose(model, layers)`,
-    by default select_target_forward: exit 2 for the HF fallback) and warm the chain up."""
-    sizes = layer_sizes(text_model(model), last_layer=max(layer_ids))
-    split = split_layers(sizes, stages=len(workers))
+    """Split the model's layers by bytes (unless `split` is given: a random target's, cut
+    before its layers were drawn), move each stage's layers (and the embedding, to the first)
+    onto its device in its thread, choose each stage's forward (`choose(model, layers)`, by
+    default select_target_forward: exit 2 for the HF fallback) and warm the chain up."""
+    if split is None:
+        sizes = layer_sizes(text_model(model), last_layer=max(layer_ids))
+        split = split_layers(sizes, stages=len(workers))
     choose = choose or partial(_select, spec=spec, layer_ids=layer_ids)
     d = text_config(model).hidden_size
     stages = []

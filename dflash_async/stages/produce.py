@@ -30,6 +30,7 @@ from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.target.forward import TargetPath, select_target_forward
 from dflash_async.target.loading import fast_kernel_preflight, load_served_target, text_config
+from dflash_async.target.random_weights import load_random_target
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,17 @@ class TargetSpec:
     packed_hybrid: bool  # Qwen3.5 on CUDA: the packed varlen forward
     stages: int = 1  # stage workers per replica (stages/chain.py), each a range of layers
     quantize: str = "none"  # "fp8": the decoder weights quantized at load (target/quantized.py)
+    weights: str = "checkpoint"  # "random": drawn from the config (target/random_weights.py)
+    seed: int = 0  # DFLASH_TRAIN__SEED: the random target's seed (every rank draws the same)
+    decode: bool = True  # the in-run evaluation decodes: a random target is drawn whole
 
     def dtype_on(self, device: torch.device) -> torch.dtype:
         return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype
+
+    @property
+    def random_seed(self) -> int | None:
+        """The seed of a random target (its drafters redraw its embeddings), else None."""
+        return self.seed if self.weights == "random" else None
 
 
 @dataclass
@@ -57,6 +66,7 @@ class TargetRunner:
     path: TargetPath
     inputs: PackedBatch  # [T] layout on the target device; features [T, k*d] staging
     meter: BusyMeter = field(default_factory=BusyMeter)  # device time of fill_slot jobs
+    random_seed: int | None = None  # a random target's seed (its drafters' embeddings), or None
 
     @property
     def device(self) -> torch.device:
@@ -82,16 +92,28 @@ def load_runner(
     max_batch_tokens: int,
     packed_hybrid: bool = True,
     quantize: str = "none",
+    weights: str = "checkpoint",
+    seed: int = 0,
+    decode: bool = True,
 ) -> TargetRunner:
     """Load the target on `device`, choose its forward and warm it up (the first call compiles).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
+    weights="random": drawn from the config under `seed` (target/random_weights.py), up to the
+    last captured layer unless `decode`.
     """
     log = get_logger(__name__)
-    model, weights = load_served_target(path, device=device, dtype=dtype, quantize=quantize)
-    log.info("target_weights_loaded", weight_format=weights.name, quant_method=weights.quant_method,
-             dequantized=weights.dequantized, device=str(device))  # fmt: skip
+    random_seed = seed if weights == "random" else None
+    if random_seed is not None:
+        model, served = load_logged_random(path, device=device, dtype=dtype, seed=seed,
+                                            last_layer=max(layer_ids), decode=decode,
+                                            quantize=quantize, log=log)  # fmt: skip
+    else:
+        model, served = load_served_target(path, device=device, dtype=dtype, quantize=quantize)
+        log.info("target_weights_loaded", weight_format=served.name,
+                 quant_method=served.quant_method, dequantized=served.dequantized,
+                 device=str(device))  # fmt: skip
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     chosen = select_target_forward(
@@ -101,11 +123,11 @@ def load_runner(
     param = next(model.parameters())
     log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,
              device=str(device), dtype=str(param.dtype).removeprefix("torch."),
-             weight_format=weights.name, kernel=weights.kernel,
-             kernel_reason=weights.kernel_reason)  # fmt: skip
+             weight_format=served.name, kernel=served.kernel,
+             kernel_reason=served.kernel_reason)  # fmt: skip
     width = len(layer_ids) * text_config(model).hidden_size
     inputs = PackedBatch.empty(token_budget, width, device=device, feature_dtype=param.dtype)
-    runner = TargetRunner(model, chosen, inputs)
+    runner = TargetRunner(model, chosen, inputs, random_seed=random_seed)
     started = time.perf_counter()
     _warm_up(runner, token_budget, min(max_batch_tokens, token_budget))
     log.info(
@@ -114,6 +136,26 @@ def load_runner(
         warm_up_s=round(time.perf_counter() - started, 2),
     )
     return runner
+
+
+def load_logged_random(path: str, *, log, **options):
+    """`load_random_target` (model, WeightFormat), logged loudly: a warning that its features
+    mean nothing to a real drafter, and `target_weights_loaded` with weight_format "random"."""
+    started = time.perf_counter()
+    model, weights, facts = load_random_target(path, **options)
+    device = options.get("device")
+    log.warning("target_weights_random", path=str(path), reason="DFLASH_TARGET__WEIGHTS=random: "
+                "weights drawn from the config for throughput runs and benchmarks only; the "
+                "features of random weights are meaningless for a real drafter")  # fmt: skip
+    if facts["ignored_weight_files"]:
+        log.warning("target_weight_files_ignored", files=facts["ignored_weight_files"],
+                    reason="DFLASH_TARGET__WEIGHTS=random draws the weights, never reads them")  # fmt: skip
+    log.info("target_weights_loaded", weight_format=weights.name, quant_method=None,
+             dequantized=weights.dequantized, kernel=weights.kernel, device=str(device),
+             seed=facts["seed"], layers_drawn=facts["layers_drawn"],
+             layers_on_meta=facts["layers_on_meta"], lm_head_on_meta=facts["lm_head_on_meta"],
+             load_s=round(time.perf_counter() - started, 2))  # fmt: skip
+    return model, weights
 
 
 def _warm_up(runner: TargetRunner, token_budget: int, longest: int) -> None:
