@@ -36,7 +36,8 @@ from dflash_async.data.chat import (
     token_mask,
 )
 from dflash_async.data.fast_bpe import FastBPE, check_tokenizer, fast_candidate, proof_why
-from dflash_async.data.fast_template import choose_renderer
+from dflash_async.data.fast_mask import qwen3_char_mask
+from dflash_async.data.fast_template import choose_renderer, render_qwen3
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
 Raw = tuple[str, Any]  # (where, raw record) from formats.iter_raw_records
@@ -93,13 +94,11 @@ def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) 
         if not supervised_turns(messages, options.loss_turns):
             return ("no_assistant_turn", "")
         tools = record.get("tools") if isinstance(record.get("tools"), list) else None
-        text, char_mask = assistant_char_mask(
-            chat_template_of(tokenizer),
-            messages,
-            enable_thinking=options.enable_thinking,
-            loss_turns=options.loss_turns,
-            tools=tools,
-            fast_render=fast_render,
+        kwargs = dict(enable_thinking=options.enable_thinking, loss_turns=options.loss_turns,
+                      tools=tools)  # fmt: skip
+        found = qwen3_char_mask(messages, **kwargs) if fast_render is render_qwen3 else None
+        text, char_mask = found or assistant_char_mask(
+            chat_template_of(tokenizer), messages, fast_render=fast_render, **kwargs
         )
         return ("chat", text, char_mask)
     except TruncatedRecord as exc:
