@@ -20,7 +20,8 @@ from dflash_async.data import fast_mask
 from dflash_async.data.chat import ChatMaskError, assistant_char_mask, supervised_turns
 from dflash_async.data.fast_mask import qwen3_char_mask
 from dflash_async.data.fast_template import choose_renderer, render_qwen3
-from dflash_async.data.tokenization import EncodeOptions, encode_chunk
+from dflash_async.data.tokenization import EncodeOptions, encode_chunk, tokenize_batch
+from dflash_async.data.tokenize_pool import finish_chunk
 from dflash_async.target.tiny import tiny_tokenizer
 
 TEMPLATE = QWEN3_TEMPLATE.read_text()
@@ -149,3 +150,35 @@ def test_encode_chunk_gives_the_same_ids_and_masks(monkeypatch, enable_thinking,
         assert np.array_equal(got.tokens, ref.tokens)
         assert np.array_equal(got.loss_mask, ref.loss_mask)
         assert np.array_equal(got.lengths, ref.lengths) and got.counts == ref.counts
+
+
+class _RefusesSome:
+    """A stand-in fast encoder: the tokenizer's own encodings, None for texts holding "é"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode_batch(self, texts):
+        return [None if "é" in t else tokenize_batch(self.tokenizer, [t])[0] for t in texts]
+
+
+def test_texts_the_fast_encoder_refuses_are_finished_in_the_parent_in_record_order():
+    """encode_chunk(defer=True) leaves refused renderings pending; finish_chunk encodes them
+    with the parent's tokenizer and splices them back: the same chunk as encoding in place."""
+    conversations = WRITTEN + random_conversations(60, seed=2)
+    for k in range(0, len(conversations), 3):  # every third record refused, kept or filtered
+        conversations[k] = [*conversations[k], m("user", "é"), m("assistant", "é " * (k % 5))]
+    options = EncodeOptions(max_len=40, enable_thinking=False, loss_turns="all",
+                            too_long="truncate", block_size=2, role_map=())  # fmt: skip
+    chunk = [(str(i), {"messages": c}) for i, c in enumerate(conversations)]
+    tokenizer = qwen3_like_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    fast = _RefusesSome(tokenizer)
+    deferred = encode_chunk(chunk, tokenizer, options, render_qwen3, fast, defer=True)
+    assert len(deferred.pending) > 10
+    got = finish_chunk(deferred, tokenizer, options)
+    want = encode_chunk(chunk, tokenizer, options, render_qwen3, fast)
+    assert not got.pending and not want.pending
+    assert np.array_equal(got.tokens, want.tokens)
+    assert np.array_equal(got.loss_mask, want.loss_mask)
+    assert np.array_equal(got.lengths, want.lengths) and got.counts == want.counts
