@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -34,10 +36,12 @@ from dflash_async.data.tokenization import (
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, options: EncodeOptions, fast: tuple) -> None:
+def _init_worker(state_path: str) -> None:
     # One thread of Rust tokenization per process (HF and fast_bpe read it): the processes
     # already fill the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with open(state_path, "rb") as f:
+        tokenizer, options, fast = pickle.load(f)
     _WORKER.update(tokenizer=tokenizer, options=options, fast=fast)
 
 
@@ -93,12 +97,20 @@ def encode_in_pool(
     encoder); `verdict`, if not None, resolves to whether the encoder may be used; the texts
     the encoder refuses are encoded here by `parent_tokenizer` (default: `tokenizer`)."""
     parent_tokenizer = tokenizer if parent_tokenizer is None else parent_tokenizer
+    # The workers' state (the tokenizer's 7 MB JSON, the tiktoken tables) goes through a file,
+    # pickled once: as initargs it is pickled per worker and written down each spawn pipe,
+    # and that write blocks the parent until the child has imported its main module, so the
+    # next worker started ~0.5-3 s later. The file is removed when the pool shuts down.
+    with tempfile.NamedTemporaryFile(
+        prefix="dflash-tokenize-", suffix=".pkl", delete=False
+    ) as state:
+        pickle.dump((tokenizer, options, fast), state, protocol=pickle.HIGHEST_PROTOCOL)
     # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, options, fast),
+        initargs=(state.name,),
     )
     use_fast = fast[1] is not None
     in_flight: deque[tuple[list[Raw], Future]] = deque()
@@ -124,3 +136,4 @@ def encode_in_pool(
             yield next_result()
     finally:  # on a DataError mid-way, do not tokenize the rest first
         pool.shutdown(cancel_futures=True)
+        os.unlink(state.name)
