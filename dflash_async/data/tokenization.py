@@ -36,7 +36,8 @@ from dflash_async.data.chat import (
     token_mask,
 )
 from dflash_async.data.fast_bpe import FastBPE, check_tokenizer, fast_candidate, proof_why
-from dflash_async.data.fast_template import choose_renderer
+from dflash_async.data.fast_mask import qwen3_char_mask
+from dflash_async.data.fast_template import choose_renderer, render_qwen3
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
 Raw = tuple[str, Any]  # (where, raw record) from formats.iter_raw_records
@@ -66,6 +67,8 @@ class ChunkResult:
     lengths: np.ndarray  # [n] int64 tokens per kept sample
     counts: Counter = field(default_factory=Counter)
     bad: list[tuple[str, str]] = field(default_factory=list)  # (where, why) in record order
+    # (kept samples before it, text, char mask) of each rendering left for the parent to encode
+    pending: list[tuple[int, str, np.ndarray]] = field(default_factory=list)
 
 
 def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,13 +96,11 @@ def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) 
         if not supervised_turns(messages, options.loss_turns):
             return ("no_assistant_turn", "")
         tools = record.get("tools") if isinstance(record.get("tools"), list) else None
-        text, char_mask = assistant_char_mask(
-            chat_template_of(tokenizer),
-            messages,
-            enable_thinking=options.enable_thinking,
-            loss_turns=options.loss_turns,
-            tools=tools,
-            fast_render=fast_render,
+        kwargs = dict(enable_thinking=options.enable_thinking, loss_turns=options.loss_turns,
+                      tools=tools)  # fmt: skip
+        found = qwen3_char_mask(messages, **kwargs) if fast_render is render_qwen3 else None
+        text, char_mask = found or assistant_char_mask(
+            chat_template_of(tokenizer), messages, fast_render=fast_render, **kwargs
         )
         return ("chat", text, char_mask)
     except TruncatedRecord as exc:
@@ -199,16 +200,25 @@ def encode_chunk(
     options: EncodeOptions,
     fast_render: Any = None,
     fast_encode: FastBPE | None = None,
+    defer: bool = False,
 ) -> ChunkResult:
-    """Render, tokenize (one batched call), mask and filter the records of one chunk."""
+    """Render, tokenize (one batched call), mask and filter the records of one chunk. With
+    `defer`, renderings `fast_encode` refuses are left in `pending` (tokenize_pool.finish_chunk)
+    rather than encoded here with `tokenizer`."""
     rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in chunk]
     texts = [r[1] for r in rendered if r[0] == "chat"]
-    encoded = iter(tokenize_batch(tokenizer, texts, fast_encode))
-    counts, bad, ids_list, mask_list = Counter(records=len(chunk)), [], [], []
+    if defer and fast_encode is not None:
+        encoded = iter(fast_encode.encode_batch(texts))
+    else:
+        encoded = iter(tokenize_batch(tokenizer, texts, fast_encode))
+    counts, bad, ids_list, mask_list, pending = Counter(records=len(chunk)), [], [], [], []
     for (where, _), result in zip(chunk, rendered, strict=True):
         status = result[0]
         if status == "chat":
-            ids, offsets = next(encoded)
+            if (got := next(encoded)) is None:
+                pending.append((len(ids_list), result[1], result[2]))
+                continue
+            ids, offsets = got
             status, result = "ok", ("ok", ids, token_mask(result[2], offsets))
         if status != "ok":
             counts[status] += 1
@@ -225,6 +235,7 @@ def encode_chunk(
         lengths=np.array([len(x) for x in ids_list], dtype=np.int64),
         counts=counts,
         bad=bad,
+        pending=pending,
     )
 
 
@@ -265,7 +276,7 @@ def encode_all(
         try:
             results = encode_in_pool(chain(first, chunks), for_workers, options,
                                      workers=workers, fast=(fast_render, fast_encode),
-                                     verdict=verdict)  # fmt: skip
+                                     verdict=verdict, parent_tokenizer=tokenizer)  # fmt: skip
             yield from _with_progress(results, log, progress_every_s)
         finally:
             proving.shutdown(wait=False)

@@ -12,29 +12,75 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
-from dflash_async.data.tokenization import ChunkResult, EncodeOptions, Raw, encode_chunk
+import numpy as np
+
+from dflash_async.data.chat import token_mask
+from dflash_async.data.tokenization import (
+    ChunkResult,
+    EncodeOptions,
+    Raw,
+    _filtered,
+    encode_chunk,
+    tokenize_batch,
+)
 
 # Per-process state of a tokenizer worker, set once by the pool initializer so the tokenizer is
 # pickled once per process rather than once per chunk. Only spawned worker processes set it.
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, options: EncodeOptions, fast: tuple) -> None:
+def _init_worker(state_path: str) -> None:
     # One thread of Rust tokenization per process (HF and fast_bpe read it): the processes
     # already fill the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with open(state_path, "rb") as f:
+        tokenizer, options, fast = pickle.load(f)
     _WORKER.update(tokenizer=tokenizer, options=options, fast=fast)
 
 
 def _encode_chunk_in_worker(chunk: list[Raw], use_fast: bool) -> ChunkResult:
     fast_render, fast_encode = _WORKER["fast"]
     return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], fast_render,
-                        fast_encode if use_fast else None)  # fmt: skip
+                        fast_encode if use_fast else None, defer=True)  # fmt: skip
+
+
+def finish_chunk(result: ChunkResult, tokenizer: Any, options: EncodeOptions) -> ChunkResult:
+    """`result` with its pending renderings (those the fast encoder refused: NFC-changing text,
+    code points past U+30000; a few in 1,000) encoded by `tokenizer` in this process, masked,
+    filtered and put back in record order. So a worker never builds the HF backend (~0.6 CPU s
+    for a 150k vocabulary) for them; the parent has it already."""
+    if not result.pending:
+        return result
+    encoded = tokenize_batch(tokenizer, [text for _, text, _ in result.pending])
+    bounds = np.concatenate([[0], np.cumsum(result.lengths)])
+    ids_list, mask_list, done = [], [], 0
+
+    def keep_up_to(at: int) -> None:
+        ids_list.extend(result.tokens[bounds[k] : bounds[k + 1]] for k in range(done, at))
+        mask_list.extend(result.loss_mask[bounds[k] : bounds[k + 1]] for k in range(done, at))
+
+    for (at, _, char_mask), (ids, offsets) in zip(result.pending, encoded, strict=True):
+        keep_up_to(at)
+        done = at
+        kept = _filtered(ids, token_mask(char_mask, offsets), options, result.counts)
+        if kept is not None:
+            ids_list.append(kept[0])
+            mask_list.append(kept[1])
+    keep_up_to(len(result.lengths))
+    return ChunkResult(
+        tokens=np.concatenate(ids_list) if ids_list else np.zeros(0, np.int32),
+        loss_mask=np.concatenate(mask_list) if mask_list else np.zeros(0, bool),
+        lengths=np.array([len(x) for x in ids_list], dtype=np.int64),
+        counts=result.counts,
+        bad=result.bad,
+    )
 
 
 def encode_in_pool(
@@ -45,15 +91,26 @@ def encode_in_pool(
     workers: int,
     fast: tuple,
     verdict: Future | None,
+    parent_tokenizer: Any = None,
 ) -> Iterator[ChunkResult]:
     """encode_chunk of every chunk in `workers` processes, in order. `fast` is (renderer,
-    encoder); `verdict`, if not None, resolves to whether the encoder may be used."""
+    encoder); `verdict`, if not None, resolves to whether the encoder may be used; the texts
+    the encoder refuses are encoded here by `parent_tokenizer` (default: `tokenizer`)."""
+    parent_tokenizer = tokenizer if parent_tokenizer is None else parent_tokenizer
+    # The workers' state (the tokenizer's 7 MB JSON, the tiktoken tables) goes through a file,
+    # pickled once: as initargs it is pickled per worker and written down each spawn pipe,
+    # and that write blocks the parent until the child has imported its main module, so the
+    # next worker started ~0.5-3 s later. The file is removed when the pool shuts down.
+    with tempfile.NamedTemporaryFile(
+        prefix="dflash-tokenize-", suffix=".pkl", delete=False
+    ) as state:
+        pickle.dump((tokenizer, options, fast), state, protocol=pickle.HIGHEST_PROTOCOL)
     # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, options, fast),
+        initargs=(state.name,),
     )
     use_fast = fast[1] is not None
     in_flight: deque[tuple[list[Raw], Future]] = deque()
@@ -68,7 +125,7 @@ def encode_in_pool(
                     future.cancel()
                 in_flight = deque((c, pool.submit(_encode_chunk_in_worker, c, False))
                                   for c, _ in in_flight)  # fmt: skip
-        return in_flight.popleft()[1].result()
+        return finish_chunk(in_flight.popleft()[1].result(), parent_tokenizer, options)
 
     try:
         for chunk in chunks:  # 2 chunks per worker in flight bound the memory held
@@ -79,3 +136,4 @@ def encode_in_pool(
             yield next_result()
     finally:  # on a DataError mid-way, do not tokenize the rest first
         pool.shutdown(cancel_futures=True)
+        os.unlink(state.name)
