@@ -19,7 +19,6 @@ nothing). Parameter names are the servable checkpoint's, codebooks plain tensors
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,6 @@ from dflash_async.model.drafter import (
     Attend,
     DFlashDrafter,
     DraftLayer,
-    compute_dtype,
-    layer_attends,
-    rope_cos_sin,
 )
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step_ranges import step_range
@@ -181,29 +177,11 @@ class DFlash2Drafter(DFlashDrafter):
             elif isinstance(module, CandidateSelector):
                 module.reset_no_op(std)
 
-    def forward(
-        self,
-        block_embeds: torch.Tensor,  # [Q, d], Q = A*B in block order
-        block_positions: torch.Tensor,  # [Q]
-        features: torch.Tensor,  # [T, k*d]
-        context_positions: torch.Tensor,  # [T]
-        attend: Attend | Sequence[Attend],  # one for all layers, or one per layer
-    ) -> torch.Tensor:
-        cfg = self.config
-        dtype = compute_dtype(self.fc.weight)
-        with step_range("features"):
-            context = self._fused_context(self, features)  # [T, d]
-        x = self.block_stream(block_embeds, dtype)
-        block_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
-        context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
-        attends = layer_attends(attend, len(self.layers))
-        for layer, attend in zip(self.layers, attends, strict=True):
-            with step_range("layer"):
-                x = self._dflash2_layer(
-                    layer, x, context, block_rope, context_rope, attend, block_size=cfg.block_size
-                )
-        with step_range("final_norm"):
-            return self._final_norm(self, x)
+    def run_layer(self, layer, x, context, block_rope, context_rope, attend) -> torch.Tensor:
+        """The DFlash2 layer: convolutions around attention and MLP (dflash2_layer_forward)."""
+        with step_range("layer"):
+            return self._dflash2_layer(layer, x, context, block_rope, context_rope, attend,
+                                       block_size=self.config.block_size)  # fmt: skip
 
 
 def make_drafter(config: DrafterConfig) -> DFlashDrafter:

@@ -261,15 +261,19 @@ class DFlashDrafter(nn.Module):
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta, dtype)
         attends = layer_attends(attend, len(self.layers))
         for layer, attend in zip(self.layers, attends, strict=True):
-            if self._layer is not None:  # compiled: attention inside the layer's range
-                with step_range("layer"):
-                    x = self._layer(layer, x, context, block_rope, context_rope, attend)
-                continue
-            with step_range("layer"):
-                q, k, v = layer_attention_inputs(layer, x, context, block_rope, context_rope)
-            with step_range("attention"):
-                out = attend(q, k, v)
-            with step_range("layer"):
-                x = layer_attention_output(layer, x, out)
+            x = self.run_layer(layer, x, context, block_rope, context_rope, attend)
         with step_range("final_norm"):
             return self._final_norm(self, x)
+
+    def run_layer(self, layer, x, context, block_rope, context_rope, attend) -> torch.Tensor:
+        """One decoder layer on the block stream x [Q, d] (a drafter variant, model/dflash2.py,
+        runs its own layer here)."""
+        if self._layer is not None:  # compiled: attention inside the layer's range
+            with step_range("layer"):
+                return self._layer(layer, x, context, block_rope, context_rope, attend)
+        with step_range("layer"):
+            q, k, v = layer_attention_inputs(layer, x, context, block_rope, context_rope)
+        with step_range("attention"):
+            out = attend(q, k, v)
+        with step_range("layer"):
+            return layer_attention_output(layer, x, out)
