@@ -132,7 +132,50 @@ def _whole_layer(layer, hidden, cos, sin, mask, attend):
     return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
 
 
-class PackedDenseForward:
+class PackedRange:
+    """What every packed forward of a layer range shares: the attention argument ("sdpa": dense
+    masks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
+    (`layers`: a split target's stage, target/split.py; default up to the last captured
+    layer) and its modules, the embedding and rotary modules, the column block of each
+    captured layer in the range, `__call__` as the whole range's `stage`, and the copy of a
+    captured layer's output into its columns. A subclass defines `stage`."""
+
+    def __init__(
+        self, text_model: nn.Module, layer_ids: Sequence[int], *, attention: str,
+        layers: range | None,
+    ) -> None:  # fmt: skip
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.hidden_size = text_model.config.hidden_size
+        self.layers = layers or range(max(self.layer_ids) + 1)
+        self._embed = text_model.embed_tokens
+        self._rotary = text_model.rotary_emb
+        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
+                                strict=True))  # fmt: skip
+        self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
+        self.attention = attention
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T]
+        doc_ids: torch.Tensor,  # [T]
+        features: torch.Tensor,  # [T, k*d], written in place
+    ) -> torch.Tensor:
+        """Write the captured layers' outputs into `features` (padding rows zero); returns it."""
+        self.stage(None, input_ids, position_ids, doc_ids, features)
+        return features
+
+    def capture(self, i: int, hidden: torch.Tensor, features: torch.Tensor) -> None:
+        """Copy layer i's output hidden [1, T, d] into its columns when it is a captured one."""
+        if i in self._columns:
+            d, j = self.hidden_size, self._columns[i]
+            features[:, j * d : (j + 1) * d].copy_(hidden[0])
+
+
+class PackedDenseForward(PackedRange):
     """Features of a packed layout for a dense or MoE HF decoder (see the module docstring).
 
     `attention` is "sdpa" (dense mask: CPU reference, any T) or "flex" (CUDA, T % 128 == 0).
@@ -151,17 +194,7 @@ class PackedDenseForward:
         moe_eager: bool = False,
         layers: range | None = None,
     ) -> None:
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
-        self.layer_ids = tuple(int(i) for i in layer_ids)
-        self.hidden_size = text_model.config.hidden_size
-        self.layers = layers or range(max(self.layer_ids) + 1)  # a stage's range (target/split)
-        self._embed = text_model.embed_tokens
-        self._rotary = text_model.rotary_emb
-        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
-                                strict=True))  # fmt: skip
-        self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
-        self.attention = attention
+        super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
         layer_fn = attention_block if moe_eager else _whole_layer
@@ -172,18 +205,6 @@ class PackedDenseForward:
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
         return document_causal_mask(doc_ids)
-
-    @torch.no_grad()
-    def __call__(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        position_ids: torch.Tensor,  # [T]
-        doc_ids: torch.Tensor,  # [T]
-        features: torch.Tensor,  # [T, k*d], written in place
-    ) -> torch.Tensor:
-        """Write the captured layers' outputs into `features` (padding rows zero); returns it."""
-        self.stage(None, input_ids, position_ids, doc_ids, features)
-        return features
 
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
@@ -200,9 +221,7 @@ class PackedDenseForward:
             hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
             if self._moe_eager:
                 hidden = mlp_block(layer, hidden)
-            if i in self._columns:
-                j = self._columns[i]
-                features[:, j * d : (j + 1) * d].copy_(hidden[0])
+            self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), d)
         return hidden
 

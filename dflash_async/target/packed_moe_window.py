@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from dflash_async.target.packed_dense import (
+    PackedRange,
     mask_padding,
     rotate_half,
-    stage_columns,
 )
 from dflash_async.target.packed_window import window_block_mask
 from dflash_async.target.packed_window import window_causal_mask as window_mask
@@ -175,11 +175,10 @@ def layout_problem(text_model: nn.Module) -> str | None:
     return None
 
 
-class PackedWindowMoeForward:
-    """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring); the interface of
-    `PackedDenseForward`: `attention` "sdpa" (dense masks, CPU, any T) or "flex" (CUDA, T %
-    128 == 0), `compile` the attention blocks (the MoE runs eagerly between them), `layers` a
-    split target's stage range, `stage()` one stage's call."""
+class PackedWindowMoeForward(PackedRange):
+    """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring); a PackedRange
+    (packed_dense.py: the call, the layer range, `attention`) whose `compile` wraps the
+    attention blocks (the MoE runs eagerly between them)."""
 
     def __init__(
         self,
@@ -190,20 +189,10 @@ class PackedWindowMoeForward:
         compile: bool,
         layers: range | None = None,
     ) -> None:
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
-        self.layer_ids = tuple(int(i) for i in layer_ids)
-        self.hidden_size = text_model.config.hidden_size
-        self.layers = layers or range(max(self.layer_ids) + 1)
-        self._embed = text_model.embed_tokens
-        self._rotary = text_model.rotary_emb
-        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
-                                strict=True))  # fmt: skip
+        super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         self._windows = {i: getattr(layer.self_attn, "sliding_window", None)
                          for i, layer in self._layers.items()}  # fmt: skip
         self._qkv, self._route = family(text_model.config.model_type)
-        self._columns = stage_columns(self.layer_ids, self.layers)
-        self.attention = attention
         self._attend = attend_flex_sinks if attention == "flex" else attend_dense_sinks
         self._attention_fn = (
             torch.compile(attention_block, dynamic=False) if compile else attention_block
@@ -213,12 +202,6 @@ class PackedWindowMoeForward:
         """window (None: full attention) -> the mask of that window, for this range's layers."""
         build = window_block_mask if self.attention == "flex" else window_mask
         return {w: build(doc_ids, w) for w in set(self._windows.values())}
-
-    @torch.no_grad()
-    def __call__(self, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
-        """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
-        self.stage(None, input_ids, position_ids, doc_ids, features)
-        return features
 
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
@@ -233,8 +216,6 @@ class PackedWindowMoeForward:
             mask = masks[self._windows[i]]
             hidden = self._attention_fn(layer, hidden, cos, sin, mask, self._attend, self._qkv)
             hidden = moe_block(layer, hidden, self._route)
-            if i in self._columns:
-                j = self._columns[i]
-                features[:, j * d : (j + 1) * d].copy_(hidden[0])
+            self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), d)
         return hidden

@@ -28,6 +28,7 @@ from torch import nn
 
 from dflash_async.target.packed_dense import (
     FLEX_TILE,
+    PackedRange,
     _rope,
     attend_flex,
     attend_sdpa,
@@ -36,7 +37,6 @@ from dflash_async.target.packed_dense import (
     document_causal_mask,
     mask_padding,
     mlp_block,
-    stage_columns,
 )
 from dflash_async.target.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 
@@ -131,11 +131,11 @@ _LAYER_FNS: dict[str, Callable] = {
 }
 
 
-class PackedWindowForward:
+class PackedWindowForward(PackedRange):
     """Features of a packed layout for Mistral / Gemma 3 text (see the module docstring).
 
-    Same call shape, `stage()` and layer range as `PackedDenseForward`; `attention` is "sdpa"
-    (dense masks, CPU, any T) or "flex" (CUDA, T % 128 == 0); `compile` wraps the layer function.
+    A PackedRange (packed_dense.py: the call, the layer range, `attention`) whose `compile`
+    wraps the layer function.
     """
 
     def __init__(
@@ -147,22 +147,12 @@ class PackedWindowForward:
         compile: bool,
         layers: range | None = None,
     ) -> None:
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
+        super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         config = text_model.config
-        self.layer_ids = tuple(int(i) for i in layer_ids)
-        self.hidden_size = config.hidden_size
-        self.layers = layers or range(max(self.layer_ids) + 1)
         self.window: int | None = getattr(config, "sliding_window", None)
         kinds = layer_kinds(config)
         self._kinds = {i: kinds[i] for i in self.layers}  # layer -> its attention kind
-        self._embed = text_model.embed_tokens
-        self._rotary = text_model.rotary_emb
         self._per_kind_rope = isinstance(getattr(self._rotary, "rope_type", None), dict)
-        self._layers = dict(zip(self.layers, text_model.layers[self.layers.start : self.layers.stop],
-                                strict=True))  # fmt: skip
-        self._columns = stage_columns(self.layer_ids, self.layers)
-        self.attention = attention
         self._attend = attend_flex if attention == "flex" else attend_sdpa
         layer_fn = _LAYER_FNS[config.model_type]
         self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
@@ -185,12 +175,6 @@ class PackedWindowForward:
         return dict.fromkeys(kinds, table)
 
     @torch.no_grad()
-    def __call__(self, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
-        """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""
-        self.stage(None, input_ids, position_ids, doc_ids, features)
-        return features
-
-    @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
         """Run the layer range on hidden [1, T, d] (None: embed `input_ids`), write its captured
         columns (padding rows zero) and return the range's output [1, T, d] (as packed_dense)."""
@@ -202,8 +186,6 @@ class PackedWindowForward:
         for i, layer in self._layers.items():
             kind = self._kinds[i]
             hidden = self._layer_fn(layer, hidden, *tables[kind], masks[kind], self._attend)
-            if i in self._columns:
-                j = self._columns[i]
-                features[:, j * d : (j + 1) * d].copy_(hidden[0])
+            self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), d)
         return hidden
