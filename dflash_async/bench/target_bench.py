@@ -41,6 +41,7 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
     from transformers import (
         DeepseekV3Config,
         Gemma3TextConfig,
+        Glm4MoeConfig,
         GptOssConfig,
         Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
@@ -93,6 +94,15 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
             num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
             query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=False),
+        # Gemma-3-27B's text model (62 layers, 5 sliding : 1 full, head_dim 128)
+        "gemma3-27b": Gemma3TextConfig(
+            hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024,
+            query_pre_attn_scalar=168, vocab_size=262208, tie_word_embeddings=False),
+        # GLM-4.5-Air (transformers' defaults: 128 experts, top 8 + 1 shared, partial RoPE)
+        # TRUNCATED to its first 16 of 46 layers, ~37B of its 106B parameters: 212 GB in bf16
+        # does not fit one H200; per-layer speed is the same
+        "glm-4.5-air-16l": Glm4MoeConfig(num_hidden_layers=16, tie_word_embeddings=False),
     }  # fmt: skip
     return {
         name: shape if isinstance(shape, tuple)
