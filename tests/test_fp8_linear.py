@@ -144,6 +144,7 @@ def test_the_fp8_linear_equals_the_reference_within_the_derived_bound(bias: bool
 
 
 def test_shapes_that_are_not_multiples_of_16_are_padded_and_cut() -> None:
+    torch.manual_seed(0)  # unseeded, the loose bound below failed once after another test file
     linear = torch.nn.Linear(40, 24)
     module = Fp8Linear.from_linear(linear, out_dtype=torch.float32)
     assert module.weight.shape == (32, 48)

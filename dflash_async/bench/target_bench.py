@@ -31,6 +31,7 @@ from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
 from dflash_async.target.fp8_linear import swap_fp8_matmuls
+from dflash_async.target.grouped_experts import swap_compiled_experts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
@@ -208,12 +209,15 @@ def bench_shape(
     repeats: int,
     seed: int = 0,
     quantize: tuple[str, ...] = ("none",),
+    experts: tuple[str, ...] = ("hf",),
 ) -> list[dict]:
     """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
     path) and `fp8` (the same model's decoder matmuls swapped into target/fp8_linear.py's
     e4m3 row-wise linears and experts, the fast path again). The bf16 row always runs: FP8's
     feature error is measured against its fast path's features, next to bf16's own noise (its
-    fast path against HF)."""
+    fast path against HF). `experts` "compiled" adds a bf16 row with the fused experts swapped
+    into grouped_experts.CompiledExperts (the fast path again, its features against the HF
+    experts' fast path); the FP8 row then quantizes those same experts."""
     config, layer_ids = shape_configs()[name]
     before = torch.cuda.memory_allocated()
     with torch.device("cuda"):
@@ -256,6 +260,18 @@ def bench_shape(
     fast = measure(row, "fast", path.forward)
     _differences(row, fast, reference)
     rows = [row]
+    if "compiled" in experts:
+        torch._dynamo.reset()
+        counts = swap_compiled_experts(text_model(model).layers)
+        compiled = {
+            k: row[k] for k in ("shape", "quantize", "T", "documents", "layers", "weight_bytes")
+        }
+        compiled.update(experts="compiled", swapped=counts)
+        path = fast_path(model)
+        compiled["fast_path"], compiled["fast_reason"] = path.name, path.reason
+        _differences(compiled, measure(compiled, "fast", path.forward), fast)
+        compiled["bf16_rel_diff"] = row["rel_diff"]
+        rows.append(compiled)
     if "fp8" in quantize:
         del path, reference
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
@@ -288,30 +304,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-budget", type=positive_int, default=16384)
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quantize", default="none", help="none,fp8: bf16 and FP8 rows")
+    parser.add_argument("--experts", default="hf", help="hf,compiled: HF's MoE experts call, "
+                        "and a row with grouped_experts.CompiledExperts")  # fmt: skip
     options = parser.parse_args(argv)
     quantize = tuple(options.quantize.split(","))
     if not set(quantize) <= {"none", "fp8"}:
         parser.error(f"--quantize {options.quantize!r}: a list of none and fp8")
+    experts = tuple(options.experts.split(","))
+    if not set(experts) <= {"hf", "compiled"}:
+        parser.error(f"--experts {options.experts!r}: a list of hf and compiled")
     require_cuda("bench target", "cuda:0")
     rows = []
     for name in options.shapes.split(","):
         for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
-                               quantize=quantize):  # fmt: skip
+                               quantize=quantize, experts=experts):  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
     table = [
         f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md), for "
-        "FP8 rows too; fp8 rows: diff against the bf16 fast path, bf16 noise = bf16 fast vs HF",
-        f"{'shape':<15}{'quant':<6}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}"
+        "FP8 rows too; fp8 and +cx (compiled experts) rows: diff against the bf16 fast path, "
+        "bf16 noise = bf16 fast vs HF",
+        f"{'shape':<15}{'quant':<8}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}"
         f"{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'max|diff|':>10}{'max|ref|':>9}"
         f"{'rel diff':>9}{'bf16 noise':>11}",
     ]
     for r in rows:
         hf = r.get("hf", {"tokens_per_s": "-", "mfu": "-"})
         noise = f"{r['bf16_rel_diff']:.2g}" if "bf16_rel_diff" in r else "-"
+        quant = r["quantize"] + ("+cx" if r.get("experts") == "compiled" else "")
         table.append(
-            f"{r['shape']:<15}{r['quantize']:<6}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
+            f"{r['shape']:<15}{quant:<8}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
             f"{hf['mfu']:>6}{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}"
             f"{r['fast']['first_call_s']:>10}{r['weight_bytes'] / 1e9:>11.2f}"
             f"{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}{r['rel_diff']:>9.2g}{noise:>11}"

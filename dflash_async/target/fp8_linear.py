@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_async.target.grouped_experts import combine, gated, sort_by_expert
 from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
 from dflash_async.target.quantized import FP8_DTYPE, FP8_MAX, WeightFormat, dequantize_fp8
 
@@ -170,34 +171,16 @@ def experts_problem(experts: nn.Module) -> str | None:
 
 
 def _sorted_rows(hidden_states, top_k_index, num_experts: int):
-    """The rows of `hidden_states` [T, d] repeated per routed expert and sorted by it, as
-    transformers' `grouped_mm_experts_forward` does (sort, histc, cumsum: no sync), quantized
-    per row: (x_q [S, d] e4m3, x_scale [S], perm [S], offsets [E] int32), S = T * k."""
-    k = top_k_index.shape[1]
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    rows = hidden_states[perm // k]  # [S, d], S = T * k, grouped by expert
-    # histc, not bincount (fixed output size); CPU histc takes floats, CUDA's ints (HF's choice)
-    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
-    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0).to(torch.int32)  # [E], on the device
+    """grouped_experts.sort_by_expert's rows quantized per row: (x_q [S, d] e4m3, x_scale [S],
+    perm [S], offsets [E] int32), S = T * k."""
+    rows, perm, offsets = sort_by_expert(hidden_states, top_k_index, num_experts)
     x_q, x_scale = quantize_rows(rows)
     return x_q, x_scale, perm, offsets
 
 
 def _gated_rows(h, act_fn):
-    """act(gate) * up of the grouped gate_up output h [S, 2I], quantized per row."""
-    gate, up = h.chunk(2, dim=-1)
-    return quantize_rows(act_fn(gate) * up)
-
-
-def _combined(out, top_k_weights, perm, dtype: torch.dtype):
-    """The experts' outputs out [S, d] (sorted rows) weighted, put back in token order and
-    summed over k in fp32: [T, d] in `dtype`."""
-    tokens, k = top_k_weights.shape
-    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
-    restored = torch.empty_like(out)
-    restored[perm] = out
-    return restored.view(tokens, k, -1).float().sum(dim=1).to(dtype)
+    """grouped_experts.gated (act(gate) * up) of the grouped gate_up output, quantized per row."""
+    return quantize_rows(gated(h, act_fn))
 
 
 class Fp8Experts(nn.Module):
@@ -228,7 +211,7 @@ class Fp8Experts(nn.Module):
         compile = gate_up.device.type == "cuda" if compile is None else compile
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._sorted_rows, self._gated_rows, self._combined = map(
-            wrap, (_sorted_rows, _gated_rows, _combined)
+            wrap, (_sorted_rows, _gated_rows, combine)
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The MoE experts call of a packed target with the work around its grouped products compiled.
+
+Owns the routing layout an experts module computes in (`sort_by_expert`, `combine`) and
+`CompiledExperts`, a drop-in for a fused HF experts module (gate_up_proj [E, 2I, d], down_proj
+[E, d, I], no biases, the default gate act(g) * u) that keeps HF's math and order of operations:
+rows sorted by expert, two grouped products (`torch._grouped_mm` on CUDA), the routing weights on
+the down projection's rows, the rows put back in token order and summed over k.
+
+Why: HF's `grouped_mm_experts_forward` runs eagerly in the packed paths (under torch.compile its
+dispatcher takes a per-expert fallback), so the sort, gather, gate, weighting, inverse
+permutation and sum around its two grouped products are ~12 separate passes over the
+[T * k, d] rows of every MoE layer. The FP8 experts (target/fp8_linear.py) run the same parts as
+three compiled functions: 12.4 -> 6.1 ms per Qwen3-30B-A3B layer at T = 16384 on an H200
+(BENCHMARKS.md, 2026-12-02); this module gives bf16 the same structure. Not yet the default: it
+is measured against HF's experts by `bench target --experts compiled` first.
+
+CPU-GPU syncs: none on CUDA; the CPU's per-expert loop (`offsets.tolist()`) syncs trivially.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def sort_by_expert(
+    hidden_states: torch.Tensor,  # [T, d]
+    top_k_index: torch.Tensor,  # [T, k]
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [S, d]: each token's row once per routed expert, grouped by expert; perm [S]: row i
+    is routed pair perm[i] of the flattened [T * k]; offsets [E] int32: cumulative rows per
+    expert), S = T * k. As transformers' grouped_mm_experts_forward: sort, histc, cumsum; no
+    sync (histc, not bincount: a fixed output size)."""
+    k = top_k_index.shape[1]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[perm // k]
+    # CPU histc takes floats, CUDA's ints (HF's choice, for deterministic algorithms)
+    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+    return rows, perm, torch.cumsum(counts, dim=0).to(torch.int32)
+
+
+def combine(
+    out: torch.Tensor,  # [S, d] the experts' outputs, rows sorted by expert
+    top_k_weights: torch.Tensor,  # [T, k]
+    perm: torch.Tensor,  # [S]
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The routed outputs weighted, put back in token order and summed over k: [T, d] in
+    `dtype`. The sum runs in fp32 (as HF's reshape + sum does for bf16)."""
+    tokens, k = top_k_weights.shape
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+    restored = torch.empty_like(out)
+    restored[perm] = out
+    return restored.view(tokens, k, -1).float().sum(dim=1).to(dtype)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, K] (rows grouped by expert) @ weight[e] [N, K]^T per group: [S, N]. One
+    `torch._grouped_mm` launch on CUDA; elsewhere one matmul per expert (offsets.tolist():
+    one sync, the CPU only)."""
+    if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[e].T
+        start = end
+    return out
+
+
+def gated(h: torch.Tensor, act_fn: Callable) -> torch.Tensor:
+    """act(gate) * up of a grouped gate_up output h [S, 2I] (HF's default gate): [S, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+class CompiledExperts(nn.Module):
+    """HF's fused experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) ->
+    [T, d]` on the same weight tensors (shared, not copied), with `sort_by_expert`, the gate and
+    `combine` each one torch.compile'd function where `compile` (default: on CUDA); the grouped
+    products stay eager. Build it only where `fp8_linear.experts_problem(experts)` is None."""
+
+    def __init__(self, experts: nn.Module, *, compile: bool | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        compile = self.gate_up_proj.is_cuda if compile is None else compile
+        wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
+        self._sort, self._gated, self._combine = map(wrap, (sort_by_expert, gated, combine))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        rows, perm, offsets = self._sort(hidden_states, top_k_index, self.num_experts)
+        h = self._gated(grouped_mm(rows, self.gate_up_proj, offsets), self.act_fn)
+        out = grouped_mm(h, self.down_proj, offsets)
+        return self._combine(out, top_k_weights, perm, hidden_states.dtype)
+
+
+def swap_compiled_experts(layers: nn.Module, *, compile: bool | None = None) -> dict[str, int]:
+    """Replace every fused HF experts module under `layers` that `CompiledExperts` computes
+    exactly (fp8_linear.experts_problem None) by one; the others stay. Returns counts."""
+    from dflash_async.target.fp8_linear import experts_problem
+
+    counts = {"swapped": 0, "kept": 0}
+    for name, module in list(layers.named_modules()):
+        parent_name, _, last = name.rpartition(".")
+        if last != "experts" or isinstance(module, CompiledExperts):
+            continue
+        if experts_problem(module) is not None:
+            counts["kept"] += 1
+            continue
+        setattr(layers.get_submodule(parent_name), last, CompiledExperts(module, compile=compile))
+        counts["swapped"] += 1
+    return counts
