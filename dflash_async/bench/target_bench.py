@@ -30,7 +30,7 @@ from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
-from dflash_async.target.fp8_linear import swap_fp8_matmuls
+from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
 from dflash_async.target.grouped_experts import swap_compiled_experts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
@@ -272,17 +272,21 @@ def bench_shape(
         _differences(compiled, measure(compiled, "fast", path.forward), fast)
         compiled["bf16_rel_diff"] = row["rel_diff"]
         rows.append(compiled)
-    if "fp8" in quantize:
+    fp8_modes = [q for q in ("fp8", "fp8-fast") if q in quantize]
+    if fp8_modes:
         del path, reference
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
         counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
-        fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
-        fp8.update(quantize="fp8", weight_bytes=_weight_bytes(before), swapped=counts)
-        path = fast_path(model)
-        fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
-        _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
-        fp8["bf16_rel_diff"] = row["rel_diff"]  # bf16's own noise, for comparison
-        rows.append(fp8)
+        for mode in fp8_modes:  # fp8-fast: the same weights, Hopper's fast FP8 accumulation
+            torch._dynamo.reset()
+            set_fast_accum(text_model(model).layers, mode == "fp8-fast")
+            fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
+            fp8.update(quantize=mode, weight_bytes=_weight_bytes(before), swapped=counts)
+            path = fast_path(model)
+            fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
+            _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
+            fp8["bf16_rel_diff"] = row["rel_diff"]  # bf16's own noise, for comparison
+            rows.append(fp8)
     del model
     torch.cuda.empty_cache()
     return rows
@@ -303,13 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen3-8b,qwen3.5-9b,qwen3-30b-a3b")
     parser.add_argument("--token-budget", type=positive_int, default=16384)
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--quantize", default="none", help="none,fp8: bf16 and FP8 rows")
+    parser.add_argument("--quantize", default="none",
+                        help="none,fp8,fp8-fast: bf16 and FP8 rows (fp8-fast: fast accumulation)")  # fmt: skip
     parser.add_argument("--experts", default="hf", help="hf,compiled: HF's MoE experts call, "
                         "and a row with grouped_experts.CompiledExperts")  # fmt: skip
     options = parser.parse_args(argv)
     quantize = tuple(options.quantize.split(","))
-    if not set(quantize) <= {"none", "fp8"}:
-        parser.error(f"--quantize {options.quantize!r}: a list of none and fp8")
+    if not set(quantize) <= {"none", "fp8", "fp8-fast"}:
+        parser.error(f"--quantize {options.quantize!r}: a list of none, fp8 and fp8-fast")
     experts = tuple(options.experts.split(","))
     if not set(experts) <= {"hf", "compiled"}:
         parser.error(f"--experts {options.experts!r}: a list of hf and compiled")
