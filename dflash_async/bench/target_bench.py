@@ -44,10 +44,13 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         Gemma3TextConfig,
         Glm4MoeConfig,
         GptOssConfig,
+        MiniMaxM2Config,
+        MistralConfig,
         Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
     )
 
     qwen = dict(vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
@@ -104,6 +107,14 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # TRUNCATED to its first 16 of 46 layers, ~37B of its 106B parameters: 212 GB in bf16
         # does not fit one H200; per-layer speed is the same
         "glm-4.5-air-16l": Glm4MoeConfig(num_hidden_layers=16, tie_word_embeddings=False),
+        # Mistral-7B-v0.1 (transformers' defaults: 32 layers, 4096-token sliding windows)
+        "mistral-7b": MistralConfig(tie_word_embeddings=False),
+        # MiniMax-M2 (transformers' defaults: 256 experts of width 1536, top 8, partial RoPE)
+        # TRUNCATED to its first 8 of 62 layers: 230B parameters do not fit one H200
+        "minimax-m2-8l": MiniMaxM2Config(num_hidden_layers=8, tie_word_embeddings=False),
+        # Qwen3-Next-80B-A3B (transformers' defaults: 3 Gated DeltaNet : 1 gated attention,
+        # 512 experts top 10 + shared) TRUNCATED to its first 16 of 48 layers (160 GB in bf16)
+        "qwen3-next-80b-a3b-16l": Qwen3NextConfig(num_hidden_layers=16, tie_word_embeddings=False),
     }  # fmt: skip
     return {
         name: shape if isinstance(shape, tuple)
