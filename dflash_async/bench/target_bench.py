@@ -16,7 +16,6 @@ fp32 model than the HF path is.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
@@ -206,11 +205,24 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
-def _weight_bytes(before: int) -> int:
-    """Bytes allocated on the GPU since `before` (the target's weights, after a cache flush)."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated() - before
+def weight_bytes(model: torch.nn.Module, layer_ids: list[int]) -> tuple[int, int]:
+    """(bytes of all the model's parameters and buffers, bytes of those a run's target worker
+    holds: the input embedding and the decoder layers up to the last captured one, as
+    target/loading.py loads them; no final norm, no lm_head, no later layers). Each tensor once
+    (tied weights share storage). Counted from the tensors, not from the allocator, so the
+    activations alive at that moment (a previous row's output features, 0.67 GB at the Qwen3-8B
+    shape) are not counted as weights."""
+
+    def total(modules) -> int:
+        seen: dict[int, int] = {}
+        for module in modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    decoder = text_model(model)
+    held = [decoder.embed_tokens, *decoder_layers(model)[: max(layer_ids) + 1]]
+    return total([model]), total(held)
 
 
 def bench_shape(
@@ -230,12 +242,10 @@ def bench_shape(
     into grouped_experts.CompiledExperts (the fast path again, its features against the HF
     experts' fast path); the FP8 row then quantizes those same experts."""
     config, layer_ids = shape_configs()[name]
-    before = torch.cuda.memory_allocated()
     with torch.device("cuda"):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
-    bf16_bytes = _weight_bytes(before)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)
     rng = np.random.default_rng(seed)
@@ -249,8 +259,8 @@ def bench_shape(
         "T": token_budget,
         "documents": len(lengths),
         "layers": max(layer_ids) + 1,
-        "weight_bytes": bf16_bytes,
     }
+    row["weight_bytes"], row["held_bytes"] = weight_bytes(model, layer_ids)
 
     def measure(target: dict, label: str, forward) -> torch.Tensor:
         out = torch.empty(token_budget, len(layer_ids) * d, dtype=torch.bfloat16, device="cuda")
@@ -275,7 +285,8 @@ def bench_shape(
         torch._dynamo.reset()
         counts = swap_compiled_experts(text_model(model).layers)
         compiled = {
-            k: row[k] for k in ("shape", "quantize", "T", "documents", "layers", "weight_bytes")
+            k: row[k]
+            for k in ("shape", "quantize", "T", "documents", "layers", "weight_bytes", "held_bytes")
         }
         compiled.update(experts="compiled", swapped=counts)
         path = fast_path(model)
@@ -292,7 +303,8 @@ def bench_shape(
             torch._dynamo.reset()
             set_fast_accum(text_model(model).layers, mode == "fp8-fast")
             fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
-            fp8.update(quantize=mode, weight_bytes=_weight_bytes(before), swapped=counts)
+            fp8.update(quantize=mode, swapped=counts)
+            fp8["weight_bytes"], fp8["held_bytes"] = weight_bytes(model, layer_ids)
             path = fast_path(model)
             fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
             _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
@@ -342,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         "FP8 rows too; fp8 and +cx (compiled experts) rows: diff against the bf16 fast path, "
         "bf16 noise = bf16 fast vs HF",
         f"{'shape':<15}{'quant':<8}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}"
-        f"{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'max|diff|':>10}{'max|ref|':>9}"
+        f"{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'held GB':>8}{'max|diff|':>10}{'max|ref|':>9}"
         f"{'rel diff':>9}{'bf16 noise':>11}",
     ]
     for r in rows:
@@ -353,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['shape']:<15}{quant:<8}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
             f"{hf['mfu']:>6}{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}"
             f"{r['fast']['first_call_s']:>10}{r['weight_bytes'] / 1e9:>11.2f}"
+            f"{r['held_bytes'] / 1e9:>8.2f}"
             f"{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}{r['rel_diff']:>9.2g}{noise:>11}"
         )
     print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines
