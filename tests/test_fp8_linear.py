@@ -317,9 +317,9 @@ def test_quantize_fp8_on_a_moe_target_runs_its_experts_and_linears_in_fp8_in_the
     assert not out[0][59:].any()  # padding rows stay zero
 
 
-def test_fast_accumulation_is_off_after_the_swap_and_set_on_every_fp8_module() -> None:
+def test_fast_accumulation_is_on_after_the_swap_and_set_off_on_every_fp8_module() -> None:
     layers = text_model(random_target(_moe_config(), seed=0)).layers
     swap_fp8_matmuls(layers, device=torch.device("cpu"), out_dtype=torch.float32)
     fp8 = [m for m in layers.modules() if isinstance(m, Fp8Linear | Fp8Experts)]
-    assert len(fp8) == 10 and not any(m.fast_accum for m in fp8)  # 8 linears, 2 experts
-    assert set_fast_accum(layers, True) == 10 and all(m.fast_accum for m in fp8)
+    assert len(fp8) == 10 and all(m.fast_accum for m in fp8)  # 8 linears, 2 experts
+    assert set_fast_accum(layers, False) == 10 and not any(m.fast_accum for m in fp8)

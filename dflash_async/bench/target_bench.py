@@ -30,7 +30,7 @@ from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
 from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
-from dflash_async.target.grouped_experts import swap_compiled_experts
+from dflash_async.target.grouped_experts import CompiledExperts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
@@ -38,6 +38,7 @@ from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
     """Public model shapes (config values as published) and the captured layer ids (the
     published drafters' for the first three, docs/DFLASH.md s.1's default rule for the rest)."""
+    import transformers
     from transformers import (
         DeepseekV3Config,
         Gemma3TextConfig,
@@ -115,6 +116,17 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # 512 experts top 10 + shared) TRUNCATED to its first 16 of 48 layers (160 GB in bf16)
         "qwen3-next-80b-a3b-16l": Qwen3NextConfig(num_hidden_layers=16, tie_word_embeddings=False),
     }  # fmt: skip
+    if hasattr(transformers, "Gemma4TextConfig"):  # not in every transformers we run
+        # Gemma 4's text layer at the 31B dense shape (60 layers, 5 sliding (1024) : 1 full;
+        # 256-wide sliding heads, 512-wide full ones whose values are their raw keys
+        # (attention_k_eq_v); 31.0B parameters): Gemma-4-31B's dimensions as recalled, its
+        # config.json not readable from this machine, hence "-like"
+        shapes["gemma4-31b-like"] = transformers.Gemma4TextConfig(
+            hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+            sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+            hidden_size_per_layer_input=0, attention_k_eq_v=True, vocab_size=262144,
+            tie_word_embeddings=True)  # fmt: skip
     return {
         name: shape if isinstance(shape, tuple)
         else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
@@ -150,7 +162,7 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
             flops += 2 * tokens * p.numel() * _expert_share(name, p, config, top_k)
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
-            flops += _attention_flops(config, index, lengths)
+            flops += _attention_flops(config, index, lengths, getattr(attn, "head_dim", None))
     return flops
 
 
@@ -168,7 +180,9 @@ def _expert_share(name: str, p: torch.Tensor, config, top_k: int) -> float:
     return top_k / experts
 
 
-def _attention_flops(config, index: int, lengths: np.ndarray) -> float:
+def _attention_flops(config, index: int, lengths: np.ndarray, layer_head_dim=None) -> float:
+    """`layer_head_dim`: the layer's own head width where it has one (Gemma 4's full layers are
+    twice as wide as its sliding ones)."""
     layer_types = getattr(config, "layer_types", None) or ()
     kind = layer_types[index] if index < len(layer_types) else "full_attention"
     if kind == "linear_attention":
@@ -183,7 +197,7 @@ def _attention_flops(config, index: int, lengths: np.ndarray) -> float:
     qk = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
     if qk:  # MLA
         return float(2 * heads * (qk + config.v_head_dim) * pairs.sum())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = layer_head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
     return float(2 * 2 * heads * head_dim * pairs.sum())
 
 
@@ -269,27 +283,27 @@ def bench_shape(
                          "ms": round(seconds * 1e3, 1), "first_call_s": round(first, 1)}  # fmt: skip
         return out
 
-    def fast_path(target):
+    def fast_path(target, experts: str):
         return select_target_forward(
             target, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
-            packed_hybrid=True,
+            packed_hybrid=True, experts=experts,
         )  # fmt: skip
 
     reference = measure(row, "hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
-    path = fast_path(model)
+    path = fast_path(model, "hf")
     row["fast_path"], row["fast_reason"] = path.name, path.reason
     fast = measure(row, "fast", path.forward)
     _differences(row, fast, reference)
     rows = [row]
     if "compiled" in experts:
         torch._dynamo.reset()
-        counts = swap_compiled_experts(text_model(model).layers)
+        path = fast_path(model, "compiled")  # swaps the experts in place (the runs' default)
+        swapped = sum(isinstance(m, CompiledExperts) for m in model.modules())
         compiled = {
             k: row[k]
             for k in ("shape", "quantize", "T", "documents", "layers", "weight_bytes", "held_bytes")
         }
-        compiled.update(experts="compiled", swapped=counts)
-        path = fast_path(model)
+        compiled.update(experts="compiled", swapped={"swapped": swapped})
         compiled["fast_path"], compiled["fast_reason"] = path.name, path.reason
         _differences(compiled, measure(compiled, "fast", path.forward), fast)
         compiled["bf16_rel_diff"] = row["rel_diff"]
@@ -305,7 +319,7 @@ def bench_shape(
             fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
             fp8.update(quantize=mode, swapped=counts)
             fp8["weight_bytes"], fp8["held_bytes"] = weight_bytes(model, layer_ids)
-            path = fast_path(model)
+            path = fast_path(model, "hf")  # the experts are FP8 ones now
             fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
             _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
             fp8["bf16_rel_diff"] = row["rel_diff"]  # bf16's own noise, for comparison

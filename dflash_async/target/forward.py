@@ -18,6 +18,10 @@ extents on the host; the packed paths never look at it.
   (`target/packed_hybrid.py`, its MoE block `target/packed_hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).
 - `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`target/packed_moe_window.py`).
+- MoE experts: on CUDA the packed paths run every fused HF experts module as
+  `target/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
+  1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);
+  `experts="hf"` keeps HF's call (bench target's reference row).
 - `hf`: anything else (hybrids on the CPU or without fla too): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
@@ -25,6 +29,7 @@ extents on the host; the packed paths never look at it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ from torch import nn
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.settings import SettingsError
 from dflash_async.target import packed_moe_window as pmw
+from dflash_async.target.grouped_experts import swap_compiled_experts
 from dflash_async.target.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.target.packed_dense import FLEX_TILE, PackedDenseForward
 from dflash_async.target.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAForward
@@ -187,6 +193,7 @@ def select_target_forward(
     compile: bool | None = None,
     packed_hybrid: bool = True,
     layers: range | None = None,
+    experts: str = "compiled",
 ) -> TargetPath:
     """The fastest exact forward this model, device and token budget allow (see module doc).
 
@@ -194,10 +201,18 @@ def select_target_forward(
     forward for Qwen3.5 (DFLASH_TARGET__PACKED_HYBRID, on by default). `layers`: one stage of a
     split target (target/split.py) runs only this range; SettingsError (exit 2) when the chosen
     forward is the HF fallback, which runs the model's own forward from the embedding on and so
-    cannot start at a middle layer.
+    cannot start at a middle layer. experts: "compiled" (on CUDA, a packed path's fused experts
+    swapped in place into CompiledExperts, said in the reason) or "hf".
     """
     path = _select(model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
                    compile=compile, packed_hybrid=packed_hybrid, layers=layers)  # fmt: skip
+    if experts == "compiled" and path.name != "hf" and _device(model, layers).type == "cuda":
+        # before the first call, which is when torch.compile traces the layers
+        swapped = swap_compiled_experts(_layer_range(model, layers), compile=compile)["swapped"]
+        if swapped:
+            path = dataclasses.replace(
+                path, reason=f"{path.reason}; {swapped} experts modules as CompiledExperts"
+            )
     if layers is not None and path.stage is None:
         raise SettingsError(
             f"DFLASH_TARGET__STAGES > 1: the target's forward is the HF fallback ({path.reason}), "
@@ -207,10 +222,21 @@ def select_target_forward(
     return path
 
 
+def _device(model: nn.Module, layers: range | None) -> torch.device:
+    """The device the forward runs on: a stage's is that of its first layer."""
+    first = text_model(model).layers[layers.start] if layers is not None else model
+    return next(first.parameters()).device
+
+
+def _layer_range(model: nn.Module, layers: range | None) -> nn.ModuleList:
+    """The decoder layers this forward runs (a stage's range, or all)."""
+    every = text_model(model).layers
+    return every if layers is None else nn.ModuleList(every[i] for i in layers)
+
+
 def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed_hybrid, layers):
     """select_target_forward's choice (see there)."""
-    first = text_model(model).layers[layers.start] if layers is not None else model
-    device = next(first.parameters()).device  # a stage's device: that of its first layer
+    device = _device(model, layers)
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
     attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Wave 3's fourth GPU session on one H200 (2026-12-03), in parts that each fit one 10-minute call;
+# each measurement its own process under its own limit, output also in $OUT/PART.log.
+#   target: `bench target` with the runs' new defaults (CompiledExperts in the packed MoE
+#     forwards, FP8 fast accumulation): Moonlight-16B-A3B HF vs packed (issue 29's 1.8x), Gemma 4's
+#     text layer at the 31B shape (issue 29: the last new family without a row); then the GPU
+#     tests of the FP8 and grouped experts modules.
+#   pipe: the co-located pipeline with the 1xH200 preset and a random Qwen3-8B FP8 target, 100
+#     steps (issue 31: >= 32k tokens/s); the DFlash step at block 8 with a 248k vocabulary
+#     (issue 30: its memory next to DFlash2's).
+# Usage: benchmarks/h200_wave3e.sh target|pipe ...; carry .whl as the device README says.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FLA_CACHE_MODE=default FLA_CONFIG_DIR="$PWD/benchmarks/fla_configs"  # fixed fla configs
+out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
+part() { echo; echo "== $1 ($(date +%T))"; }
+shape() {  # limit, shape, then bench target arguments
+  local limit=$1 name=$2; shift 2
+  part "bench target $name $*"
+  timeout "$limit" python3 -m dflash_async bench target --shapes "$name" --repeats 3 "$@" \
+    2> >(grep -v '^\s*$' | tail -12 >&2) | grep '^{'
+}
+
+for which in "$@"; do
+  exec > >(tee -a "$out/$which.log") 2>&1
+  if [ "$which" = target ]; then
+    shape 80 moonlight-16b-a3b --experts hf,compiled
+    shape 150 gemma4-31b-like
+    part "GPU tests: FP8 and grouped experts"
+    timeout 200 python3 -m pytest -q -x tests/test_fp8_gpu.py tests/test_grouped_experts.py \
+      tests/test_target_gpu.py 2>&1 | tail -15
+  fi
+  if [ "$which" = pipe ]; then
+    part "pipeline: random Qwen3-8B FP8 target, 100 steps"
+    RUN_TIMEOUT=300 bash benchmarks/h200_random.sh /tmp/dflash_bench 8b-fp8 100
+    part "bench drafter: DFlash at block 8, vocabulary 248320, 2048 anchors"
+    timeout 180 python3 -m dflash_async bench drafter --compile --modes graph --kind dflash \
+      --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5 2>&1 | grep -v '^\s*$' | tail -12
+  fi
+done
+part "done"
