@@ -107,14 +107,18 @@ def attend_sdpa(q, k, v, mask, scale):
 
 # Heads wider than 256 (Gemma 4's 512-wide full-attention layers): flex's default tiles asked
 # 256 KiB of shared memory, over the H200's 227 KiB ("No valid triton configs", 2026-12-03).
-# Smaller tiles and one stage: q 64 x 512 plus k and v 32 x 512 in bf16 are 128 KiB. Forward
-# only (the target is frozen); both divide the block mask's 128-token blocks.
+# Smaller tiles and one stage: q 64 x 512 plus k and v 32 x 512 are 128 KiB in bf16; in fp32
+# (the parity checks) q 32 x 512 plus k and v 32 x 512 are 192 KiB. Forward only (the target
+# is frozen); all divide the block mask's 128-token blocks.
 WIDE_HEAD_DIM = 256
 WIDE_HEAD_KERNEL = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1}
+WIDE_HEAD_KERNEL_FP32 = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
 
 
 def attend_flex(q, k, v, mask, scale):
-    options = WIDE_HEAD_KERNEL if q.shape[-1] > WIDE_HEAD_DIM else None
+    options = None
+    if q.shape[-1] > WIDE_HEAD_DIM:
+        options = WIDE_HEAD_KERNEL_FP32 if q.dtype == torch.float32 else WIDE_HEAD_KERNEL
     return flex_attention(
         q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options
     )
