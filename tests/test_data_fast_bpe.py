@@ -65,8 +65,10 @@ def test_byte_alphabet_is_gpt2s():
     assert fast_bpe.byte_decoder() == {c: b for b, c in bytes_to_unicode().items()}
 
 
+@pytest.mark.parametrize("parallelism", ["false", "true"])  # worker processes' path: numpy
 @pytest.mark.parametrize("name", ["qwen_style", "qwen3_like"])
-def test_ids_and_offsets_equal_the_hf_tokenizers(name, qwen_style):
+def test_ids_and_offsets_equal_the_hf_tokenizers(name, parallelism, qwen_style, monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", parallelism)
     tokenizer = qwen_style if name == "qwen_style" else qwen3_like_tokenizer()
     fast, why = check_tokenizer(tokenizer.backend_tokenizer)
     assert fast is not None, why
@@ -74,6 +76,7 @@ def test_ids_and_offsets_equal_the_hf_tokenizers(name, qwen_style):
     encoded = fast.encode_batch(texts)
     assert all(e is not None for e in encoded)  # NFC already, no code point past U+30000
     for text, (ids, offsets) in zip(texts, encoded, strict=True):
+        assert ids.dtype == np.int32 and offsets.dtype == np.int64
         assert (ids.tolist(), offsets.tolist()) == hf(tokenizer, text), repr(text)
 
 

@@ -182,3 +182,23 @@ def test_texts_the_fast_encoder_refuses_are_finished_in_the_parent_in_record_ord
     assert np.array_equal(got.tokens, want.tokens)
     assert np.array_equal(got.loss_mask, want.loss_mask)
     assert np.array_equal(got.lengths, want.lengths) and got.counts == want.counts
+
+
+def test_a_worker_encodes_its_chunk_with_gc_off_and_turns_it_back_on(monkeypatch):
+    import gc
+
+    from dflash_async.data import tokenize_pool
+
+    seen = []
+
+    def fake_encode_chunk(*args, **kwargs):
+        seen.append(gc.isenabled())
+        raise RuntimeError("bad chunk")  # gc comes back on even when the chunk fails
+
+    monkeypatch.setattr(tokenize_pool, "encode_chunk", fake_encode_chunk)
+    monkeypatch.setitem(tokenize_pool._WORKER, "fast", (None, None))
+    monkeypatch.setitem(tokenize_pool._WORKER, "tokenizer", None)
+    monkeypatch.setitem(tokenize_pool._WORKER, "options", None)
+    with pytest.raises(RuntimeError):
+        tokenize_pool._encode_chunk_in_worker([], True)
+    assert seen == [False] and gc.isenabled()

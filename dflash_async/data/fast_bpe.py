@@ -107,12 +107,19 @@ class FastBPE:
         add_special_tokens=False, or None for a text that HF must encode."""
         encoding, lengths, _ = self._parts()
         ok = [i for i, text in enumerate(texts) if self.encodable(text)]
-        # One thread where TOKENIZERS_PARALLELISM=false (tokenizer worker processes), as HF.
-        threads = 1 if os.environ.get("TOKENIZERS_PARALLELISM") == "false" else _cpus()
-        encoded = encoding.encode_batch(
-            [texts[i] for i in ok], num_threads=threads, allowed_special="all"
-        )
         out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(texts)
+        # One thread where TOKENIZERS_PARALLELISM=false (tokenizer worker processes), as HF:
+        # there each text goes straight to a numpy array (encode_to_numpy: the same core call
+        # as encode, no list of Python ints, no thread pool; encode_batch with one thread costs
+        # ~1.9x the CPU on 2,500 real ShareGPT records, 1.80 against 0.96 CPU s).
+        if os.environ.get("TOKENIZERS_PARALLELISM") == "false":
+            for i in ok:
+                ids = encoding.encode_to_numpy(texts[i], allowed_special="all")
+                out[i] = _with_offsets(texts[i], ids.astype(np.int32), lengths)
+            return out
+        encoded = encoding.encode_batch(
+            [texts[i] for i in ok], num_threads=_cpus(), allowed_special="all"
+        )
         for i, ids in zip(ok, encoded, strict=True):
             out[i] = _with_offsets(texts[i], np.array(ids, dtype=np.int32), lengths)
         return out

@@ -10,6 +10,7 @@ later one: the output is what it would have been had the proof run first.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -47,8 +48,16 @@ def _init_worker(state_path: str) -> None:
 
 def _encode_chunk_in_worker(chunk: list[Raw], use_fast: bool) -> ChunkResult:
     fast_render, fast_encode = _WORKER["fast"]
-    return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], fast_render,
-                        fast_encode if use_fast else None, defer=True)  # fmt: skip
+    # No cyclic garbage collection during a chunk: parsing and rendering 256 records allocate
+    # ~10^5 objects, and the generation-0 passes that triggers cost ~13% of a worker's CPU on
+    # real ShareGPT records (1.72 -> 1.49 CPU s per 2,500, measured with encode_batch). The chunk's objects are freed by
+    # reference counting; anything cyclic is collected at the next chunk's end.
+    gc.disable()
+    try:
+        return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], fast_render,
+                            fast_encode if use_fast else None, defer=True)  # fmt: skip
+    finally:
+        gc.enable()
 
 
 def finish_chunk(result: ChunkResult, tokenizer: Any, options: EncodeOptions) -> ChunkResult:
