@@ -14,17 +14,7 @@
 #   big: the largest target beside its drafter, Qwen3-Next-80B-A3B FP8, 50 steps (issue 31).
 # Usage: benchmarks/h200_wave3c.sh target|pipe|check|big ...; carry .whl (structlog, pydantic,
 # pydantic-settings, python-dotenv, flash-linear-attention) as the device README says.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export FLA_CACHE_MODE=default FLA_CONFIG_DIR="$PWD/benchmarks/fla_configs"  # fixed fla configs
-out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
-part() { echo; echo "== $1 ($(date +%T))"; }
-shape() {  # limit, shape, then bench target arguments
-  local limit=$1 name=$2; shift 2
-  part "bench target $name $*"
-  timeout "$limit" python3 -m dflash_async bench target --shapes "$name" --repeats 3 "$@" \
-    2> >(grep -v '^\s*$' | tail -12 >&2) | grep '^{'
-}
+. "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1

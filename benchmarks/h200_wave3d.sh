@@ -9,17 +9,7 @@
 #     GLM-4.5-Air (issue 29); FP8 with fast accumulation beside FP8 and bf16 at the Qwen3-8B and
 #     Qwen3-30B-A3B shapes (issue 31).
 # Usage: benchmarks/h200_wave3d.sh target ...; carry .whl as the device README says.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export FLA_CACHE_MODE=default FLA_CONFIG_DIR="$PWD/benchmarks/fla_configs"  # fixed fla configs
-out=${OUT:-/tmp/dflash_bench/out}; mkdir -p "$out"
-part() { echo; echo "== $1 ($(date +%T))"; }
-shape() {  # limit, shape, then bench target arguments
-  local limit=$1 name=$2; shift 2
-  part "bench target $name $*"
-  timeout "$limit" python3 -m dflash_async bench target --shapes "$name" --repeats 3 "$@" \
-    2> >(grep -v '^\s*$' | tail -12 >&2) | grep '^{'
-}
+. "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
