@@ -50,8 +50,9 @@ def _encode_chunk_in_worker(chunk: list[Raw], use_fast: bool) -> ChunkResult:
     fast_render, fast_encode = _WORKER["fast"]
     # No cyclic garbage collection during a chunk: parsing and rendering 256 records allocate
     # ~10^5 objects, and the generation-0 passes that triggers cost ~13% of a worker's CPU on
-    # real ShareGPT records (1.72 -> 1.49 CPU s per 2,500, measured with encode_batch). The chunk's objects are freed by
-    # reference counting; anything cyclic is collected at the next chunk's end.
+    # real ShareGPT records (1.72 -> 1.49 CPU s per 2,500, measured with encode_batch). The
+    # chunk's objects are freed by reference counting; anything cyclic is collected at the
+    # next chunk's end.
     gc.disable()
     try:
         return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], fast_render,

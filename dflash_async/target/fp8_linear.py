@@ -163,12 +163,15 @@ def grouped_kernel(device: torch.device) -> tuple[Callable, str]:
 
 def experts_problem(experts: nn.Module) -> str | None:
     """None when `Fp8Experts` computes exactly what this HF experts module does: fused
-    [gate; up] weights [E, 2I, d] and down [E, d, I], no biases, the default gate act(g) * u."""
+    [gate; up] weights [E, 2I, d] and down [E, d, I] in a float dtype (not e4m3 already), no
+    biases, the default gate act(g) * u."""
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         return f"{type(experts).__name__} has no fused gate_up_proj / down_proj"
+    if FP8_DTYPE in (gate_up.dtype, down.dtype):  # Fp8Experts: HF's names, e4m3 values
+        return f"{type(experts).__name__} already holds e4m3 weights"
     flags = {"has_bias": False, "is_transposed": False, "is_concatenated": True,
              "has_post_expert_norm": False, "has_gate": True}  # fmt: skip
     for flag, wanted in flags.items():

@@ -105,17 +105,14 @@ class CompiledExperts(nn.Module):
 
 def swap_compiled_experts(layers: nn.Module, *, compile: bool | None = None) -> dict[str, int]:
     """Replace every fused HF experts module under `layers` that `CompiledExperts` computes
-    exactly (fp8_linear.experts_problem None) by one; the others stay, and so do FP8 experts
-    (their e4m3 weights have the same names, but only Fp8Experts may read them). Returns counts."""
-    from dflash_async.target.fp8_linear import Fp8Experts, experts_problem
+    exactly (fp8_linear.experts_problem None: not FP8 experts, whose e4m3 weights carry HF's
+    names) by one; the others stay. Returns counts."""
+    from dflash_async.target.fp8_linear import experts_problem
 
     counts = {"swapped": 0, "kept": 0}
     for name, module in list(layers.named_modules()):
         parent_name, _, last = name.rpartition(".")
         if last != "experts" or isinstance(module, CompiledExperts):
-            continue
-        if isinstance(module, Fp8Experts):
-            counts["kept"] += 1
             continue
         if experts_problem(module) is not None:
             counts["kept"] += 1
