@@ -135,8 +135,12 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """The selector's addition to the unary logits, [N, k]."""
         z = self.hidden_projection(hidden)  # [N, r]
-        pred = self.predecessor_codebook[previous].to(z.dtype)  # [N, r]
-        succ = self.successor_codebook[candidates].to(z.dtype)  # [N, k, r]
+        # F.embedding, not codebook[index]: the same rows, but its backward sums each token's
+        # rows in parallel segments, where index_put's (the indexing's backward) walks all rows
+        # of one token in one thread block: frequent tokens are in most slots' top-k sets, and
+        # that walk took 10.2 ms of a Qwen3-8B-shaped DFlash2 step on an H200 (BENCHMARKS.md)
+        pred = F.embedding(previous, self.predecessor_codebook).to(z.dtype)  # [N, r]
+        succ = F.embedding(candidates, self.successor_codebook).to(z.dtype)  # [N, k, r]
         return torch.einsum("nr,nkr->nk", pred * z, succ)
 
     @torch.no_grad()

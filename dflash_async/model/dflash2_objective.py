@@ -5,7 +5,7 @@ none). For a trained slot n (block j, slot k >= 1, weight w_n > 0 as in s.4):
 - unary logits u_n = lm_head(h_n), after the drafter's logit transforms (output multiplier,
   softcap: logit_transforms.py), as at inference; the DFlash loss term is w_n * CE(u_n, gold_n), exactly as
   DFlashObjective computes it (same chunks, same elementwise pass);
-- candidates S_n = the strict top-k of u_n (k = selector_top_k, torch.topk on the device);
+- candidates S_n = the strict top-k of u_n (k = selector_top_k; grouped_topk.py, on the device);
 - predecessor = the GOLD token of the previous slot (the anchor token for k = 1: teacher forcing);
 - score_n(c) = u_n(c) + <pred[prev] * hidden_projection(h_n), succ[c]> for c in S_n;
 - selector term w_n * CE(score_n over S_n, gold_n) when gold_n is in S_n; nothing otherwise.
@@ -22,13 +22,13 @@ import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.dflash2 import DFlash2Drafter
+from dflash_async.model.grouped_topk import grouped_topk
 from dflash_async.model.logit_transforms import transformed_ce_and_grad
 from dflash_async.model.objective import (
     Anchors,
     DFlashObjective,
     ObjectiveConfig,
     StepSums,
-    ce_and_grad_from_logits,
 )
 from dflash_async.model.step_ranges import step_range
 
@@ -74,12 +74,12 @@ class _UnaryCEAndTopK(torch.autograd.Function):
             ce_sum, hit, grad_logits, z = transformed_ce_and_grad(
                 transform, elementwise, logits, labels[start:end], weights[start:end]
             )  # z: the transformed (unary) logits, what the selector adds to
-            top = z.topk(k, dim=-1)  # on the device: no host sync
+            top_values, top_index = grouped_topk(z, k)  # on the device: no host sync
             sums.append(ce_sum)
             hits.append(hit)
             grads.append(grad_logits @ weight)  # [c, d]
-            values.append(top.values)
-            indices.append(top.indices)
+            values.append(top_values)
+            indices.append(top_index)
         index = torch.cat(indices)  # [N, k]
         top_values = torch.cat(values)  # [N, k] transformed: the chain rule reads them back
         ctx.save_for_backward(torch.cat(grads), index, weight, top_values)
@@ -136,10 +136,6 @@ class DFlash2Objective(DFlashObjective):
         flex_fn=None,
     ) -> None:
         super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
-        if self.ce_kernel == "triton":  # the top-k needs the chunk's logits, which it never makes
-            self.ce_kernel, self.ce_elementwise = "compiled", ce_and_grad_from_logits
-            if config.compile:
-                self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
         self.selector_alpha = float(selector_alpha)
         self.top_k = drafter.config.selector_top_k
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Wave 3's fifth GPU session on one H200 (2026-12-03), in parts that each fit one 10-minute call;
+# output also in $OUT/PART.log.
+#   d2: the DFlash2 step after the grouped top-k, the Triton CE pass and F.embedding codebooks
+#     (issue 30: MFU >= 0.70 at the Qwen3-8B shape and at block 8 with a 248k vocabulary), with
+#     the GPU tests of those parts first.
+#   prof: where the DFlash2 step's time goes now (one profiled step), and the Qwen3-30B-A3B
+#     target forward's kernels, bf16 against FP8 (issue 31's 1.4x).
+# Usage: benchmarks/h200_wave3f.sh d2|prof ...; carry .whl as the device README says.
+. "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
+
+drafter() {  # limit, then bench drafter arguments
+  local limit=$1; shift
+  part "bench drafter $*"
+  timeout "$limit" python3 -m dflash_async bench drafter --compile --modes graph "$@" 2>&1 \
+    | grep -v '^\s*$' | grep -v DEBUG | tail -14
+}
+
+for which in "$@"; do
+  exec > >(tee -a "$out/$which.log") 2>&1
+  if [ "$which" = d2 ]; then
+    part "GPU tests: grouped top-k, the CE kernel, the drafter variants"
+    timeout 240 python3 -m pytest -q -x tests/test_grouped_topk.py tests/test_gpu_ce_kernel.py \
+      tests/test_gpu_drafter.py 2>&1 | grep -v DEBUG | tail -8
+    drafter 170 --kind dflash2 --steps 5
+    drafter 170 --kind dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
+  fi
+  if [ "$which" = prof ]; then
+    drafter 200 --kind dflash2 --steps 3 --profile
+    part "target kernels: Qwen3-30B-A3B, bf16 + CompiledExperts vs FP8"
+    timeout 300 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 22 2>&1 \
+      | grep -v DEBUG | tail -60
+  fi
+done
+part "done"
