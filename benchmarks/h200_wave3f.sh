@@ -6,7 +6,11 @@
 #     the GPU tests of those parts first.
 #   prof: where the DFlash2 step's time goes now (one profiled step), and the Qwen3-30B-A3B
 #     target forward's kernels, bf16 against FP8 (issue 31's 1.4x).
-# Usage: benchmarks/h200_wave3f.sh d2|prof ...; carry .whl as the device README says.
+#   moe: after the experts' combine became one gather-reduce and the FP8 experts quantize the
+#     tokens before the gather: the GPU tests of both, the Qwen3-30B-A3B rows side by side (bf16
+#     HF experts, bf16 CompiledExperts, FP8 fast), the kernel profile again, and the DFlash2
+#     row at the Qwen3-8B shape a second time.
+# Usage: benchmarks/h200_wave3f.sh d2|prof|moe ...; carry .whl as the device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 drafter() {  # limit, then bench drafter arguments
@@ -30,6 +34,15 @@ for which in "$@"; do
     part "target kernels: Qwen3-30B-A3B, bf16 + CompiledExperts vs FP8"
     timeout 300 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 22 2>&1 \
       | grep -v DEBUG | tail -60
+  fi
+  if [ "$which" = moe ]; then
+    part "GPU tests: grouped experts, FP8, targets"
+    timeout 200 python3 -m pytest -q -x tests/test_fp8_gpu.py tests/test_grouped_experts.py \
+      tests/test_target_gpu.py 2>&1 | grep -v DEBUG | tail -6
+    shape 240 qwen3-30b-a3b --experts hf,compiled --quantize none,fp8-fast
+    timeout 200 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 12 2>&1 \
+      | grep -v -e DEBUG -e Warning -e _warn_once | tail -32
+    drafter 170 --kind dflash2 --steps 5
   fi
 done
 part "done"
