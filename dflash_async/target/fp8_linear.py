@@ -34,12 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.model.fp8_format import FP8_DTYPE, quantize_rows
+from dflash_async.model.fp8_format import ALIGN, FP8_DTYPE, quantize_rows, rowwise_kernel_problem
 from dflash_async.target.grouped_experts import combine, gated, sort_by_expert
 from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
 from dflash_async.target.quantized import WeightFormat, dequantize_fp8
 
-ALIGN = 16  # _scaled_mm: K and N multiples of 16 (16-byte rows of e4m3)
 MIN_FEATURES = 16  # smaller linears (Qwen3.5's shared_expert_gate, N = 1) stay in bf16
 KERNEL = "scaled_mm_rowwise"
 GROUPED_KERNEL = "scaled_grouped_mm_rowwise"
@@ -244,15 +243,9 @@ def set_fast_accum(layers: nn.Module, enabled: bool) -> int:
 
 def kernel_problem(device: torch.device) -> str | None:
     """None when this device runs `torch._scaled_mm` row-wise on e4m3 (CUDA, compute capability
-    >= 8.9: Ada, Hopper, Blackwell), else why not."""
-    if device.type != "cuda":
-        return f"FP8 matmuls run on CUDA only (device is {device.type}): dequantized"
-    if not hasattr(torch, "_scaled_mm"):
-        return "this torch has no torch._scaled_mm: dequantized"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return f"compute capability {major}.{minor} has no FP8 tensor cores: dequantized"
-    return None
+    >= 8.9: Ada, Hopper, Blackwell), else why not (the target is then dequantized)."""
+    problem = rowwise_kernel_problem(device)
+    return None if problem is None else f"{problem}: dequantized"
 
 
 def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool) -> WeightFormat:
