@@ -376,3 +376,26 @@ def test_the_run_identity_holds_the_setting_and_resume_must_match_it() -> None:
     for saved, current in ((older, fp8), (bf16, fp8), (fp8, bf16)):
         with pytest.raises(SettingsError, match=r"^DFLASH_TRAIN__FP8_MATMULS: this run has"):
             check_run_identity(saved, current, where="ckpt")
+
+
+def test_the_step_logs_its_fp8_path_and_linears() -> None:
+    """drafter_kernels_chosen (the flex step's preflight line; flex forced into the spec, as a
+    GPU run would pick it, never run here) names the path, why it is the reference, and the
+    linears in FP8 (7 per layer and fc) and kept."""
+    from structlog.testing import capture_logs
+
+    config = tiny_config(TinySpec())
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    lines = {}
+    for fp8 in (False, True):
+        with capture_logs() as logs:
+            build_drafter_step(_spec(attention="flex", fp8_matmuls=fp8), config, embed=embed,
+                               lm_head=lm_head, device=torch.device("cpu"), rank=0,
+                               total_steps=10)  # fmt: skip
+        (lines[fp8],) = [e for e in logs if e["event"] == "drafter_kernels_chosen"]
+    assert (lines[False]["fp8_matmuls"], lines[False]["fp8_linears"]) == ("off", 0)
+    on = lines[True]
+    assert (
+        on["fp8_matmuls"] == "dequantized_reference (FP8 matmuls run on CUDA only (device is cpu))"
+    )
+    assert (on["fp8_linears"], on["fp8_kept"]) == (7 * config.num_hidden_layers + 1, [])
