@@ -178,8 +178,8 @@ def _check_fp8_matmuls(devices) -> None:
         if problem:
             raise SettingsError(
                 f"DFLASH_TRAIN__FP8_MATMULS=true needs GPU drafters with FP8 tensor cores "
-                f"(compute capability >= 8.9), and {device} has none ({problem}); unset it, or "
-                "put the drafters on such GPUs (DFLASH_PIPELINE__DRAFTER_DEVICES)"
+                f"(compute capability >= 8.9), not {device}: {problem}; unset it, or put the "
+                "drafters on such GPUs (DFLASH_PIPELINE__DRAFTER_DEVICES)"
             )
 
 
