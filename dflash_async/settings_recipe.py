@@ -156,7 +156,7 @@ class TrainSettings(Section):
     fp8_matmuls: bool = False
     """Run the drafter's linears (attention, MLP, fc; DFlash2's projections) as FP8 matmuls on
     the GPU: e4m3 with a scale per row, torch._scaled_mm for the output and the input gradient,
-    the weight gradient in bf16 (torchao float8's rowwise_with_gw_hp recipe, docs/GPU.md); the
+    the weight gradient in bf16 (after torchao float8's row-wise recipes, docs/GPU.md); the
     fp32 weights, the bf16 working copies, checkpoints and exports are unchanged. Needs GPU
     drafters with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); refused
     elsewhere (exit 2): there it could only emulate the rounding, slower than the plain step.

@@ -5,18 +5,21 @@ Owns the training recipe of the drafter's FP8 linears and how it is installed: `
 `weight_gradient`), the kernel-free reference of the FP8 product (`dequantized_product`), and
 `use_fp8_matmuls(drafter)`, which makes the drafter's linears compute through it.
 
-The recipe is torchao float8's "rowwise_with_gw_hp", the one torchtitan trains with, in the
-row-wise e4m3 format of model/fp8_format.py (one fp32 scale per row, amax / 448):
+The recipe follows torchao float8's row-wise recipes (torchtitan's `--float8.recipe_name`), in
+the row-wise e4m3 format of model/fp8_format.py (one fp32 scale per row, amax / 448, scales not
+rounded to powers of two):
 - forward, y = x @ W^T: x [M, K] quantized per row (token), W [N, K] per output row;
   `torch._scaled_mm(x_q, w_q.t(), scale_a [M, 1], scale_b [1, N], out_dtype=bf16,
-  use_fast_accum=True)` (Hopper's fast accumulation, as the target's FP8 matmuls use it);
+  use_fast_accum=True)` (Hopper's fast accumulation, as torchao and the target's FP8 use it);
 - grad_x = dy @ W: dy [M, N] quantized per row, W^T [K, N] per row of W^T (per input column of
-  W), fp32 accumulation (use_fast_accum=False, torchao's default for gradients);
+  W, as torchao's `rowwise`; its `rowwise_with_gw_hp` takes one tensor-wise scale of W here),
+  fp32 accumulation (use_fast_accum=False, torchao's default for gradients);
 - grad_W = dy^T @ x from the unquantized dy and x, in the compute dtype (bf16 on a GPU, what a
-  bf16 linear's backward computes). Why high precision: this product sums over the M tokens, so
-  row-wise scales of its operands would run along the tokens (one scale per feature for all of a
-  pack's tokens: one outlier token coarsens every other token's contribution), and its result
-  goes straight into AdamW. Two of the three matmuls run in FP8.
+  bf16 linear's backward computes), as torchao's `rowwise_with_gw_hp` (its `rowwise` runs this
+  one in FP8 too). Why high precision: this product sums over the M tokens, so row-wise scales
+  of its operands would run along the tokens (one scale per feature for all of a pack's tokens:
+  one outlier token coarsens every other token's contribution), and its result goes straight
+  into AdamW. Two of the three matmuls run in FP8.
 
 Weights: the modules keep their parameters (fp32 masters; step.py's bf16 working copies are
 read in their place): each forward quantizes the weight tensor it reads, and its gradient is the
@@ -25,10 +28,10 @@ Scales: amax per row on the device, never read back, nothing made on the host: n
 step captures as a CUDA graph and compiles with fullgraph=True (dynamo traces the Function).
 
 The kernel runs on a CUDA device of compute capability >= 8.9 (`rowwise_kernel_problem`) with
-bf16 outputs (row-wise `_scaled_mm` gives bf16 only). Elsewhere (the CPU, older GPUs, another
-output dtype) the same quantization feeds `dequantized_product`: (x_q * s_x) @ (w_q * s_w)^T in
-fp32, rounded once to the output dtype, the kernel's result up to accumulation order, so CPU
-tests cover the recipe. It is only for tests: it is slower than the plain matmul, and a run
+bf16 outputs (the compute dtype on a GPU, and the one row-wise `_scaled_mm` is known to take).
+Elsewhere (the CPU, older GPUs, another output dtype) the same quantization feeds
+`dequantized_product`: (x_q * s_x) @ (w_q * s_w)^T in fp32, rounded once to the output dtype, the
+kernel's result but for how it accumulates, so CPU tests cover the recipe. It is only for tests: it is slower than the plain matmul, and a run
 refuses the setting on such devices (pipeline/specs.py).
 
 Alignment: `_scaled_mm` needs K and N multiples of 16 (ALIGN); a linear that is not (or has a
