@@ -153,6 +153,16 @@ class TrainSettings(Section):
     forward and the matmul weights' gradients are the same; the norm weights' gradients and the
     sums across drafters are rounded to bf16. Off: autocast casts the fp32 weights at every use
     and the gradients are fp32 (the same memory; slower, BENCHMARKS.md)."""
+    fp8_matmuls: bool = False
+    """Run the drafter's linears (attention, MLP, fc; DFlash2's projections) as FP8 matmuls on
+    the GPU: e4m3 with a scale per row, torch._scaled_mm for the output and the input gradient,
+    the weight gradient in bf16 (after torchao float8's row-wise recipes, docs/GPU.md); the
+    fp32 weights, the bf16 working copies, checkpoints and exports are unchanged. Needs GPU
+    drafters with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); refused
+    elsewhere (exit 2): there it could only emulate the rounding, slower than the plain step.
+    Off by default: it changes the training numerics (e4m3 keeps 3 mantissa bits against bf16's
+    7), and its speed and convergence against bf16 are not measured yet. Part of the run
+    identity: a resume must use the same value."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod

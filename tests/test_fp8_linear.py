@@ -18,6 +18,7 @@ from quant_kit import block_skewed, fp8_blocks, fp8_checkpoint
 from target_kit import capture_features
 from transformers import Qwen3MoeConfig
 
+from dflash_async.model.fp8_format import FP8_DTYPE, FP8_MAX
 from dflash_async.target import fp8_linear
 from dflash_async.target.fp8_linear import (
     Fp8Experts,
@@ -174,9 +175,9 @@ def _mutant(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     elif kind == "one activation scale for the whole pack":
 
         def shared(x):
-            scale = x.float().abs().amax().clamp(min=1e-30) / fp8_linear.FP8_MAX
+            scale = x.float().abs().amax().clamp(min=1e-30) / FP8_MAX
             scale = scale.expand(x.shape[0], 1).contiguous()
-            return (x.float() / scale).to(fp8_linear.FP8_DTYPE), scale
+            return (x.float() / scale).to(FP8_DTYPE), scale
 
         monkeypatch.setattr(fp8_linear, "quantize_tokens", shared)
 

@@ -3,6 +3,11 @@
 Random weights, a synthetic pack of equal-length documents with every token supervised, the
 target's embedding and lm_head as random frozen bf16 tensors. Reports step ms, TFLOP/s, MFU and
 peak memory, eager or replayed as CUDA graphs (step.py). Used for BENCHMARKS.md.
+
+`--fp8-matmuls` runs the drafter's linears as FP8 matmuls (DFLASH_TRAIN__FP8_MATMULS,
+model/fp8_training.py). Its FLOPs are counted as for bf16 (the same matmuls), and its MFU is
+against the same bf16 peak (780 TFLOP/s, H200), so step time and MFU compare directly with a bf16
+row; it is not a fraction of the FP8 peak.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ def build_step(
     working_weights: bool | None = None,
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
+    fp8_matmuls: bool = False,
 ) -> DrafterStep:
     """A DrafterStep with random drafter/target weights on `device` (fp32 master weights),
     built by the product's builder (model/build.py) at the recipe's lr and gamma, 10 warm-up
@@ -111,7 +117,7 @@ def build_step(
         ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, flex_backend=flex_backend,
         flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
         flex_autotune=flex_autotune, working_weights=working_weights is not False,
-        kind=config.kind,
+        kind=config.kind, fp8_matmuls=fp8_matmuls,
     )  # fmt: skip
     return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device, rank=0,
                               total_steps=BENCH_STEPS, flex_fn=flex_fn)  # fmt: skip
@@ -164,6 +170,7 @@ def bench_drafter(
     ce_kernel: str = "auto",
     flex_backend: str = "auto",
     trace: str | None = None,
+    fp8_matmuls: bool = False,
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -182,6 +189,7 @@ def bench_drafter(
         working_weights=working_weights,
         ce_kernel=ce_kernel,
         flex_backend=flex_backend,
+        fp8_matmuls=fp8_matmuls,
     )
     step.batch.copy_(
         synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device),
@@ -219,7 +227,9 @@ def bench_drafter(
             f"2 profiled eager steps of the same code (a CUDA-graph replay hides which operator "
             f"launched which kernel). Whole step, {result.mode}: {result.step_ms:.1f} ms, "
             f"MFU {result.mfu:.3f} (peak 780 TFLOP/s, measured H200 bf16)"
-        )
+            + (". FP8 matmuls: FLOPs as for bf16, MFU against the same bf16 peak" if fp8_matmuls
+               else "")
+        )  # fmt: skip
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
         if cuda_graph:
             graph = graph_kernels(step, steps=2, trace=trace)
@@ -312,6 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         "--layer-types", help="full_attention|sliding_attention, one for every layer or a list"
     )
     parser.add_argument("--sliding-window", type=int, help="W of the sliding layers")
+    parser.add_argument(
+        "--fp8-matmuls", action="store_true",
+        help="the drafter's linears as FP8 matmuls (DFLASH_TRAIN__FP8_MATMULS); FLOPs and MFU "
+        "counted as for bf16, against the bf16 peak",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -367,5 +382,6 @@ def _bench_variant(args, device: torch.device, mode: str, options: dict) -> Draf
         profile=args.profile,
         compile=args.compile,
         trace=args.trace,
+        fp8_matmuls=args.fp8_matmuls,
         **options,
     )

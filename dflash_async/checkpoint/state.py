@@ -78,6 +78,9 @@ def data_fingerprint(
 
 # The run identity's key for the number of ranks (`check_run_identity` words its refusal).
 WORLD_SIZE_KEY = "ranks (WORLD_SIZE of torchrun, SLURM_NTASKS of srun)"
+FP8_MATMULS_KEY = "DFLASH_TRAIN__FP8_MATMULS"
+# A key recorded later than the first checkpoints, and its value for those that lack it.
+_BEFORE_RECORDED = {WORLD_SIZE_KEY: 1, FP8_MATMULS_KEY: False}
 
 
 def run_identity(
@@ -106,6 +109,7 @@ def run_identity(
         "DFLASH_TRAIN__WARMUP_FRAC": recipe.warmup_frac,
         "DFLASH_TRAIN__WEIGHT_DECAY": recipe.weight_decay,
         "DFLASH_TRAIN__GRAD_CLIP": recipe.grad_clip,
+        FP8_MATMULS_KEY: getattr(recipe, "fp8_matmuls", False),  # the linears' numerics
         WORLD_SIZE_KEY: world_size,  # each rank's share of the data, its cursor, depend on it
     }
     if getattr(recipe, "kind", "dflash") == "dflash2":  # a DFlash run's identity is unchanged
@@ -123,8 +127,9 @@ def plan_identity(*, total_steps: int, num_drafters: int) -> dict:
 
 def check_run_identity(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
     """SettingsError (exit 2, one line) naming the first run-defining setting that differs. A
-    checkpoint written before the world size was recorded is taken as one rank's."""
-    saved = {WORLD_SIZE_KEY: 1} | saved
+    checkpoint written before the world size was recorded is taken as one rank's, one written
+    before DFLASH_TRAIN__FP8_MATMULS was as a bf16 run's (the setting did not exist)."""
+    saved = _BEFORE_RECORDED | saved
     if saved[WORLD_SIZE_KEY] != current.get(WORLD_SIZE_KEY, 1):
         raise SettingsError(
             f"{WORLD_SIZE_KEY}: this run has {current.get(WORLD_SIZE_KEY, 1)} rank(s), the "

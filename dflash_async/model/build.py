@@ -19,6 +19,7 @@ from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.dflash2_objective import DFlash2Objective
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.fp8_training import Fp8Matmuls, use_fp8_matmuls
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
 from dflash_async.model.optim import warmup_steps_for
 from dflash_async.model.step import DrafterStep
@@ -48,6 +49,7 @@ class StepSpec:
     working_weights: bool = True  # bf16 working copies where the compiled update runs
     kind: Literal["dflash", "dflash2"] = "dflash"  # the drafter's (DrafterConfig.kind)
     selector_alpha: float = 1.0  # dflash2: weight of the selector's CE (docs/DFLASH.md s.9)
+    fp8_matmuls: bool = False  # the drafter's linears as FP8 matmuls (model/fp8_training.py)
 
 
 def build_drafter_step(
@@ -73,6 +75,7 @@ def build_drafter_step(
         raise ValueError(f"the step is for a {spec.kind} drafter, the config for {config.kind}")
     torch.manual_seed(spec.seed)
     drafter = make_drafter(config).to(device)
+    fp8 = use_fp8_matmuls(drafter) if spec.fp8_matmuls else None  # before the first forward
     objective = _objective(
         spec,
         ObjectiveConfig(
@@ -113,9 +116,19 @@ def build_drafter_step(
             ce_chunk_size=spec.ce_chunk_size, ce_kernel=objective.ce_kernel,
             update="compiled" if step.adamw is not None else "reference",
             working_weights=any(w is not None for w in step.working),
-            grad_dtype=str(step.grad_dtype).removeprefix("torch."), torch=torch.__version__,
+            grad_dtype=str(step.grad_dtype).removeprefix("torch."),
+            fp8_matmuls=_fp8_line(fp8), fp8_linears=len(fp8.fp8) if fp8 else 0,
+            fp8_kept=list(fp8.kept) if fp8 else [], torch=torch.__version__,
         )  # fmt: skip
     return step
+
+
+def _fp8_line(fp8: Fp8Matmuls | None) -> str:
+    """The drafter_kernels_chosen value of DFLASH_TRAIN__FP8_MATMULS: off, the kernel, or the
+    reference and why."""
+    if fp8 is None:
+        return "off"
+    return fp8.path if fp8.reason is None else f"{fp8.path} ({fp8.reason})"
 
 
 def _objective(

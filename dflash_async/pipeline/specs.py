@@ -31,6 +31,7 @@ import torch
 from dflash_async.data.samples import DataOptions
 from dflash_async.model.build import StepSpec
 from dflash_async.model.drafter_config import DrafterSpec
+from dflash_async.model.fp8_format import rowwise_kernel_problem
 from dflash_async.pipeline.distributed import NodesSpec, pick_backend
 from dflash_async.pipeline.placing import PlacementSpec, candidate_devices, given_roles
 from dflash_async.settings import (
@@ -78,6 +79,8 @@ def run_spec(settings: Settings) -> RunSpec:
         target_batch_tokens=pipe.target_batch_tokens, calibration_packs=pipe.calibration_packs,
     )  # fmt: skip
     _check_stages(settings.target.stages, layout=pipe.layout, given=given, devices=devices)
+    if train.fp8_matmuls:
+        _check_fp8_matmuls(placement.drafter_devices)
     cuda = placement.drafter_devices[0].type == "cuda"
     return RunSpec(
         output_dir=settings.output_dir,
@@ -162,8 +165,22 @@ def _step_spec(
         flex_backend=train.flex_backend,
         flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
         flex_autotune=train.flex_autotune, working_weights=train.working_weights,
-        kind=kind, selector_alpha=train.selector_alpha,
+        kind=kind, selector_alpha=train.selector_alpha, fp8_matmuls=train.fp8_matmuls,
     )  # fmt: skip
+
+
+def _check_fp8_matmuls(devices) -> None:
+    """DFLASH_TRAIN__FP8_MATMULS needs the row-wise FP8 kernel on every drafter device: elsewhere
+    the drafter could only emulate its rounding (model/fp8_training.py's reference, slower than
+    the plain step), which no run asks for; SettingsError (exit 2) naming the device."""
+    for device in dict.fromkeys(devices):
+        problem = rowwise_kernel_problem(device)
+        if problem:
+            raise SettingsError(
+                f"DFLASH_TRAIN__FP8_MATMULS=true needs GPU drafters with FP8 tensor cores "
+                f"(compute capability >= 8.9), not {device}: {problem}; unset it, or put the "
+                "drafters on such GPUs (DFLASH_PIPELINE__DRAFTER_DEVICES)"
+            )
 
 
 def _target_spec(

@@ -1,6 +1,7 @@
 """FP8 matmuls of the target on a GPU (issue 31): the decoder's linears and MoE experts kept in e4m3.
 
-Owns the row-wise FP8 format the target's matmuls run in, and the swap of a loaded target's
+Owns the target's matmuls in the row-wise FP8 format (its quantizer, `quantize_rows`, is
+model/fp8_format.py's, shared with the drafter's FP8 training), and the swap of a loaded target's
 decoder modules into it (`swap_fp8_matmuls`):
 - weights: e4m3 [N, K] with one fp32 scale per output row (W ~= W_q * s_w[n]); no bf16 copy kept;
 - activations: quantized on the device per token (one scale per row of x: amax / 448), so a
@@ -33,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_async.model.fp8_format import ALIGN, FP8_DTYPE, quantize_rows, rowwise_kernel_problem
 from dflash_async.target.grouped_experts import combine, gated, sort_by_expert
 from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
-from dflash_async.target.quantized import FP8_DTYPE, FP8_MAX, WeightFormat, dequantize_fp8
+from dflash_async.target.quantized import WeightFormat, dequantize_fp8
 
-ALIGN = 16  # _scaled_mm: K and N multiples of 16 (16-byte rows of e4m3)
 MIN_FEATURES = 16  # smaller linears (Qwen3.5's shared_expert_gate, N = 1) stay in bf16
 KERNEL = "scaled_mm_rowwise"
 GROUPED_KERNEL = "scaled_grouped_mm_rowwise"
@@ -46,16 +47,6 @@ GROUPED_KERNEL = "scaled_grouped_mm_rowwise"
 # tokens/s, Qwen3-30B-A3B 46.4k -> 71.4k, feature error against bf16 0.4637 -> 0.4640 and
 # 0.0997 -> 0.0993 (the e4m3 rounding dominates; bf16's own noise 0.049 and 0.0091).
 FAST_ACCUM = True
-
-
-def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [..., R, C] -> (e4m3 [..., R, C], scales [..., R] fp32): each row scaled so its
-    largest |value| is 448 (an all-zero row gets scale 1). On the values' device, no sync."""
-    values = values.float()
-    amax = values.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = (values / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized, scale
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,15 +247,9 @@ def set_fast_accum(layers: nn.Module, enabled: bool) -> int:
 
 def kernel_problem(device: torch.device) -> str | None:
     """None when this device runs `torch._scaled_mm` row-wise on e4m3 (CUDA, compute capability
-    >= 8.9: Ada, Hopper, Blackwell), else why not."""
-    if device.type != "cuda":
-        return f"FP8 matmuls run on CUDA only (device is {device.type}): dequantized"
-    if not hasattr(torch, "_scaled_mm"):
-        return "this torch has no torch._scaled_mm: dequantized"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return f"compute capability {major}.{minor} has no FP8 tensor cores: dequantized"
-    return None
+    >= 8.9: Ada, Hopper, Blackwell), else why not (the target is then dequantized)."""
+    problem = rowwise_kernel_problem(device)
+    return None if problem is None else f"{problem}: dequantized"
 
 
 def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool) -> WeightFormat:

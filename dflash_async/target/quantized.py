@@ -44,10 +44,9 @@ from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.model.architectures import quant_method_of, text_config_of
+from dflash_async.model.fp8_format import FP8_DTYPE, FP8_MAX  # a block's amax lands on 448
 from dflash_async.target.resolve import TargetError
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest e4m3 value, where a block's amax lands
 FP8_BLOCK = (128, 128)  # the served checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8)
 _ROUTERS = frozenset({"gate", "router"})  # MoE routers: kept in bf16 by served FP8 checkpoints
 
