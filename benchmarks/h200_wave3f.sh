@@ -10,7 +10,9 @@
 #     tokens before the gather: the GPU tests of both, the Qwen3-30B-A3B rows side by side (bf16
 #     HF experts, bf16 CompiledExperts, FP8 fast), the kernel profile again, and the DFlash2
 #     row at the Qwen3-8B shape a second time.
-# Usage: benchmarks/h200_wave3f.sh d2|prof|moe ...; carry .whl as the device README says.
+#   fp8d: DFLASH_TRAIN__FP8_MATMULS (issue 31): its GPU tests, the DFlash step at the Qwen3-8B
+#     shape in bf16 and with FP8 linears;  curve: its 500-step demo runs against bf16.
+# Usage: benchmarks/h200_wave3f.sh d2|prof|moe|fp8d|curve ...; carry .whl as the device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 drafter() {  # limit, then bench drafter arguments
@@ -43,6 +45,17 @@ for which in "$@"; do
     timeout 200 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 12 2>&1 \
       | grep -v -e DEBUG -e Warning -e _warn_once | tail -32
     drafter 170 --kind dflash2 --steps 5
+  fi
+  if [ "$which" = fp8d ]; then
+    part "GPU tests: FP8 drafter linears"
+    timeout 200 python3 -m pytest -q -x tests/test_fp8_training_gpu.py 2>&1 | grep -v DEBUG | tail -8
+    drafter 170 --kind dflash --steps 5
+    drafter 170 --kind dflash --steps 5 --fp8-matmuls
+  fi
+  if [ "$which" = curve ]; then
+    part "500-step demo curves: bf16 seeds 42 and 43, FP8 seed 42"
+    timeout 520 python3 benchmarks/fp8_drafter_curve.py --runs bf16:42,bf16:43,fp8:42 \
+      --out /tmp/fp8_curve 2>&1 | grep -v DEBUG | tail -40
   fi
 done
 part "done"
