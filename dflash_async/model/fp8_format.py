@@ -2,7 +2,8 @@
 (`target/fp8_linear.py`) and the trainable drafter's (`model/fp8_training.py`).
 
 Owns the e4m3 dtype, its largest value, `quantize_rows` (one fp32 scale per row), `_scaled_mm`'s
-alignment and which devices run it row-wise (`rowwise_kernel_problem`). Here, in
+alignment, which devices run it row-wise (`rowwise_kernel_problem`) and the row-wise product
+(`rowwise_mm`). Here, in
 model/, because target/ imports model/ (tests/test_layering.py: no circle of parts), so this is
 the one place both may import it from.
 """
@@ -38,3 +39,13 @@ def rowwise_kernel_problem(device: torch.device) -> str | None:
     if (major, minor) < (8, 9):
         return f"compute capability {major}.{minor} has no FP8 tensor cores"
     return None
+
+
+def rowwise_mm(
+    x_q, x_scale, w_q, w_scale, *, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
+    """x_q [T, K] e4m3 (row-major) @ w_q [N, K]^T (passed column-major as w_q.t()), scaled by
+    x_scale [T, 1] and w_scale [1, N]: y [T, N] in out_dtype, fp32 accumulation unless
+    `fast_accum` (Hopper's faster FP8 accumulation: the modules' default, FAST_ACCUM)."""
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)  # fmt: skip

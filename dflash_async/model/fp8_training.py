@@ -47,7 +47,12 @@ import torch
 from torch import nn
 
 from dflash_async.model.drafter import compute_dtype
-from dflash_async.model.fp8_format import ALIGN, quantize_rows, rowwise_kernel_problem
+from dflash_async.model.fp8_format import (
+    ALIGN,
+    quantize_rows,
+    rowwise_kernel_problem,
+    rowwise_mm,
+)
 
 KERNEL = "scaled_mm_rowwise"
 REFERENCE = "dequantized_reference"
@@ -77,8 +82,8 @@ def rowwise_product(
     a_q, b_q = a_q.contiguous(), b_q.contiguous()
     if not kernel:
         return dequantized_product(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
-    return torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale[:, None], scale_b=b_scale[None, :],
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
+    return rowwise_mm(a_q, a_scale[:, None], b_q, b_scale[None, :], out_dtype=out_dtype,
+                      fast_accum=fast_accum)  # fmt: skip
 
 
 def forward_product(x, weight, *, out_dtype: torch.dtype, kernel: bool) -> torch.Tensor:

@@ -34,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.model.fp8_format import ALIGN, FP8_DTYPE, quantize_rows, rowwise_kernel_problem
+from dflash_async.model.fp8_format import (
+    ALIGN,
+    FP8_DTYPE,
+    quantize_rows,
+    rowwise_kernel_problem,
+    rowwise_mm,
+)
 from dflash_async.target.grouped_experts import combine, gated, sort_by_expert
 from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
 from dflash_async.target.quantized import WeightFormat, dequantize_fp8
@@ -66,16 +72,6 @@ def requantize_blocks_to_rows(
 
 def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def rowwise_mm(
-    x_q, x_scale, w_q, w_scale, *, out_dtype: torch.dtype, fast_accum: bool = False
-) -> torch.Tensor:
-    """x_q [T, K] e4m3 (row-major) @ w_q [N, K]^T (passed column-major as w_q.t()), scaled by
-    x_scale [T, 1] and w_scale [1, N]: y [T, N] in out_dtype, fp32 accumulation unless
-    `fast_accum` (Hopper's faster FP8 accumulation: the modules' default, FAST_ACCUM)."""
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)  # fmt: skip
 
 
 class Fp8Linear(nn.Module):
