@@ -11,8 +11,11 @@
 #     HF experts, bf16 CompiledExperts, FP8 fast), the kernel profile again, and the DFlash2
 #     row at the Qwen3-8B shape a second time.
 #   fp8d: DFLASH_TRAIN__FP8_MATMULS (issue 31): its GPU tests, the DFlash step at the Qwen3-8B
-#     shape in bf16 and with FP8 linears;  curve: its 500-step demo runs against bf16.
-# Usage: benchmarks/h200_wave3f.sh d2|prof|moe|fp8d|curve ...; carry .whl as the device README says.
+#     shape in bf16 and with FP8 linears;  curve: its GPU tests again (rowwise_mm is now shared)
+#     and its 500-step demo runs against bf16 (CURVE_RUNS, CURVE_LIMIT).
+#   moe2: the Qwen3-30B-A3B rows again after the combine became k pointwise terms (issue 31).
+#   k2: the graph-replayed kernel tables of the DFlash2 and the DFlash step (issue 30's margin).
+# Usage: benchmarks/h200_wave3f.sh d2|prof|moe|fp8d|curve|k2|moe2 ...; carry .whl as the device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 drafter() {  # limit, then bench drafter arguments
@@ -52,10 +55,31 @@ for which in "$@"; do
     drafter 170 --kind dflash --steps 5
     drafter 170 --kind dflash --steps 5 --fp8-matmuls
   fi
+  if [ "$which" = k2 ]; then  # graph-replayed kernels by name, DFlash2 against DFlash
+    for kind in dflash2 dflash; do
+      part "bench drafter --kind $kind --steps 3 --profile: whole tables"
+      timeout 200 python3 -m dflash_async bench drafter --compile --modes graph --kind $kind \
+        --steps 3 --profile 2>&1 | grep -v -e '^\s*$' -e DEBUG -e Warning -e _warn_once | tail -100
+    done
+  fi
+  if [ "$which" = moe2 ]; then  # the combine as k pointwise terms (coalesced row loads)
+    part "GPU tests: grouped experts, FP8 targets"
+    timeout 150 python3 -m pytest -q -x tests/test_grouped_experts.py tests/test_fp8_gpu.py \
+      2>&1 | grep -v DEBUG | tail -4
+    shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
+  fi
   if [ "$which" = curve ]; then
-    part "500-step demo curves: bf16 seeds 42 and 43, FP8 seed 42"
-    timeout 520 python3 benchmarks/fp8_drafter_curve.py --runs bf16:42,bf16:43,fp8:42 \
-      --out /tmp/fp8_curve 2>&1 | grep -v DEBUG | tail -40
+    if [ -z "${CURVE_NO_TESTS:-}" ]; then
+      part "GPU tests: FP8 drafter linears and the target's FP8 (rowwise_mm now shared)"
+      timeout 150 python3 -m pytest -q -x tests/test_fp8_training_gpu.py tests/test_fp8_gpu.py \
+        2>&1 | grep -v DEBUG | tail -6
+    fi
+    part "500-step demo curves: ${CURVE_RUNS:-bf16:42,fp8:42,bf16:43}"
+    # finished runs of an earlier call, carried in runs/fp8_curve, are read, not run again
+    [ -d runs/fp8_curve ] && cp -r runs/fp8_curve "$out/"
+    timeout "${CURVE_LIMIT:-420}" python3 benchmarks/fp8_drafter_curve.py \
+      --runs "${CURVE_RUNS:-bf16:42,fp8:42,bf16:43}" --out "$out/fp8_curve" 2>&1 \
+      | grep -v DEBUG | tail -40
   fi
 done
 part "done"

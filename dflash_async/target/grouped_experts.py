@@ -53,20 +53,24 @@ def combine(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The routed outputs weighted, put back in token order and summed over k: [T, d] in
-    `dtype`. The sum runs in fp32 (as HF's reshape + sum does for bf16).
+    `dtype`. The sum runs in fp32 (as HF's reshape + sum does for bf16), over j = 0..k-1 in order.
 
     Each token's k rows are gathered through the inverse permutation (an [S] scatter of
-    indices), so the weighting, gather and sum are one reduction over the [T, k, d] rows when
-    compiled. The scatter of the [S, d] rows into token order that HF writes (restored[perm] =
-    out) and the sum after it took 0.27 + 0.63 ms per Qwen3-30B-A3B layer at T = 16384 on an H200
-    (2026-12-03, benchmarks/profile_target_gpu.py). The products and their fp32 sum over k are
-    the same, in the same order."""
+    indices). The k-sum is written as k terms added in turn, not `.sum(dim=1)`: compiled, that
+    is one pointwise kernel over [T, d] whose k loads each read whole contiguous rows. As a
+    reduction over the [T, k, d] view, Inductor gave each warp 8 rows x 4 columns (the k axis
+    fastest), and the kernel moved ~0.9 TB/s: 0.63 ms per Qwen3-30B-A3B layer at T = 16384 on an
+    H200 (2026-12-03, benchmarks/profile_target_gpu.py), after HF's scatter of the [S, d] rows
+    into token order (restored[perm] = out, 0.27 ms) was already gone."""
     tokens, k = top_k_weights.shape
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)  # pair p is row inverse[p]
-    rows = out[inverse].view(tokens, k, -1)  # [T, k, d] in token order
-    weighted = rows * top_k_weights.unsqueeze(-1).to(out.dtype)
-    return weighted.float().sum(dim=1).to(dtype)
+    index = inverse.view(tokens, k)
+    weights = top_k_weights.to(out.dtype)
+    total = (out[index[:, 0]] * weights[:, :1]).float()  # [T, d]
+    for j in range(1, k):  # k is static (the config's experts per token)
+        total = total + (out[index[:, j]] * weights[:, j : j + 1]).float()
+    return total.to(dtype)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
