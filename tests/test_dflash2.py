@@ -70,6 +70,12 @@ CASES = {
         ),
         3, 16, 6, 5, num_anchors=14, alpha=0.5, gamma=4.0,
     ),
+    # V = 256 and k = 4 have a group width (16 groups of 16): the unary top-k takes its group
+    # maxima from the CE chunk's pass (dflash2_objective.ce_grad_and_group_max); the cases
+    # above (V = 97, 89) take grouped_topk's single-top-k fallback
+    "d32_B4_V256_top4_grouped": Case(
+        TinySpec(vocab_size=256, seed=3), 2, 8, 8, 4, num_anchors=16, alpha=1.0, gamma=3.0
+    ),
 }  # fmt: skip
 
 

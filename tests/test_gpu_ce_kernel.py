@@ -106,3 +106,30 @@ def test_ce_pass_comparison_catches_mutant(mutant) -> None:
     logits, labels, weights = _inputs()
     ref = ce_and_grad_from_logits(logits, labels, weights)
     assert _mismatches(mutant(logits, labels, weights), ref) != []
+
+
+@pytest.mark.parametrize(("vocab", "width"), [(VOCAB, 128), (248320, 256)])
+def test_triton_ce_pass_with_group_maxima_equals_the_reference_pass(vocab, width) -> None:
+    """DFlash2's launch (ce_grad_and_group_max_triton): the CE outputs within the tolerances
+    above and the group maxima exactly (a maximum of bf16 values is one of them), on Qwen3's
+    vocabulary (1187 groups of 128; its last loop block is partial) and a 248k one (970 of 256);
+    maxima one group off, or of groups starting half a group off, would not be equal."""
+    from dflash_async.model.ce_kernel import ce_grad_and_group_max_triton
+    from dflash_async.model.dflash2_objective import ce_grad_and_group_max
+    from dflash_async.model.grouped_topk import group_maxima
+
+    g = torch.Generator("cuda").manual_seed(2)
+    logits = (torch.randn(ROWS, vocab, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    logits[0, vocab - 1] = 50.0  # the last column: the last group's maximum, in the partial block
+    labels = torch.randint(0, vocab, (ROWS,), generator=g, device="cuda")
+    weights = torch.rand(ROWS, generator=g, device="cuda", dtype=torch.float64)
+    weights[5:9] = 0.0  # untrained rows still get their maxima
+    *ce, maxima = ce_grad_and_group_max_triton(logits, labels, weights, group_width=width)
+    *ce_ref, maxima_ref = ce_grad_and_group_max(logits, labels, weights, group_width=width)
+    assert _mismatches(tuple(ce), tuple(ce_ref)) == []
+    assert maxima.dtype == logits.dtype and torch.equal(maxima, maxima_ref)
+    assert not torch.equal(maxima, maxima_ref.roll(1, dims=-1))
+    half_off = group_maxima(logits.roll(width // 2, dims=-1), width)  # groups half a group off
+    assert not torch.equal(maxima, half_off)
+    with pytest.raises(ValueError, match="must divide"):
+        ce_grad_and_group_max_triton(logits, labels, weights, group_width=width + 1)

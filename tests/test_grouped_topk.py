@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_async.model.grouped_topk import group_width, grouped_topk
+from dflash_async.model.grouped_topk import group_maxima, group_width, grouped_topk
 
 # V = 1024, k = 4: 256- and 128-wide groups leave 4 and 8 groups, under 4k = 16, so the width
 # is 64 (16 groups), which the rows below are built around
@@ -59,6 +59,34 @@ def test_grouped_topk_falls_back_to_one_top_k_without_a_group_width():
     values, indices = grouped_topk(z, 4)
     expected = z.topk(4, dim=-1)
     assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+
+
+def test_grouped_topk_with_maxima_given_equals_torch_topk_and_wrong_maxima_are_caught():
+    """The maxima the CE pass hands in (group_max=) are used as given: exactly
+    group_maxima(z, width) gives torch.topk's answer; maxima one group off (rolled) or of the
+    wrong width (each pair of groups merged) do not, on the rows built for it."""
+    z = _clustered()
+    expected = z.topk(K, dim=-1)
+    maxima = group_maxima(z, WIDTH)
+    torch.testing.assert_close(maxima, z.view(3, GROUPS, WIDTH).amax(-1), rtol=0, atol=0)
+    values, indices = grouped_topk(z, K, group_max=maxima)
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    rolled = maxima.roll(1, dims=-1)
+    assert not torch.equal(grouped_topk(z, K, group_max=rolled)[0][0], expected.values[0])
+    merged = group_maxima(z, 2 * WIDTH).repeat_interleave(2, dim=-1)  # [3, 16], wrong width
+    assert not torch.equal(grouped_topk(z, K, group_max=merged)[0][1], expected.values[1])
+
+
+def test_the_dflash2_reference_pass_is_the_ce_pass_and_the_group_maxima():
+    from dflash_async.model.dflash2_objective import ce_grad_and_group_max
+    from dflash_async.model.objective import ce_and_grad_from_logits
+
+    z = _clustered()
+    labels, weights = torch.tensor([3, 700, 5]), torch.tensor([1.0, 0.0, 0.5])
+    *ce, maxima = ce_grad_and_group_max(z, labels, weights, group_width=WIDTH)
+    for got, want in zip(ce, ce_and_grad_from_logits(z, labels, weights), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(maxima, group_maxima(z, WIDTH))
 
 
 def _best_group_mutant(z: torch.Tensor, k: int, groups_kept: int, per_group: int):

@@ -10,7 +10,10 @@ per chunk on an H200); this kernel takes 0.59 ms (`benchmarks/ce_launch_sweep.py
 times the launch shapes CeLaunch offers). Rows with w == 0 still get their argmax, and their
 gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must not leak
 in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
-tests/test_gpu_ce_kernel.py compares it with the reference and with mutants on a GPU.
+For DFlash2 the same launch also writes the maxima of each row's fixed-width column groups
+(`ce_grad_and_group_max_triton`), the first step of its unary top-k (grouped_topk.py), from the
+loads of pass 1. tests/test_gpu_ce_kernel.py compares both with the reference and with mutants
+on a GPU.
 """
 
 from __future__ import annotations
@@ -24,27 +27,30 @@ import triton.language as tl
 
 @triton.jit
 def _ce_row_kernel(
-    logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
-    rows, V, stride_row,
+    logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr, gmax_ptr,
+    rows, V, stride_row, groups,
     BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
     STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     # programs stride over the rows (one row each by default). Fewer programs than rows, to keep
     # more of each row in L2 for pass 2, lost in the sweep and in the step (CE_LAUNCH below);
     # the loop stays so that benchmarks/ce_launch_sweep.py can retry them
     for row in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
-        _ce_row(logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
-                tl.cast(row, tl.int64), V, stride_row, BLOCK, REVERSE, STAGES)  # fmt: skip
+        _ce_row(logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr, gmax_ptr,
+                tl.cast(row, tl.int64), V, stride_row, groups, BLOCK, REVERSE, STAGES,
+                GROUP)  # fmt: skip
 
 
 @triton.jit
 def _ce_row(
-    logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr,
-    row, V, stride_row,
+    logits_ptr, grad_ptr, labels_ptr, weights_ptr, ce_ptr, hit_ptr, gmax_ptr,
+    row, V, stride_row, groups,
     BLOCK: tl.constexpr,
     REVERSE: tl.constexpr,
     STAGES: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     base = logits_ptr + row * stride_row
     offsets = tl.arange(0, BLOCK)
@@ -68,6 +74,11 @@ def _ce_row(
         run_sum = tl.where(new_max == float("-inf"), 0.0, run_sum)
         run_arg = tl.where(x > run_max, cols, run_arg)  # strict: a lane keeps its first maximum
         run_max = new_max
+        if GROUP > 0:  # the maxima of this block's GROUP-wide column groups (GROUP divides V)
+            group_max = tl.max(tl.reshape(x, [BLOCK // GROUP, GROUP]), axis=1)
+            group = start // GROUP + tl.arange(0, BLOCK // GROUP)
+            tl.store(gmax_ptr + row * groups + group,
+                     group_max.to(gmax_ptr.dtype.element_ty), mask=group < groups)  # fmt: skip
     row_max = tl.max(run_max, axis=0)
     lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
     # the lowest column among the lanes that reached the row's maximum
@@ -121,6 +132,42 @@ def ce_and_grad_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ce_and_grad_from_logits through _ce_row_kernel: (sum of w*CE fp32, hit [c], grad [c, V]).
     Sync-free and capturable (one launch, a sum); the gradient comes out contiguous."""
+    ce_sum, hit, grad, _ = _launch(logits, labels, weights, launch=launch, group_width=0)
+    return ce_sum, hit, grad
+
+
+def ce_grad_and_group_max_triton(
+    logits: torch.Tensor,  # [c, V], rows contiguous
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+    *,
+    group_width: int,
+    launch: CeLaunch = CE_LAUNCH,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ce_and_grad_triton's outputs and the maxima of each row's `group_width`-wide column
+    groups, [c, V / group_width] in the logits' dtype: objective.ce_grad_and_group_max's
+    contract, the same values (a maximum of bf16 values is one of them, exactly). The maxima
+    come from pass 1's loads, so grouped_topk's own pass over the chunk goes: that eager amax
+    over [2048, 1187, 128] bf16 took 0.94 ms per chunk, 7.5 ms of a Qwen3-8B-shaped DFlash2 step
+    on an H200 (2026-12-03, BENCHMARKS.md). group_width must divide V and the loop's column
+    block (a power of two up to it)."""
+    block = launch.num_warps * launch.elems_per_warp
+    vocab = logits.shape[-1]
+    if group_width < 1 or vocab % group_width or block % group_width:
+        raise ValueError(f"group_width {group_width} must divide V = {vocab} and the "
+                         f"kernel's {block}-column block")  # fmt: skip
+    return _launch(logits, labels, weights, launch=launch, group_width=group_width)
+
+
+def _launch(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    launch: CeLaunch,
+    group_width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One _ce_row_kernel launch; group_width 0: no group maxima (None)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [c, V] with contiguous rows, got {tuple(logits.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -130,6 +177,9 @@ def ce_and_grad_triton(
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     hit = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    groups = vocab // group_width if group_width else 0
+    # with no groups asked, a 1-element stand-in: the kernel never stores to it (GROUP = 0)
+    group_max = torch.empty((rows, groups or 1), dtype=logits.dtype, device=logits.device)
     programs = rows
     if launch.programs_per_sm:
         # CPU tensors reach here only under Triton's interpreter (tests): any count will do
@@ -137,8 +187,8 @@ def ce_and_grad_triton(
                if logits.is_cuda else 4)  # fmt: skip
         programs = min(rows, launch.programs_per_sm * sms)
     _ce_row_kernel[(programs,)](
-        logits, grad, labels, weights, ce, hit, rows, vocab, logits.stride(0),
+        logits, grad, labels, weights, ce, hit, group_max, rows, vocab, logits.stride(0), groups,
         BLOCK=launch.num_warps * launch.elems_per_warp, REVERSE=launch.reverse,
-        STAGES=launch.stages, num_warps=launch.num_warps,
+        STAGES=launch.stages, GROUP=group_width, num_warps=launch.num_warps,
     )  # fmt: skip
-    return ce.sum(), hit, grad
+    return ce.sum(), hit, grad, group_max if groups else None

@@ -13,16 +13,21 @@ The step's loss is sum(w * (CE_unary + alpha * [gold in S] * CE_selector)) / sum
 shares the DFlash weights and normaliser, so the step's sums and their all-reduce are DFlash's.
 Both terms train the backbone (the selector CE also reaches u_n(c) at the candidates).
 
-Fixed-shape and sync-free like DFlashObjective: topk, gathers and selections only.
+Fixed-shape and sync-free like DFlashObjective: topk, gathers and selections only. The top-k's
+first step, the group maxima of the unary logits, is an output of the CE chunk's pass
+(`ce_grad_and_group_max`; on the GPU the Triton kernel's), which reads those logits anyway.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dflash_async.data.packing import PackedBatch
+from dflash_async.model.chunked_ce import ce_and_grad_from_logits
 from dflash_async.model.dflash2 import DFlash2Drafter
-from dflash_async.model.grouped_topk import grouped_topk
+from dflash_async.model.grouped_topk import group_maxima, group_width, grouped_topk
 from dflash_async.model.logit_transforms import transformed_ce_and_grad
 from dflash_async.model.objective import (
     Anchors,
@@ -49,6 +54,20 @@ def selector_targets(
     return in_set, in_set.any(-1)
 
 
+def ce_grad_and_group_max(
+    logits: torch.Tensor,  # [c, V]
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+    *,
+    group_width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DFlash2 chunk's elementwise pass, reference form: ce_and_grad_from_logits's three
+    outputs and group_maxima(logits, group_width) [c, V / group_width]. Compiled (GPU,
+    ce_kernel='compiled'), the maxima fuse into the CE's reads; ce_kernel.py's
+    ce_grad_and_group_max_triton is the same contract in one Triton launch."""
+    return (*ce_and_grad_from_logits(logits, labels, weights), group_maxima(logits, group_width))
+
+
 class _UnaryCEAndTopK(torch.autograd.Function):
     """DFlash's chunked weighted CE (objective._LinearWeightedCE) that also returns each row's
     unary top-k values and indices. The values are differentiable: their gradient reaches
@@ -71,10 +90,13 @@ class _UnaryCEAndTopK(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = hidden[start:end] @ weight.T  # [c, V]
-            ce_sum, hit, grad_logits, z = transformed_ce_and_grad(
+            ce_sum, hit, grad_logits, z, *group_max = transformed_ce_and_grad(
                 transform, elementwise, logits, labels[start:end], weights[start:end]
-            )  # z: the transformed (unary) logits, what the selector adds to
-            top_values, top_index = grouped_topk(z, k)  # on the device: no host sync
+            )  # z: the transformed (unary) logits, what the selector adds to; group_max: its
+            # group maxima where `elementwise` is a ce_grad_and_group_max (else none)
+            top_values, top_index = grouped_topk(  # on the device: no host sync
+                z, k, group_max=group_max[0] if group_max else None
+            )
             sums.append(ce_sum)
             hits.append(hit)
             grads.append(grad_logits @ weight)  # [c, d]
@@ -138,6 +160,19 @@ class DFlash2Objective(DFlashObjective):
         super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
         self.selector_alpha = float(selector_alpha)
         self.top_k = drafter.config.selector_top_k
+        width = group_width(drafter.config.vocab_size, self.top_k)
+        if width is not None:  # the CE pass also returns the top-k's group maxima
+            if self.ce_kernel == "triton":
+                from dflash_async.model.ce_kernel import ce_grad_and_group_max_triton
+
+                self.ce_elementwise = functools.partial(
+                    ce_grad_and_group_max_triton, group_width=width
+                )
+            else:
+                elementwise = functools.partial(ce_grad_and_group_max, group_width=width)
+                self.ce_elementwise = (  # compiled as DFlashObjective compiles its pass
+                    torch.compile(elementwise, dynamic=False) if config.compile else elementwise
+                )
 
     def forward(self, batch: PackedBatch, anchors: Anchors) -> StepSums:
         tokens, positions, labels, weights = self._blocks(batch, anchors)

@@ -55,12 +55,14 @@ def transformed_ce_and_grad(
     logits: torch.Tensor,  # [c, V] raw lm_head logits of one CE chunk
     labels: torch.Tensor,  # [c]
     weights: torch.Tensor,  # [c]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """The CE chunk's elementwise pass on z = transform(logits): (sum(w*CE), argmax==label [c],
-    d sum(w*CE) / d logits [c, V] in the logits' dtype, z [c, V]). The identity passes the raw
+    d sum(w*CE) / d logits [c, V] in the logits' dtype, z [c, V]), then whatever `elementwise`
+    returns after its gradient (DFlash2's group maxima of z). The identity passes the raw
     logits straight through (z is then `logits` itself)."""
     if transform.is_identity:
-        return (*elementwise(logits, labels, weights), logits)
+        ce_sum, hit, grad, *extra = elementwise(logits, labels, weights)
+        return ce_sum, hit, grad, logits, *extra
     z = transform(logits)  # [c, V], at least fp32
-    ce_sum, hit, grad_z = elementwise(z, labels, weights)
-    return ce_sum, hit, transform.chain(grad_z, z).to(logits.dtype), z
+    ce_sum, hit, grad_z, *extra = elementwise(z, labels, weights)
+    return ce_sum, hit, transform.chain(grad_z, z).to(logits.dtype), z, *extra
