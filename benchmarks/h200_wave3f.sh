@@ -14,8 +14,10 @@
 #     shape in bf16 and with FP8 linears;  curve: its GPU tests again (rowwise_mm is now shared)
 #     and its 500-step demo runs against bf16 (CURVE_RUNS, CURVE_LIMIT).
 #   moe2: the Qwen3-30B-A3B rows again after the combine became k pointwise terms (issue 31).
+#   d3: the DFlash2 step once its CE pass also writes the top-k's group maxima (issue 30), its
+#     GPU tests and those of the FP8 and experts paths, then moe2's rows.
 #   k2: the graph-replayed kernel tables of the DFlash2 and the DFlash step (issue 30's margin).
-# Usage: benchmarks/h200_wave3f.sh d2|prof|moe|fp8d|curve|k2|moe2 ...; carry .whl as the device README says.
+# Usage: benchmarks/h200_wave3f.sh d2|prof|moe|fp8d|curve|k2|moe2|d3 ...; carry .whl as the device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
 drafter() {  # limit, then bench drafter arguments
@@ -67,6 +69,16 @@ for which in "$@"; do
     timeout 150 python3 -m pytest -q -x tests/test_grouped_experts.py tests/test_fp8_gpu.py \
       2>&1 | grep -v DEBUG | tail -4
     shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
+  fi
+  if [ "$which" = d3 ]; then  # the DFlash2 group maxima from the CE pass (issue 30), and moe2
+    part "GPU tests: CE pass (+ group maxima), grouped top-k, drafters, FP8, grouped experts"
+    timeout 240 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
+      tests/test_gpu_drafter.py tests/test_grouped_experts.py tests/test_fp8_gpu.py \
+      tests/test_fp8_training_gpu.py 2>&1 | grep -v DEBUG | tail -4
+    drafter 150 --kind dflash2 --steps 5
+    drafter 150 --kind dflash2 --steps 5
+    drafter 150 --kind dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
+    shape 200 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
   fi
   if [ "$which" = curve ]; then
     if [ -z "${CURVE_NO_TESTS:-}" ]; then
