@@ -12,10 +12,11 @@ permutation and sum around its two grouped products are ~12 separate passes over
 [T * k, d] rows of every MoE layer. The FP8 experts (target/fp8_linear.py) run the same parts as
 three compiled functions: 12.4 -> 6.1 ms per Qwen3-30B-A3B layer at T = 16384 on an H200
 (BENCHMARKS.md, 2026-12-02); this module gives bf16 the same structure. The packed forwards use
-it on CUDA by default (target/forward.py): measured by `bench target --experts hf,compiled` on an
-H200 (2026-12-03, T = 16384), packed tokens/s with HF's experts -> CompiledExperts: Moonlight-16B-A3B
-62.8k -> 97.4k, Qwen3-30B-A3B 41.6k -> 63.7k, MiniMax-M2 (8 layers) 137.5k -> 199.8k, Qwen3-Next
-(16 layers) 95.9k -> 130.5k, features equal within bf16's noise.
+it on CUDA by default (target/forward.py): measured by `bench target --experts hf,compiled` on
+an H200 (2026-12-03, T = 16384), packed tokens/s with HF's experts -> CompiledExperts:
+Moonlight-16B-A3B 62.8k -> 97.4k, Qwen3-30B-A3B 41.6k -> 63.7k (71.3k once `combine` became k
+pointwise terms), MiniMax-M2 (8 layers) 137.5k -> 199.8k, Qwen3-Next (16 layers) 95.9k ->
+130.5k, features equal within bf16's noise.
 
 CPU-GPU syncs: none on CUDA; the CPU's per-expert loop (`offsets.tolist()`) syncs trivially.
 """
@@ -61,7 +62,9 @@ def combine(
     reduction over the [T, k, d] view, Inductor gave each warp 8 rows x 4 columns (the k axis
     fastest), and the kernel moved ~0.9 TB/s: 0.63 ms per Qwen3-30B-A3B layer at T = 16384 on an
     H200 (2026-12-03, benchmarks/profile_target_gpu.py), after HF's scatter of the [S, d] rows
-    into token order (restored[perm] = out, 0.27 ms) was already gone."""
+    into token order (restored[perm] = out, 0.27 ms) was already gone. As k terms the whole
+    forward went 254.7 -> 229.6 ms with bf16 experts and 214.7 -> 192.7 ms with FP8 ones
+    (`bench target --shapes qwen3-30b-a3b`, BENCHMARKS.md)."""
     tokens, k = top_k_weights.shape
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)  # pair p is row inverse[p]
