@@ -171,6 +171,7 @@ def bench_drafter(
     flex_backend: str = "auto",
     trace: str | None = None,
     fp8_matmuls: bool = False,
+    profile_top: int = 25,
 ) -> DrafterBench:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -232,7 +233,7 @@ def bench_drafter(
         )  # fmt: skip
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
         if cuda_graph:
-            graph = graph_kernels(step, steps=2, trace=trace)
+            graph = graph_kernels(step, steps=2, top=profile_top, trace=trace)
             title = (f"### The same step graph-replayed, GPU activity by name (2 replays): "
                      f"busy {graph.busy_ms:.1f} ms per {result.step_ms:.1f} ms step")  # fmt: skip
             print(format_kernels(graph, title=title), file=sys.stderr, flush=True)
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trace", help="with --profile: write the graph replays' Chrome trace here (.json.gz)"
     )
+    parser.add_argument("--profile-top", type=int, default=25,
+                        help="with --profile: kernels listed, the longest first")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
     parser.add_argument(
         "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
@@ -382,6 +385,7 @@ def _bench_variant(args, device: torch.device, mode: str, options: dict) -> Draf
         profile=args.profile,
         compile=args.compile,
         trace=args.trace,
+        profile_top=args.profile_top,
         fp8_matmuls=args.fp8_matmuls,
         **options,
     )
