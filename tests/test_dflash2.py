@@ -403,3 +403,24 @@ def test_a_restored_dflash2_step_continues_exactly(tmp_path) -> None:
     assert any("selector" in n for n in names) and any("conv" in n for n in names)
     for p, q in zip(original.params, resumed.params, strict=True):
         assert torch.equal(p, q)
+
+
+def test_the_compiled_dflash2_objective_equals_the_block_by_block_reference() -> None:
+    """ObjectiveConfig(compile=True) on the CPU: the layers and the CE pass with its group maxima
+    (dflash2_objective.ce_grad_and_group_max) compiled (CPU inductor, float64) give the
+    reference's sums and gradients within the float64 tolerances above (the compiled
+    kernels only reorder float64 sums: ~n * 2^-53 relative for n <= 10^3 terms)."""
+    s = build(CASES["d32_B4_V256_top4_grouped"])
+    ref, ref_grads = reference(s)
+    torch._dynamo.reset()
+    config = replace(objective_config(s), compile=True)
+    obj = DFlash2Objective(config, s.drafter, s.embed, s.lm_head, selector_alpha=s.case.alpha)
+    s.drafter.zero_grad(set_to_none=True)
+    sums = obj(s.batch, make_anchors(s.anchors, s.case.num_anchors))
+    sums.ce_sum.backward()
+    assert close(sums.ce_sum, ref.ce_sum), (float(sums.ce_sum), float(ref.ce_sum))
+    assert int(sums.topk_hits) == ref.topk_hits
+    assert int(sums.selector_correct) == ref.selector_correct
+    for name, p in s.drafter.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")  # fmt: skip
