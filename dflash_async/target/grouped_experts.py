@@ -59,12 +59,13 @@ def combine(
     Each token's k rows are gathered through the inverse permutation (an [S] scatter of
     indices). The k-sum is written as k terms added in turn, not `.sum(dim=1)`: compiled, that
     is one pointwise kernel over [T, d] whose k loads each read whole contiguous rows. As a
-    reduction over the [T, k, d] view, Inductor gave each warp 8 rows x 4 columns (the k axis
-    fastest), and the kernel moved ~0.9 TB/s: 0.63 ms per Qwen3-30B-A3B layer at T = 16384 on an
-    H200 (2026-12-03, benchmarks/profile_target_gpu.py), after HF's scatter of the [S, d] rows
-    into token order (restored[perm] = out, 0.27 ms) was already gone. As k terms the whole
-    forward went 254.7 -> 229.6 ms with bf16 experts and 214.7 -> 192.7 ms with FP8 ones
-    (`bench target --shapes qwen3-30b-a3b`, BENCHMARKS.md)."""
+    reduction over the [T, k, d] view (Inductor's persistent reduction over k, whose tiles likely
+    ran along k rather than along the rows; its code was not read), the kernel moved ~0.9 TB/s:
+    0.63 ms per Qwen3-30B-A3B layer at T = 16384 on an H200 (2026-12-03,
+    benchmarks/profile_target_gpu.py), after HF's scatter of the [S, d] rows into token order
+    (restored[perm] = out, 0.27 ms) was already gone. As k terms the whole forward went 254.7 ->
+    229.6 ms with bf16 experts and 214.7 -> 192.7 ms with FP8 ones (`bench target --shapes
+    qwen3-30b-a3b`, BENCHMARKS.md)."""
     tokens, k = top_k_weights.shape
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)  # pair p is row inverse[p]
