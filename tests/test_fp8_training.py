@@ -1,4 +1,5 @@
-"""The drafter's FP8 training matmuls (model/fp8_training.py, DFLASH_TRAIN__FP8_MATMULS), on the CPU.
+"""The drafter's FP8 training matmuls (model/fp8_training.py, DFLASH_TRAIN__FP8_MATMULS), on the
+CPU.
 
 The Function's output and both gradients are checked against a reference written here (each row
 quantized by hand, dequantized, multiplied in fp64), within bounds derived from the arithmetic:
@@ -222,7 +223,8 @@ def test_use_fp8_matmuls_keeps_every_parameter_and_swaps_the_aligned_linears() -
 
 
 def test_linears_with_a_bias_or_unaligned_features_stay_plain() -> None:
-    model = nn.ModuleDict({"ok": nn.Linear(32, 16, bias=False), "odd": nn.Linear(20, 16, bias=False),
+    model = nn.ModuleDict({"ok": nn.Linear(32, 16, bias=False),
+                           "odd": nn.Linear(20, 16, bias=False),
                            "bias": nn.Linear(32, 16)})  # fmt: skip
     done = use_fp8_matmuls(model, kernel=False)
     assert done.fp8 == ("ok",) and set(done.kept) == {"odd", "bias"}

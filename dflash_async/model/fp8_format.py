@@ -3,9 +3,8 @@
 
 Owns the e4m3 dtype, its largest value, `quantize_rows` (one fp32 scale per row), `_scaled_mm`'s
 alignment, which devices run it row-wise (`rowwise_kernel_problem`) and the row-wise product
-(`rowwise_mm`). Here, in
-model/, because target/ imports model/ (tests/test_layering.py: no circle of parts), so this is
-the one place both may import it from.
+(`rowwise_mm`). It lives in model/ because target/ imports model/ (tests/test_layering.py: no
+circle of parts), so this is the one place both may import it from.
 """
 
 from __future__ import annotations

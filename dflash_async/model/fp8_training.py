@@ -31,8 +31,9 @@ The kernel runs on a CUDA device of compute capability >= 8.9 (`rowwise_kernel_p
 bf16 outputs (the compute dtype on a GPU, and the one row-wise `_scaled_mm` is known to take).
 Elsewhere (the CPU, older GPUs, another output dtype) the same quantization feeds
 `dequantized_product`: (x_q * s_x) @ (w_q * s_w)^T in fp32, rounded once to the output dtype, the
-kernel's result but for how it accumulates, so CPU tests cover the recipe. It is only for tests: it is slower than the plain matmul, and a run
-refuses the setting on such devices (pipeline/specs.py).
+kernel's result but for how it accumulates, so CPU tests cover the recipe. It is only for tests:
+it is slower than the plain matmul, and a run refuses the setting on such devices
+(pipeline/specs.py).
 
 Alignment: `_scaled_mm` needs K and N multiples of 16 (ALIGN); a linear that is not (or has a
 bias: the drafter's have none) stays a plain linear in the compute dtype, and
