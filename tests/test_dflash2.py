@@ -406,9 +406,10 @@ def test_a_restored_dflash2_step_continues_exactly(tmp_path) -> None:
 
 
 def test_the_compiled_dflash2_objective_equals_the_block_by_block_reference() -> None:
-    """ObjectiveConfig(compile=True) on the CPU: the layers, the CE pass with its group maxima and
-    the selector's term (dflash2_objective.selector_loss) each compiled (CPU inductor, float64)
-    give the reference's sums and gradients within the float64 tolerances above (the compiled
+    """ObjectiveConfig(compile=True) on the CPU: the layers, the CE pass with its group maxima,
+    the selector's term (dflash2_objective.selector_loss) and the candidates' gradient
+    (candidate_rows_grad) each compiled (CPU inductor, float64) give the reference's sums and
+    gradients within the float64 tolerances above (the compiled
     kernels only reorder float64 sums: ~n * 2^-53 relative for n <= 10^3 terms)."""
     s = build(CASES["d32_B4_V256_top4_grouped"])
     ref, ref_grads = reference(s)

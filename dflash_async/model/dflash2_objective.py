@@ -68,6 +68,24 @@ def ce_grad_and_group_max(
     return (*ce_and_grad_from_logits(logits, labels, weights), group_maxima(logits, group_width))
 
 
+def candidate_rows_grad(
+    grad: torch.Tensor,  # [c, k] d loss / d logit at the candidates
+    index: torch.Tensor,  # [c, k] the candidates
+    weight: torch.Tensor,  # [V, d] the lm_head
+) -> torch.Tensor:
+    """sum_j grad[n, j] * weight[index[n, j]]: [c, d] in >= fp32, the candidates' unary values'
+    gradient with respect to the slots' hidden states, added over j = 0..k-1 in order. Written
+    as k terms (as grouped_experts.combine) so that, compiled, it is one pointwise kernel whose k
+    loads read whole lm_head rows, and the [c, k, d] rows are never written out; eager (the
+    CPU) it is k gathers of [c, d]."""
+    g = grad.to(weight.dtype)
+    acc = torch.promote_types(weight.dtype, torch.float32)  # fp32 for bf16 (fp64 tests: fp64)
+    total = (g[:, :1] * weight[index[:, 0]]).to(acc)
+    for j in range(1, index.shape[1]):  # k is static (selector_top_k)
+        total = total + (g[:, j : j + 1] * weight[index[:, j]]).to(acc)
+    return total
+
+
 class _UnaryCEAndTopK(torch.autograd.Function):
     """DFlash's chunked weighted CE (objective._LinearWeightedCE) that also returns each row's
     unary top-k values and indices. The values are differentiable: their gradient reaches
@@ -84,6 +102,7 @@ class _UnaryCEAndTopK(torch.autograd.Function):
         elementwise,
         k: int,
         transform,
+        rows_grad,
     ):
         weight = lm_head_weight.to(hidden.dtype)  # [V, d]
         sums, hits, grads, values, indices = [], [], [], [], []
@@ -105,7 +124,7 @@ class _UnaryCEAndTopK(torch.autograd.Function):
         index = torch.cat(indices)  # [N, k]
         top_values = torch.cat(values)  # [N, k] transformed: the chain rule reads them back
         ctx.save_for_backward(torch.cat(grads), index, weight, top_values)
-        ctx.chunk_size, ctx.transform = chunk_size, transform
+        ctx.chunk_size, ctx.transform, ctx.rows_grad = chunk_size, transform, rows_grad
         hit = torch.cat(hits)
         ctx.mark_non_differentiable(hit, index)
         return torch.stack(sums).sum(), hit, top_values, index
@@ -118,14 +137,12 @@ class _UnaryCEAndTopK(torch.autograd.Function):
             parts = []
             for start in range(0, index.shape[0], ctx.chunk_size):
                 end = start + ctx.chunk_size
-                rows = weight[index[start:end]]  # [c, k, d]
                 g = grad_values[start:end]  # [c, k] d/dz at the candidates, chained to logits
                 if not ctx.transform.is_identity:
                     g = ctx.transform.chain(g, top_values[start:end])
-                g = g.to(rows.dtype)
-                parts.append(torch.einsum("ck,ckd->cd", g, rows))
+                parts.append(ctx.rows_grad(g, index[start:end], weight))  # [c, d]
             grad_hidden = grad_hidden + torch.cat(parts).to(grad_hidden.dtype)
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 def selector_cross_entropy(
@@ -180,9 +197,11 @@ class DFlash2Objective(DFlashObjective):
         super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
         self.selector_alpha = float(selector_alpha)
         self.top_k = drafter.config.selector_top_k
-        self.selector_loss = selector_loss
-        if config.compile:  # one graph each way (GPU), as the layers
-            self.selector_loss = torch.compile(selector_loss, dynamic=False, fullgraph=True)
+        self.selector_loss, self.candidate_rows_grad = selector_loss, candidate_rows_grad
+        if config.compile:  # one graph each (GPU), as the layers
+            compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
+            self.selector_loss = compiled(selector_loss)
+            self.candidate_rows_grad = compiled(candidate_rows_grad)
         width = group_width(drafter.config.vocab_size, self.top_k)
         if width is not None:  # the CE pass also returns the top-k's group maxima
             if self.ce_kernel == "triton":
@@ -206,7 +225,7 @@ class DFlash2Objective(DFlashObjective):
         with step_range("lm_head_ce"):
             ce_sum, correct_pred, unary, candidates = _UnaryCEAndTopK.apply(
                 slots, self.lm_head_weight.detach(), gold, w, self.config.ce_chunk_size,
-                self.ce_elementwise, self.top_k, self.logit_transform,
+                self.ce_elementwise, self.top_k, self.logit_transform, self.candidate_rows_grad,
             )  # fmt: skip
         with step_range("lm_head_ce"):  # the selector: part of the head's range
             previous = selector_predecessors(labels).flatten()  # [N]
