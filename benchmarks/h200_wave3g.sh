@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The DFlash2 step with its selector term and the candidates' gradient compiled (issue 30's
+# MFU >= 0.70 at the Qwen3-8B shape), on one H200, in parts that each fit one 10-minute call;
+# output also in $OUT/PART.log.
+#   tests: the GPU tests of the CE pass, the grouped top-k, the drafter variants (DFlash2
+#     captured and compiled) and the FP8 drafter linears.
+#   ab: `bench drafter --kind dflash2` of this tree against .ab/base's (the step before the
+#     change: `git worktree add .ab/base REV`, carried), one process each, alternating, twice,
+#     with the SM clock and power sampled by nvidia-smi (the step runs at the power cap).
+#   prof: the profiled DFlash2 step with the 60 longest kernels of the graph replays.
+#   b8: the block-8, 248k-vocabulary DFlash2 shape.
+# Usage: benchmarks/h200_wave3g.sh tests|ab|prof|b8 ...; carry .whl (and .ab for ab) as the
+# device README says.
+. "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
+
+dflash2() {  # TREE (new|base), then bench drafter arguments
+  local dir=$PWD; [ "$1" = base ] && dir=$PWD/.ab/base
+  shift
+  part "bench drafter --kind dflash2 $* ($dir)"
+  (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#*:} timeout 170 python3 -m dflash_async bench \
+    drafter --compile --modes graph --kind dflash2 "$@" 2>&1 | grep '^{"shape"' \
+    | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*')
+}
+clocks() {  # start sampling the SM clock and power every 200 ms into $out/clocks.csv
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits \
+    -lms 200 > "$out/clocks.csv" 2>/dev/null &
+  echo $!
+}
+
+for which in "$@"; do
+  exec > >(tee -a "$out/$which.log") 2>&1
+  if [ "$which" = tests ]; then
+    part "GPU tests: CE pass, grouped top-k, drafter variants, FP8 drafter linears"
+    timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
+      tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py 2>&1 | grep -v DEBUG | tail -4
+  fi
+  if [ "$which" = ab ]; then
+    sampler=$(clocks)
+    for tree in new base new base; do dflash2 "$tree" --steps 8; done
+    kill "$sampler" 2>/dev/null
+    part "SM clock MHz and power W while the four runs ran (samples, mean, min / max)"
+    awk -F', ' '{c+=$2; p+=$3; n++; if (n==1||$2<cmin) cmin=$2; if ($3>pmax) pmax=$3}
+      END {if (n) printf "%d samples: clock mean %.0f min %d, power mean %.0f max %.0f\n",
+           n, c/n, cmin, p/n, pmax}' "$out/clocks.csv"
+  fi
+  if [ "$which" = prof ]; then
+    part "bench drafter --kind dflash2 --steps 3 --profile --profile-top 60"
+    timeout 200 python3 -m dflash_async bench drafter --compile --modes graph --kind dflash2 \
+      --steps 3 --profile --profile-top 60 2>&1 \
+      | grep -v -e '^\s*$' -e DEBUG -e Warning -e _warn_once | tail -110
+  fi
+  if [ "$which" = b8 ]; then
+    dflash2 new --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
+  fi
+done
+part "done"
