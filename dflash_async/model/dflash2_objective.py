@@ -204,17 +204,11 @@ class DFlash2Objective(DFlashObjective):
             self.candidate_rows_grad = compiled(candidate_rows_grad)
         width = group_width(drafter.config.vocab_size, self.top_k)
         if width is not None:  # the CE pass also returns the top-k's group maxima
-            if self.ce_kernel == "triton":
-                from dflash_async.model.ce_kernel import ce_grad_and_group_max_triton
-
-                self.ce_elementwise = functools.partial(
-                    ce_grad_and_group_max_triton, group_width=width
-                )
-            else:
-                elementwise = functools.partial(ce_grad_and_group_max, group_width=width)
-                self.ce_elementwise = (  # compiled as DFlashObjective compiles its pass
-                    torch.compile(elementwise, dynamic=False) if config.compile else elementwise
-                )
+            self.ce_elementwise = self.ce_pass(
+                reference=ce_grad_and_group_max,
+                triton="ce_grad_and_group_max_triton",
+                group_width=width,
+            )
 
     def forward(self, batch: PackedBatch, anchors: Anchors) -> StepSums:
         tokens, positions, labels, weights = self._blocks(batch, anchors)

@@ -17,7 +17,9 @@ most) and the logit transforms inside each CE chunk, as at inference (logit_tran
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -181,15 +183,11 @@ class DFlashObjective(nn.Module):
         self.ce_kernel = config.ce_kernel  # resolved: "triton" or "compiled"
         if self.ce_kernel == "auto":
             self.ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
-        self.ce_elementwise = ce_and_grad_from_logits
-        if self.ce_kernel == "triton":
-            if not self.lm_head_weight.is_cuda:
-                raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
-            from dflash_async.model.ce_kernel import ce_and_grad_triton  # lazy: needs triton
-
-            self.ce_elementwise = ce_and_grad_triton
-        elif config.compile:
-            self.ce_elementwise = torch.compile(ce_and_grad_from_logits, dynamic=False)
+        if self.ce_kernel == "triton" and not self.lm_head_weight.is_cuda:
+            raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
+        self.ce_elementwise = self.ce_pass(
+            reference=ce_and_grad_from_logits, triton="ce_and_grad_triton"
+        )
         if config.compile:
             drafter.compile_layers()
         self.rules = drafter.config.attention_rules()  # one per layer
@@ -198,6 +196,19 @@ class DFlashObjective(nn.Module):
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)
         self.decay = torch.tensor(decay, dtype=torch.float64, device=self.lm_head_weight.device)
+
+    def ce_pass(self, *, reference: Callable, triton: str, **options) -> Callable:
+        """The CE chunk's elementwise pass for the resolved `self.ce_kernel`: ce_kernel.py's
+        function named `triton` (imported only then: it needs triton), else `reference`,
+        torch.compile'd where the config compiles; `options` are bound to either (both take the
+        same keywords). One place for the choice, so that a subclass asking for a pass with more
+        outputs (DFlash2's group maxima) chooses it exactly as DFlash's is chosen."""
+        if self.ce_kernel == "triton":
+            from dflash_async.model import ce_kernel  # lazy: needs triton
+
+            return functools.partial(getattr(ce_kernel, triton), **options)
+        fn = functools.partial(reference, **options)
+        return torch.compile(fn, dynamic=False) if self.config.compile else fn
 
     def _attend(self, batch: PackedBatch, anchors: Anchors) -> tuple[Attend, ...]:
         """One attend per drafter layer, one mask per distinct rule (full and sliding at most)."""
