@@ -9,7 +9,9 @@
 #     with the SM clock and power sampled by nvidia-smi (the step runs at the power cap).
 #   prof: the profiled DFlash2 step with the 60 longest kernels of the graph replays.
 #   b8: the block-8, 248k-vocabulary DFlash2 shape.
-# Usage: benchmarks/h200_wave3g.sh tests|ab|prof|b8 ...; carry .whl (and .ab for ab) as the
+#   ref: the DFlash and DFlash2 steps at the Qwen3-8B shape on the same machine, back to back,
+#     with clocks sampled (machines differ by a few percent under the power cap).
+# Usage: benchmarks/h200_wave3g.sh tests|ab|prof|b8|ref ...; carry .whl (and .ab for ab) as the
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -48,6 +50,19 @@ for which in "$@"; do
     timeout 200 python3 -m dflash_async bench drafter --compile --modes graph --kind dflash2 \
       --steps 3 --profile --profile-top 60 2>&1 \
       | grep -v -e '^\s*$' -e DEBUG -e Warning -e _warn_once | tail -110
+  fi
+  if [ "$which" = ref ]; then
+    sampler=$(clocks)
+    part "bench drafter --kind dflash --steps 8"
+    timeout 170 python3 -m dflash_async bench drafter --compile --modes graph --kind dflash \
+      --steps 8 2>&1 | grep '^{"shape"' \
+      | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*'
+    dflash2 new --steps 8
+    kill "$sampler" 2>/dev/null
+    part "SM clock MHz and power W of the samples above 600 W (the timed steps)"
+    awk -F', ' '$3 > 600 {c+=$2; p+=$3; n++; if (n==1||$2<cmin) cmin=$2}
+      END {if (n) printf "%d samples: clock mean %.0f min %d, power mean %.0f\n",
+           n, c/n, cmin, p/n}' "$out/clocks.csv"
   fi
   if [ "$which" = b8 ]; then
     dflash2 new --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
