@@ -3,7 +3,8 @@
 # MFU >= 0.70 at the Qwen3-8B shape), on one H200, in parts that each fit one 10-minute call;
 # output also in $OUT/PART.log.
 #   tests: the GPU tests of the CE pass, the grouped top-k, the drafter variants (DFlash2
-#     captured and compiled) and the FP8 drafter linears.
+#     captured and compiled), the FP8 drafter linears, the objective against its reference and
+#     the step's no-host-sync check.
 #   ab: `bench drafter --kind dflash2` of this tree against .ab/base's (the step before the
 #     change: `git worktree add .ab/base REV`, carried), one process each, alternating, twice,
 #     with the SM clock and power sampled by nvidia-smi (the step runs at the power cap).
@@ -34,7 +35,8 @@ for which in "$@"; do
   if [ "$which" = tests ]; then
     part "GPU tests: CE pass, grouped top-k, drafter variants, FP8 drafter linears"
     timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
-      tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py 2>&1 | grep -v DEBUG | tail -4
+      tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py tests/test_objective_reference.py \
+      tests/test_no_host_sync.py 2>&1 | grep -v DEBUG | tail -4
   fi
   if [ "$which" = ab ]; then
     sampler=$(clocks)
