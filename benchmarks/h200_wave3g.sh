@@ -36,7 +36,7 @@ for which in "$@"; do
     part "GPU tests: CE pass, grouped top-k, drafter variants, FP8 drafter linears"
     timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
       tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py tests/test_objective_reference.py \
-      tests/test_no_host_sync.py 2>&1 | grep -v DEBUG | tail -4
+      tests/test_no_host_sync.py --tb=short 2>&1 | grep -v DEBUG | tail -60  # a failure's lines
   fi
   if [ "$which" = ab ]; then
     sampler=$(clocks)
