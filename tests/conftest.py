@@ -7,6 +7,7 @@ that should matter changes, so "changed" and "unchanged" are far apart even in f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@functools.cache
+def compiled_sdpa_float64_problem() -> str | None:
+    """Why CPU inductor cannot differentiate a boolean-masked SDPA in float64 on this torch, or
+    None. torch 2.11 cannot (its backward asks a float32 mask of float64 inputs: "expected scalar
+    type Double but found Float"); 2.13 can. Probed once per process (one small compile)."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    sdpa = torch.compile(torch.nn.functional.scaled_dot_product_attention, dynamic=False)
+    try:
+        sdpa(q, q, q, attn_mask=mask).sum().backward()
+    except RuntimeError as error:
+        return f"torch {torch.__version__}: compiled float64 SDPA backward fails ({error})"[:200]
+    return None
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import (
     TinySpec,
+    compiled_sdpa_float64_problem,
     make_anchors,
     randomize_,
     tiny_batch,
@@ -411,6 +412,8 @@ def test_the_compiled_dflash2_objective_equals_the_block_by_block_reference() ->
     (candidate_rows_grad) each compiled (CPU inductor, float64) give the reference's sums and
     gradients within the float64 tolerances above (the compiled
     kernels only reorder float64 sums: ~n * 2^-53 relative for n <= 10^3 terms)."""
+    if problem := compiled_sdpa_float64_problem():
+        pytest.skip(problem)
     s = build(CASES["d32_B4_V256_top4_grouped"])
     ref, ref_grads = reference(s)
     torch._dynamo.reset()

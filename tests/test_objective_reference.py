@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import (
     TinySpec,
+    compiled_sdpa_float64_problem,
     make_anchors,
     make_objective,
     randomize_,
@@ -445,6 +446,8 @@ def test_compiled_drafter_equals_the_reference_and_compiles_once() -> None:
     step with other anchors (a new attention closure and mask) reuses the graphs."""
     from torch._dynamo.utils import counters
 
+    if problem := compiled_sdpa_float64_problem():
+        pytest.skip(problem)
     case = CASES["d32_hd16_B4_invalid_slots"]
     s = build(case)
     ref, ref_grads = reference_for(s)

@@ -68,7 +68,11 @@ def dequantized_product(a_q, a_scale, b_q, b_scale, *, out_dtype: torch.dtype) -
     with torch.autocast(a_q.device.type, enabled=False):
         a = a_q.float() * a_scale[:, None]
         b = b_q.float() * b_scale[:, None]
-        return (a @ b.t()).to(out_dtype)
+        y = a @ b.t()
+    # No `.to` when it would be a no-op (fp32 out, the CPU tests): torch 2.11's dynamo gives an
+    # autograd.Function whose output is `t.to(t.dtype)` zero gradients (reproduced on the CPU
+    # with torch 2.11.0; 2.13 is right). Eager, both spellings are the same tensor.
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def rowwise_product(
