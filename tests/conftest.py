@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @functools.cache
 def compiled_sdpa_float64_problem() -> str | None:
     """Why CPU inductor cannot differentiate a boolean-masked SDPA in float64 on this torch, or
-    None. torch 2.11 cannot (its backward asks a float32 mask of float64 inputs: "expected scalar
-    type Double but found Float"); 2.13 can. Probed once per process (one small compile)."""
+    None. torch 2.11 cannot (the backward raises "expected scalar type Double but found Float");
+    2.13 can. Probed once per process (one small compile)."""
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(4, 4, dtype=torch.bool).tril()
     sdpa = torch.compile(torch.nn.functional.scaled_dot_product_attention, dynamic=False)
