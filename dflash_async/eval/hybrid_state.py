@@ -40,11 +40,14 @@ from transformers.cache_utils import (
 
 @dataclass(frozen=True)
 class LinearStateSnapshot:
-    """Clones of every linear-attention layer's conv and recurrent states (None: not yet set)."""
+    """Clones of every linear-attention layer's conv and recurrent states (None: not yet set),
+    and of each layer's token count where the cache keeps one (transformers >= 5.25's
+    `cumulative_length_linear`, which its get_seq_length reads)."""
 
     states: tuple[
         tuple[LinearAttentionCacheLayerMixin, int, torch.Tensor | None, torch.Tensor | None], ...
     ]
+    lengths: tuple[tuple[LinearAttentionCacheLayerMixin, torch.Tensor], ...] = ()
 
 
 def decoding_cache(config: Any) -> DynamicCache:
@@ -63,10 +66,13 @@ def has_linear_layers(cache: Cache) -> bool:
 
 def snapshot_linear_states(cache: Cache) -> LinearStateSnapshot:
     """Copies of the conv windows [b, channels, kernel] and recurrent states [b, H, dk, dv]."""
-    states = []
+    states, lengths = [], []
     for layer in cache.layers:
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
+        length = getattr(layer, "cumulative_length_linear", None)
+        if length is not None:
+            lengths.append((layer, length.clone()))
         for i in range(layer.number_of_states):
             conv, recurrent = layer.conv_states[i], layer.recurrent_states[i]
             states.append(
@@ -77,7 +83,7 @@ def snapshot_linear_states(cache: Cache) -> LinearStateSnapshot:
                     None if recurrent is None else recurrent.clone(),
                 )
             )
-    return LinearStateSnapshot(tuple(states))
+    return LinearStateSnapshot(tuple(states), tuple(lengths))
 
 
 def restore_linear_states(snapshot: LinearStateSnapshot) -> None:
@@ -87,6 +93,8 @@ def restore_linear_states(snapshot: LinearStateSnapshot) -> None:
             layer.conv_states[i].copy_(conv)
         if recurrent is not None:
             layer.recurrent_states[i].copy_(recurrent)
+    for layer, length in snapshot.lengths:
+        layer.cumulative_length_linear.copy_(length)
 
 
 def crop_attention(cache: Cache, length: int) -> None:
