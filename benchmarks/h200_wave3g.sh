@@ -16,18 +16,28 @@
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
-dflash2() {  # TREE (new|base), then bench drafter arguments
-  local dir=$PWD; [ "$1" = base ] && dir=$PWD/.ab/base
-  shift
-  part "bench drafter --kind dflash2 $* ($dir)"
+drafter() {  # TREE (new|base), KIND (dflash|dflash2), then bench drafter arguments
+  local dir=$PWD kind=$2; [ "$1" = base ] && dir=$PWD/.ab/base
+  shift 2
+  part "bench drafter --kind $kind $* ($dir)"
   (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#*:} timeout 170 python3 -m dflash_async bench \
-    drafter --compile --modes graph --kind dflash2 "$@" 2>&1 | grep '^{"shape"' \
+    drafter --compile --modes graph --kind "$kind" "$@" 2>&1 | grep '^{"shape"' \
     | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*')
 }
 clocks() {  # start sampling the SM clock and power every 200 ms into $out/clocks.csv
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits \
     -lms 200 > "$out/clocks.csv" 2>/dev/null &
   echo $!
+}
+clock_summary() {  # SAMPLER: stop it; the clock and power of all samples and of those > 600 W
+  kill "$1" 2>/dev/null
+  part "SM clock MHz and power W: all samples, then those above 600 W (the timed steps)"
+  for floor in 0 600; do
+    awk -F', ' -v floor="$floor" '$3 > floor {c+=$2; p+=$3; n++; if (n==1||$2<cmin) cmin=$2
+                                              if ($3>pmax) pmax=$3}
+      END {if (n) printf "> %d W, %d samples: clock mean %.0f min %d, power mean %.0f max %.0f\n",
+           floor, n, c/n, cmin, p/n, pmax}' "$out/clocks.csv"
+  done
 }
 
 for which in "$@"; do
@@ -40,12 +50,8 @@ for which in "$@"; do
   fi
   if [ "$which" = ab ]; then
     sampler=$(clocks)
-    for tree in new base new base; do dflash2 "$tree" --steps 8; done
-    kill "$sampler" 2>/dev/null
-    part "SM clock MHz and power W while the four runs ran (samples, mean, min / max)"
-    awk -F', ' '{c+=$2; p+=$3; n++; if (n==1||$2<cmin) cmin=$2; if ($3>pmax) pmax=$3}
-      END {if (n) printf "%d samples: clock mean %.0f min %d, power mean %.0f max %.0f\n",
-           n, c/n, cmin, p/n, pmax}' "$out/clocks.csv"
+    for tree in new base new base; do drafter "$tree" dflash2 --steps 8; done
+    clock_summary "$sampler"
   fi
   if [ "$which" = prof ]; then
     part "bench drafter --kind dflash2 --steps 3 --profile --profile-top 60"
@@ -55,19 +61,12 @@ for which in "$@"; do
   fi
   if [ "$which" = ref ]; then
     sampler=$(clocks)
-    part "bench drafter --kind dflash --steps 8"
-    timeout 170 python3 -m dflash_async bench drafter --compile --modes graph --kind dflash \
-      --steps 8 2>&1 | grep '^{"shape"' \
-      | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*'
-    dflash2 new --steps 8
-    kill "$sampler" 2>/dev/null
-    part "SM clock MHz and power W of the samples above 600 W (the timed steps)"
-    awk -F', ' '$3 > 600 {c+=$2; p+=$3; n++; if (n==1||$2<cmin) cmin=$2}
-      END {if (n) printf "%d samples: clock mean %.0f min %d, power mean %.0f\n",
-           n, c/n, cmin, p/n}' "$out/clocks.csv"
+    drafter new dflash --steps 8
+    drafter new dflash2 --steps 8
+    clock_summary "$sampler"
   fi
   if [ "$which" = b8 ]; then
-    dflash2 new --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
+    drafter new dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
   fi
 done
 part "done"
