@@ -144,6 +144,11 @@ class TrainSettings(Section):
     """The CE chunk's elementwise pass: model/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). The CPU always runs the plain torch ops."""
+    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
+    """dflash2: the convolutions' kernels: model/conv_kernel.py's Triton kernels (GPU only;
+    `auto` picks them on a GPU where the drafter's hidden size and conv_group_size allow) or the
+    torch ops, compiled with the layers where `compile` is on (same result up to fp32 rounding
+    order). The CPU always runs the plain torch ops."""
     selector_alpha: float = Field(1.0, ge=0)
     """dflash2: weight of the candidate selector's cross-entropy next to the DFlash loss; 0 trains
     the unary DFlash loss alone (the selector then learns nothing)."""

@@ -99,6 +99,38 @@ def test_triton_ce_kernel_is_refused_off_the_gpu() -> None:
         DFlashObjective(objective_config, tiny_drafter(config, 0), embed, lm_head)
 
 
+def test_conv_kernel_defaults_to_auto_and_names_a_bad_choice() -> None:
+    assert load_settings(NO_FILE).train.conv_kernel == "auto"
+    triton = {"DFLASH_TRAIN__CONV_KERNEL": "triton"}
+    assert load_settings(NO_FILE | triton).train.conv_kernel == "triton"
+    with pytest.raises(SettingsError, match=r"CONV_KERNEL|conv_kernel"):
+        load_settings(NO_FILE | {"DFLASH_TRAIN__CONV_KERNEL": "cudnn"})
+
+
+def test_dflash2_convolutions_take_the_reference_on_the_cpu_and_refuse_triton_there() -> None:
+    """auto on the CPU is the torch reference (the drafter keeps block_causal_conv); asking for
+    the Triton kernels there fails at build, naming the device."""
+    import dataclasses
+
+    import torch
+    from conftest import TinySpec, tiny_config, tiny_target_weights
+
+    from dflash_async.model.dflash2 import DFlash2Drafter
+    from dflash_async.model.dflash2_objective import DFlash2Objective
+    from dflash_async.model.objective import ObjectiveConfig
+
+    config = dataclasses.replace(tiny_config(TinySpec()), kind="dflash2")
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    objective_config = ObjectiveConfig(block_size=config.block_size, num_anchors=4,
+                                       mask_token_id=config.mask_token_id, gamma=4.0)  # fmt: skip
+    drafter = DFlash2Drafter(config)
+    objective = DFlash2Objective(objective_config, drafter, embed, lm_head)
+    assert objective.conv_kernel == "compiled" and drafter.conv is None
+    triton = dataclasses.replace(objective_config, conv_kernel="triton")
+    with pytest.raises(ValueError, match="conv_kernel='triton' needs the drafter on a CUDA"):
+        DFlash2Objective(triton, DFlash2Drafter(config), embed, lm_head)
+
+
 def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:
     """The preflight line names the resolved choices: on the CPU the plain CE pass and the
     reference optimizer phase (flex attention forced into the spec, as a GPU run would pick it)."""

@@ -4,6 +4,7 @@ worker thread (as the pipeline runs it). Skipped without CUDA; run on an H200.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -51,14 +52,15 @@ def _in_worker(fn):
     return out[0]
 
 
-def _run(variant: str, *, compile: bool = False) -> dict:
+def _run(variant: str, *, compile: bool = False, kind: str = "dflash") -> dict:
     """One step's loss and gradients at fixed anchors, then 20 graph-replayed steps' losses.
-    compile: the drafter's layers compiled as the GPU default runs them (compile_layers)."""
+    compile: the drafter's layers compiled as the GPU default runs them (compile_layers);
+    kind: the drafter's (dflash2: the small shape with its convolutions and selector)."""
     # each variant compiles the same functions anew: past dynamo's recompile limit (8) they
     # would silently run eagerly, and eager flex_attention cannot be captured
     torch._dynamo.reset()
     device = torch.device("cuda", 0)
-    config = SHAPES["small"]()
+    config = dataclasses.replace(SHAPES["small"](), kind=kind)
     options = {"ce_chunk_size": 2048, **VARIANTS[variant]}
     step = build_step(config, token_budget=T, num_anchors=A, device=device, attention="flex",
                       seed=0, compile=compile, **options)  # fmt: skip
@@ -91,7 +93,10 @@ def today() -> dict:
     return _in_worker(lambda: _run("today"))
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "today"])
+# conv_*: DFlash2's convolutions, which a DFlash step does not have (their own test below)
+@pytest.mark.parametrize(
+    "variant", [v for v in VARIANTS if v != "today" and not v.startswith("conv_")]
+)
 def test_variant_equals_todays_step_in_loss_gradients_and_trajectory(variant, today) -> None:
     if variant == "flex_flash":  # flash-attn-4 is optional (the device has it only when carried)
         pytest.importorskip("flash_attn.cute")
@@ -107,6 +112,19 @@ def test_compiled_layers_equal_the_eager_step_in_loss_gradients_and_trajectory(t
     # up to 4 more roundings per element per layer and direction, r <= 8u + 2 * 2 * 4u = 24u;
     # 32u leaves a margin. Norms compute in fp32 and round once either way.
     _assert_equal_within_bf16(compiled, today, "compiled_layers", r=32 * U)
+
+
+def test_dflash2_triton_convolutions_equal_the_compiled_torch_ones_in_the_step() -> None:
+    """A compiled DFlash2 step with conv_kernel.py's kernels (the GPU default) against the same
+    step with the torch convolutions compiled into the layers."""
+    triton = _in_worker(lambda: _run("conv_triton", compile=True, kind="dflash2"))
+    torch_ops = _in_worker(lambda: _run("conv_compiled", compile=True, kind="dflash2"))
+    # Tolerance: both compute each convolution in fp32 and round its output to bf16 once, but
+    # inductor fuses the torch one with the norm before it or the residual after it, where the
+    # kernel's output is rounded at its own boundary: up to 2 more roundings per element for
+    # each of a layer's 4 convolutions, each direction, 2 * 4 * 2u = 16u, plus the attention's
+    # 8u above: r <= 24u; 32u leaves a margin (as for the compiled layers).
+    _assert_equal_within_bf16(triton, torch_ops, "dflash2_conv_triton", r=32 * U)
 
 
 def _assert_equal_within_bf16(new: dict, today: dict, variant: str, r: float = 8 * U) -> None:

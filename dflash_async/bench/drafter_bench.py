@@ -96,6 +96,7 @@ def build_step(
     compiled_update: bool | None = None,
     working_weights: bool | None = None,
     ce_kernel: str = "auto",
+    conv_kernel: str = "auto",
     flex_backend: str = "auto",
     fp8_matmuls: bool = False,
 ) -> DrafterStep:
@@ -114,8 +115,8 @@ def build_step(
         gamma=default_gamma(config.block_size), lr=6e-4, warmup_frac=10 / BENCH_STEPS,
         weight_decay=0.0, grad_clip=1.0, seed=seed, attention=attention, compile=compile,
         compiled_update=compiled_update, cuda_graph=device.type == "cuda",
-        ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, flex_backend=flex_backend,
-        flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
+        ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, conv_kernel=conv_kernel,
+        flex_backend=flex_backend, flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
         flex_autotune=flex_autotune, working_weights=working_weights is not False,
         kind=config.kind, fp8_matmuls=fp8_matmuls,
     )  # fmt: skip
@@ -168,6 +169,7 @@ def bench_drafter(
     compiled_update: bool | None = None,
     working_weights: bool | None = None,
     ce_kernel: str = "auto",
+    conv_kernel: str = "auto",
     flex_backend: str = "auto",
     trace: str | None = None,
     fp8_matmuls: bool = False,
@@ -189,6 +191,7 @@ def bench_drafter(
         compiled_update=compiled_update,
         working_weights=working_weights,
         ce_kernel=ce_kernel,
+        conv_kernel=conv_kernel,
         flex_backend=flex_backend,
         fp8_matmuls=fp8_matmuls,
     )
@@ -267,6 +270,10 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # (torch.compile'd with --compile)
     "ce_triton": {"ce_kernel": "triton"},
     "ce_compiled": {"ce_kernel": "compiled"},
+    # DFlash2's convolutions: model/conv_kernel.py's Triton kernels (the GPU default) or the
+    # torch ops, compiled with the layers
+    "conv_triton": {"conv_kernel": "triton"},
+    "conv_compiled": {"conv_kernel": "compiled"},
     # all of the above as they were before issue 20: the whole step's before/after in one run
     "previous_default": {
         "compiled_update": False,

@@ -49,6 +49,8 @@ class StepSpec:
     working_weights: bool = True  # bf16 working copies where the compiled update runs
     kind: Literal["dflash", "dflash2"] = "dflash"  # the drafter's (DrafterConfig.kind)
     selector_alpha: float = 1.0  # dflash2: weight of the selector's CE (docs/DFLASH.md s.9)
+    # dflash2's convolutions (ObjectiveConfig.conv_kernel); auto: Triton on a GPU where it runs
+    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
     fp8_matmuls: bool = False  # the drafter's linears as FP8 matmuls (model/fp8_training.py)
 
 
@@ -90,6 +92,7 @@ def build_drafter_step(
             flex_backend=spec.flex_backend,
             flex_autotune=spec.flex_autotune,
             ce_kernel=spec.ce_kernel,
+            conv_kernel=spec.conv_kernel,
         ),
         drafter,
         embed=embed,
@@ -114,6 +117,7 @@ def build_drafter_step(
             flex_backend=objective.flex_backend,
             flex_kernel_options=dict(spec.flex_kernel_options), flex_autotune=spec.flex_autotune,
             ce_chunk_size=spec.ce_chunk_size, ce_kernel=objective.ce_kernel,
+            conv_kernel=objective.conv_kernel if spec.kind == "dflash2" else None,
             update="compiled" if step.adamw is not None else "reference",
             working_weights=any(w is not None for w in step.working),
             grad_dtype=str(step.grad_dtype).removeprefix("torch."),

@@ -19,6 +19,7 @@ nothing). Parameter names are the servable checkpoint's, codebooks plain tensors
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,11 @@ def block_causal_conv(
     return out
 
 
+# conv(h [A, B, d], dyn [A, B, K, G], base [K, d]) -> [A, B, d]: block_causal_conv's contract
+# (conv_kernel.triton_block_conv() on a GPU)
+BlockConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class GroupedDynamicConv(nn.Module):
     """One of a layer's two convolutions (`attention_conv` or `mlp_conv`)."""
 
@@ -69,9 +75,11 @@ class GroupedDynamicConv(nn.Module):
         """[A, B, d] (the normed sublayer input) -> [A, B, 2, K, G]; both sides from the input."""
         return self.kernel_projection(h).unflatten(-1, (2, self.kernel_size, self.groups))
 
-    def convolve(self, h: torch.Tensor, dyn: torch.Tensor, *, side: int) -> torch.Tensor:
+    def convolve(
+        self, h: torch.Tensor, dyn: torch.Tensor, *, side: int, conv: BlockConv = block_causal_conv
+    ) -> torch.Tensor:
         """Side 0 (before the sublayer) or 1 (after it) of the convolution on [A, B, d]."""
-        return block_causal_conv(h, dyn[:, :, side], self.base_kernel[side])
+        return conv(h, dyn[:, :, side], self.base_kernel[side])
 
     @torch.no_grad()
     def reset_identity(self) -> None:
@@ -99,22 +107,24 @@ def dflash2_layer_forward(
     attend: Attend,
     *,
     block_size: int,
+    conv: BlockConv = block_causal_conv,
 ) -> torch.Tensor:
-    """One DFlash2 layer: conv -> attention (KV injection) -> conv -> residual, the same for MLP."""
+    """One DFlash2 layer: conv -> attention (KV injection) -> conv -> residual, the same for MLP.
+    `conv` computes every convolution (block_causal_conv or a kernel of the same contract)."""
 
     def blocks(t: torch.Tensor) -> torch.Tensor:  # [Q, d] -> [A, B, d]
         return t.view(-1, block_size, t.shape[-1])
 
     h = blocks(layer.input_layernorm(x))  # [A, B, d]
     dyn = layer.attention_conv.dynamic_kernels(h)  # [A, B, 2, K, G]
-    h = layer.attention_conv.convolve(h, dyn, side=0).flatten(0, 1)  # [Q, d]
+    h = layer.attention_conv.convolve(h, dyn, side=0, conv=conv).flatten(0, 1)  # [Q, d]
     q, k, v = layer.self_attn.project(h, context, block_rope, context_rope)
     out = blocks(layer.self_attn.output(attend(q, k, v)))  # [A, B, d]
-    x = x + layer.attention_conv.convolve(out, dyn, side=1).flatten(0, 1)
+    x = x + layer.attention_conv.convolve(out, dyn, side=1, conv=conv).flatten(0, 1)
     h = blocks(layer.post_attention_layernorm(x))
     dyn = layer.mlp_conv.dynamic_kernels(h)
-    out = layer.mlp(layer.mlp_conv.convolve(h, dyn, side=0))
-    return x + layer.mlp_conv.convolve(out, dyn, side=1).flatten(0, 1)
+    out = layer.mlp(layer.mlp_conv.convolve(h, dyn, side=0, conv=conv))
+    return x + layer.mlp_conv.convolve(out, dyn, side=1, conv=conv).flatten(0, 1)
 
 
 class CandidateSelector(nn.Module):
@@ -159,6 +169,9 @@ class DFlash2Drafter(DFlashDrafter):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
         self._dflash2_layer = dflash2_layer_forward  # compile_layers() swaps in a compiled one
+        # every convolution's function; None: block_causal_conv (the reference, looked up at
+        # each call); the objective sets a GPU kernel's (conv_kernel.py)
+        self.conv: BlockConv | None = None
         self.reset_parameters()
 
     def make_layer(self, config: DrafterConfig) -> nn.Module:
@@ -185,7 +198,8 @@ class DFlash2Drafter(DFlashDrafter):
         """The DFlash2 layer: convolutions around attention and MLP (dflash2_layer_forward)."""
         with step_range("layer"):
             return self._dflash2_layer(layer, x, context, block_rope, context_rope, attend,
-                                       block_size=self.config.block_size)  # fmt: skip
+                                       block_size=self.config.block_size,
+                                       conv=self.conv or block_causal_conv)  # fmt: skip
 
 
 def make_drafter(config: DrafterConfig) -> DFlashDrafter:

@@ -21,12 +21,14 @@ first step, the group maxima of the unary logits, is an output of the CE chunk's
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.chunked_ce import ce_and_grad_from_logits
 from dflash_async.model.dflash2 import CandidateSelector, DFlash2Drafter
+from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.grouped_topk import group_maxima, group_width, grouped_topk
 from dflash_async.model.logit_transforms import transformed_ce_and_grad
 from dflash_async.model.objective import (
@@ -181,6 +183,28 @@ def selector_loss(
     return selector_sum, hit, has_gold
 
 
+def resolve_conv_kernel(
+    choice: str, config: DrafterConfig, *, device: torch.device
+) -> Literal["triton", "compiled"]:
+    """ObjectiveConfig.conv_kernel resolved for this drafter on `device`: auto takes the Triton
+    kernels on a GPU where conv_kernel_problem finds none (the reference elsewhere); triton
+    where they cannot run is a ValueError that says why."""
+    if choice == "compiled":
+        return "compiled"
+    if device.type != "cuda":
+        if choice == "triton":
+            raise ValueError("conv_kernel='triton' needs the drafter on a CUDA device")
+        return "compiled"
+    from dflash_async.model.conv_kernel import conv_kernel_problem  # a GPU: triton is there
+
+    problem = conv_kernel_problem(hidden_size=config.hidden_size,
+                                  group_size=config.conv_group_size,
+                                  taps=config.conv_kernel_size)  # fmt: skip
+    if problem and choice == "triton":
+        raise ValueError(f"conv_kernel='triton': {problem}")
+    return "compiled" if problem else "triton"
+
+
 class DFlash2Objective(DFlashObjective):
     """DFlash's objective on a DFlash2 drafter, plus the selector's teacher-forced CE."""
 
@@ -202,6 +226,14 @@ class DFlash2Objective(DFlashObjective):
             compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
             self.selector_loss = compiled(selector_loss)
             self.candidate_rows_grad = compiled(candidate_rows_grad)
+        self.conv_kernel = resolve_conv_kernel(
+            config.conv_kernel, drafter.config, device=self.lm_head_weight.device
+        )  # "triton" or "compiled"
+        drafter.conv = None  # the reference; evaluation builds its own drafters, with it too
+        if self.conv_kernel == "triton":
+            from dflash_async.model.conv_kernel import triton_block_conv  # needs triton
+
+            drafter.conv = triton_block_conv()  # registers its ops: here, not while compiling
         width = group_width(drafter.config.vocab_size, self.top_k)
         if width is not None:  # the CE pass also returns the top-k's group maxima
             self.ce_elementwise = self.ce_pass(

@@ -76,6 +76,10 @@ class ObjectiveConfig:
     # the CE chunk's elementwise pass: the hand-written Triton kernel of ce_kernel.py (GPU only),
     # or ce_and_grad_from_logits (torch.compile'd when `compile`); auto: Triton on a GPU
     ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
+    # DFlash2's convolutions: conv_kernel.py's Triton kernels (GPU only) or the torch ops of
+    # dflash2.block_causal_conv (compiled with the layers when `compile`); auto: Triton on a GPU
+    # where the drafter's shape allows (conv_kernel.conv_kernel_problem). DFlash ignores it.
+    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
 
 
 class Anchors(NamedTuple):

@@ -162,6 +162,7 @@ def _step_spec(
         compile=cuda and train.compile, compiled_update=cuda and train.compile,
         cuda_graph=cuda and train.cuda_graph,
         ce_chunk_size=train.ce_chunk_size, ce_kernel=train.ce_kernel if cuda else "compiled",
+        conv_kernel=train.conv_kernel if cuda else "compiled",
         flex_backend=train.flex_backend,
         flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
         flex_autotune=train.flex_autotune, working_weights=train.working_weights,
