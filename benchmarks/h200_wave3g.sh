@@ -10,9 +10,13 @@
 #     with the SM clock and power sampled by nvidia-smi (the step runs at the power cap).
 #   prof: the profiled DFlash2 step with the 60 longest kernels of the graph replays.
 #   b8: the block-8, 248k-vocabulary DFlash2 shape.
+#   conv: (eighth session) the GPU tests of DFlash2's Triton convolutions (model/conv_kernel.py:
+#     against the reference, mutants, compiled, in the step) and the DFlash2 drafter tests.
+#   abconv: the DFlash2 step with those kernels (the default, variant today) against the torch
+#     convolutions compiled into the layers (variant conv_compiled), alternating, twice, clocks.
 #   ref: the DFlash and DFlash2 steps at the Qwen3-8B shape on the same machine, back to back,
 #     with clocks sampled (machines differ by a few percent under the power cap).
-# Usage: benchmarks/h200_wave3g.sh tests|ab|prof|b8|ref ...; carry .whl (and .ab for ab) as the
+# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref ...; carry .whl (and .ab for ab) as the
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -47,6 +51,19 @@ for which in "$@"; do
     timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
       tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py tests/test_objective_reference.py \
       tests/test_no_host_sync.py --tb=short 2>&1 | grep -v DEBUG | tail -60  # a failure's lines
+  fi
+  if [ "$which" = conv ]; then
+    part "GPU tests: DFlash2's Triton convolutions, the DFlash2 drafter, the step's host syncs"
+    timeout 400 python3 -m pytest -q -x tests/test_gpu_conv_kernel.py tests/test_gpu_drafter.py \
+      tests/test_no_host_sync.py "tests/test_gpu_drafter_kernels.py::test_dflash2_triton_convolutions_equal_the_compiled_torch_ones_in_the_step" \
+      --tb=short -s 2>&1 | grep -v DEBUG | grep -E 'passed|failed|error|Error|parity|assert|^E ' | tail -40
+  fi
+  if [ "$which" = abconv ]; then
+    sampler=$(clocks)
+    for variant in today conv_compiled today conv_compiled; do
+      drafter new dflash2 --steps 8 --variants "$variant"
+    done
+    clock_summary "$sampler"
   fi
   if [ "$which" = ab ]; then
     sampler=$(clocks)
