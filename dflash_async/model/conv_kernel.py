@@ -3,10 +3,11 @@
 The same contract as dflash2.block_causal_conv (the reference, what the CPU runs):
     out[a, t, c] = sum_{o<K} (base[o, c] + dyn[a, t, o, c // S]) * h[a, t-o, c],  zero for t < o,
 on the block layout h [A, B, d], S = d / G channels per dynamic kernel. Each program owns one
-block and a tile of channels, so no tap reads another block. The backward is one kernel too: it
-reads the output gradient, h and the dynamic taps once and writes the input gradient, the taps'
-gradient (the sum over each group's S channels) and partial sums of the static taps' gradient
-over a few blocks (added up after, no atomics: the same result every run).
+block (forward) or a few blocks (backward) and a tile of channels, so no tap reads another
+block. The backward is one kernel too: it reads the output gradient, h and the dynamic taps
+(the shifted rows a second time, from cache) and writes the input gradient, the taps' gradient
+(the sum over each group's S channels) and each program's partial sums of the static taps'
+gradient (added up after in a fixed order, no atomics: the same result every run).
 
 Why a kernel of our own: inductor compiles the reference into about five kernels per
 convolution (its backward splits the group sums, the static taps' sums over the rows and the
