@@ -57,7 +57,7 @@ CONV_LAUNCH = ConvLaunch()
 def conv_kernel_problem(*, hidden_size: int, group_size: int, taps: int) -> str | None:
     """None when the kernels run this drafter shape, else why not (the reference runs then):
     the group size a power of two dividing d, at most MAX_TAPS taps. Any block size runs."""
-    if channel_tile(hidden_size=hidden_size, group_size=group_size) is None:
+    if group_size < 1 or group_size & (group_size - 1) or hidden_size % group_size:
         return (f"conv_group_size={group_size} is not a power of two dividing "
                 f"hidden_size={hidden_size}")  # fmt: skip
     if not 1 <= taps <= MAX_TAPS:
@@ -65,17 +65,13 @@ def conv_kernel_problem(*, hidden_size: int, group_size: int, taps: int) -> str 
     return None
 
 
-def channel_tile(*, hidden_size: int, group_size: int, widest: int = CONV_LAUNCH.channels):
-    """The largest power of two <= max(widest, group size) dividing d and divisible by the
-    group size, or None."""
-    if group_size < 1 or group_size & (group_size - 1):
-        return None
+def channel_tile(*, hidden_size: int, group_size: int, widest: int) -> int:
+    """The largest power of two <= max(widest, group size) dividing d, for a group size that is
+    a power of two dividing d (conv_kernel_problem): the group size itself at the least."""
     tile = max(widest, group_size)  # a tile holds whole groups
-    while tile >= group_size:
-        if hidden_size % tile == 0:
-            return tile
+    while hidden_size % tile:
         tile //= 2
-    return None
+    return tile
 
 
 @triton.jit
@@ -182,9 +178,9 @@ def _shape(h: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor, channels: int
                          f"and base {tuple(base.shape)} do not match")  # fmt: skip
     problem = (f"{groups} groups do not divide d = {d}" if d % groups else
                conv_kernel_problem(hidden_size=d, group_size=d // groups, taps=taps))  # fmt: skip
+    if problem:
+        raise ValueError(problem)
     tile = channel_tile(hidden_size=d, group_size=d // groups, widest=channels)
-    if problem or tile is None:
-        raise ValueError(problem or f"no channel tile of <= {channels} fits d = {d}")
     return num_blocks, block, d, taps, groups, tile
 
 

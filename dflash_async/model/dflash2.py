@@ -75,9 +75,7 @@ class GroupedDynamicConv(nn.Module):
         """[A, B, d] (the normed sublayer input) -> [A, B, 2, K, G]; both sides from the input."""
         return self.kernel_projection(h).unflatten(-1, (2, self.kernel_size, self.groups))
 
-    def convolve(
-        self, h: torch.Tensor, dyn: torch.Tensor, *, side: int, conv: BlockConv = block_causal_conv
-    ) -> torch.Tensor:
+    def convolve(self, h: torch.Tensor, dyn: torch.Tensor, *, side: int, conv: BlockConv):
         """Side 0 (before the sublayer) or 1 (after it) of the convolution on [A, B, d]."""
         return conv(h, dyn[:, :, side], self.base_kernel[side])
 
@@ -107,7 +105,7 @@ def dflash2_layer_forward(
     attend: Attend,
     *,
     block_size: int,
-    conv: BlockConv = block_causal_conv,
+    conv: BlockConv,
 ) -> torch.Tensor:
     """One DFlash2 layer: conv -> attention (KV injection) -> conv -> residual, the same for MLP.
     `conv` computes every convolution (block_causal_conv or a kernel of the same contract)."""
