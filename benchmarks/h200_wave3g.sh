@@ -16,7 +16,10 @@
 #     convolutions compiled into the layers (variant conv_compiled), alternating, twice, clocks.
 #   ref: the DFlash and DFlash2 steps at the Qwen3-8B shape on the same machine, back to back,
 #     with clocks sampled (machines differ by a few percent under the power cap).
-# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref ...; carry .whl (and .ab for ab) as the
+#   kernels: (ninth session) the DFlash and the DFlash2 step, 8 timed steps each, then profiled
+#     with every kernel of the graph replays listed, into $OUT/kernels_KIND.txt (to compare the
+#     two steps kernel by kernel), clocks sampled.
+# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref|kernels ...; carry .whl (and .ab for ab) as the
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -80,6 +83,18 @@ for which in "$@"; do
     sampler=$(clocks)
     drafter new dflash --steps 8
     drafter new dflash2 --steps 8
+    clock_summary "$sampler"
+  fi
+  if [ "$which" = kernels ]; then
+    sampler=$(clocks)
+    for kind in dflash dflash2; do
+      part "bench drafter --kind $kind --steps 8 --profile --profile-top 400"
+      timeout 240 python3 -m dflash_async bench drafter --compile --modes graph --kind "$kind" \
+        --steps 8 --profile --profile-top 400 2> >(grep -v -e '^\s*$' -e DEBUG -e Warning \
+        -e _warn_once > "$out/kernels_$kind.txt") | grep '^{"shape"' \
+        | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*'
+      sleep 2; head -c 3000 "$out/kernels_$kind.txt"
+    done
     clock_summary "$sampler"
   fi
   if [ "$which" = b8 ]; then
