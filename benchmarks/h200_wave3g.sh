@@ -19,7 +19,10 @@
 #   kernels: (ninth session) the DFlash and the DFlash2 step, 8 timed steps each, then profiled
 #     with every kernel of the graph replays listed, into $OUT/kernels_KIND.txt (to compare the
 #     two steps kernel by kernel), clocks sampled.
-# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref|kernels ...; carry .whl (and .ab for ab) as the
+#   gate: (tenth session, issue 31) the FP8 experts' SiLU gate and its quantization as one Triton
+#     kernel (target/fp8_gate_kernel.py): its GPU tests and the FP8 targets', the experts module
+#     alone (benchmarks/fp8_experts_gpu.py), the Qwen3-30B-A3B target bf16 against FP8.
+# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref|kernels|gate ...; carry .whl (and .ab for ab) as the
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -96,6 +99,14 @@ for which in "$@"; do
       sleep 2; head -c 3000 "$out/kernels_$kind.txt"
     done
     clock_summary "$sampler"
+  fi
+  if [ "$which" = gate ]; then
+    part "GPU tests: the FP8 experts' gate kernel, FP8 targets, grouped experts"
+    timeout 200 python3 -m pytest -q -x tests/test_gpu_fp8_gate_kernel.py tests/test_fp8_gpu.py \
+      tests/test_grouped_experts.py --tb=short 2>&1 | grep -v DEBUG | tail -30
+    part "benchmarks/fp8_experts_gpu.py"
+    timeout 120 python3 benchmarks/fp8_experts_gpu.py 2>&1 | grep '^{'
+    shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
   fi
   if [ "$which" = b8 ]; then
     drafter new dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5

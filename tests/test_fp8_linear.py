@@ -235,6 +235,22 @@ def test_fp8_experts_equal_a_token_by_token_reference() -> None:
     torch.testing.assert_close(module(hidden, index, weights), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_gate_kernel_is_chosen_for_silu_experts_only_and_never_on_the_cpu() -> None:
+    """The Triton gate (a GPU kernel) computes SiLU gates: ACT2FN["silu"] is one; another
+    activation asked to run it is refused; on a CPU (compile off) the torch gate runs."""
+    from transformers.activations import ACT2FN
+
+    assert fp8_linear.is_silu(ACT2FN["silu"]) and fp8_linear.is_silu(torch.nn.SiLU())
+    assert not fp8_linear.is_silu(ACT2FN["gelu"])
+    experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
+    assert fp8_linear.is_silu(experts.act_fn)
+    cpu = Fp8Experts(experts, out_dtype=torch.float32)
+    assert cpu._gated_rows.keywords == {"act_fn": experts.act_fn}  # the torch gate
+    experts.act_fn = ACT2FN["gelu"]
+    with pytest.raises(ValueError, match="SiLU"):
+        Fp8Experts(experts, out_dtype=torch.float32, gate_kernel=True)
+
+
 def test_the_swap_replaces_decoder_linears_and_experts_and_keeps_routers_in_bf16() -> None:
     model = random_target(_moe_config(), seed=0)
     layers = text_model(model).layers

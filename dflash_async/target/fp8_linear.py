@@ -28,6 +28,7 @@ the per-expert loop `_grouped_loop` (offs.tolist(), one sync per call), used onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -169,6 +170,15 @@ def experts_problem(experts: nn.Module) -> str | None:
     return None
 
 
+def is_silu(act_fn: Callable) -> bool:
+    """Whether an experts module's activation is SiLU: torch's module, or transformers'
+    SiLUActivation (what ACT2FN["silu"] gives in transformers 5.x, F.silu underneath)."""
+    from transformers import activations
+
+    silu_types = tuple(t for t in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if t)
+    return isinstance(act_fn, silu_types) or act_fn is F.silu
+
+
 def _sorted_rows(hidden_states, top_k_index, num_experts: int):
     """grouped_experts.sort_by_expert's rows quantized per row: (x_q [S, d] e4m3, x_scale [S],
     perm [S], offsets [E] int32), S = T * k. A routed row is its token's row, so the tokens are
@@ -197,10 +207,17 @@ class Fp8Experts(nn.Module):
     function: eager, they are ~15 elementwise passes over the [T * k, d] rows per layer, which
     made the Qwen3-30B-A3B shape's FP8 target forward slower than bf16 (641 ms against 394 ms
     at T = 16384, H200, 2026-12-02). The grouped products stay eager, outside the graphs.
+    `gate_kernel` (default: with `compile`, for a SiLU gate) runs the gate and its quantization
+    as fp8_gate_kernel's Triton kernel instead of the compiled function (the same values).
     """
 
     def __init__(
-        self, experts: nn.Module, *, out_dtype: torch.dtype, compile: bool | None = None
+        self,
+        experts: nn.Module,
+        *,
+        out_dtype: torch.dtype,
+        compile: bool | None = None,
+        gate_kernel: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
@@ -213,9 +230,17 @@ class Fp8Experts(nn.Module):
         self.grouped, self.kernel = grouped_kernel(gate_up.device)
         compile = gate_up.device.type == "cuda" if compile is None else compile
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
-        self._sorted_rows, self._gated_rows, self._combined = map(
-            wrap, (_sorted_rows, _gated_rows, combine)
-        )
+        self._sorted_rows, self._combined = wrap(_sorted_rows), wrap(combine)
+        silu = is_silu(self.act_fn)
+        gate_kernel = compile and silu if gate_kernel is None else gate_kernel
+        if gate_kernel and not silu:
+            raise ValueError(f"the gate kernel computes SiLU gates, not {self.act_fn}")
+        if gate_kernel:
+            from dflash_async.target.fp8_gate_kernel import silu_gate_quantize  # GPU: triton
+
+            self._gated_rows = silu_gate_quantize
+        else:
+            self._gated_rows = functools.partial(wrap(_gated_rows), act_fn=self.act_fn)
         self.fast_accum = FAST_ACCUM  # set_fast_accum
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
@@ -224,7 +249,7 @@ class Fp8Experts(nn.Module):
         )
         h = self.grouped(x_q, x_scale, self.gate_up_proj, self.gate_up_scale, offsets,
                          out_dtype=self.out_dtype, fast_accum=self.fast_accum)  # fmt: skip
-        h_q, h_scale = self._gated_rows(h, self.act_fn)
+        h_q, h_scale = self._gated_rows(h)
         out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
                            out_dtype=self.out_dtype, fast_accum=self.fast_accum)  # fmt: skip
         return self._combined(out, top_k_weights, perm, hidden_states.dtype)
@@ -261,7 +286,8 @@ def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool)
     grouped = GROUPED_KERNEL if hasattr(torch, "_scaled_grouped_mm") else "a per-expert loop"
     why = (f"e4m3 weights with a scale per output row, activations per token on the device, "
            f"fast accumulation; "
-           f"fused MoE experts through {grouped}; 128x128 block checkpoints requantized per row")  # fmt: skip
+           f"fused MoE experts through {grouped} (a SiLU gate and its quantization one Triton "
+           f"kernel); 128x128 block checkpoints requantized per row")  # fmt: skip
     return dataclasses.replace(weights, dequantized=False, kernel=KERNEL, kernel_reason=why)
 
 
