@@ -208,7 +208,8 @@ class Fp8Experts(nn.Module):
     made the Qwen3-30B-A3B shape's FP8 target forward slower than bf16 (641 ms against 394 ms
     at T = 16384, H200, 2026-12-02). The grouped products stay eager, outside the graphs.
     `gate_kernel` (default: with `compile`, for a SiLU gate) runs the gate and its quantization
-    as fp8_gate_kernel's Triton kernel instead of the compiled function (the same values).
+    as fp8_gate_kernel's Triton kernel instead of the compiled function (the same values but
+    for rare one-step e4m3 roundings: 82 of 100.7M at the Qwen3-30B-A3B shape, BENCHMARKS.md).
     """
 
     def __init__(
