@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_async.model.fp8_format import quantize_rows
+from dflash_async.target.fp8_linear import _gated_rows
+from dflash_async.target.grouped_experts import gated
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,8 +46,8 @@ def _h(rows: int, width: int, seed: int = 0) -> torch.Tensor:
 
 
 def reference(h: torch.Tensor):
-    gate, up = h.float().chunk(2, dim=-1)
-    return quantize_rows(F.silu(gate) * up)
+    """The function the kernel replaces, on the rows in fp32."""
+    return _gated_rows(h.float(), F.silu)
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -103,15 +105,13 @@ def _swapped_halves(h):
 
 def _no_silu(h):
     """Mutant: gate * up."""
-    gate, up = h.float().chunk(2, dim=-1)
-    return quantize_rows(gate * up)
+    return _gated_rows(h.float(), lambda gate: gate)
 
 
 def _neighbour_scale(h):
     """Mutant: each row quantized with the previous row's scale (a scale applied to the wrong
     row)."""
-    gate, up = h.float().chunk(2, dim=-1)
-    values = F.silu(gate) * up
+    values = gated(h.float(), F.silu)
     _, scale = quantize_rows(values)
     scale = scale.roll(1)
     q = (values / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -120,8 +120,7 @@ def _neighbour_scale(h):
 
 def _one_scale(h):
     """Mutant: one scale for all rows (the largest), as if scales were shared across tokens."""
-    gate, up = h.float().chunk(2, dim=-1)
-    values = F.silu(gate) * up
+    values = gated(h.float(), F.silu)
     q, scale = quantize_rows(values.flatten().unsqueeze(0))
     return q.view(values.shape), scale.expand(values.shape[0]).contiguous()
 

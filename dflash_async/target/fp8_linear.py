@@ -176,7 +176,7 @@ def is_silu(act_fn: Callable) -> bool:
     from transformers import activations
 
     silu_types = tuple(t for t in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if t)
-    return isinstance(act_fn, silu_types) or act_fn is F.silu
+    return isinstance(act_fn, silu_types)
 
 
 def _sorted_rows(hidden_states, top_k_index, num_experts: int):
