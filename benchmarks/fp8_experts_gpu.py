@@ -1,27 +1,58 @@
 """Where the FP8 MoE experts' time goes at the Qwen3-30B-A3B shape (issue 31), one H200.
 
 One HF Qwen3-MoE experts module (128 experts of width 768, d = 2048, top 8) on T = 16384 tokens
-routed by its own router: the bf16 HF experts (grouped_mm), `Fp8Experts` with its parts eager
-and compiled (the gate compiled torch, or the Triton kernel), and the two grouped FP8 products
-alone; median ms of 10 calls after 3, and the relative difference of each FP8 output from the
-bf16 one. Then the gate and its quantization alone: compiled torch and the Triton kernel's
-launches (how many of its e4m3 values differ from the compiled function's). Then one
-Fp8Linear at the Qwen3-8B MLP shape (16384 x 4096 -> 12288), `use_fast_accum` off (the
-product's choice) and on.
+routed by its own router: the bf16 HF experts (grouped_mm), `Fp8Experts` the sorted way with
+its parts eager and compiled (the gate compiled torch, or the Triton kernel) and the routed way
+(the default: fp8_moe_kernel's routed products), and the grouped FP8 products alone (the sorted
+way's `torch._scaled_grouped_mm` with fast accumulation, the routed kernel's launches: gather
+and SiLU gate for gate_up, weights and scatter for down); median ms of 10 calls after 3, TFLOP/s of the
+products, and the relative difference of each FP8 output from the bf16 one. Then the gate and
+its quantization alone: compiled torch and the Triton kernel's launches (how many of its e4m3
+values differ from the compiled function's). Then one Fp8Linear at the Qwen3-8B MLP shape
+(16384 x 4096 -> 12288), `use_fast_accum` off (the product's choice) and on.
 
-    python benchmarks/fp8_experts_gpu.py
+    python benchmarks/fp8_experts_gpu.py [--launches-only] [--sweep] [--profile]
+
+--launches-only: the experts rows and the products alone; --sweep: the products under more
+launches than the tests run (to pick the defaults); --profile: the kernels of one call of the
+sorted and the routed experts module (profile_target_gpu.kernel_table).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from dflash_async.target import fp8_linear
+from dflash_async.target import fp8_linear, fp8_routed
 from dflash_async.target.fp8_gate_kernel import silu_gate_quantize
+from dflash_async.target.fp8_moe_kernel import routed_mm
+from dflash_async.target.grouped_experts import gated as gate_values
+
+# the routed kernel's launches timed (tests/test_gpu_fp8_moe_kernel.py runs each of them)
+LAUNCHES = {  # (gate_up's, down's)
+    "the defaults": (fp8_routed.GATE_UP_LAUNCH, fp8_routed.DOWN_LAUNCH),
+    **{
+        label: (launch, launch)
+        for label, launch in {
+            "128 columns, 4 stages": fp8_routed.LAUNCH,
+            "64 rows, 4 warps": fp8_routed.Launch(block_rows=64, num_warps=4),
+            "256 columns, 3 stages": fp8_routed.Launch(block_n=256, num_stages=3),
+            "64-wide reduction": fp8_routed.Launch(block_k=64, num_stages=5),
+        }.items()
+    },
+}
+SWEEP = [  # (gate_up's, down's): (block_rows, block_n, block_k, num_warps, num_stages)
+    ((128, 128, 128, 8, 3), (128, 256, 128, 8, 4)),
+    ((128, 64, 128, 4, 4), (128, 128, 128, 4, 3)),
+    ((128, 64, 128, 8, 4), (128, 256, 64, 8, 4)),
+    ((64, 128, 128, 4, 4), (64, 128, 128, 4, 3)),
+    ((128, 128, 64, 8, 5), (128, 128, 64, 8, 5)),
+    ((64, 64, 128, 4, 4), (64, 256, 128, 4, 4)),
+]
 
 
 def _ms(fn, repeats: int = 10) -> float:
@@ -39,7 +70,7 @@ def _ms(fn, repeats: int = 10) -> float:
 
 
 @torch.no_grad()
-def experts() -> None:
+def experts(*, launches_only: bool) -> None:
     config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=1,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -55,29 +86,100 @@ def experts() -> None:
     ref = mlp.experts(x, index, weights)
     rows = {"bf16 HF experts (grouped_mm)": (lambda: mlp.experts(x, index, weights), None)}
     variants = {
-        "parts eager": {"compile": False},
-        "parts compiled, the gate compiled torch": {"compile": True, "gate_kernel": False},
-        "parts compiled, the gate a Triton kernel (the default)": {"compile": True},
+        "sorted, parts eager": {"compile": False},
+        "sorted, parts compiled, the gate compiled torch": {"compile": True, "gate_kernel": False},
+        "sorted, parts compiled, the gate a Triton kernel": {"compile": True, "routed": False},
+        "routed (the default)": {},
     }
+    modules = {}
     for name, options in variants.items():
-        fp8 = fp8_linear.Fp8Experts(mlp.experts, out_dtype=torch.bfloat16, **options)
+        fp8 = modules[name] = fp8_linear.Fp8Experts(
+            mlp.experts, out_dtype=torch.bfloat16, **options
+        )
         out = fp8(x, index, weights)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
         rows[f"Fp8Experts, {name}"] = (lambda fp8=fp8: fp8(x, index, weights), rel)
-    x_q, x_scale, _, offsets = fp8_linear._sorted_rows(x, index, 128)
-    h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets, out_dtype=x.dtype)
-    h_q, h_scale = silu_gate_quantize(h)
-    rows["the two grouped FP8 products alone"] = (
-        lambda: (
-            fp8.grouped(
-                x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets, out_dtype=x.dtype
-            ),
-            fp8.grouped(h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets, out_dtype=x.dtype),
-        ),
-        None,
-    )
     for label, (fn, rel) in rows.items():
         print(json.dumps({"case": label, "ms": round(_ms(fn), 3), "rel_diff_vs_bf16": rel}))
+    if "--profile" in sys.argv[1:]:
+        from profile_target_gpu import kernel_table
+
+        for name in ("sorted, parts compiled, the gate a Triton kernel", "routed (the default)"):
+            module = modules[name]
+            print(f"kernels of one call: {name}")
+            kernel_table(lambda m=module: m(x, index, weights), top=14)
+    launches = dict(LAUNCHES)
+    if "--sweep" in sys.argv[1:]:
+        launches.update({f"sweep {g} {d}": (fp8_routed.Launch(*g), fp8_routed.Launch(*d))
+                         for g, d in SWEEP})  # fmt: skip
+    products(fp8, x, index, weights, launches)
+    if not launches_only:
+        gate(fp8, x, index)
+
+
+def _product_row(label: str, fn, flops: int, want: torch.Tensor | None = None) -> torch.Tensor:
+    ms = _ms(fn)
+    out = fn()
+    row = {"case": label, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9)}
+    if want is not None:  # the relative difference from the sorted way's product
+        row["rel_diff_vs_sorted"] = float((out.float() - want.float()).norm() / want.float().norm())
+    print(json.dumps(row))
+    return out
+
+
+def products(fp8, x, index, weights, launches) -> None:
+    """The grouped FP8 products alone: the sorted way's, then each routed launch's."""
+    s, d = index.numel(), x.shape[1]
+    width = fp8.down_proj.shape[2]
+    flops = {"gate_up": 2 * s * 2 * width * d, "down": 2 * s * d * width}
+    x_q, x_scale, _, offsets = fp8_linear._sorted_rows(x, index, 128)
+    h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets,
+                    out_dtype=x.dtype, fast_accum=True)  # fmt: skip
+    h_q, h_scale = silu_gate_quantize(h)
+    sorted_args = {
+        "gate_up": (x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets),
+        "down": (h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets),
+    }
+    sorted_out = {}
+    for name, args in sorted_args.items():
+        sorted_out[name] = _product_row(f"{name} alone, sorted: _scaled_grouped_mm fast accumulation",
+                     lambda args=args: fp8.grouped(*args, out_dtype=x.dtype, fast_accum=True),
+                     flops[name])  # fmt: skip
+    tokens_q, token_scale = fp8_linear.quantize_rows(x)
+    for label, pair in launches.items():
+        token, perm, offsets, blocks, pair_weights = fp8_routed.routed_rows(
+            index, weights, num_experts=128, block_rows=pair[0].block_rows,
+            weight_dtype=x.dtype,
+        )  # fmt: skip
+        routed_args = {
+            "gate_up": ((tokens_q, token_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets,
+                         blocks), {"a_rows": token, "gated": True}),
+            "down": ((h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets, blocks),
+                     {"out_rows": perm, "row_weights": pair_weights}),
+        }  # fmt: skip
+        placed = torch.empty_like(sorted_out["down"])  # the sorted way's rows, weighted
+        placed[perm.long()] = (sorted_out["down"].float() * pair_weights[perm.long(), None]).to(
+            placed.dtype
+        )
+        gated = gate_values(sorted_out["gate_up"].float(), torch.nn.functional.silu)
+        wants = {"gate_up": gated.to(x.dtype), "down": placed}
+        for (name, (args, routing)), launch in zip(routed_args.items(), pair, strict=True):
+            problem = fp8_routed.launch_problem(args[2], launch, gated="gated" in routing)
+            if problem:
+                print(
+                    json.dumps(
+                        {"case": f"{name} alone, routed kernel, {label}", "skipped": problem}
+                    )
+                )
+                continue
+            _product_row(f"{name} alone, routed kernel, {label} ({launch})",
+                         lambda a=args, r=routing, c=launch: routed_mm(*a, **r, launch=c),
+                         flops[name], wants[name])  # fmt: skip
+
+
+def gate(fp8, x, index) -> None:
+    x_q, x_scale, _, offsets = fp8_linear._sorted_rows(x, index, 128)
+    h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets, out_dtype=x.dtype)
     # the gate and its quantization alone, [131072, 2 x 768] bf16 -> e4m3 and scales; TB/s if
     # each byte moves once
     moved = h.numel() * h.element_size() + h.numel() // 2 + 4 * h.shape[0]
@@ -134,5 +236,7 @@ def linear() -> None:
 
 
 if __name__ == "__main__":
-    experts()
-    linear()
+    launches_only = "--launches-only" in sys.argv[1:]
+    experts(launches_only=launches_only)
+    if not launches_only:
+        linear()

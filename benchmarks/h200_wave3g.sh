@@ -22,7 +22,12 @@
 #   gate: (tenth session, issue 31) the FP8 experts' SiLU gate and its quantization as one Triton
 #     kernel (target/fp8_gate_kernel.py): its GPU tests and the FP8 targets', the experts module
 #     alone (benchmarks/fp8_experts_gpu.py), the Qwen3-30B-A3B target bf16 against FP8.
-# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref|kernels|gate ...; carry .whl (and .ab for ab) as the
+#   routed: (eleventh session, issue 31) the FP8 experts' routed products as one Triton kernel
+#     (target/fp8_moe_kernel.py): its GPU tests and the FP8 targets', its launches and the
+#     experts module alone, the Qwen3-30B-A3B target bf16 against FP8, one forward profiled.
+#   sweep: the routed kernel's products under more launches, the experts' kernels profiled.
+#   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8 (profile_target_gpu.py).
+# Usage: benchmarks/h200_wave3g.sh tests|conv|ab|abconv|prof|b8|ref|kernels|gate|routed|sweep|tprof ...; carry .whl (and .ab for ab) as the
 # device README says.
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -107,6 +112,27 @@ for which in "$@"; do
     part "benchmarks/fp8_experts_gpu.py"
     timeout 120 python3 benchmarks/fp8_experts_gpu.py 2>&1 | grep '^{'
     shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
+  fi
+  if [ "$which" = routed ]; then
+    part "GPU tests: the routed kernel, the gate kernel, FP8 targets, grouped experts"
+    timeout 240 python3 -m pytest -q -x tests/test_gpu_fp8_moe_kernel.py \
+      tests/test_gpu_fp8_gate_kernel.py tests/test_fp8_gpu.py tests/test_grouped_experts.py \
+      --tb=short -s 2>&1 | grep -v DEBUG | grep -e "worst row" -e "routed against" -e passed \
+      -e failed -e Error -e error -e assert | tail -40
+    part "benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile"
+    timeout 300 python3 benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile 2>&1 \
+      | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -80
+    shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
+  fi
+  if [ "$which" = tprof ]; then
+    part "benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30"
+    timeout 300 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30 2>&1 \
+      | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -70
+  fi
+  if [ "$which" = sweep ]; then
+    part "benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile"
+    timeout 400 python3 benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile 2>&1 \
+      | grep -v -e DEBUG -e Warning -e '^\s*$' | tail -80
   fi
   if [ "$which" = b8 ]; then
     drafter new dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5

@@ -2,7 +2,8 @@
 reference (`quantize_rows(silu(gate) * up)` in fp32, what the compiled `_gated_rows` computes) on
 a GPU: the e4m3 rows and their scales, at shapes with padded columns and a partial program, with
 an all-zero row and saturating rows; the comparison fails on purpose-made mutants; and the FP8
-experts give the same output with the kernel as with the compiled torch gate. Skipped without
+experts give the same output with the kernel as with the compiled torch gate; the kernel
+without its gate (`quantize_rows_kernel`) equals `quantize_rows`. Skipped without
 CUDA (triton is never installed on the CPU machines); run on an H200. Not under Triton's CPU
 interpreter: its e4m3 cast is not the GPU's round-to-nearest (triton 3.6 rounded 7.97 to 4.0),
 though the values before the cast and the scales equal the reference's there."""
@@ -98,6 +99,40 @@ def test_every_launch_of_the_gate_kernel_computes_the_same(launch) -> None:
     assert _mismatches(got, reference(h)) == []
 
 
+def _tie_flips(got, want, x: torch.Tensor) -> list[str]:
+    """Where the kernel's e4m3 values differ from quantize_rows' (`want`, of the rows x), the
+    exact scaled value x / scale must sit at a rounding midpoint of the two (within the
+    kernel's product by 448 / amax, 1.5 fp32 ulp: 2^-22 relative; say 2^-20), the two e4m3
+    values neighbours of one sign. bf16 rows hit e4m3 midpoints often (a bf16 value has 8
+    mantissa bits, a midpoint 4), so unlike the gate's fp32 values they flip in a few percent
+    of places: ties the two roundings break differently, each within half a step."""
+    (q, scale), (want_q, want_scale) = got, want
+    if not torch.equal(scale, want_scale):
+        return ["scales differ"]
+    differ = q.view(torch.uint8) != want_q.view(torch.uint8)
+    bits, want_bits = q.view(torch.uint8)[differ].int(), want_q.view(torch.uint8)[differ].int()
+    scaled = (x.double() / scale.double().unsqueeze(-1))[differ]
+    midpoint = (q.double()[differ] + want_q.double()[differ]) / 2
+    problems = []
+    if ((bits - want_bits).abs() != 1).any():  # e4m3 codes of one sign are ordered by value
+        problems.append("a value differs by more than one e4m3 step")
+    if ((scaled - midpoint).abs() > 2.0**-20 * scaled.abs()).any():
+        problems.append("a value off where torch's rounding was not a tie")
+    return problems
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES)
+def test_the_row_quantization_kernel_equals_quantize_rows_but_at_ties(shape: str) -> None:
+    """The kernel without its gate: quantize_rows of the bf16 rows, the same scales, the same
+    e4m3 values but at rounding ties (`_tie_flips`)."""
+    from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
+
+    h = _h(*SHAPES[shape])
+    got = quantize_rows_kernel(h)
+    assert _tie_flips(got, quantize_rows(h.float()), h.float()) == []
+    assert _tie_flips(got, _one_scale_rows(h), h.float()) != []  # a mutant
+
+
 def _swapped_halves(h):
     """Mutant: silu(up) * gate."""
     return reference(h.roll(h.shape[1] // 2, dims=1))
@@ -125,6 +160,12 @@ def _one_scale(h):
     return q.view(values.shape), scale.expand(values.shape[0]).contiguous()
 
 
+def _one_scale_rows(x):
+    """Mutant of the plain quantization: one scale for all rows."""
+    q, scale = quantize_rows(x.float().flatten().unsqueeze(0))
+    return q.view(x.shape), scale.expand(x.shape[0]).contiguous()
+
+
 MUTANTS = {f.__name__.strip("_"): f for f in (_swapped_halves, _no_silu, _neighbour_scale,
                                                _one_scale)}  # fmt: skip
 
@@ -139,7 +180,8 @@ def test_the_gate_comparison_catches_mutant(mutant: str) -> None:
 
 @torch.no_grad()
 def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch_gate() -> None:
-    """The whole experts call, 16 experts of width 256 on 512 tokens, top 4: the two gates
+    """The whole experts call (the sorted way), 16 experts of width 256 on 512 tokens, top 4:
+    the two gates
     quantize the same values, so the outputs may differ only where an e4m3 value flipped (the
     tolerance above): within 2^-8 relative (one bf16 rounding of the output, with room)."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -157,7 +199,7 @@ def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch
     x = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
     index = torch.randn(512, 16, device="cuda").topk(4).indices  # 4 distinct experts a token
     weights = torch.softmax(torch.randn(512, 4, device="cuda"), -1).to(torch.bfloat16)
-    with_kernel = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True)
+    with_kernel = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True, routed=False)
     with_torch = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True, gate_kernel=False)
     assert with_kernel._gated_rows is not with_torch._gated_rows
     got, want = with_kernel(x, index, weights).float(), with_torch(x, index, weights).float()

@@ -16,7 +16,10 @@ within ~|x| * 2^-23 relative; div.full, 2 ulp) and the product by the reciprocal
 1.5 ulp of the quotient: IEEE divisions per value ran the kernel at ~1.45 TB/s at best, no faster
 than the compiled torch function (H200, BENCHMARKS.md). So a value can differ from torch's by a
 few ulp and, rarely, its e4m3 rounding by one step.
-tests/test_gpu_fp8_gate_kernel.py compares it with the torch reference on a GPU (and the
+`quantize_rows_kernel` is the same kernel without the gate: `quantize_rows(x)` of bf16 rows
+(what the routed experts, whose gate_up product applies the gate itself, quantize between their
+two products, and their tokens before the first).
+tests/test_gpu_fp8_gate_kernel.py compares both with the torch reference on a GPU (and the
 comparison with mutants); where the kernel does not run, the compiled torch function does.
 """
 
@@ -38,14 +41,15 @@ NUM_WARPS = 4
 @triton.jit
 def _silu_gate_quantize_kernel(
     h_ptr, q_ptr, scale_ptr, num_rows, width, stride_h,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
-    columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]: the row's I values, padded to 2^n
+    columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]: the row's output values, padded to 2^n
     here = (rows < num_rows) & (columns < width)
-    gate = tl.load(h_ptr + rows * stride_h + columns, mask=here, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + rows * stride_h + width + columns, mask=here, other=0.0).to(tl.float32)
-    values = gate / (1.0 + tl.exp(-gate)) * up  # 0 on padded columns
+    values = tl.load(h_ptr + rows * stride_h + columns, mask=here, other=0.0).to(tl.float32)
+    if GATED:  # values is the gate half; 0 on padded columns either way
+        up = tl.load(h_ptr + rows * stride_h + width + columns, mask=here, other=0.0)
+        values = values / (1.0 + tl.exp(-values)) * up.to(tl.float32)
     amax = tl.max(tl.abs(values), axis=1, keep_dims=True)  # [ROWS, 1]
     scale = tl.where(amax > 0, tl.div_rn(amax, FP8_LIMIT), 1.0)  # torch's, exactly
     # x * (448 / amax), not x / scale: one division a row instead of one a value
@@ -62,13 +66,29 @@ def silu_gate_quantize(
     fp32): the module docstring's contract. No host sync."""
     if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1:
         raise ValueError(f"h {tuple(h.shape)} strides {h.stride()} is not [S, 2I], rows dense")
-    num_rows, width = h.shape[0], h.shape[1] // 2
+    return _launch(h, h.shape[1] // 2, gated=True, rows_per_program=rows_per_program,
+                   num_warps=num_warps)  # fmt: skip
+
+
+def quantize_rows_kernel(
+    x: torch.Tensor, *, rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] (last dim contiguous) -> (e4m3 [R, C], scales [R] fp32): `quantize_rows(x)`
+    within the module docstring's rounding. No host sync."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} strides {x.stride()} is not [R, C], rows dense")
+    return _launch(x, x.shape[1], gated=False, rows_per_program=rows_per_program,
+                   num_warps=num_warps)  # fmt: skip
+
+
+def _launch(h, width: int, *, gated: bool, rows_per_program: int, num_warps: int):
+    num_rows = h.shape[0]
     quantized = torch.empty((num_rows, width), dtype=FP8_DTYPE, device=h.device)
     scale = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     grid = (triton.cdiv(num_rows, rows_per_program),)
     _silu_gate_quantize_kernel[grid](
         h, quantized, scale, num_rows, width, h.stride(0),
         ROWS=rows_per_program, BLOCK=triton.next_power_of_2(width), FP8_LIMIT=FP8_MAX,
-        num_warps=num_warps,
+        GATED=gated, num_warps=num_warps,
     )  # fmt: skip
     return quantized, scale

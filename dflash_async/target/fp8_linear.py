@@ -42,7 +42,14 @@ from dflash_async.model.fp8_format import (
     rowwise_kernel_problem,
     rowwise_mm,
 )
-from dflash_async.target.grouped_experts import combine, gated, sort_by_expert
+from dflash_async.target.fp8_routed import (
+    DOWN_LAUNCH,
+    GATE_UP_LAUNCH,
+    launch_problem,
+    routed_reference,
+    routed_rows,
+)
+from dflash_async.target.grouped_experts import combine, gated, sort_by_expert, sum_over_k
 from dflash_async.target.quantized import _ROUTERS as ROUTERS  # kept bf16, as served checkpoints do
 from dflash_async.target.quantized import WeightFormat, dequantize_fp8
 
@@ -198,12 +205,21 @@ def _gated_rows(h, act_fn):
 
 class Fp8Experts(nn.Module):
     """The HF experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d]`
-    with e4m3 row-wise expert weights: the rows sorted by expert, each gathered row quantized
-    per row (a row is one token), the two grouped FP8 products, the routing weights, the sum
-    over k in fp32.
+    with e4m3 row-wise expert weights: the tokens quantized per row (a routed row is one
+    token), the two grouped FP8 products, the gate between them (its output quantized per row),
+    the routing weights, the sum over k in fp32. Two ways to run it:
+    - routed (`routed`, default: with the gate kernel, where fp8_routed.launch_problem allows):
+      fp8_moe_kernel's Triton kernel gathers the token rows and applies the SiLU gate in the
+      gate_up product and weights and scatters the rows to their routed pairs in the down
+      product, then a contiguous sum over k (fp8_routed's module doc); the tokens and the gate
+      output are quantized by fp8_gate_kernel's row kernel. It accumulates the fast way only,
+      so it runs while `fast_accum` is on (the default). On the CPU (tests) `routed=True` runs
+      fp8_routed.routed_reference and `quantize_rows` instead;
+    - sorted: the rows gathered in expert order, `torch._scaled_grouped_mm` (or the CPU's
+      per-expert loop), the routing weights and the inverse permutation in `combine`.
 
-    `compile` (default: on CUDA) runs the parts around the two grouped products (sort, gather
-    and quantize; gate and quantize; weight, scatter and sum) each as one torch.compile'd
+    `compile` (default: on CUDA) runs the parts around the grouped products (routing and
+    quantization; gate and quantization; the weights and the sum) each as one torch.compile'd
     function: eager, they are ~15 elementwise passes over the [T * k, d] rows per layer, which
     made the Qwen3-30B-A3B shape's FP8 target forward slower than bf16 (641 ms against 394 ms
     at T = 16384, H200, 2026-12-02). The grouped products stay eager, outside the graphs.
@@ -219,6 +235,7 @@ class Fp8Experts(nn.Module):
         out_dtype: torch.dtype,
         compile: bool | None = None,
         gate_kernel: bool | None = None,
+        routed: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
@@ -229,7 +246,8 @@ class Fp8Experts(nn.Module):
                             ("down_proj", down), ("down_scale", down_scale)):  # fmt: skip
             setattr(self, name, nn.Parameter(value, requires_grad=False))
         self.grouped, self.kernel = grouped_kernel(gate_up.device)
-        compile = gate_up.device.type == "cuda" if compile is None else compile
+        on_gpu = gate_up.device.type == "cuda"
+        compile = on_gpu if compile is None else compile
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
         self._sorted_rows, self._combined = wrap(_sorted_rows), wrap(combine)
         silu = is_silu(self.act_fn)
@@ -242,9 +260,34 @@ class Fp8Experts(nn.Module):
             self._gated_rows = silu_gate_quantize
         else:
             self._gated_rows = functools.partial(wrap(_gated_rows), act_fn=self.act_fn)
+        self.launches = (GATE_UP_LAUNCH, DOWN_LAUNCH)
+        problem = None  # the CPU's reference takes any shape
+        if on_gpu:
+            problem = launch_problem(gate_up, GATE_UP_LAUNCH, gated=True) or launch_problem(
+                down, DOWN_LAUNCH
+            )
+        if routed is None:
+            routed = gate_kernel and problem is None
+        elif routed and (problem or not silu):
+            raise ValueError(f"the routed kernel cannot run these experts: {problem or 'not SiLU'}")
+        self._routed_mm = None  # the sorted way
+        if routed:
+            if on_gpu:
+                from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
+                from dflash_async.target.fp8_moe_kernel import routed_mm  # GPU: triton
+
+                self._routed_mm, self._quantized = routed_mm, quantize_rows_kernel
+            else:
+                self._routed_mm, self._quantized = routed_reference, quantize_rows
+            routing = {"num_experts": self.num_experts, "block_rows": GATE_UP_LAUNCH.block_rows,
+                       "weight_dtype": out_dtype}  # fmt: skip
+            self._routing = functools.partial(wrap(routed_rows), **routing)
+            self._summed = wrap(sum_over_k)
         self.fast_accum = FAST_ACCUM  # set_fast_accum
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        if self._routed_mm is not None and self.fast_accum:
+            return self._routed(hidden_states, top_k_index, top_k_weights)
         x_q, x_scale, perm, offsets = self._sorted_rows(
             hidden_states, top_k_index, self.num_experts
         )
@@ -254,6 +297,19 @@ class Fp8Experts(nn.Module):
         out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
                            out_dtype=self.out_dtype, fast_accum=self.fast_accum)  # fmt: skip
         return self._combined(out, top_k_weights, perm, hidden_states.dtype)
+
+    def _routed(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        tokens_q, token_scale = self._quantized(hidden_states)  # a routed row is one token
+        token, perm, offsets, blocks, pair_weights = self._routing(top_k_index, top_k_weights)
+        gate_up, down = self.launches
+        h = self._routed_mm(tokens_q, token_scale, self.gate_up_proj, self.gate_up_scale,
+                            offsets, blocks, a_rows=token, gated=True, out_dtype=self.out_dtype,
+                            launch=gate_up)  # fmt: skip
+        h_q, h_scale = self._quantized(h)
+        out = self._routed_mm(h_q, h_scale, self.down_proj, self.down_scale, offsets, blocks,
+                              out_rows=perm, row_weights=pair_weights, out_dtype=self.out_dtype,
+                              launch=down)  # fmt: skip
+        return self._summed(out, top_k_index.shape[1], hidden_states.dtype)
 
 
 def set_fast_accum(layers: nn.Module, enabled: bool) -> int:
@@ -287,8 +343,9 @@ def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool)
     grouped = GROUPED_KERNEL if hasattr(torch, "_scaled_grouped_mm") else "a per-expert loop"
     why = (f"e4m3 weights with a scale per output row, activations per token on the device, "
            f"fast accumulation; "
-           f"fused MoE experts through {grouped} (a SiLU gate and its quantization one Triton "
-           f"kernel); 128x128 block checkpoints requantized per row")  # fmt: skip
+           f"fused SiLU MoE experts through the routed Triton kernel (fp8_moe_kernel: the "
+           f"routing's gather and scatter in the products), other experts through {grouped}; "
+           f"128x128 block checkpoints requantized per row")  # fmt: skip
     return dataclasses.replace(weights, dequantized=False, kernel=KERNEL, kernel_reason=why)
 
 

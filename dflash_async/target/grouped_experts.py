@@ -29,22 +29,59 @@ import torch
 from torch import nn
 
 
+def expert_order(
+    top_k_index: torch.Tensor,  # [T, k]
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm [S]: sorted row i is routed pair perm[i] of the flattened [T * k], rows grouped by
+    expert; offsets [E] int32: cumulative rows per expert), S = T * k. As transformers'
+    grouped_mm_experts_forward: sort, histc, cumsum; no sync (histc, not bincount: a fixed
+    output size)."""
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # CPU histc takes floats, CUDA's ints (HF's choice, for deterministic algorithms)
+    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+    return perm, torch.cumsum(counts, dim=0).to(torch.int32)
+
+
 def sort_by_expert(
     hidden_states: torch.Tensor,  # [T, d]
     top_k_index: torch.Tensor,  # [T, k]
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows [S, d]: each token's row once per routed expert, grouped by expert; perm [S]: row i
-    is routed pair perm[i] of the flattened [T * k]; offsets [E] int32: cumulative rows per
-    expert), S = T * k. As transformers' grouped_mm_experts_forward: sort, histc, cumsum; no
-    sync (histc, not bincount: a fixed output size)."""
-    k = top_k_index.shape[1]
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    rows = hidden_states[perm // k]
-    # CPU histc takes floats, CUDA's ints (HF's choice, for deterministic algorithms)
-    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
-    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
-    return rows, perm, torch.cumsum(counts, dim=0).to(torch.int32)
+    """(rows [S, d]: each token's row once per routed expert, grouped by expert; perm [S];
+    offsets [E] int32): `expert_order`'s layout with the rows gathered."""
+    perm, offsets = expert_order(top_k_index, num_experts)
+    return hidden_states[perm // top_k_index.shape[1]], perm, offsets
+
+
+def expert_blocks(
+    offsets: torch.Tensor, *, block_rows: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted rows cut into blocks of at most `block_rows` rows of one expert, for a
+    grouped kernel whose programs each own one block: (expert [num_blocks] int32, start
+    [num_blocks] int32), block b holding rows start[b] .. min(start[b] + block_rows,
+    offsets[expert[b]]) - 1. Expert e's c_e rows take ceil(c_e / block_rows) blocks, in expert
+    order; the blocks past the last are marked expert = E (their programs do nothing).
+    `num_blocks` is fixed so the layout has one shape whatever the routing (no sync):
+    cdiv(S, block_rows) + E always suffices (`blocks_bound`). Blocks past `num_blocks` are
+    dropped silently, so a caller must pass at least that bound."""
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    per_expert = (counts + block_rows - 1) // block_rows
+    last = torch.cumsum(per_expert, dim=0)  # expert e owns blocks last[e] - per_expert[e] ..
+    block = torch.arange(num_blocks, device=offsets.device)
+    expert = torch.searchsorted(last, block, right=True)  # E past the last block
+    owner = expert.clamp(max=offsets.numel() - 1)
+    first = last[owner] - per_expert[owner]
+    start = (ends[owner] - counts[owner]) + (block - first) * block_rows
+    return expert.to(torch.int32), start.to(torch.int32)
+
+
+def blocks_bound(rows: int, num_experts: int, block_rows: int) -> int:
+    """How many blocks `expert_blocks` can need for `rows` sorted rows: sum over experts of
+    ceil(c_e / b) <= sum (c_e / b + 1) = rows / b + E."""
+    return -(-rows // block_rows) + num_experts
 
 
 def combine(
@@ -74,6 +111,18 @@ def combine(
     total = (out[index[:, 0]] * weights[:, :1]).float()  # [T, d]
     for j in range(1, k):  # k is static (the config's experts per token)
         total = total + (out[index[:, j]] * weights[:, j : j + 1]).float()
+    return total.to(dtype)
+
+
+def sum_over_k(weighted: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`combine` for outputs already weighted and in pair order (row t * k + j is token t's
+    j-th routed expert, as fp8_moe_kernel's down product writes them): [T * k, d] -> [T, d] in
+    `dtype`, summed in fp32 over j = 0..k-1 in order. Compiled, one pointwise kernel whose k
+    loads each read contiguous rows: nothing is gathered."""
+    pairs = weighted.view(-1, k, weighted.shape[-1])
+    total = pairs[:, 0].float()
+    for j in range(1, k):
+        total = total + pairs[:, j].float()
     return total.to(dtype)
 
 

@@ -1,0 +1,117 @@
+"""The FP8 experts' routed grouped product: its contract, its launch and its torch reference.
+
+`Fp8Experts` (target/fp8_linear.py) runs, on a GPU, its two grouped products as one Triton
+kernel (target/fp8_moe_kernel.py) that reads and writes rows through the routing itself:
+- the gate_up product gathers each sorted row's token row from the token-quantized hidden
+  states (`a_rows`), so the [S, d] routed copy of the rows is never written;
+- the down product multiplies each row by its routing weight and writes it at its routed pair's
+  row (`out_rows`, pair p = t * k + j), so the outputs need only a contiguous sum over k
+  (grouped_experts.sum_over_k) instead of a gather through the inverse permutation.
+At T = 16384 Qwen3-30B-A3B tokens those two passes took 0.26 and 0.65 ms of each ~4 ms layer
+(H200, 2026-12-03, benchmarks/profile_target_gpu.py); `torch._scaled_grouped_mm` has no
+gather or scatter.
+
+The contract, `routed_mm(a_q, a_scale, w_q, w_scale, offsets, blocks, *, a_rows, out_rows,
+row_weights, gated, out_dtype, launch)` -> out [S, N]: for sorted row i of expert e (offsets,
+cumulative) with a = a_rows[i] (else i) and o = out_rows[i] (else i),
+    y[n] = sum_k a_q[a, k] * w_q[e, n, k] * a_scale[a] * w_scale[e, n]     (in fp32)
+    out[o] = round(y * r_o)   or, `gated` (w_q [E, 2N, K]: gate rows, then up rows),
+    out[o] = round(silu(y[:N]) * y[N:] * r_o)
+with r_o = row_weights[o] (else 1), one rounding to `out_dtype`. The gate_up product runs
+gated, so its bf16 output is the gate's, half the bytes of the [S, 2I] products, and the gate
+needs no pass of its own (the gate output's per-row quantization still does). `blocks` is
+grouped_experts.expert_blocks' table for `launch.block_rows` (one program per block and column
+tile). `routed_reference` computes it in fp32 from the dequantized values, block by block as
+the kernel walks the table (a sync per call: the table read to the host; tests only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from dflash_async.target.grouped_experts import blocks_bound, expert_blocks, expert_order
+from dflash_async.target.grouped_experts import gated as gated_values
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch of the routed kernel: rows, columns and reduction width of a program's tile
+    (block_rows is also the routing table's block), its warps and pipeline stages."""
+
+    block_rows: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+LAUNCH = Launch()
+SHARED_BYTES = 232448  # a Hopper SM's shared memory for one program (what Triton refuses above)
+# Each product's launch, timed alone at the Qwen3-30B-A3B experts' shape (T = 16384, top 8; H200,
+# 2026-12-04, benchmarks/fp8_experts_gpu.py --sweep; 16 launches): gate_up (K = 2048) 0.798 ms,
+# 1,033 TFLOP/s (`_scaled_grouped_mm` 0.835), down (K = 768) 0.672 ms (0.589); the default
+# launch took 1.055 and 0.880. One block_rows for both: they read one routing table.
+GATE_UP_LAUNCH = Launch()
+SHARED_BYTES = 232448  # a Hopper SM's shared memory for one program (what Triton refuses above)  # gated: 128 gate and 128 up columns, as block_n = 256 ungated
+DOWN_LAUNCH = Launch(block_n=256, num_stages=3)
+
+
+def launch_problem(weight: torch.Tensor, launch: Launch, *, gated: bool = False) -> str | None:
+    """None when the kernel computes this expert weight [E, N, K] (e4m3, contiguous) under
+    `launch`: N (each half of it, `gated`) and K whole tiles, so its loads need no column
+    masks; else why not."""
+    _, n, k = weight.shape
+    if not weight.is_contiguous():
+        return "the expert weights are not contiguous"
+    if (n // 2 if gated else n) % launch.block_n or k % launch.block_k or (gated and n % 2):
+        return (f"expert weights [{n}, {k}] are not whole {launch.block_n}x{launch.block_k} "
+                f"tiles{' per half' if gated else ''}")  # fmt: skip
+    tiles = launch.block_rows + (2 if gated else 1) * launch.block_n  # e4m3 rows per stage
+    shared = launch.num_stages * tiles * launch.block_k
+    if shared > SHARED_BYTES:
+        return f"{launch} needs {shared} bytes of shared memory a program, over {SHARED_BYTES}"
+    return None
+
+
+def routed_rows(top_k_index, top_k_weights, *, num_experts: int, block_rows: int,
+                weight_dtype: torch.dtype):  # fmt: skip
+    """The routing a routed product reads: (token [S] int32: sorted row i is token token[i]'s;
+    perm [S] int32: and routed pair perm[i]; offsets [E] int32; blocks: expert_blocks' table;
+    pair_weights [T * k] in `weight_dtype`, the routing weights in pair order, rounded as
+    grouped_experts.combine rounds them). No sync; one shape for every routing."""
+    k = top_k_index.shape[1]
+    perm, offsets = expert_order(top_k_index, num_experts)
+    bound = blocks_bound(perm.numel(), num_experts, block_rows)
+    blocks = expert_blocks(offsets, block_rows=block_rows, num_blocks=bound)
+    token = (perm // k).to(torch.int32)
+    pair_weights = top_k_weights.reshape(-1).to(weight_dtype)
+    return token, perm.to(torch.int32), offsets, blocks, pair_weights
+
+
+@torch.no_grad()
+def routed_reference(a_q, a_scale, w_q, w_scale, offsets, blocks, *, a_rows=None, out_rows=None,
+                     row_weights=None, gated=False, out_dtype=torch.bfloat16,
+                     launch: Launch = LAUNCH):  # fmt: skip
+    """The module doc's contract in fp32, a block of the table at a time (sync: the table and
+    offsets read to the host)."""
+    rows = a_q.shape[0] if a_rows is None else a_rows.shape[0]
+    columns = w_q.shape[1] // 2 if gated else w_q.shape[1]
+    out = torch.full((rows, columns), float("nan"), dtype=out_dtype, device=a_q.device)
+    ends = offsets.tolist()
+    for expert, start in zip(*(t.tolist() for t in blocks), strict=True):
+        if expert >= w_q.shape[0]:
+            continue
+        sorted_rows = torch.arange(start, min(start + launch.block_rows, ends[expert]),
+                                   device=a_q.device)  # fmt: skip
+        source = sorted_rows if a_rows is None else a_rows[sorted_rows].long()
+        x = a_q[source].float() * a_scale[source].float().unsqueeze(-1)
+        w = w_q[expert].float() * w_scale[expert].float().unsqueeze(-1)
+        y = gated_values(x @ w.T, F.silu) if gated else x @ w.T
+        target = sorted_rows if out_rows is None else out_rows[sorted_rows].long()
+        if row_weights is not None:
+            y = y * row_weights[target].float().unsqueeze(-1)
+        out[target] = y.to(out_dtype)
+    return out

@@ -1,0 +1,121 @@
+"""The FP8 experts' routed way (target/fp8_routed.py) on the CPU: the block table the GPU kernel
+walks cuts the sorted rows as a loop by hand does, and the routed data flow (the token rows
+gathered in the gate_up product, the down product's rows weighted and written at their routed
+pairs, a contiguous sum over k) computes what the sorted way computes; the comparison catches a
+routing that forgets the division by k, a scatter that keeps expert order, and lost weights.
+The Triton kernel itself is compared with `routed_reference` on a GPU
+(tests/test_gpu_fp8_moe_kernel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+
+from dflash_async.target import fp8_linear, fp8_routed
+from dflash_async.target.fp8_linear import Fp8Experts
+from dflash_async.target.grouped_experts import blocks_bound, expert_blocks
+from dflash_async.target.loading import random_target
+
+
+def _blocks_by_hand(counts: list[int], block_rows: int) -> list[tuple[int, int]]:
+    table, start = [], 0
+    for expert, count in enumerate(counts):
+        table += [(expert, start + j) for j in range(0, count, block_rows)]
+        start += count
+    return table
+
+
+COUNTS = {  # rows per expert
+    "empty experts, partial and whole blocks": [0, 5, 16, 0, 17, 3, 0, 32],
+    "one expert takes every row": [0, 0, 40, 0],
+    "every expert one row": [1] * 9,
+}
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=COUNTS)
+def test_the_block_table_cuts_each_experts_rows_into_blocks_in_order(counts: str) -> None:
+    rows, block_rows = COUNTS[counts], 8
+    offsets = torch.tensor(rows).cumsum(0).to(torch.int32)
+    bound = blocks_bound(sum(rows), len(rows), block_rows)
+    expert, start = expert_blocks(offsets, block_rows=block_rows, num_blocks=bound)
+    want = _blocks_by_hand(rows, block_rows)
+    assert len(want) <= bound
+    got = list(zip(expert.tolist(), start.tolist(), strict=True))
+    assert got[: len(want)] == want
+    assert all(e == len(rows) for e, _ in got[len(want) :])  # the blocks past the last
+
+
+def _moe_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                          num_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          vocab_size=300)  # fmt: skip
+
+
+def _routing(tokens: int = 37, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, 64, generator=g)
+    index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+    return hidden, index, torch.rand(tokens, 2, generator=g)
+
+
+def _both_ways():
+    experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
+    routed = Fp8Experts(experts, out_dtype=torch.float32, compile=False, routed=True)
+    assert routed._routed_mm is fp8_routed.routed_reference
+    return routed, Fp8Experts(experts, out_dtype=torch.float32, compile=False)
+
+
+# fp32 out: the same e4m3 values and scales in both ways, the same weights and k-sum in fp32;
+# only the matmuls' summation order differs (K <= 64 terms: ~64 * 2^-24 relative), hence 1e-5
+def test_the_routed_way_computes_what_the_sorted_way_computes() -> None:
+    routed, sorted_ = _both_ways()
+    assert sorted_._routed_mm is None
+    hidden, index, weights = _routing()
+    torch.testing.assert_close(
+        routed(hidden, index, weights), sorted_(hidden, index, weights), rtol=1e-5, atol=1e-6
+    )
+
+
+def _no_division(index, weights, **routing):
+    """Mutant: the sorted rows' tokens taken as their pair indices (perm, not perm // k)."""
+    _, perm, *rest = fp8_routed.routed_rows(index, weights, **routing)
+    return perm % index.shape[0], perm, *rest
+
+
+def _expert_order(index, weights, **routing):
+    """Mutant: the down product's rows left in expert order (no scatter to the pairs)."""
+    token, perm, *rest = fp8_routed.routed_rows(index, weights, **routing)
+    return token, torch.arange(perm.numel(), dtype=perm.dtype), *rest
+
+
+def _unweighted(index, weights, **routing):
+    """Mutant: the routing weights lost."""
+    *rest, pair_weights = fp8_routed.routed_rows(index, weights, **routing)
+    return *rest, torch.ones_like(pair_weights)
+
+
+MUTANTS = {f.__name__.strip("_"): f for f in (_no_division, _expert_order, _unweighted)}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_routed_comparison_catches_mutant(mutant: str, monkeypatch) -> None:
+    monkeypatch.setattr(fp8_linear, "routed_rows", MUTANTS[mutant])
+    routed, sorted_ = _both_ways()
+    hidden, index, weights = _routing()
+    got, want = routed(hidden, index, weights), sorted_(hidden, index, weights)
+    assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_both_products_read_one_routing_table() -> None:
+    assert fp8_routed.GATE_UP_LAUNCH.block_rows == fp8_routed.DOWN_LAUNCH.block_rows
+
+
+def test_the_routed_way_is_refused_for_experts_the_kernel_cannot_tile() -> None:
+    """On a GPU the kernel needs whole 128-wide tiles: d = 64 is not; on the CPU the reference
+    runs any shape (the test above)."""
+    experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
+    weight = experts.gate_up_proj.detach()
+    assert "not whole 128x128 tiles" in fp8_routed.launch_problem(weight, fp8_routed.LAUNCH)
+    assert fp8_routed.launch_problem(weight, fp8_routed.Launch(block_n=16, block_k=16)) is None
