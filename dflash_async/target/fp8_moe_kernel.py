@@ -14,7 +14,9 @@ tl.dot on e4m3 (wgmma on Hopper) with its default Hopper accumulation, the fast 
 FAST_ACCUM asks of `torch._scaled_grouped_mm`. N and K must be whole tiles
 (fp8_routed.launch_problem): the loads then need no column masks, and a block's rows past its
 expert's end read real rows (its own expert's neighbours, or row 0) whose results are never
-stored.
+stored. Its ungated products equal `_scaled_grouped_mm`'s (fast accumulation) bit for bit on an
+H200. A persistent variant (one program an SM, the tiles' reduction steps one loop) ran 2-10x
+slower under triton 3.6 and was dropped (BENCHMARKS.md, 2026-12-04).
 
 tests/test_gpu_fp8_moe_kernel.py compares it with fp8_routed.routed_reference on a GPU (and the
 comparison with mutants). Syncs: none (the table and offsets stay on the device).

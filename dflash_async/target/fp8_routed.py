@@ -7,9 +7,13 @@ kernel (target/fp8_moe_kernel.py) that reads and writes rows through the routing
 - the down product multiplies each row by its routing weight and writes it at its routed pair's
   row (`out_rows`, pair p = t * k + j), so the outputs need only a contiguous sum over k
   (grouped_experts.sum_over_k) instead of a gather through the inverse permutation.
-At T = 16384 Qwen3-30B-A3B tokens those two passes took 0.26 and 0.65 ms of each ~4 ms layer
-(H200, 2026-12-03, benchmarks/profile_target_gpu.py); `torch._scaled_grouped_mm` has no
-gather or scatter.
+`torch._scaled_grouped_mm` has no gather or scatter. Measured per Qwen3-30B-A3B layer at
+T = 16384 (H200, 2026-12-04, benchmarks/fp8_experts_gpu.py --profile): the sorted way's
+quantize-and-gather of the rows took 0.25 ms and its gate 0.15, which the routed way leaves
+out (its two row quantizations take 0.12); its combine took 0.15 ms, the sum over k 0.14, so
+the scatter itself gains nothing there, while this kernel's down product runs 0.66-0.74 ms
+against `_scaled_grouped_mm`'s 0.58-0.63 (gate_up, gated: 0.86-0.93 against 0.83-0.88
+ungated). The experts: 2.0-2.1 ms routed, 2.1-2.4 sorted (BENCHMARKS.md).
 
 The contract, `routed_mm(a_q, a_scale, w_q, w_scale, offsets, blocks, *, a_rows, out_rows,
 row_weights, gated, out_dtype, launch)` -> out [S, N]: for sorted row i of expert e (offsets,
@@ -51,11 +55,12 @@ class Launch:
 LAUNCH = Launch()
 SHARED_BYTES = 232448  # a Hopper SM's shared memory for one program (what Triton refuses above)
 # Each product's launch, timed alone at the Qwen3-30B-A3B experts' shape (T = 16384, top 8; H200,
-# 2026-12-04, benchmarks/fp8_experts_gpu.py --sweep; 16 launches): gate_up (K = 2048) 0.798 ms,
-# 1,033 TFLOP/s (`_scaled_grouped_mm` 0.835), down (K = 768) 0.672 ms (0.589); the default
-# launch took 1.055 and 0.880. One block_rows for both: they read one routing table.
+# 2026-12-04, benchmarks/fp8_experts_gpu.py --sweep, BENCHMARKS.md). Ungated, 16 launches:
+# gate_up (K = 2048) best at 256 columns, 0.798 ms, 1,033 TFLOP/s (`_scaled_grouped_mm`
+# 0.835), down (K = 768) at 256 columns and 3 stages, 0.672 ms (0.589). Gated, gate_up's 128
+# gate and 128 up columns (the registers of 256 ungated; 256 + 256 are over the shared memory
+# at 3 stages): 0.86-0.93 ms on three machines. One block_rows for both: one routing table.
 GATE_UP_LAUNCH = Launch()
-SHARED_BYTES = 232448  # a Hopper SM's shared memory for one program (what Triton refuses above)  # gated: 128 gate and 128 up columns, as block_n = 256 ungated
 DOWN_LAUNCH = Launch(block_n=256, num_stages=3)
 
 
