@@ -140,11 +140,25 @@ def products(fp8, x, index, weights, launches) -> None:
         "gate_up": (x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets),
         "down": (h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets),
     }
-    sorted_out = {}
-    for name, args in sorted_args.items():
-        sorted_out[name] = _product_row(f"{name} alone, sorted: _scaled_grouped_mm fast accumulation",
-                     lambda args=args: fp8.grouped(*args, out_dtype=x.dtype, fast_accum=True),
-                     flops[name])  # fmt: skip
+    sorted_out = {
+        name: _product_row(f"{name} alone, sorted: _scaled_grouped_mm fast accumulation",
+                           lambda args=args: fp8.grouped(*args, out_dtype=x.dtype,
+                                                         fast_accum=True),
+                           flops[name])
+        for name, args in sorted_args.items()
+    }  # fmt: skip
+    # what each routed product should give: the sorted way's rows gated, and weighted and
+    # placed at their routed pairs (the routing's order does not depend on block_rows)
+    _, perm, _, _, pair_weights = fp8_routed.routed_rows(
+        index, weights, num_experts=128, block_rows=fp8_routed.LAUNCH.block_rows,
+        weight_dtype=x.dtype,
+    )  # fmt: skip
+    placed = torch.empty_like(sorted_out["down"])
+    placed[perm.long()] = (sorted_out["down"].float() * pair_weights[perm.long(), None]).to(
+        placed.dtype
+    )
+    gated = gate_values(sorted_out["gate_up"].float(), torch.nn.functional.silu)
+    wants = {"gate_up": gated.to(x.dtype), "down": placed}
     tokens_q, token_scale = fp8_linear.quantize_rows(x)
     for label, pair in launches.items():
         token, perm, offsets, blocks, pair_weights = fp8_routed.routed_rows(
@@ -157,12 +171,6 @@ def products(fp8, x, index, weights, launches) -> None:
             "down": ((h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets, blocks),
                      {"out_rows": perm, "row_weights": pair_weights}),
         }  # fmt: skip
-        placed = torch.empty_like(sorted_out["down"])  # the sorted way's rows, weighted
-        placed[perm.long()] = (sorted_out["down"].float() * pair_weights[perm.long(), None]).to(
-            placed.dtype
-        )
-        gated = gate_values(sorted_out["gate_up"].float(), torch.nn.functional.silu)
-        wants = {"gate_up": gated.to(x.dtype), "down": placed}
         for (name, (args, routing)), launch in zip(routed_args.items(), pair, strict=True):
             problem = fp8_routed.launch_problem(args[2], launch, gated="gated" in routing)
             if problem:

@@ -39,6 +39,11 @@ drafter() {  # TREE (new|base), KIND (dflash|dflash2), then bench drafter argume
     drafter --compile --modes graph --kind "$kind" "$@" 2>&1 | grep '^{"shape"' \
     | grep -o '"step_ms": [0-9.]*, "tflops": [0-9.]*, "mfu": [0-9.]*\|"peak_mem_gib": [0-9.]*')
 }
+experts_bench() {  # limit: the FP8 experts module, its products under the sweep, profiled
+  part "benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile"
+  timeout "$1" python3 benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile 2>&1 \
+    | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -80
+}
 clocks() {  # start sampling the SM clock and power every 200 ms into $out/clocks.csv
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits \
     -lms 200 > "$out/clocks.csv" 2>/dev/null &
@@ -119,9 +124,7 @@ for which in "$@"; do
       tests/test_gpu_fp8_gate_kernel.py tests/test_fp8_gpu.py tests/test_grouped_experts.py \
       --tb=short -s 2>&1 | grep -v DEBUG | grep -e "worst row" -e "routed against" -e passed \
       -e failed -e Error -e error -e assert | tail -40
-    part "benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile"
-    timeout 300 python3 benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile 2>&1 \
-      | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -80
+    experts_bench 300
     shape 240 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast
   fi
   if [ "$which" = tprof ]; then
@@ -130,9 +133,7 @@ for which in "$@"; do
       | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -70
   fi
   if [ "$which" = sweep ]; then
-    part "benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile"
-    timeout 400 python3 benchmarks/fp8_experts_gpu.py --launches-only --sweep --profile 2>&1 \
-      | grep -v -e DEBUG -e Warning -e '^\s*$' | tail -80
+    experts_bench 400
   fi
   if [ "$which" = b8 ]; then
     drafter new dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5

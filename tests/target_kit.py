@@ -44,3 +44,15 @@ def save_random_target(
     with atomic_directory(path) as tmp:
         model.save_pretrained(tmp)
     return Path(path)
+
+
+def seeded_experts(config: PretrainedConfig, *, device: str = "cuda") -> torch.nn.Module:
+    """Layer 0's MoE experts module of the HF model `config` describes, built in bf16 on
+    `device` right after torch.manual_seed(0) (transformers' own initialization): the experts
+    the FP8 experts' GPU tests quantize."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.model.layers[0].mlp.experts

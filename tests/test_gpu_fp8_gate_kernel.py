@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from target_kit import seeded_experts
 
 from dflash_async.model.fp8_format import quantize_rows
 from dflash_async.target.fp8_linear import _gated_rows
@@ -181,10 +182,10 @@ def test_the_gate_comparison_catches_mutant(mutant: str) -> None:
 @torch.no_grad()
 def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch_gate() -> None:
     """The whole experts call (the sorted way), 16 experts of width 256 on 512 tokens, top 4:
-    the two gates
-    quantize the same values, so the outputs may differ only where an e4m3 value flipped (the
-    tolerance above): within 2^-8 relative (one bf16 rounding of the output, with room)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    the two gates quantize the same values, so the outputs may differ only where an e4m3 value
+    flipped (the tolerance above): within 2^-8 relative (one bf16 rounding of the output, with
+    room)."""
+    from transformers import Qwen3MoeConfig
 
     from dflash_async.target.fp8_linear import Fp8Experts
 
@@ -192,10 +193,7 @@ def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch
                             num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                             num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
                             vocab_size=256)  # fmt: skip
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        experts = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).model
-    experts = experts.layers[0].mlp.experts
+    experts = seeded_experts(config)
     x = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
     index = torch.randn(512, 16, device="cuda").topk(4).indices  # 4 distinct experts a token
     weights = torch.softmax(torch.randn(512, 4, device="cuda"), -1).to(torch.bfloat16)

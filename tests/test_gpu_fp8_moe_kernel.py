@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from target_kit import seeded_experts
 
 from dflash_async.model.fp8_format import quantize_rows
 from dflash_async.target import fp8_routed
@@ -202,7 +203,7 @@ def test_fp8_experts_give_the_same_output_routed_as_sorted() -> None:
     2 * 2^-9 / 2^-3.5 ~ 4% of them, each by one step, ~0.09 of it: sqrt(0.04) * 0.09 ~ 0.018
     on the gate's norm, and so on the output (measured 0.0177; the FP8 output's own distance
     from bf16 is 0.065). Within 2^-5; a wrong expert, row or weight moves it by ~1."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
     from dflash_async.target.fp8_linear import Fp8Experts
     from dflash_async.target.fp8_moe_kernel import routed_mm
@@ -211,10 +212,7 @@ def test_fp8_experts_give_the_same_output_routed_as_sorted() -> None:
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                             vocab_size=256)  # fmt: skip
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        experts = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).model
-    experts = experts.layers[0].mlp.experts
+    experts = seeded_experts(config)
     x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
     index, weights = _routing(1024, 128, 8, skewed=False, seed=5)
     routed = Fp8Experts(experts, out_dtype=torch.bfloat16)
