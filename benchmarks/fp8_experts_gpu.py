@@ -20,6 +20,7 @@ sorted and the routed experts module (profile_target_gpu.kernel_table).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import sys
@@ -88,9 +89,13 @@ def experts(*, launches_only: bool) -> None:
     variants = {
         "sorted, parts eager": {"compile": False},
         "sorted, parts compiled, the gate compiled torch": {"compile": True, "gate_kernel": False},
-        "sorted, parts compiled, the gate a Triton kernel": {"compile": True, "routed": False},
+        "sorted, parts compiled, the gate a Triton kernel": {"compile": True, "way": "sorted"},
+        "split (routed gate_up, down _scaled_grouped_mm)": {"way": "split"},
         "routed (the default)": {},
     }
+    if fp8_linear.fbgemm_problem(x.device) is None:
+        variants["sorted, fbgemm products"] = {"way": "sorted", "grouped": "fbgemm"}
+        variants["split, down through fbgemm"] = {"way": "split", "grouped": "fbgemm"}
     modules = {}
     for name, options in variants.items():
         fp8 = modules[name] = fp8_linear.Fp8Experts(
@@ -104,7 +109,8 @@ def experts(*, launches_only: bool) -> None:
     if "--profile" in sys.argv[1:]:
         from profile_target_gpu import kernel_table
 
-        for name in ("sorted, parts compiled, the gate a Triton kernel", "routed (the default)"):
+        for name in ("sorted, parts compiled, the gate a Triton kernel", "routed (the default)",
+                     "split (routed gate_up, down _scaled_grouped_mm)"):  # fmt: skip
             module = modules[name]
             print(f"kernels of one call: {name}")
             kernel_table(lambda m=module: m(x, index, weights), top=14)
@@ -112,9 +118,10 @@ def experts(*, launches_only: bool) -> None:
     if "--sweep" in sys.argv[1:]:
         launches.update({f"sweep {g} {d}": (fp8_routed.Launch(*g), fp8_routed.Launch(*d))
                          for g, d in SWEEP})  # fmt: skip
-    products(fp8, x, index, weights, launches)
+    products(modules["routed (the default)"], x, index, weights, launches)
+    row_kernel(x, index.numel(), modules["routed (the default)"].down_proj.shape[2])
     if not launches_only:
-        gate(fp8, x, index)
+        gate(modules["routed (the default)"], x, index)
 
 
 def _product_row(label: str, fn, flops: int, want: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,6 +154,11 @@ def products(fp8, x, index, weights, launches) -> None:
                            flops[name])
         for name, args in sorted_args.items()
     }  # fmt: skip
+    if fp8_linear.fbgemm_problem(x.device) is None:  # the same sorted products through fbgemm
+        for name, args in sorted_args.items():
+            _product_row(f"{name} alone, sorted: fbgemm f8f8bf16_rowwise_grouped_stacked",
+                         lambda args=args: fp8_linear._grouped_fbgemm(*args, out_dtype=x.dtype),
+                         flops[name], sorted_out[name])  # fmt: skip
     # what each routed product should give: the sorted way's rows gated, and weighted and
     # placed at their routed pairs (the routing's order does not depend on block_rows)
     _, perm, _, _, pair_weights = fp8_routed.routed_rows(
@@ -183,6 +195,26 @@ def products(fp8, x, index, weights, launches) -> None:
             _product_row(f"{name} alone, routed kernel, {label} ({launch})",
                          lambda a=args, r=routing, c=launch: routed_mm(*a, **r, launch=c),
                          flops[name], wants[name])  # fmt: skip
+
+
+def row_kernel(x, pairs: int, width: int) -> None:
+    """The routed way's two row quantizations (fp8_gate_kernel.quantize_rows_kernel) under its
+    launches: the tokens [T, d] and the gate output [T * k, I] (bf16 in, e4m3 and a scale per
+    row out); TB/s if each byte moves once, and the e4m3 values differing from the default's."""
+    from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
+
+    rows = {"tokens": x, "gate output": torch.randn(pairs, width, device=x.device, dtype=x.dtype)}
+    for name, a in rows.items():
+        moved = a.numel() * (a.element_size() + 1) + 4 * a.shape[0]
+        want_q, _ = quantize_rows_kernel(a)
+        for rows_, warps in itertools.product((1, 2, 4), (4, 8)):
+            fn = functools.partial(quantize_rows_kernel, a, rows_per_program=rows_, num_warps=warps)
+            ms = _ms(fn)
+            q, _ = fn()
+            differing = int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
+            print(json.dumps({"case": f"quantize_rows_kernel, {name}, {rows_} rows, {warps} warps",
+                              "ms": round(ms, 4), "tb_s": round(moved / ms / 1e9, 2),
+                              "e4m3_differing_from_default": differing}))  # fmt: skip
 
 
 def gate(fp8, x, index) -> None:

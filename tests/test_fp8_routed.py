@@ -60,18 +60,19 @@ def _routing(tokens: int = 37, seed: int = 1):
     return hidden, index, torch.rand(tokens, 2, generator=g)
 
 
-def _both_ways():
+def _both_ways(way: str = "routed"):
     experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
-    routed = Fp8Experts(experts, out_dtype=torch.float32, compile=False, routed=True)
+    routed = Fp8Experts(experts, out_dtype=torch.float32, compile=False, way=way)
     assert routed._routed_mm is fp8_routed.routed_reference
     return routed, Fp8Experts(experts, out_dtype=torch.float32, compile=False)
 
 
 # fp32 out: the same e4m3 values and scales in both ways, the same weights and k-sum in fp32;
 # only the matmuls' summation order differs (K <= 64 terms: ~64 * 2^-24 relative), hence 1e-5
-def test_the_routed_way_computes_what_the_sorted_way_computes() -> None:
-    routed, sorted_ = _both_ways()
-    assert sorted_._routed_mm is None
+@pytest.mark.parametrize("way", ["routed", "split"])
+def test_the_routed_way_computes_what_the_sorted_way_computes(way: str) -> None:
+    routed, sorted_ = _both_ways(way)
+    assert sorted_.way == "sorted"  # the CPU's default
     hidden, index, weights = _routing()
     torch.testing.assert_close(
         routed(hidden, index, weights), sorted_(hidden, index, weights), rtol=1e-5, atol=1e-6
@@ -99,10 +100,17 @@ def _unweighted(index, weights, **routing):
 MUTANTS = {f.__name__.strip("_"): f for f in (_no_division, _expert_order, _unweighted)}
 
 
-@pytest.mark.parametrize("mutant", MUTANTS)
-def test_the_routed_comparison_catches_mutant(mutant: str, monkeypatch) -> None:
+# the split way reads the routing's tokens and permutation, not its pair weights (`combine` weighs)
+SPLIT_MUTANTS = ("no_division", "expert_order")
+
+
+@pytest.mark.parametrize(
+    ("mutant", "way"),
+    [(m, "routed") for m in MUTANTS] + [(m, "split") for m in SPLIT_MUTANTS],
+)
+def test_the_routed_comparison_catches_mutant(mutant: str, way: str, monkeypatch) -> None:
     monkeypatch.setattr(fp8_linear, "routed_rows", MUTANTS[mutant])
-    routed, sorted_ = _both_ways()
+    routed, sorted_ = _both_ways(way)
     hidden, index, weights = _routing()
     got, want = routed(hidden, index, weights), sorted_(hidden, index, weights)
     assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4)

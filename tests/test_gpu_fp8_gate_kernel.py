@@ -197,7 +197,7 @@ def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch
     x = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
     index = torch.randn(512, 16, device="cuda").topk(4).indices  # 4 distinct experts a token
     weights = torch.softmax(torch.randn(512, 4, device="cuda"), -1).to(torch.bfloat16)
-    with_kernel = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True, routed=False)
+    with_kernel = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True, way="sorted")
     with_torch = Fp8Experts(experts, out_dtype=torch.bfloat16, compile=True, gate_kernel=False)
     assert with_kernel._gated_rows is not with_torch._gated_rows
     got, want = with_kernel(x, index, weights).float(), with_torch(x, index, weights).float()

@@ -17,6 +17,7 @@ from target_kit import capture_features
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.target import packed_dense
 from dflash_async.target.forward import select_target_forward
 from dflash_async.target.loading import random_target, text_model
 from dflash_async.target.packed_dense import (
@@ -192,3 +193,48 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     out = torch.full((256, len(LAYER_IDS) * 128), float("nan"), device="cuda")
     forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
     _assert_rows_equal_each_document_alone(model, docs, out)
+
+
+def _moe_features(model, *, routed: bool) -> torch.Tensor:
+    """Features through attention_and_route (`routed`, Qwen3-MoE's default) or, with the block
+    taken out of ROUTED_BLOCKS, through the HF block's own call (as any other MoE block)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not routed:
+            patch.setattr(packed_dense, "ROUTED_BLOCKS", frozenset())
+        forward = PackedDenseForward(text_model(model), LAYER_IDS, attention="sdpa",
+                                     compile=False, moe_eager=True)  # fmt: skip
+        assert forward._routed == routed
+        return _packed_features(forward, _documents(300, seed=2))
+
+
+@pytest.mark.parametrize("renormalised", [True, False])
+def test_the_packed_moe_router_computes_what_the_hf_block_computes_bit_for_bit(
+    renormalised: bool,
+) -> None:
+    """attention_and_route's router (softmax, top-k, renormalised where the config says) and the
+    experts call after it: the same ops in the same order as HF's Qwen3-MoE block, so the same
+    bits on the CPU, with and without norm_topk_prob."""
+    config = _family("qwen3_moe")
+    config.norm_topk_prob = renormalised
+    model = random_target(config, seed=1)
+    assert torch.equal(_moe_features(model, routed=True), _moe_features(model, routed=False))
+
+
+def test_the_packed_moe_router_comparison_catches_a_router_that_never_renormalises(
+    monkeypatch,
+) -> None:
+    from dflash_async.target import packed_hybrid_moe
+
+    route = packed_hybrid_moe.route
+
+    def unnormalised(gate, x):
+        gate = type("Gate", (), {"weight": gate.weight, "top_k": gate.top_k,
+                                 "norm_topk_prob": False})()  # fmt: skip
+        return route(gate, x)
+
+    config = _family("qwen3_moe")
+    config.norm_topk_prob = True
+    model = random_target(config, seed=1)
+    want = _moe_features(model, routed=False)
+    monkeypatch.setattr(packed_hybrid_moe, "route", unnormalised)
+    assert not torch.allclose(_moe_features(model, routed=True), want, atol=1e-3)

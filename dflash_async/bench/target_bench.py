@@ -29,7 +29,7 @@ from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
-from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
+from dflash_async.target.fp8_linear import WAYS, set_experts_way, set_fast_accum, swap_fp8_matmuls
 from dflash_async.target.grouped_experts import CompiledExperts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
@@ -247,6 +247,7 @@ def bench_shape(
     seed: int = 0,
     quantize: tuple[str, ...] = ("none",),
     experts: tuple[str, ...] = ("hf",),
+    experts_ways: tuple[str, ...] = ("default",),
 ) -> list[dict]:
     """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
     path) and `fp8` (the same model's decoder matmuls swapped into target/fp8_linear.py's
@@ -254,7 +255,9 @@ def bench_shape(
     feature error is measured against its fast path's features, next to bf16's own noise (its
     fast path against HF). `experts` "compiled" adds a bf16 row with the fused experts swapped
     into grouped_experts.CompiledExperts (the fast path again, its features against the HF
-    experts' fast path); the FP8 row then quantizes those same experts."""
+    experts' fast path); the FP8 row then quantizes those same experts. `experts_ways`: one FP8
+    row per entry, the FP8 experts run that way ("default": as constructed; else
+    fp8_linear.WAYS' way, "+fbgemm" for fbgemm's grouped product: `parse_way`)."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
@@ -313,11 +316,15 @@ def bench_shape(
         del path, reference
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
         counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
-        for mode in fp8_modes:  # fp8-fast: the same weights, Hopper's fast FP8 accumulation
+        ways = [(mode, way) for mode in fp8_modes for way in experts_ways]
+        for mode, way in ways:  # fp8-fast: the same weights, Hopper's fast FP8 accumulation
             torch._dynamo.reset()
             set_fast_accum(text_model(model).layers, mode == "fp8-fast")
+            if way != "default":
+                way_name, grouped = parse_way(way)
+                set_experts_way(text_model(model).layers, way_name, grouped=grouped)
             fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
-            fp8.update(quantize=mode, swapped=counts)
+            fp8.update(quantize=mode, swapped=counts, experts_way=way)
             fp8["weight_bytes"], fp8["held_bytes"] = weight_bytes(model, layer_ids)
             path = fast_path(model, "hf")  # the experts are FP8 ones now
             fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
@@ -327,6 +334,12 @@ def bench_shape(
     del model
     torch.cuda.empty_cache()
     return rows
+
+
+def parse_way(way: str) -> tuple[str, str]:
+    """ "split+fbgemm" -> ("split", "fbgemm"); "routed" -> ("routed", "torch")."""
+    name, _, grouped = way.partition("+")
+    return name, grouped or "torch"
 
 
 def _differences(row: dict, features: torch.Tensor, reference: torch.Tensor) -> None:
@@ -348,7 +361,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="none,fp8,fp8-fast: bf16 and FP8 rows (fp8-fast: fast accumulation)")  # fmt: skip
     parser.add_argument("--experts", default="hf", help="hf,compiled: HF's MoE experts call, "
                         "and a row with grouped_experts.CompiledExperts")  # fmt: skip
+    parser.add_argument("--experts-way", default="default",
+                        help=f"FP8 rows, one per way: default, or of {', '.join(WAYS)}, each "
+                        "optionally +fbgemm (fbgemm-gpu-genai's grouped product)")  # fmt: skip
     options = parser.parse_args(argv)
+    ways = tuple(options.experts_way.split(","))
+    for way in ways:
+        name, grouped = parse_way(way)
+        if way != "default" and (name not in WAYS or grouped not in ("torch", "fbgemm")):
+            parser.error(f"--experts-way {way!r}: default, or one of {WAYS} [+fbgemm]")
     quantize = tuple(options.quantize.split(","))
     if not set(quantize) <= {"none", "fp8", "fp8-fast"}:
         parser.error(f"--quantize {options.quantize!r}: a list of none, fp8 and fp8-fast")
@@ -359,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in options.shapes.split(","):
         for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
-                               quantize=quantize, experts=experts):  # fmt: skip
+                               quantize=quantize, experts=experts,
+                               experts_ways=ways):  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
@@ -375,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         hf = r.get("hf", {"tokens_per_s": "-", "mfu": "-"})
         noise = f"{r['bf16_rel_diff']:.2g}" if "bf16_rel_diff" in r else "-"
         quant = r["quantize"] + ("+cx" if r.get("experts") == "compiled" else "")
+        if r.get("experts_way", "default") != "default":
+            quant += f" {r['experts_way']}"
         table.append(
             f"{r['shape']:<15}{quant:<8}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
             f"{hf['mfu']:>6}{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}"

@@ -146,11 +146,46 @@ def _grouped_loop(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype, fast_accum=
     return out
 
 
-def grouped_kernel(device: torch.device) -> tuple[Callable, str]:
-    """(the experts' grouped FP8 product, its name). `_scaled_grouped_mm` (one launch for every
-    expert, no sync) where torch has it on a CUDA device; else the per-expert loop, which syncs
-    once per layer and launches up to E matmuls (chosen without measurement: the grouped kernel
-    is one launch over the same FLOPs, the loop cannot be faster)."""
+FBGEMM_KERNEL = "fbgemm_f8f8bf16_rowwise_grouped_stacked"
+
+
+def _grouped_fbgemm(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype, fast_accum=True):
+    """The same product through fbgemm-gpu-genai's CUTLASS kernel (bf16 out, fast accumulation
+    only; its tile shape picked from the problem's), which takes each expert's row count
+    (int64) instead of the cumulative offsets: one diff on the device, no sync."""
+    if out_dtype != torch.bfloat16 or not fast_accum:
+        raise ValueError("fbgemm's grouped FP8 product writes bf16 with fast accumulation only")
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+    return torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(x_q, w_q, x_scale, w_scale, counts)
+
+
+def fbgemm_problem(device: torch.device) -> str | None:
+    """None when fbgemm-gpu-genai's grouped FP8 product can run on `device` (imported here,
+    lazily: it loads a 180 MB CUDA library), else why not."""
+    if device.type != "cuda":
+        return f"fbgemm's grouped FP8 product needs CUDA (device is {device.type})"
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
+    except ImportError as error:
+        return f"fbgemm-gpu-genai is not importable ({error})"
+    if not hasattr(torch.ops.fbgemm, "f8f8bf16_rowwise_grouped_stacked"):
+        return "this fbgemm-gpu-genai has no f8f8bf16_rowwise_grouped_stacked"
+    return None
+
+
+def grouped_kernel(device: torch.device, *, prefer: str = "torch") -> tuple[Callable, str]:
+    """(the experts' grouped FP8 product, its name). `prefer` "fbgemm": fbgemm-gpu-genai's
+    kernel where `fbgemm_problem` is None (ValueError naming the problem otherwise). "torch":
+    `_scaled_grouped_mm` (one launch for every expert, no sync) where torch has it on a CUDA
+    device; else the per-expert loop, which syncs once per layer and launches up to E matmuls
+    (chosen without measurement: the grouped kernel is one launch over the same FLOPs, the
+    loop cannot be faster)."""
+    if prefer == "fbgemm":
+        if problem := fbgemm_problem(device):
+            raise ValueError(problem)
+        return _grouped_fbgemm, FBGEMM_KERNEL
+    if prefer != "torch":
+        raise ValueError(f"grouped FP8 product {prefer!r}: 'torch' or 'fbgemm'")
     if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
         return _grouped_native, GROUPED_KERNEL
     return _grouped_loop, "scaled_mm_rowwise_per_expert_loop"
@@ -203,29 +238,40 @@ def _gated_rows(h, act_fn):
     return quantize_rows(gated(h, act_fn))
 
 
+WAYS = ("routed", "split", "sorted")  # Fp8Experts' ways, see there
+
+
 class Fp8Experts(nn.Module):
     """The HF experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d]`
     with e4m3 row-wise expert weights: the tokens quantized per row (a routed row is one
     token), the two grouped FP8 products, the gate between them (its output quantized per row),
-    the routing weights, the sum over k in fp32. Two ways to run it:
-    - routed (`routed`, default: with the gate kernel, where fp8_routed.launch_problem allows):
+    the routing weights, the sum over k in fp32. Three ways to run it (`way`):
+    - "routed" (the default where fp8_routed.launch_problem allows, with the gate kernel):
       fp8_moe_kernel's Triton kernel gathers the token rows and applies the SiLU gate in the
       gate_up product and weights and scatters the rows to their routed pairs in the down
       product, then a contiguous sum over k (fp8_routed's module doc); the tokens and the gate
-      output are quantized by fp8_gate_kernel's row kernel. It accumulates the fast way only,
-      so it runs while `fast_accum` is on (the default). On the CPU (tests) `routed=True` runs
-      fp8_routed.routed_reference and `quantize_rows` instead;
-    - sorted: the rows gathered in expert order, `torch._scaled_grouped_mm` (or the CPU's
-      per-expert loop), the routing weights and the inverse permutation in `combine`.
+      output are quantized by fp8_gate_kernel's row kernel;
+    - "split": the routed kernel's gate_up product (gather and gate), the down product through
+      the grouped kernel (`grouped`) on the rows in expert order, then `combine`;
+    - "sorted": the rows gathered in expert order, the grouped kernel for both products (or the
+      CPU's per-expert loop), the gate, the routing weights and the inverse permutation in
+      `combine`.
+    The routed kernel accumulates the fast way only, so "routed" and "split" run as "sorted"
+    while `fast_accum` is off. On the CPU (tests) the routed kernel's place is taken by
+    fp8_routed.routed_reference and its row kernel's by `quantize_rows`. `way` and `grouped`
+    can be changed after construction (`set_experts_way`).
 
+    `grouped`: the grouped FP8 product's kernel, "torch" (`torch._scaled_grouped_mm`, default)
+    or "fbgemm" (fbgemm-gpu-genai's, where installed; `grouped_kernel`).
     `compile` (default: on CUDA) runs the parts around the grouped products (routing and
     quantization; gate and quantization; the weights and the sum) each as one torch.compile'd
     function: eager, they are ~15 elementwise passes over the [T * k, d] rows per layer, which
     made the Qwen3-30B-A3B shape's FP8 target forward slower than bf16 (641 ms against 394 ms
     at T = 16384, H200, 2026-12-02). The grouped products stay eager, outside the graphs.
-    `gate_kernel` (default: with `compile`, for a SiLU gate) runs the gate and its quantization
-    as fp8_gate_kernel's Triton kernel instead of the compiled function (the same values but
-    for rare one-step e4m3 roundings: 82 of 100.7M at the Qwen3-30B-A3B shape, BENCHMARKS.md).
+    `gate_kernel` (default: with `compile`, for a SiLU gate) runs the sorted way's gate and its
+    quantization as fp8_gate_kernel's Triton kernel instead of the compiled function (the same
+    values but for rare one-step e4m3 roundings: 82 of 100.7M at the Qwen3-30B-A3B shape,
+    BENCHMARKS.md).
     """
 
     def __init__(
@@ -235,7 +281,8 @@ class Fp8Experts(nn.Module):
         out_dtype: torch.dtype,
         compile: bool | None = None,
         gate_kernel: bool | None = None,
-        routed: bool | None = None,
+        way: str | None = None,
+        grouped: str = "torch",
     ) -> None:
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
@@ -245,7 +292,6 @@ class Fp8Experts(nn.Module):
         for name, value in (("gate_up_proj", gate_up), ("gate_up_scale", gate_up_scale),
                             ("down_proj", down), ("down_scale", down_scale)):  # fmt: skip
             setattr(self, name, nn.Parameter(value, requires_grad=False))
-        self.grouped, self.kernel = grouped_kernel(gate_up.device)
         on_gpu = gate_up.device.type == "cuda"
         compile = on_gpu if compile is None else compile
         wrap = (lambda fn: torch.compile(fn, dynamic=False)) if compile else (lambda fn: fn)
@@ -261,32 +307,42 @@ class Fp8Experts(nn.Module):
         else:
             self._gated_rows = functools.partial(wrap(_gated_rows), act_fn=self.act_fn)
         self.launches = (GATE_UP_LAUNCH, DOWN_LAUNCH)
-        problem = None  # the CPU's reference takes any shape
-        if on_gpu:
-            problem = launch_problem(gate_up, GATE_UP_LAUNCH, gated=True) or launch_problem(
-                down, DOWN_LAUNCH
-            )
-        if routed is None:
-            routed = gate_kernel and problem is None
-        elif routed and (problem or not silu):
-            raise ValueError(f"the routed kernel cannot run these experts: {problem or 'not SiLU'}")
-        self._routed_mm = None  # the sorted way
-        if routed:
+        self.routed_problem = (
+            None if silu else f"the routed kernel gates with SiLU, not {self.act_fn}"
+        )
+        if on_gpu and silu:
+            self.routed_problem = launch_problem(
+                gate_up, GATE_UP_LAUNCH, gated=True
+            ) or launch_problem(down, DOWN_LAUNCH)
+        if self.routed_problem is None:
             if on_gpu:
                 from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
                 from dflash_async.target.fp8_moe_kernel import routed_mm  # GPU: triton
 
                 self._routed_mm, self._quantized = routed_mm, quantize_rows_kernel
-            else:
+            else:  # the CPU's reference takes any shape
                 self._routed_mm, self._quantized = routed_reference, quantize_rows
             routing = {"num_experts": self.num_experts, "block_rows": GATE_UP_LAUNCH.block_rows,
                        "weight_dtype": out_dtype}  # fmt: skip
             self._routing = functools.partial(wrap(routed_rows), **routing)
             self._summed = wrap(sum_over_k)
+        if way is None:
+            way = "routed" if gate_kernel and self.routed_problem is None else "sorted"
+        self.set_way(way, grouped=grouped)
         self.fast_accum = FAST_ACCUM  # set_fast_accum
 
+    def set_way(self, way: str, *, grouped: str = "torch") -> None:
+        """Run the experts `way` (one of WAYS) with the `grouped` product's kernel; ValueError
+        when this module cannot (compiled callers must be rebuilt: torch._dynamo.reset)."""
+        if way not in WAYS:
+            raise ValueError(f"experts way {way!r}: one of {', '.join(WAYS)}")
+        if way != "sorted" and self.routed_problem:
+            raise ValueError(f"the routed kernel cannot run these experts: {self.routed_problem}")
+        self.grouped, self.kernel = grouped_kernel(self.gate_up_proj.device, prefer=grouped)
+        self.way = way
+
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        if self._routed_mm is not None and self.fast_accum:
+        if self.way != "sorted" and self.fast_accum:
             return self._routed(hidden_states, top_k_index, top_k_weights)
         x_q, x_scale, perm, offsets = self._sorted_rows(
             hidden_states, top_k_index, self.num_experts
@@ -299,6 +355,7 @@ class Fp8Experts(nn.Module):
         return self._combined(out, top_k_weights, perm, hidden_states.dtype)
 
     def _routed(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """The routed and the split way: both start with the routed gate_up product."""
         tokens_q, token_scale = self._quantized(hidden_states)  # a routed row is one token
         token, perm, offsets, blocks, pair_weights = self._routing(top_k_index, top_k_weights)
         gate_up, down = self.launches
@@ -306,10 +363,23 @@ class Fp8Experts(nn.Module):
                             offsets, blocks, a_rows=token, gated=True, out_dtype=self.out_dtype,
                             launch=gate_up)  # fmt: skip
         h_q, h_scale = self._quantized(h)
+        if self.way == "split":  # rows in expert order, then combined as the sorted way does
+            out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
+                               out_dtype=self.out_dtype, fast_accum=True)  # fmt: skip
+            return self._combined(out, top_k_weights, perm, hidden_states.dtype)
         out = self._routed_mm(h_q, h_scale, self.down_proj, self.down_scale, offsets, blocks,
                               out_rows=perm, row_weights=pair_weights, out_dtype=self.out_dtype,
                               launch=down)  # fmt: skip
         return self._summed(out, top_k_index.shape[1], hidden_states.dtype)
+
+
+def set_experts_way(layers: nn.Module, way: str, *, grouped: str = "torch") -> int:
+    """`Fp8Experts.set_way` on every FP8 experts module under `layers` (bench target times the
+    ways side by side). Returns how many changed; compiled callers must be rebuilt."""
+    modules = [m for m in layers.modules() if isinstance(m, Fp8Experts)]
+    for module in modules:
+        module.set_way(way, grouped=grouped)
+    return len(modules)
 
 
 def set_fast_accum(layers: nn.Module, enabled: bool) -> int:

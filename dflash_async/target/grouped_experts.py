@@ -105,7 +105,9 @@ def combine(
     qwen3-30b-a3b`, BENCHMARKS.md)."""
     tokens, k = top_k_weights.shape
     inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)  # pair p is row inverse[p]
+    inverse[perm] = torch.arange(
+        perm.numel(), dtype=perm.dtype, device=perm.device
+    )  # p: row inverse[p]
     index = inverse.view(tokens, k)
     weights = top_k_weights.to(out.dtype)
     total = (out[index[:, 0]] * weights[:, :1]).float()  # [T, d]

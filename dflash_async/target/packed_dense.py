@@ -147,6 +147,26 @@ def _whole_layer(layer, hidden, cos, sin, mask, attend):
     return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
 
 
+# MoE blocks whose forward is exactly "route the normed rows (softmax, top-k, renormalised
+# where the router says so), then the experts call": `attention_and_route` computes their
+# router itself (packed_hybrid_moe.route, the same ops in the same order as HF's router).
+ROUTED_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock"})
+
+
+def attention_and_route(layer, hidden, cos, sin, mask, attend):
+    """`attention_block`, then the MoE block's inputs: (hidden [1, T, d], its post-attention
+    norm x [T, d], the routing weights [T, k] and experts [T, k]). Compiled as one function,
+    the norm and the router's softmax and top-k fuse with the attention's residual add
+    (run eagerly they were ~10 passes over [T, d] and [T, E] per layer); the experts call,
+    whose grouping is data-dependent, runs after it, outside the graph."""
+    from dflash_async.target.packed_hybrid_moe import route
+
+    hidden = attention_block(layer, hidden, cos, sin, mask, attend)
+    x = layer.post_attention_layernorm(hidden)[0]
+    weights, indices = route(layer.mlp.gate, x)
+    return hidden, x, weights, indices
+
+
 class PackedRange:
     """What every packed forward of a layer range shares: the attention argument ("sdpa": dense
     masks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
@@ -196,7 +216,9 @@ class PackedDenseForward(PackedRange):
     `attention` is "sdpa" (dense mask: CPU reference, any T) or "flex" (CUDA, T % 128 == 0).
     `compile` wraps each layer in torch.compile (CUDA only; compile once, on one thread, before
     the workers start: the first call compiles). `moe_eager` keeps the MLP (an MoE block with
-    data-dependent routing) out of the compiled region and runs it as HF does.
+    data-dependent routing) out of the compiled region and runs it as HF does; for the blocks
+    of ROUTED_BLOCKS only the experts call stays out, the norm and router compiled with the
+    attention (`attention_and_route`).
     """
 
     def __init__(
@@ -212,7 +234,11 @@ class PackedDenseForward(PackedRange):
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
+        routed = {type(layer.mlp).__name__ for layer in self._layers.values()} <= ROUTED_BLOCKS
+        self._routed = moe_eager and routed
         layer_fn = attention_block if moe_eager else _whole_layer
+        if self._routed:
+            layer_fn = attention_and_route
         self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
 
     def mask(self, doc_ids: torch.Tensor):
@@ -233,9 +259,14 @@ class PackedDenseForward(PackedRange):
             hidden = self._embed(input_ids[None])  # [1, T, d]
         cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
         for i, layer in self._layers.items():
-            hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
-            if self._moe_eager:
-                hidden = mlp_block(layer, hidden)
+            if self._routed:
+                hidden, x, weights, indices = self._layer_fn(layer, hidden, cos, sin, mask,
+                                                             self._attend)  # fmt: skip
+                hidden = hidden + layer.mlp.experts(x, indices, weights)[None]
+            else:
+                hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+                if self._moe_eager:
+                    hidden = mlp_block(layer, hidden)
             self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), d)
         return hidden
