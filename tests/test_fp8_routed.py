@@ -127,3 +127,15 @@ def test_the_routed_way_is_refused_for_experts_the_kernel_cannot_tile() -> None:
     weight = experts.gate_up_proj.detach()
     assert "not whole 128x128 tiles" in fp8_routed.launch_problem(weight, fp8_routed.LAUNCH)
     assert fp8_routed.launch_problem(weight, fp8_routed.Launch(block_n=16, block_k=16)) is None
+
+
+@pytest.mark.parametrize("way", fp8_linear.WAYS)
+def test_every_way_adds_the_residual_to_its_output(way: str) -> None:
+    """The packed forwards pass the decoder layer's residual stream (`takes_residual`): added to
+    the output in the last compiled pass, the same values as adding it after."""
+    experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
+    fp8 = Fp8Experts(experts, out_dtype=torch.float32, compile=False, way=way)
+    hidden, index, weights = _routing()
+    residual = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3))
+    got = fp8(hidden, index, weights, residual=residual)
+    assert torch.equal(got, residual + fp8(hidden, index, weights))

@@ -54,7 +54,7 @@ def test_a_combine_that_forgets_the_permutation_is_caught(monkeypatch: pytest.Mo
     hidden, index, weights = _routing(37, 8, 2)
     expected = experts(hidden, index, weights)
 
-    def unpermuted(out, top_k_weights, perm, dtype):  # the mutant: rows left in expert order
+    def unpermuted(out, top_k_weights, perm, dtype, residual=None):  # rows left in expert order
         tokens, k = top_k_weights.shape
         out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
         return out.view(tokens, k, -1).sum(dim=1).to(dtype)
@@ -62,6 +62,45 @@ def test_a_combine_that_forgets_the_permutation_is_caught(monkeypatch: pytest.Mo
     monkeypatch.setattr(grouped_experts, "combine", unpermuted)
     got = CompiledExperts(experts, compile=False)(hidden, index, weights)
     assert not torch.allclose(got, expected, rtol=1e-3, atol=1e-4)
+
+
+def _experts_with_residual(experts, hidden, index, weights):
+    residual = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7))
+    residual = residual.to(hidden.dtype)
+    return experts(hidden, index, weights, residual=residual), residual + experts(
+        hidden, index, weights
+    )
+
+
+def test_the_residual_is_added_after_the_experts_output_is_rounded() -> None:
+    """`residual` gives exactly what the decoder layer's own add gives: the experts' bf16 output
+    (one rounding of the fp32 sum), then the bf16 add (a second rounding), bit for bit."""
+    hf = text_model(random_target(_qwen3_moe(), seed=0)).layers[0].mlp.experts
+    experts = CompiledExperts(hf.to(torch.bfloat16), compile=False)
+    hidden, index, weights = _routing(37, 8, 2)
+    got, want = _experts_with_residual(experts, hidden.bfloat16(), index, weights.bfloat16())
+    assert torch.equal(got, want)
+
+
+def test_the_residual_comparison_catches_an_add_before_the_rounding(monkeypatch) -> None:
+    combine = grouped_experts.combine
+
+    def unrounded(out, top_k_weights, perm, dtype, residual=None):  # the mutant: one rounding
+        total = combine(out.float(), top_k_weights, perm, torch.float32)  # the fp32 sum
+        return (total + residual.float()).to(dtype)
+
+    hf = text_model(random_target(_qwen3_moe(), seed=0)).layers[0].mlp.experts
+    monkeypatch.setattr(grouped_experts, "combine", unrounded)
+    experts = CompiledExperts(hf.to(torch.bfloat16), compile=False)
+    hidden, index, weights = _routing(37, 8, 2)
+    monkeypatch.setattr(grouped_experts, "combine", combine)  # the reference's own call
+    reference = CompiledExperts(hf.to(torch.bfloat16), compile=False)
+    residual = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
+    hidden, weights = hidden.bfloat16(), weights.bfloat16()
+    got = experts(hidden, index, weights, residual=residual)
+    # one rounding instead of two: they differ where the first rounding moved the sum across a
+    # midpoint of the second, a few percent of bf16 values here
+    assert not torch.equal(got, residual + reference(hidden, index, weights))
 
 
 def test_the_swap_keeps_the_model_output_and_leaves_biased_experts_alone() -> None:

@@ -238,3 +238,16 @@ def test_the_packed_moe_router_comparison_catches_a_router_that_never_renormalis
     want = _moe_features(model, routed=False)
     monkeypatch.setattr(packed_hybrid_moe, "route", unnormalised)
     assert not torch.allclose(_moe_features(model, routed=True), want, atol=1e-3)
+
+
+def test_the_packed_moe_forward_with_compiled_experts_adds_their_residual_as_hf_does() -> None:
+    """The experts swapped into CompiledExperts (the CUDA default; here its parts eager) take the
+    residual stream (`moe_residual`): the features equal the HF block's within the experts'
+    own difference from HF's (tests/test_grouped_experts.py: rtol 1e-5 in fp32)."""
+    from dflash_async.target.grouped_experts import CompiledExperts, swap_compiled_experts
+
+    want = _moe_features(random_target(_family("qwen3_moe"), seed=1), routed=False)
+    model = random_target(_family("qwen3_moe"), seed=1)
+    swap_compiled_experts(text_model(model).layers, compile=False)
+    assert isinstance(text_model(model).layers[0].mlp.experts, CompiledExperts)
+    torch.testing.assert_close(_moe_features(model, routed=True), want, rtol=1e-5, atol=ATOL)

@@ -341,9 +341,11 @@ class Fp8Experts(nn.Module):
         self.grouped, self.kernel = grouped_kernel(self.gate_up_proj.device, prefer=grouped)
         self.way = way
 
-    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    takes_residual = True  # forward's `residual` is added in the last compiled pass (combine)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, residual=None) -> torch.Tensor:
         if self.way != "sorted" and self.fast_accum:
-            return self._routed(hidden_states, top_k_index, top_k_weights)
+            return self._routed(hidden_states, top_k_index, top_k_weights, residual)
         x_q, x_scale, perm, offsets = self._sorted_rows(
             hidden_states, top_k_index, self.num_experts
         )
@@ -352,9 +354,9 @@ class Fp8Experts(nn.Module):
         h_q, h_scale = self._gated_rows(h)
         out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
                            out_dtype=self.out_dtype, fast_accum=self.fast_accum)  # fmt: skip
-        return self._combined(out, top_k_weights, perm, hidden_states.dtype)
+        return self._combined(out, top_k_weights, perm, hidden_states.dtype, residual)
 
-    def _routed(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    def _routed(self, hidden_states, top_k_index, top_k_weights, residual) -> torch.Tensor:
         """The routed and the split way: both start with the routed gate_up product."""
         tokens_q, token_scale = self._quantized(hidden_states)  # a routed row is one token
         token, perm, offsets, blocks, pair_weights = self._routing(top_k_index, top_k_weights)
@@ -366,11 +368,11 @@ class Fp8Experts(nn.Module):
         if self.way == "split":  # rows in expert order, then combined as the sorted way does
             out = self.grouped(h_q, h_scale, self.down_proj, self.down_scale, offsets,
                                out_dtype=self.out_dtype, fast_accum=True)  # fmt: skip
-            return self._combined(out, top_k_weights, perm, hidden_states.dtype)
+            return self._combined(out, top_k_weights, perm, hidden_states.dtype, residual)
         out = self._routed_mm(h_q, h_scale, self.down_proj, self.down_scale, offsets, blocks,
                               out_rows=perm, row_weights=pair_weights, out_dtype=self.out_dtype,
                               launch=down)  # fmt: skip
-        return self._summed(out, top_k_index.shape[1], hidden_states.dtype)
+        return self._summed(out, top_k_index.shape[1], hidden_states.dtype, residual)
 
 
 def set_experts_way(layers: nn.Module, way: str, *, grouped: str = "torch") -> int:

@@ -167,6 +167,15 @@ def attention_and_route(layer, hidden, cos, sin, mask, attend):
     return hidden, x, weights, indices
 
 
+def moe_residual(experts: nn.Module, hidden, x, indices, weights) -> torch.Tensor:
+    """hidden [1, T, d] + experts(x, indices, weights): inside the experts' last compiled pass
+    where they take the residual (`takes_residual`: CompiledExperts, Fp8Experts; the same
+    values), else added here."""
+    if getattr(experts, "takes_residual", False):
+        return experts(x, indices, weights, residual=hidden[0])[None]
+    return hidden + experts(x, indices, weights)[None]
+
+
 class PackedRange:
     """What every packed forward of a layer range shares: the attention argument ("sdpa": dense
     masks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
@@ -262,7 +271,7 @@ class PackedDenseForward(PackedRange):
             if self._routed:
                 hidden, x, weights, indices = self._layer_fn(layer, hidden, cos, sin, mask,
                                                              self._attend)  # fmt: skip
-                hidden = hidden + layer.mlp.experts(x, indices, weights)[None]
+                hidden = moe_residual(layer.mlp.experts, hidden, x, indices, weights)
             else:
                 hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
                 if self._moe_eager:
