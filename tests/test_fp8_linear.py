@@ -340,3 +340,36 @@ def test_fast_accumulation_is_on_after_the_swap_and_set_off_on_every_fp8_module(
     fp8 = [m for m in layers.modules() if isinstance(m, Fp8Linear | Fp8Experts)]
     assert len(fp8) == 10 and all(m.fast_accum for m in fp8)  # 8 linears, 2 experts
     assert set_fast_accum(layers, False) == 10 and not any(m.fast_accum for m in fp8)
+
+
+def test_projections_of_one_input_quantize_it_once_and_give_what_each_linear_gives() -> None:
+    """fp8_linear.project (the attention's q, k and v): x quantized once, the same e4m3 rows and
+    scales each linear computes, so the same outputs bit for bit; a plain linear among them
+    makes every one run on its own."""
+    x, _ = _inputs()
+    g = torch.Generator().manual_seed(4)
+    linears = [torch.nn.Linear(K, n, bias=n == N) for n in (N, 16, 16)]
+    for linear in linears:
+        linear.weight.data = torch.randn(linear.weight.shape, generator=g) * 0.05
+    fp8 = [Fp8Linear.from_linear(linear, out_dtype=torch.float32) for linear in linears]
+    for got, want in zip(fp8_linear.project(fp8, x), [m(x) for m in fp8], strict=True):
+        assert torch.equal(got, want)
+    mixed = [fp8[0], linears[1], fp8[2]]
+    for got, want in zip(fp8_linear.project(mixed, x), [m(x) for m in mixed], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_projections_comparison_catches_scales_shared_by_all_tokens(monkeypatch) -> None:
+    x, _ = _inputs()
+    fp8 = [Fp8Linear.from_linear(torch.nn.Linear(K, 16), out_dtype=torch.float32) for _ in "qk"]
+    want = [m(x) for m in fp8]
+    quantize = fp8_linear.quantize_tokens
+
+    def one_scale(flat):  # the mutant: every token quantized with the largest token's scale
+        _, scale = quantize(flat)
+        top = scale.max()
+        return (flat / top).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), top.expand_as(scale).clone()
+
+    monkeypatch.setattr(fp8_linear, "quantize_tokens", one_scale)
+    got = fp8_linear.project(fp8, x)
+    assert not torch.allclose(got[0], want[0], rtol=1e-2, atol=1e-3)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -114,15 +114,32 @@ class Fp8Linear(nn.Module):
         flat = x.reshape(-1, k)
         if k != self.weight.shape[1]:
             flat = F.pad(flat, (0, self.weight.shape[1] - k))  # zero columns: no change to y
-        x_q, x_scale = quantize_tokens(flat)
+        return self.quantized_forward(*quantize_tokens(flat)).reshape(*lead, self.out_features)
+
+    def quantized_forward(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """y [T, N] from x already quantized per token (x_q [T, K_pad] e4m3, x_scale [T, 1])."""
         y = rowwise_mm(x_q, x_scale, self.weight, self.weight_scale.view(1, -1),
                        out_dtype=self.out_dtype, fast_accum=self.fast_accum)[:, : self.out_features]  # fmt: skip
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 row-wise"
+
+
+def project(linears: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears] (an attention's q, k and v projections of one input),
+    with x quantized once when every linear is an `Fp8Linear` of x's width: the same e4m3 rows
+    and scales each would compute. Why: torch.compile does not merge the three quantizations
+    (it fuses them into one kernel that still computes and writes three copies of the e4m3
+    rows; inductor's output code, torch 2.13)."""
+    k = x.shape[-1]
+    if not all(isinstance(m, Fp8Linear) and m.weight.shape[1] == k for m in linears):
+        return [linear(x) for linear in linears]
+    x_q, x_scale = quantize_tokens(x.reshape(-1, k))
+    return [m.quantized_forward(x_q, x_scale).reshape(*x.shape[:-1], m.out_features)
+            for m in linears]  # fmt: skip
 
 
 def _grouped_native(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype, fast_accum=False):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.model.attention import document_starts
+from dflash_async.target.fp8_linear import project  # q, k, v: an FP8 input quantized once
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -129,10 +130,10 @@ def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.T
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     shape = (1, hidden.shape[1], -1, attn.head_dim)
-    q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+    q, k, v = (p.view(shape) for p in project((attn.q_proj, attn.k_proj, attn.v_proj), x))
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
         q, k = attn.q_norm(q), attn.k_norm(k)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, T, hd]
+    v = v.transpose(1, 2)  # [1, Hkv, T, hd]
     q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
     return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
