@@ -2,11 +2,13 @@
 
 One HF Qwen3-MoE experts module (128 experts of width 768, d = 2048, top 8) on T = 16384 tokens
 routed by its own router: the bf16 HF experts (grouped_mm), `Fp8Experts` the sorted way with
-its parts eager and compiled (the gate compiled torch, or the Triton kernel) and the routed way
-(the default: fp8_moe_kernel's routed products), and the grouped FP8 products alone (the sorted
-way's `torch._scaled_grouped_mm` with fast accumulation, the routed kernel's launches: gather
-and SiLU gate for gate_up, weights and scatter for down); median ms of 10 calls after 3, TFLOP/s of the
-products, and the relative difference of each FP8 output from the bf16 one. Then the gate and
+its parts eager and compiled (the gate compiled torch, or the Triton kernel), the routed way
+(both products fp8_moe_kernel's) and the split way (the default: its gate_up product, down
+through `torch._scaled_grouped_mm`), and the grouped FP8 products alone (the sorted way's
+`torch._scaled_grouped_mm` with fast accumulation, fbgemm-gpu-genai's where installed, the
+routed kernel's launches: gather and SiLU gate for gate_up, weights and scatter for down);
+median ms of 10 calls after 3, TFLOP/s of the products, and the relative difference of each FP8
+output from the bf16 one. Then the routed way's row quantization under its launches. Then the gate and
 its quantization alone: compiled torch and the Triton kernel's launches (how many of its e4m3
 values differ from the compiled function's). Then one Fp8Linear at the Qwen3-8B MLP shape
 (16384 x 4096 -> 12288), `use_fast_accum` off (the product's choice) and on.
@@ -90,12 +92,9 @@ def experts(*, launches_only: bool) -> None:
         "sorted, parts eager": {"compile": False},
         "sorted, parts compiled, the gate compiled torch": {"compile": True, "gate_kernel": False},
         "sorted, parts compiled, the gate a Triton kernel": {"compile": True, "way": "sorted"},
-        "split (routed gate_up, down _scaled_grouped_mm)": {"way": "split"},
-        "routed (the default)": {},
+        "routed (both products the routed kernel)": {"way": "routed"},
+        "split (the default: routed gate_up, down _scaled_grouped_mm)": {},
     }
-    if fp8_linear.fbgemm_problem(x.device) is None:
-        variants["sorted, fbgemm products"] = {"way": "sorted", "grouped": "fbgemm"}
-        variants["split, down through fbgemm"] = {"way": "split", "grouped": "fbgemm"}
     modules = {}
     for name, options in variants.items():
         fp8 = modules[name] = fp8_linear.Fp8Experts(
@@ -109,8 +108,9 @@ def experts(*, launches_only: bool) -> None:
     if "--profile" in sys.argv[1:]:
         from profile_target_gpu import kernel_table
 
-        for name in ("sorted, parts compiled, the gate a Triton kernel", "routed (the default)",
-                     "split (routed gate_up, down _scaled_grouped_mm)"):  # fmt: skip
+        for name in ("sorted, parts compiled, the gate a Triton kernel",
+                     "routed (both products the routed kernel)",
+                     "split (the default: routed gate_up, down _scaled_grouped_mm)"):  # fmt: skip
             module = modules[name]
             print(f"kernels of one call: {name}")
             kernel_table(lambda m=module: m(x, index, weights), top=14)
@@ -118,10 +118,12 @@ def experts(*, launches_only: bool) -> None:
     if "--sweep" in sys.argv[1:]:
         launches.update({f"sweep {g} {d}": (fp8_routed.Launch(*g), fp8_routed.Launch(*d))
                          for g, d in SWEEP})  # fmt: skip
-    products(modules["routed (the default)"], x, index, weights, launches)
-    row_kernel(x, index.numel(), modules["routed (the default)"].down_proj.shape[2])
+    products(modules["routed (both products the routed kernel)"], x, index, weights, launches)
+    row_kernel(
+        x, index.numel(), modules["routed (both products the routed kernel)"].down_proj.shape[2]
+    )
     if not launches_only:
-        gate(modules["routed (the default)"], x, index)
+        gate(modules["routed (both products the routed kernel)"], x, index)
 
 
 def _product_row(label: str, fn, flops: int, want: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,6 +134,15 @@ def _product_row(label: str, fn, flops: int, want: torch.Tensor | None = None) -
         row["rel_diff_vs_sorted"] = float((out.float() - want.float()).norm() / want.float().norm())
     print(json.dumps(row))
     return out
+
+
+def _fbgemm() -> bool:
+    """Whether fbgemm-gpu-genai's grouped FP8 product is here (its wheel carried to the GPU)."""
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
+    except ImportError:
+        return False
+    return hasattr(torch.ops.fbgemm, "f8f8bf16_rowwise_grouped_stacked")
 
 
 def products(fp8, x, index, weights, launches) -> None:
@@ -154,10 +165,12 @@ def products(fp8, x, index, weights, launches) -> None:
                            flops[name])
         for name, args in sorted_args.items()
     }  # fmt: skip
-    if fp8_linear.fbgemm_problem(x.device) is None:  # the same sorted products through fbgemm
-        for name, args in sorted_args.items():
+    if _fbgemm():  # the same sorted products through fbgemm-gpu-genai, where installed
+        for name, (x_q, x_scale, w_q, w_scale, offsets) in sorted_args.items():
+            counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
             _product_row(f"{name} alone, sorted: fbgemm f8f8bf16_rowwise_grouped_stacked",
-                         lambda args=args: fp8_linear._grouped_fbgemm(*args, out_dtype=x.dtype),
+                         lambda a=(x_q, w_q, x_scale, w_scale, counts):
+                         torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(*a),
                          flops[name], sorted_out[name])  # fmt: skip
     # what each routed product should give: the sorted way's rows gated, and weighted and
     # placed at their routed pairs (the routing's order does not depend on block_rows)

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Issue 31's last line, the Qwen3-30B-A3B FP8 target at >= 1.4x bf16 (eleventh session), on one
 # H200, in parts that each fit one 10-minute call; output also in $OUT/PART.log.
-#   tests: the GPU tests of the FP8 experts (every way, fbgemm's where installed), the gate and
+#   tests: the GPU tests of the FP8 experts (every way), the gate and
 #     row kernels, the FP8 targets, the compiled experts and the packed targets (the MoE router
 #     compiled with the attention).
 #   experts: the FP8 experts module alone every way, the grouped products alone (torch's,
 #     fbgemm's, the routed kernel's), the row quantization's launches
 #     (benchmarks/fp8_experts_gpu.py --launches-only).
 #   target: `bench target --shapes qwen3-30b-a3b --experts compiled --quantize none,fp8-fast`
-#     with one FP8 row per experts way ($WAYS, default routed,split).
-#   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8 (profile_target_gpu.py).
+#     with one FP8 row per experts way ($WAYS, default: default,routed).
+#   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8, and each forward captured
+#     as one CUDA graph and replayed (profile_target_gpu.py --graph).
 # Usage: benchmarks/h200_wave3h.sh tests|experts|target|tprof ...; carry .whl as the device
 # README says (fbgemm-gpu-genai's wheel for the fbgemm rows).
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
@@ -30,11 +31,11 @@ for which in "$@"; do
   fi
   if [ "$which" = target ]; then
     shape 300 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast \
-      --experts-way "${WAYS:-routed,split}"
+      --experts-way "${WAYS:-default,routed}"
   fi
   if [ "$which" = tprof ]; then
-    part "benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30"
-    timeout 300 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30 2>&1 \
+    part "benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30 --graph"
+    timeout 300 python3 benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b --top 30 --graph 2>&1 \
       | grep -v -e DEBUG -e Warning -e warn -e '^\s*$' | tail -70
   fi
 done

@@ -1,11 +1,14 @@
 """Where a packed target forward's GPU time goes, bf16 (CompiledExperts) against FP8 (fast
 accumulation), on one shape of `bench target` (random weights, T = 16384, one pack).
 
-    python benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b [--top 25]
+    python benchmarks/profile_target_gpu.py --shape qwen3-30b-a3b [--top 25] [--graph]
 
 Prints, per path, the forward's median ms over 3 calls and the CUDA kernels of one profiled
 call grouped by name (total ms, calls, share), widest first, and the share of the matmul
-kernels (names with gemm / scaled_mm / grouped / sm90 / cutlass / nvjet). GPU only.
+kernels (names with gemm / scaled_mm / grouped / sm90 / cutlass / nvjet). `--graph` also
+captures the whole forward in one CUDA graph after its warm-up calls and times its replay (the
+launch gaps between kernels are what it removes), checking the replayed features equal the
+eager ones bit for bit. GPU only.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--graph", action="store_true")
     options = parser.parse_args()
     config, layer_ids = shape_configs()[options.shape]
     with torch.device("cuda"):
@@ -74,6 +78,24 @@ def main() -> None:
         print(f"== {options.shape} {label}: {path.name}, median {seconds * 1e3:.1f} ms "
               f"({lengths.sum() / seconds:,.0f} tokens/s), first call {first:.1f} s")  # fmt: skip
         kernel_table(call, options.top)
+        if options.graph:
+            graphed(call, out, lengths.sum())
+
+
+def graphed(call, out: torch.Tensor, tokens: int) -> None:
+    """The forward `call` (warmed up) captured as one CUDA graph: its replay's median ms and
+    whether the features it writes equal the eager call's."""
+    call()
+    eager = out.clone()
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    same = bool(torch.equal(out, eager))
+    _, seconds = _timed(graph.replay, 5)
+    print(f"   one CUDA graph: median {seconds * 1e3:.1f} ms ({tokens / seconds:,.0f} tokens/s), "
+          f"features equal to eager: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

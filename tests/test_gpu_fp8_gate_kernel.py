@@ -108,8 +108,10 @@ def _tie_flips(got, want, x: torch.Tensor) -> list[str]:
     mantissa bits, a midpoint 4), so unlike the gate's fp32 values they flip in a few percent
     of places: ties the two roundings break differently, each within half a step."""
     (q, scale), (want_q, want_scale) = got, want
-    if not torch.equal(scale, want_scale):
-        return ["scales differ"]
+    # the kernel's scale is amax / 448 rounded once; torch's eager CUDA division by a scalar
+    # multiplies by its rounded reciprocal (two roundings): within one ulp, 2^-23 relative
+    if not torch.allclose(scale, want_scale, rtol=2.0**-23, atol=0):
+        return ["scales differ by more than an ulp"]
     differ = q.view(torch.uint8) != want_q.view(torch.uint8)
     bits, want_bits = q.view(torch.uint8)[differ].int(), want_q.view(torch.uint8)[differ].int()
     scaled = (x.double() / scale.double().unsqueeze(-1))[differ]
@@ -124,8 +126,8 @@ def _tie_flips(got, want, x: torch.Tensor) -> list[str]:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPES)
 def test_the_row_quantization_kernel_equals_quantize_rows_but_at_ties(shape: str) -> None:
-    """The kernel without its gate: quantize_rows of the bf16 rows, the same scales, the same
-    e4m3 values but at rounding ties (`_tie_flips`)."""
+    """The kernel without its gate: quantize_rows of the bf16 rows, the same scales (within an
+    ulp), the same e4m3 values but at rounding ties (`_tie_flips`)."""
     from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
 
     h = _h(*SHAPES[shape])

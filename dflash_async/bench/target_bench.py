@@ -257,7 +257,7 @@ def bench_shape(
     into grouped_experts.CompiledExperts (the fast path again, its features against the HF
     experts' fast path); the FP8 row then quantizes those same experts. `experts_ways`: one FP8
     row per entry, the FP8 experts run that way ("default": as constructed; else
-    fp8_linear.WAYS' way, "+fbgemm" for fbgemm's grouped product: `parse_way`)."""
+    one of fp8_linear.WAYS)."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
@@ -321,8 +321,7 @@ def bench_shape(
             torch._dynamo.reset()
             set_fast_accum(text_model(model).layers, mode == "fp8-fast")
             if way != "default":
-                way_name, grouped = parse_way(way)
-                set_experts_way(text_model(model).layers, way_name, grouped=grouped)
+                set_experts_way(text_model(model).layers, way)
             fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
             fp8.update(quantize=mode, swapped=counts, experts_way=way)
             fp8["weight_bytes"], fp8["held_bytes"] = weight_bytes(model, layer_ids)
@@ -334,12 +333,6 @@ def bench_shape(
     del model
     torch.cuda.empty_cache()
     return rows
-
-
-def parse_way(way: str) -> tuple[str, str]:
-    """ "split+fbgemm" -> ("split", "fbgemm"); "routed" -> ("routed", "torch")."""
-    name, _, grouped = way.partition("+")
-    return name, grouped or "torch"
 
 
 def _differences(row: dict, features: torch.Tensor, reference: torch.Tensor) -> None:
@@ -362,14 +355,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", default="hf", help="hf,compiled: HF's MoE experts call, "
                         "and a row with grouped_experts.CompiledExperts")  # fmt: skip
     parser.add_argument("--experts-way", default="default",
-                        help=f"FP8 rows, one per way: default, or of {', '.join(WAYS)}, each "
-                        "optionally +fbgemm (fbgemm-gpu-genai's grouped product)")  # fmt: skip
+                        help=f"FP8 rows, one per way of the MoE experts: default, or of "
+                        f"{', '.join(WAYS)}")  # fmt: skip
     options = parser.parse_args(argv)
     ways = tuple(options.experts_way.split(","))
-    for way in ways:
-        name, grouped = parse_way(way)
-        if way != "default" and (name not in WAYS or grouped not in ("torch", "fbgemm")):
-            parser.error(f"--experts-way {way!r}: default, or one of {WAYS} [+fbgemm]")
+    if unknown := set(ways) - {"default", *WAYS}:
+        parser.error(f"--experts-way {','.join(sorted(unknown))}: default, or of {WAYS}")
     quantize = tuple(options.quantize.split(","))
     if not set(quantize) <= {"none", "fp8", "fp8-fast"}:
         parser.error(f"--quantize {options.quantize!r}: a list of none, fp8 and fp8-fast")

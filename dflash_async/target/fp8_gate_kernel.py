@@ -9,8 +9,10 @@ torch.compile's reduction kernel moved those bytes at ~1.2 TB/s (0.436 ms per Qw
 layer, S = 131072 rows of 2 x 768; the bf16 gate alone runs at ~4.4), this one at 2.3 (0.216 ms),
 and the FP8 target forward went from 1.19x to 1.26x the bf16 one's speed (H200, BENCHMARKS.md).
 
-The arithmetic follows torch's: silu(x) = x / (1 + exp(-x)), the scale amax / 448 exactly as
-torch rounds it (tl.div_rn), each value times 448 / amax, saturated to +-448 and rounded to
+The arithmetic follows torch's: silu(x) = x / (1 + exp(-x)), the scale amax / 448 as an IEEE
+division rounds it (tl.div_rn; torch's eager division by a scalar on CUDA multiplies by the
+scalar's reciprocal, so its scales can differ from these by one fp32 ulp), each value times
+448 / amax, saturated to +-448 and rounded to
 nearest e4m3. exp and the per-value division are Triton's fast ones (ex2.approx of x * log2(e),
 within ~|x| * 2^-23 relative; div.full, 2 ulp) and the product by the reciprocal is within
 1.5 ulp of the quotient: IEEE divisions per value ran the kernel at ~1.45 TB/s at best, no faster
@@ -31,11 +33,12 @@ import triton.language as tl
 
 from dflash_async.model.fp8_format import FP8_DTYPE, FP8_MAX
 
-# Rows per program and warps (benchmarks/fp8_experts_gpu.py times 1-4 rows, 4-8 warps): one row,
-# 4 warps, 0.216 ms at the Qwen3-30B-A3B shape, the launch the GPU tests and the measured
-# forward ran; 4 rows took 0.184 ms alone and becomes the default once the GPU tests ran it.
-ROWS_PER_PROGRAM = 1
-NUM_WARPS = 4
+# Rows per program and warps (benchmarks/fp8_experts_gpu.py times 1-4 rows, 4-8 warps, H200) at
+# the Qwen3-30B-A3B shape (T = 16384, top 8): 4 rows, 8 warps took 0.184 ms for the gate (1 row,
+# 4 warps: 0.216; 2026-12-04), 0.053 ms for the tokens' rows [16384, 2048] (0.066) and 0.114
+# ms for the gate output's [131072, 768] (0.118; 2026-12-05), the same e4m3 values.
+ROWS_PER_PROGRAM = 4
+NUM_WARPS = 8
 
 
 @triton.jit

@@ -163,46 +163,15 @@ def _grouped_loop(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype, fast_accum=
     return out
 
 
-FBGEMM_KERNEL = "fbgemm_f8f8bf16_rowwise_grouped_stacked"
-
-
-def _grouped_fbgemm(x_q, x_scale, w_q, w_scale, offsets, *, out_dtype, fast_accum=True):
-    """The same product through fbgemm-gpu-genai's CUTLASS kernel (bf16 out, fast accumulation
-    only; its tile shape picked from the problem's), which takes each expert's row count
-    (int64) instead of the cumulative offsets: one diff on the device, no sync."""
-    if out_dtype != torch.bfloat16 or not fast_accum:
-        raise ValueError("fbgemm's grouped FP8 product writes bf16 with fast accumulation only")
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
-    return torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(x_q, w_q, x_scale, w_scale, counts)
-
-
-def fbgemm_problem(device: torch.device) -> str | None:
-    """None when fbgemm-gpu-genai's grouped FP8 product can run on `device` (imported here,
-    lazily: it loads a 180 MB CUDA library), else why not."""
-    if device.type != "cuda":
-        return f"fbgemm's grouped FP8 product needs CUDA (device is {device.type})"
-    try:
-        import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
-    except ImportError as error:
-        return f"fbgemm-gpu-genai is not importable ({error})"
-    if not hasattr(torch.ops.fbgemm, "f8f8bf16_rowwise_grouped_stacked"):
-        return "this fbgemm-gpu-genai has no f8f8bf16_rowwise_grouped_stacked"
-    return None
-
-
-def grouped_kernel(device: torch.device, *, prefer: str = "torch") -> tuple[Callable, str]:
-    """(the experts' grouped FP8 product, its name). `prefer` "fbgemm": fbgemm-gpu-genai's
-    kernel where `fbgemm_problem` is None (ValueError naming the problem otherwise). "torch":
-    `_scaled_grouped_mm` (one launch for every expert, no sync) where torch has it on a CUDA
-    device; else the per-expert loop, which syncs once per layer and launches up to E matmuls
-    (chosen without measurement: the grouped kernel is one launch over the same FLOPs, the
-    loop cannot be faster)."""
-    if prefer == "fbgemm":
-        if problem := fbgemm_problem(device):
-            raise ValueError(problem)
-        return _grouped_fbgemm, FBGEMM_KERNEL
-    if prefer != "torch":
-        raise ValueError(f"grouped FP8 product {prefer!r}: 'torch' or 'fbgemm'")
+def grouped_kernel(device: torch.device) -> tuple[Callable, str]:
+    """(the experts' grouped FP8 product, its name). `_scaled_grouped_mm` (one launch for every
+    expert, no sync) where torch has it on a CUDA device; else the per-expert loop, which syncs
+    once per layer and launches up to E matmuls (chosen without measurement: the grouped kernel
+    is one launch over the same FLOPs, the loop cannot be faster). fbgemm-gpu-genai 1.6's
+    `f8f8bf16_rowwise_grouped_stacked` was measured against it on an H200 (2026-12-05,
+    benchmarks/fp8_experts_gpu.py): the same outputs bit for bit and the same time at the
+    Qwen3-30B-A3B experts' shapes (0.833 / 0.837 ms gate_up, 0.604 / 0.606 down), torch's being
+    the same CUTLASS kernel; so no second dependency."""
     if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
         return _grouped_native, GROUPED_KERNEL
     return _grouped_loop, "scaled_mm_rowwise_per_expert_loop"
@@ -263,23 +232,23 @@ class Fp8Experts(nn.Module):
     with e4m3 row-wise expert weights: the tokens quantized per row (a routed row is one
     token), the two grouped FP8 products, the gate between them (its output quantized per row),
     the routing weights, the sum over k in fp32. Three ways to run it (`way`):
-    - "routed" (the default where fp8_routed.launch_problem allows, with the gate kernel):
-      fp8_moe_kernel's Triton kernel gathers the token rows and applies the SiLU gate in the
-      gate_up product and weights and scatters the rows to their routed pairs in the down
-      product, then a contiguous sum over k (fp8_routed's module doc); the tokens and the gate
-      output are quantized by fp8_gate_kernel's row kernel;
-    - "split": the routed kernel's gate_up product (gather and gate), the down product through
-      the grouped kernel (`grouped`) on the rows in expert order, then `combine`;
+    - "split" (the default where fp8_routed.launch_problem allows, with the gate kernel): the
+      routed kernel's gate_up product (fp8_moe_kernel: it gathers the token rows through the
+      routing and applies the SiLU gate, fp8_routed's module doc), then the down product through
+      `torch._scaled_grouped_mm` on the rows in expert order and `combine`; the tokens and the
+      gate output are quantized by fp8_gate_kernel's row kernel;
+    - "routed": the same, but the routed kernel's down product too (it weights and scatters the
+      rows to their routed pairs, then a contiguous sum over k). Its down product ran 0.68-0.74
+      ms a Qwen3-30B-A3B layer against `_scaled_grouped_mm`'s 0.58-0.63 (the scatter gaining
+      nothing over `combine`), hence split (H200, 2026-12-05, BENCHMARKS.md);
     - "sorted": the rows gathered in expert order, the grouped kernel for both products (or the
       CPU's per-expert loop), the gate, the routing weights and the inverse permutation in
       `combine`.
     The routed kernel accumulates the fast way only, so "routed" and "split" run as "sorted"
     while `fast_accum` is off. On the CPU (tests) the routed kernel's place is taken by
-    fp8_routed.routed_reference and its row kernel's by `quantize_rows`. `way` and `grouped`
-    can be changed after construction (`set_experts_way`).
+    fp8_routed.routed_reference and its row kernel's by `quantize_rows`. `set_way` changes the
+    way after construction (`set_experts_way`: bench target times them side by side).
 
-    `grouped`: the grouped FP8 product's kernel, "torch" (`torch._scaled_grouped_mm`, default)
-    or "fbgemm" (fbgemm-gpu-genai's, where installed; `grouped_kernel`).
     `compile` (default: on CUDA) runs the parts around the grouped products (routing and
     quantization; gate and quantization; the weights and the sum) each as one torch.compile'd
     function: eager, they are ~15 elementwise passes over the [T * k, d] rows per layer, which
@@ -299,7 +268,6 @@ class Fp8Experts(nn.Module):
         compile: bool | None = None,
         gate_kernel: bool | None = None,
         way: str | None = None,
-        grouped: str = "torch",
     ) -> None:
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
@@ -344,18 +312,18 @@ class Fp8Experts(nn.Module):
             self._routing = functools.partial(wrap(routed_rows), **routing)
             self._summed = wrap(sum_over_k)
         if way is None:
-            way = "routed" if gate_kernel and self.routed_problem is None else "sorted"
-        self.set_way(way, grouped=grouped)
+            way = "split" if gate_kernel and self.routed_problem is None else "sorted"
+        self.set_way(way)
         self.fast_accum = FAST_ACCUM  # set_fast_accum
 
-    def set_way(self, way: str, *, grouped: str = "torch") -> None:
-        """Run the experts `way` (one of WAYS) with the `grouped` product's kernel; ValueError
-        when this module cannot (compiled callers must be rebuilt: torch._dynamo.reset)."""
+    def set_way(self, way: str) -> None:
+        """Run the experts `way` (one of WAYS); ValueError when this module cannot (compiled
+        callers must be rebuilt: torch._dynamo.reset)."""
         if way not in WAYS:
             raise ValueError(f"experts way {way!r}: one of {', '.join(WAYS)}")
         if way != "sorted" and self.routed_problem:
             raise ValueError(f"the routed kernel cannot run these experts: {self.routed_problem}")
-        self.grouped, self.kernel = grouped_kernel(self.gate_up_proj.device, prefer=grouped)
+        self.grouped, self.kernel = grouped_kernel(self.gate_up_proj.device)
         self.way = way
 
     takes_residual = True  # forward's `residual` is added in the last compiled pass (combine)
@@ -392,12 +360,12 @@ class Fp8Experts(nn.Module):
         return self._summed(out, top_k_index.shape[1], hidden_states.dtype, residual)
 
 
-def set_experts_way(layers: nn.Module, way: str, *, grouped: str = "torch") -> int:
+def set_experts_way(layers: nn.Module, way: str) -> int:
     """`Fp8Experts.set_way` on every FP8 experts module under `layers` (bench target times the
     ways side by side). Returns how many changed; compiled callers must be rebuilt."""
     modules = [m for m in layers.modules() if isinstance(m, Fp8Experts)]
     for module in modules:
-        module.set_way(way, grouped=grouped)
+        module.set_way(way)
     return len(modules)
 
 
