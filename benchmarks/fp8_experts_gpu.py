@@ -30,7 +30,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from dflash_async.target import fp8_linear, fp8_routed
+from dflash_async.target import fp8_experts, fp8_linear, fp8_routed
 from dflash_async.target.fp8_gate_kernel import silu_gate_quantize
 from dflash_async.target.fp8_moe_kernel import routed_mm
 from dflash_async.target.grouped_experts import gated as gate_values
@@ -97,7 +97,7 @@ def experts(*, launches_only: bool) -> None:
     }
     modules = {}
     for name, options in variants.items():
-        fp8 = modules[name] = fp8_linear.Fp8Experts(
+        fp8 = modules[name] = fp8_experts.Fp8Experts(
             mlp.experts, out_dtype=torch.bfloat16, **options
         )
         out = fp8(x, index, weights)
@@ -150,7 +150,7 @@ def products(fp8, x, index, weights, launches) -> None:
     s, d = index.numel(), x.shape[1]
     width = fp8.down_proj.shape[2]
     flops = {"gate_up": 2 * s * 2 * width * d, "down": 2 * s * d * width}
-    x_q, x_scale, _, offsets = fp8_linear._sorted_rows(x, index, 128)
+    x_q, x_scale, _, offsets = fp8_experts._sorted_rows(x, index, 128)
     h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets,
                     out_dtype=x.dtype, fast_accum=True)  # fmt: skip
     h_q, h_scale = silu_gate_quantize(h)
@@ -231,12 +231,12 @@ def row_kernel(x, pairs: int, width: int) -> None:
 
 
 def gate(fp8, x, index) -> None:
-    x_q, x_scale, _, offsets = fp8_linear._sorted_rows(x, index, 128)
+    x_q, x_scale, _, offsets = fp8_experts._sorted_rows(x, index, 128)
     h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets, out_dtype=x.dtype)
     # the gate and its quantization alone, [131072, 2 x 768] bf16 -> e4m3 and scales; TB/s if
     # each byte moves once
     moved = h.numel() * h.element_size() + h.numel() // 2 + 4 * h.shape[0]
-    compiled_gate = torch.compile(fp8_linear._gated_rows, dynamic=False)
+    compiled_gate = torch.compile(fp8_experts._gated_rows, dynamic=False)
     gates = {"compiled torch": lambda: compiled_gate(h, fp8.act_fn)}
     for rows_, warps in itertools.product((1, 2, 4), (4, 8)):
         gates[f"Triton, {rows_} rows, {warps} warps"] = lambda r=rows_, w=warps: silu_gate_quantize(

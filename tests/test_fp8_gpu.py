@@ -22,7 +22,7 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.stages.produce import load_runner
-from dflash_async.target import fp8_linear
+from dflash_async.target import fp8_experts, fp8_linear
 from dflash_async.target.forward import select_target_forward
 from dflash_async.target.loading import random_target, text_model
 
@@ -91,7 +91,7 @@ def test_fp8_moe_packed_rows_run_the_grouped_kernel_within_the_fp8_bound() -> No
         num_key_value_heads=4, head_dim=128, vocab_size=2000, num_experts=16,
         num_experts_per_tok=4, moe_intermediate_size=256,
     )  # fmt: skip
-    assert fp8_linear.grouped_kernel(torch.device("cuda"))[1] == fp8_linear.GROUPED_KERNEL
+    assert fp8_experts.grouped_kernel(torch.device("cuda"))[1] == fp8_experts.GROUPED_KERNEL
     _check_fp8_against_bf16_noise(config, _docs((200, 500, 31, 260), 2000, seed=2), 1024)
 
 

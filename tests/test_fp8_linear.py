@@ -18,12 +18,11 @@ from quant_kit import block_skewed, fp8_blocks, fp8_checkpoint
 from target_kit import capture_features
 from transformers import Qwen3MoeConfig
 
-from dflash_async.model.fp8_format import FP8_DTYPE, FP8_MAX
-from dflash_async.target import fp8_linear
+from dflash_async.model.fp8_format import FP8_DTYPE, FP8_MAX, quantize_rows
+from dflash_async.target import fp8_experts, fp8_linear
+from dflash_async.target.fp8_experts import Fp8Experts
 from dflash_async.target.fp8_linear import (
-    Fp8Experts,
     Fp8Linear,
-    quantize_rows,
     requantize_blocks_to_rows,
     set_fast_accum,
     swap_fp8_matmuls,
@@ -240,10 +239,10 @@ def test_the_gate_kernel_is_chosen_for_silu_experts_only_and_never_on_the_cpu() 
     activation asked to run it is refused; on a CPU (compile off) the torch gate runs."""
     from transformers.activations import ACT2FN
 
-    assert fp8_linear.is_silu(ACT2FN["silu"]) and fp8_linear.is_silu(torch.nn.SiLU())
-    assert not fp8_linear.is_silu(ACT2FN["gelu"])
+    assert fp8_experts.is_silu(ACT2FN["silu"]) and fp8_experts.is_silu(torch.nn.SiLU())
+    assert not fp8_experts.is_silu(ACT2FN["gelu"])
     experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
-    assert fp8_linear.is_silu(experts.act_fn)
+    assert fp8_experts.is_silu(experts.act_fn)
     cpu = Fp8Experts(experts, out_dtype=torch.float32)
     assert cpu._gated_rows.keywords == {"act_fn": experts.act_fn}  # the torch gate
     experts.act_fn = ACT2FN["gelu"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig
 
-from dflash_async.target import fp8_linear, fp8_routed
-from dflash_async.target.fp8_linear import Fp8Experts
+from dflash_async.target import fp8_experts, fp8_routed
+from dflash_async.target.fp8_experts import Fp8Experts
 from dflash_async.target.grouped_experts import blocks_bound, expert_blocks
 from dflash_async.target.loading import random_target
 
@@ -109,7 +109,7 @@ SPLIT_MUTANTS = ("no_division", "expert_order")
     [(m, "routed") for m in MUTANTS] + [(m, "split") for m in SPLIT_MUTANTS],
 )
 def test_the_routed_comparison_catches_mutant(mutant: str, way: str, monkeypatch) -> None:
-    monkeypatch.setattr(fp8_linear, "routed_rows", MUTANTS[mutant])
+    monkeypatch.setattr(fp8_experts, "routed_rows", MUTANTS[mutant])
     routed, sorted_ = _both_ways(way)
     hidden, index, weights = _routing()
     got, want = routed(hidden, index, weights), sorted_(hidden, index, weights)
@@ -129,7 +129,7 @@ def test_the_routed_way_is_refused_for_experts_the_kernel_cannot_tile() -> None:
     assert fp8_routed.launch_problem(weight, fp8_routed.Launch(block_n=16, block_k=16)) is None
 
 
-@pytest.mark.parametrize("way", fp8_linear.WAYS)
+@pytest.mark.parametrize("way", fp8_experts.WAYS)
 def test_every_way_adds_the_residual_to_its_output(way: str) -> None:
     """The packed forwards pass the decoder layer's residual stream (`takes_residual`): added to
     the output in the last compiled pass, the same values as adding it after."""

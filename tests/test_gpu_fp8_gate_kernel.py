@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from target_kit import seeded_experts
 
 from dflash_async.model.fp8_format import quantize_rows
-from dflash_async.target.fp8_linear import _gated_rows
+from dflash_async.target.fp8_experts import _gated_rows
 from dflash_async.target.grouped_experts import gated
 
 pytestmark = [
@@ -189,7 +189,7 @@ def test_fp8_experts_give_the_same_output_with_the_gate_kernel_as_with_the_torch
     room)."""
     from transformers import Qwen3MoeConfig
 
-    from dflash_async.target.fp8_linear import Fp8Experts
+    from dflash_async.target.fp8_experts import Fp8Experts
 
     config = Qwen3MoeConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                             num_attention_heads=8, num_key_value_heads=2, head_dim=64,

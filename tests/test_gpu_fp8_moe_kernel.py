@@ -208,7 +208,7 @@ def test_fp8_experts_give_the_same_output_every_way(way: str) -> None:
     bf16 is 0.065). Within 2^-5; a wrong expert, row or weight moves it by ~1."""
     from transformers import Qwen3MoeConfig
 
-    from dflash_async.target.fp8_linear import Fp8Experts
+    from dflash_async.target.fp8_experts import Fp8Experts
 
     config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=1,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -228,7 +228,7 @@ def test_fp8_experts_give_the_same_output_every_way(way: str) -> None:
 def test_the_split_way_is_the_default_on_a_gpu() -> None:
     from transformers import Qwen3MoeConfig
 
-    from dflash_async.target.fp8_linear import Fp8Experts
+    from dflash_async.target.fp8_experts import Fp8Experts
     from dflash_async.target.fp8_moe_kernel import routed_mm
 
     config = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,

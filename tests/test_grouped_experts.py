@@ -137,7 +137,8 @@ def test_compiled_experts_on_the_gpu_equal_hf_in_bf16() -> None:
 def test_the_swap_leaves_fp8_experts_alone() -> None:
     """Fp8Experts keep e4m3 weights under HF's names (gate_up_proj, down_proj), so only the
     type tells them apart; a CompiledExperts around them would run bf16 products on e4m3 bits."""
-    from dflash_async.target.fp8_linear import Fp8Experts, swap_fp8_matmuls
+    from dflash_async.target.fp8_experts import Fp8Experts
+    from dflash_async.target.fp8_linear import swap_fp8_matmuls
 
     layers = text_model(random_target(_qwen3_moe(), seed=0)).layers
     swap_fp8_matmuls(layers, device=torch.device("cpu"), out_dtype=torch.float32)

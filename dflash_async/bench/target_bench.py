@@ -16,6 +16,7 @@ fp32 model than the HF path is.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -29,7 +30,8 @@ from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
-from dflash_async.target.fp8_linear import WAYS, set_experts_way, set_fast_accum, swap_fp8_matmuls
+from dflash_async.target.fp8_experts import WAYS, set_experts_way
+from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
 from dflash_async.target.grouped_experts import CompiledExperts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
@@ -257,7 +259,7 @@ def bench_shape(
     into grouped_experts.CompiledExperts (the fast path again, its features against the HF
     experts' fast path); the FP8 row then quantizes those same experts. `experts_ways`: one FP8
     row per entry, the FP8 experts run that way ("default": as constructed; else
-    one of fp8_linear.WAYS)."""
+    one of fp8_experts.WAYS)."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
@@ -316,8 +318,7 @@ def bench_shape(
         del path, reference
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
         counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
-        ways = [(mode, way) for mode in fp8_modes for way in experts_ways]
-        for mode, way in ways:  # fp8-fast: the same weights, Hopper's fast FP8 accumulation
+        for mode, way in itertools.product(fp8_modes, experts_ways):  # fp8-fast: fast accumulation
             torch._dynamo.reset()
             set_fast_accum(text_model(model).layers, mode == "fp8-fast")
             if way != "default":
@@ -342,6 +343,14 @@ def _differences(row: dict, features: torch.Tensor, reference: torch.Tensor) -> 
     row["rel_diff"] = float(diff.norm() / ref.norm())
 
 
+def _listed(parser, text: str, flag: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated option's entries; a usage error (exit 2) naming any not `allowed`."""
+    entries = tuple(text.split(","))
+    if unknown := [e for e in entries if e not in allowed]:
+        parser.error(f"{flag} {','.join(unknown)}: a list of {', '.join(allowed)}")
+    return entries
+
+
 def main(argv: list[str] | None = None) -> None:
     """bench target [--shapes a,b] [--token-budget T] [--repeats N] [--quantize none,fp8]: one
     JSON line per shape and quantization on stdout, the side-by-side table on stderr; GPU only
@@ -358,21 +367,14 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"FP8 rows, one per way of the MoE experts: default, or of "
                         f"{', '.join(WAYS)}")  # fmt: skip
     options = parser.parse_args(argv)
-    ways = tuple(options.experts_way.split(","))
-    if unknown := set(ways) - {"default", *WAYS}:
-        parser.error(f"--experts-way {','.join(sorted(unknown))}: default, or of {WAYS}")
-    quantize = tuple(options.quantize.split(","))
-    if not set(quantize) <= {"none", "fp8", "fp8-fast"}:
-        parser.error(f"--quantize {options.quantize!r}: a list of none, fp8 and fp8-fast")
-    experts = tuple(options.experts.split(","))
-    if not set(experts) <= {"hf", "compiled"}:
-        parser.error(f"--experts {options.experts!r}: a list of hf and compiled")
+    quantize = _listed(parser, options.quantize, "--quantize", ("none", "fp8", "fp8-fast"))
+    experts = _listed(parser, options.experts, "--experts", ("hf", "compiled"))
+    ways = _listed(parser, options.experts_way, "--experts-way", ("default", *WAYS))
     require_cuda("bench target", "cuda:0")
     rows = []
     for name in options.shapes.split(","):
         for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
-                               quantize=quantize, experts=experts,
-                               experts_ways=ways):  # fmt: skip
+                               quantize=quantize, experts=experts, experts_ways=ways):  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
@@ -380,21 +382,19 @@ def main(argv: list[str] | None = None) -> None:
         f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md), for "
         "FP8 rows too; fp8 and +cx (compiled experts) rows: diff against the bf16 fast path, "
         "bf16 noise = bf16 fast vs HF",
-        f"{'shape':<15}{'quant':<8}{'path':<14}{'HF tok/s':>10}{'MFU':>6}{'fast tok/s':>11}"
-        f"{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'held GB':>8}{'max|diff|':>10}{'max|ref|':>9}"
-        f"{'rel diff':>9}{'bf16 noise':>11}",
+        f"{'shape':<15}{'quant':<9}{'experts':<8}{'path':<11}{'HF tok/s':>10}{'MFU':>6}"
+        f"{'fast tok/s':>11}{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'held GB':>8}"
+        f"{'max|diff|':>10}{'max|ref|':>9}{'rel diff':>9}{'bf16 noise':>11}",
     ]
     for r in rows:
         hf = r.get("hf", {"tokens_per_s": "-", "mfu": "-"})
         noise = f"{r['bf16_rel_diff']:.2g}" if "bf16_rel_diff" in r else "-"
-        quant = r["quantize"] + ("+cx" if r.get("experts") == "compiled" else "")
-        if r.get("experts_way", "default") != "default":
-            quant += f" {r['experts_way']}"
+        quant, way = r["quantize"] + "+cx" * (r.get("experts") == "compiled"), r.get("experts_way")
         table.append(
-            f"{r['shape']:<15}{quant:<8}{r['fast_path']:<14}{hf['tokens_per_s']:>10}"
+            f"{r['shape']:<15}{quant:<9}{way or '-':<8}{r['fast_path']:<11}{hf['tokens_per_s']:>10}"
             f"{hf['mfu']:>6}{r['fast']['tokens_per_s']:>11}{r['fast']['mfu']:>6}"
             f"{r['fast']['first_call_s']:>10}{r['weight_bytes'] / 1e9:>11.2f}"
-            f"{r['held_bytes'] / 1e9:>8.2f}"
-            f"{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}{r['rel_diff']:>9.2g}{noise:>11}"
+            f"{r['held_bytes'] / 1e9:>8.2f}{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}"
+            f"{r['rel_diff']:>9.2g}{noise:>11}"
         )
     print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines

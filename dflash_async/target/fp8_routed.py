@@ -1,6 +1,6 @@
 """The FP8 experts' routed grouped product: its contract, its launch and its torch reference.
 
-`Fp8Experts` (target/fp8_linear.py) runs, on a GPU, its two grouped products as one Triton
+`Fp8Experts` (target/fp8_experts.py) runs, on a GPU, its two grouped products as one Triton
 kernel (target/fp8_moe_kernel.py) that reads and writes rows through the routing itself:
 - the gate_up product gathers each sorted row's token row from the token-quantized hidden
   states (`a_rows`), so the [S, d] routed copy of the rows is never written;

@@ -9,7 +9,7 @@ the down projection's rows, the rows put back in token order and summed over k.
 Why: HF's `grouped_mm_experts_forward` runs eagerly in the packed paths (under torch.compile its
 dispatcher takes a per-expert fallback), so the sort, gather, gate, weighting, inverse
 permutation and sum around its two grouped products are ~12 separate passes over the
-[T * k, d] rows of every MoE layer. The FP8 experts (target/fp8_linear.py) run the same parts as
+[T * k, d] rows of every MoE layer. The FP8 experts (target/fp8_experts.py) run the same parts as
 three compiled functions: 12.4 -> 6.1 ms per Qwen3-30B-A3B layer at T = 16384 on an H200
 (BENCHMARKS.md, 2026-12-02); this module gives bf16 the same structure. The packed forwards use
 it on CUDA by default (target/forward.py): measured by `bench target --experts hf,compiled` on
@@ -166,7 +166,7 @@ class CompiledExperts(nn.Module):
     """HF's fused experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) ->
     [T, d]` on the same weight tensors (shared, not copied), with `sort_by_expert`, the gate and
     `combine` each one torch.compile'd function where `compile` (default: on CUDA); the grouped
-    products stay eager. Build it only where `fp8_linear.experts_problem(experts)` is None.
+    products stay eager. Build it only where `fp8_experts.experts_problem(experts)` is None.
     `takes_residual`: forward's `residual` [T, d] is added to the output inside the compiled
     combine (the packed forwards pass the decoder layer's residual stream; `combine`)."""
 
@@ -189,9 +189,9 @@ class CompiledExperts(nn.Module):
 
 def swap_compiled_experts(layers: nn.Module, *, compile: bool | None = None) -> dict[str, int]:
     """Replace every fused HF experts module under `layers` that `CompiledExperts` computes
-    exactly (fp8_linear.experts_problem None: not FP8 experts, whose e4m3 weights carry HF's
+    exactly (fp8_experts.experts_problem None: not FP8 experts, whose e4m3 weights carry HF's
     names) by one; the others stay. Returns counts."""
-    from dflash_async.target.fp8_linear import experts_problem
+    from dflash_async.target.fp8_experts import experts_problem
 
     counts = {"swapped": 0, "kept": 0}
     for name, module in list(layers.named_modules()):
