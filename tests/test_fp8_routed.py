@@ -139,3 +139,20 @@ def test_every_way_adds_the_residual_to_its_output(way: str) -> None:
     residual = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3))
     got = fp8(hidden, index, weights, residual=residual)
     assert torch.equal(got, residual + fp8(hidden, index, weights))
+
+
+@pytest.mark.parametrize("way", ["routed", "split"])
+def test_tokens_quantized_by_the_caller_give_what_the_experts_compute_themselves(way) -> None:
+    """`quantized_tokens` (what the packed MoE forward's compiled graph computes with the norm)
+    passed back as `tokens`: the same output bit for bit; the sorted way takes none. Tokens
+    quantized from other rows (one row off) are caught."""
+    experts = random_target(_moe_config(), seed=0).model.layers[0].mlp.experts
+    fp8 = Fp8Experts(experts, out_dtype=torch.float32, compile=False, way=way)
+    hidden, index, weights = _routing()
+    tokens = fp8.quantized_tokens(hidden)
+    assert torch.equal(fp8(hidden, index, weights, tokens=tokens), fp8(hidden, index, weights))
+    shifted = fp8.quantized_tokens(hidden.roll(1, dims=0))
+    assert not torch.allclose(fp8(hidden, index, weights, tokens=shifted),
+                              fp8(hidden, index, weights), rtol=1e-3, atol=1e-4)  # fmt: skip
+    fp8.set_way("sorted")
+    assert fp8.quantized_tokens(hidden) is None

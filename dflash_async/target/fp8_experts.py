@@ -218,9 +218,22 @@ class Fp8Experts(nn.Module):
 
     takes_residual = True  # forward's `residual` is added in the last compiled pass (combine)
 
-    def forward(self, hidden_states, top_k_index, top_k_weights, residual=None) -> torch.Tensor:
+    def quantized_tokens(self, hidden_states: torch.Tensor):
+        """(e4m3 [T, d], scales [T]) of the tokens as `forward(..., tokens=)` takes them, or None
+        where this way does not take them (sorted). Torch ops, for a compiled caller to fuse
+        with what makes the tokens (the packed forward's post-attention norm:
+        packed_dense.attention_and_route), instead of the row kernel reading them again."""
+        if self.way == "sorted" or not self.fast_accum:
+            return None
+        return quantize_rows(hidden_states)
+
+    def forward(
+        self, hidden_states, top_k_index, top_k_weights, residual=None, tokens=None
+    ) -> torch.Tensor:
+        """HF's experts call; `residual` [T, d] added to the output (`takes_residual`), `tokens`
+        the hidden states already quantized per row (`quantized_tokens`; else done here)."""
         if self.way != "sorted" and self.fast_accum:
-            return self._routed(hidden_states, top_k_index, top_k_weights, residual)
+            return self._routed(hidden_states, top_k_index, top_k_weights, residual, tokens)
         x_q, x_scale, perm, offsets = self._sorted_rows(
             hidden_states, top_k_index, self.num_experts
         )
@@ -231,9 +244,10 @@ class Fp8Experts(nn.Module):
                            out_dtype=self.out_dtype, fast_accum=self.fast_accum)  # fmt: skip
         return self._combined(out, top_k_weights, perm, hidden_states.dtype, residual)
 
-    def _routed(self, hidden_states, top_k_index, top_k_weights, residual) -> torch.Tensor:
+    def _routed(self, hidden_states, top_k_index, top_k_weights, residual, tokens):
         """The routed and the split way: both start with the routed gate_up product."""
-        tokens_q, token_scale = self._quantized(hidden_states)  # a routed row is one token
+        # a routed row is one token: the tokens quantized, not the T * k rows
+        tokens_q, token_scale = tokens or self._quantized(hidden_states)
         token, perm, offsets, blocks, pair_weights = self._routing(top_k_index, top_k_weights)
         gate_up, down = self.launches
         h = self._routed_mm(tokens_q, token_scale, self.gate_up_proj, self.gate_up_scale,

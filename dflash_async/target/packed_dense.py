@@ -156,22 +156,27 @@ ROUTED_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock"})
 
 def attention_and_route(layer, hidden, cos, sin, mask, attend):
     """`attention_block`, then the MoE block's inputs: (hidden [1, T, d], its post-attention
-    norm x [T, d], the routing weights [T, k] and experts [T, k]). Compiled as one function,
-    the norm and the router's softmax and top-k fuse with the attention's residual add
-    (run eagerly they were ~10 passes over [T, d] and [T, E] per layer); the experts call,
-    whose grouping is data-dependent, runs after it, outside the graph."""
+    norm x [T, d], the routing weights [T, k] and experts [T, k], and x quantized for FP8
+    experts that take it (Fp8Experts.quantized_tokens; else None)). Compiled as one function,
+    the norm, its quantization and the router's softmax and top-k fuse with the attention's
+    residual add (run eagerly they were ~10 passes over [T, d] and [T, E] per layer); the
+    experts call, whose grouping is data-dependent, runs after it, outside the graph."""
     from dflash_async.target.packed_hybrid_moe import route
 
     hidden = attention_block(layer, hidden, cos, sin, mask, attend)
     x = layer.post_attention_layernorm(hidden)[0]
     weights, indices = route(layer.mlp.gate, x)
-    return hidden, x, weights, indices
+    experts = layer.mlp.experts
+    tokens = experts.quantized_tokens(x) if hasattr(experts, "quantized_tokens") else None
+    return hidden, x, weights, indices, tokens
 
 
-def moe_residual(experts: nn.Module, hidden, x, indices, weights) -> torch.Tensor:
+def moe_residual(experts: nn.Module, hidden, x, weights, indices, tokens=None) -> torch.Tensor:
     """hidden [1, T, d] + experts(x, indices, weights): inside the experts' last compiled pass
     where they take the residual (`takes_residual`: CompiledExperts, Fp8Experts; the same
-    values), else added here."""
+    values), else added here. `tokens`: x quantized, for FP8 experts (attention_and_route)."""
+    if tokens is not None:
+        return experts(x, indices, weights, residual=hidden[0], tokens=tokens)[None]
     if getattr(experts, "takes_residual", False):
         return experts(x, indices, weights, residual=hidden[0])[None]
     return hidden + experts(x, indices, weights)[None]
@@ -270,9 +275,8 @@ class PackedDenseForward(PackedRange):
         cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
         for i, layer in self._layers.items():
             if self._routed:
-                hidden, x, weights, indices = self._layer_fn(layer, hidden, cos, sin, mask,
-                                                             self._attend)  # fmt: skip
-                hidden = moe_residual(layer.mlp.experts, hidden, x, indices, weights)
+                hidden, *routing = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+                hidden = moe_residual(layer.mlp.experts, hidden, *routing)
             else:
                 hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
                 if self._moe_eager:
