@@ -158,8 +158,9 @@ def matmul_kernel(weights: WeightFormat, device: torch.device, *, enabled: bool)
     grouped = GROUPED_KERNEL if hasattr(torch, "_scaled_grouped_mm") else "a per-expert loop"
     why = (f"e4m3 weights with a scale per output row, activations per token on the device, "
            f"fast accumulation; "
-           f"fused SiLU MoE experts through the routed Triton kernel (fp8_moe_kernel: the "
-           f"routing's gather and scatter in the products), other experts through {grouped}; "
+           f"fused SiLU MoE experts' gate_up through the routed Triton kernel (fp8_moe_kernel: "
+           f"the routing's gather and the gate in the product) and their down through "
+           f"{grouped}, other experts' products through {grouped}; "
            f"128x128 block checkpoints requantized per row")  # fmt: skip
     return dataclasses.replace(weights, dequantized=False, kernel=KERNEL, kernel_reason=why)
 
