@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_async.bench.target_bench import shape_configs
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.target.forward import select_target_forward
 from dflash_async.target.loading import TargetFeatures, text_config

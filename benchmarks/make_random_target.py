@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_async.bench.target_bench import shape_configs
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.target.tiny import tiny_tokenizer
 
 SHAPES = ("qwen3-8b", "qwen3.5-9b")

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_async.bench.target_bench import _timed, document_lengths, shape_configs
+from dflash_async.bench.target_bench import _timed, document_lengths
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack
 from dflash_async.target.forward import select_target_forward
 from dflash_async.target.fp8_linear import swap_fp8_matmuls

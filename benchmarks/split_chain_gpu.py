@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_async.bench.target_bench import document_lengths, shape_configs
+from dflash_async.bench.target_bench import document_lengths
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import PackCursor, PackedBatch
 from dflash_async.log import get_logger
 from dflash_async.runtime.channels import open_channel

@@ -72,12 +72,8 @@ def part1(device: str = "cuda") -> None:
 def part2() -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash_async.bench.target_bench import (
-        _timed,
-        document_lengths,
-        forward_flops,
-        shape_configs,
-    )
+    from dflash_async.bench.target_bench import _timed, document_lengths, forward_flops
+    from dflash_async.bench.target_shapes import shape_configs
     from dflash_async.data.packing import layout_pack
     from dflash_async.model.flops import mfu
     from dflash_async.target.forward import HFPaddedForward, _Packed

@@ -96,3 +96,49 @@ def test_fp32_packed_moe_rows_equal_each_document_alone() -> None:
             packed[offsets[j] : offsets[j + 1]], _alone(model, ids), atol=1e-4, rtol=0
         )
     assert not packed[offsets[-1] :].any()
+
+
+def _graph_model(kind: str):
+    if kind == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=500, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+        )  # fmt: skip
+    else:
+        config = Qwen3Config(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=500,
+        )  # fmt: skip
+    return random_target(config, seed=1).to("cuda", torch.bfloat16)
+
+
+def _features(path, docs, token_budget: int = 512) -> torch.Tensor:
+    layout = layout_pack(docs, token_budget).to("cuda")
+    out = torch.full((token_budget, len(LAYERS) * 256), float("nan"), device="cuda",
+                     dtype=torch.bfloat16)  # fmt: skip
+    lengths = np.array([len(d[0]) for d in docs])
+    return path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_the_forward_replayed_from_one_cuda_graph_writes_the_eager_features_bit_for_bit(
+    kind: str,
+) -> None:
+    """DFLASH_TARGET__CUDA_GRAPH (target/graphed.py): the first call runs eagerly and captures;
+    later packs, of other documents, replay the graph. The same kernels on the same values, so
+    the same bits as the eager forward (bf16, compiled, the CompiledExperts swap for the MoE);
+    a replay that kept the captured pack's layout would differ (different documents)."""
+    from dflash_async.target.graphed import GraphedForward
+
+    model = _graph_model(kind)
+    options = {"token_budget": 512, "max_batch_tokens": 512}
+    eager = select_target_forward(model, LAYERS, **options)
+    graphed = select_target_forward(model, LAYERS, cuda_graph=True, **options)
+    assert isinstance(graphed.forward, GraphedForward) and "one CUDA graph" in graphed.reason
+    packs = [_docs(lengths, 500, seed=seed) for seed, lengths in
+             enumerate([(100, 300, 50), (511,), (7, 200, 90, 150)])]  # fmt: skip
+    for docs in packs:
+        assert torch.equal(_features(graphed, docs), _features(eager, docs))
+    assert graphed.forward.graph is not None  # captured by the first call
+    assert not torch.equal(_features(graphed, packs[1]), _features(eager, packs[2]))

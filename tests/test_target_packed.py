@@ -251,3 +251,22 @@ def test_the_packed_moe_forward_with_compiled_experts_adds_their_residual_as_hf_
     swap_compiled_experts(text_model(model).layers, compile=False)
     assert isinstance(text_model(model).layers[0].mlp.experts, CompiledExperts)
     torch.testing.assert_close(_moe_features(model, routed=True), want, rtol=1e-5, atol=ATOL)
+
+
+def test_a_cuda_graph_is_asked_for_but_never_taken_on_the_cpu() -> None:
+    """DFLASH_TARGET__CUDA_GRAPH on the CPU: the eager forward, and the reason says why."""
+    model = random_target(_family("qwen3"), seed=1)
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET,
+                                 max_batch_tokens=64, cuda_graph=True)  # fmt: skip
+    assert "not graphed (cpu, packed_dense)" in path.reason
+    assert type(path.forward).__name__ == "_Packed"
+
+
+def test_the_cuda_graph_setting_reaches_the_target_spec_and_is_off_by_default() -> None:
+    from dflash_async.pipeline.specs import run_spec
+    from dflash_async.settings_env import load_settings
+
+    base = {"DFLASH_ENV_FILE": "none"}
+    assert run_spec(load_settings(base)).target.cuda_graph is False
+    on = load_settings(base | {"DFLASH_TARGET__CUDA_GRAPH": "true"})
+    assert run_spec(on).target.cuda_graph is True

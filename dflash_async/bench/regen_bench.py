@@ -1,7 +1,7 @@
 """`python -m dflash_async bench regen`: in-process regeneration throughput on one device, today's
 HF path against the batched static-cache engine of `regenerate --target` (regen/batched.py).
 
-The target: a public shape (`target_bench.shape_configs()`, default qwen3-8b) with random weights
+The target: a public shape (`target_shapes.shape_configs()`, default qwen3-8b) with random weights
 built in memory on the GPU in bf16, or `--shape tiny`, a small fp32 Qwen3 that runs on the CPU in
 seconds (to check the benchmark end to end, not to measure). The work: --prompts prompts of
 random token ids with chat-like lengths (lognormal around --prompt-tokens, from 1/8 of it to 4x),
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen3Config
 
-from dflash_async.bench.target_bench import shape_configs
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.eval.regenerate import cpu_threads, generate_ids
 from dflash_async.regen.batched import GenerationPool, run_to_end
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda

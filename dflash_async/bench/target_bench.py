@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
+from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack
 from dflash_async.model.architectures import experts_per_token
-from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.target.forward import HFPaddedForward, select_target_forward
 from dflash_async.target.fp8_experts import WAYS, set_experts_way
@@ -35,105 +35,6 @@ from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
 from dflash_async.target.grouped_experts import CompiledExperts
 from dflash_async.target.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
-
-
-def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
-    """Public model shapes (config values as published) and the captured layer ids (the
-    published drafters' for the first three, docs/DFLASH.md s.1's default rule for the rest)."""
-    import transformers
-    from transformers import (
-        DeepseekV3Config,
-        Gemma3TextConfig,
-        Glm4MoeConfig,
-        GptOssConfig,
-        MiniMaxM2Config,
-        MistralConfig,
-        Qwen3_5MoeTextConfig,
-        Qwen3_5TextConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-        Qwen3NextConfig,
-    )
-
-    qwen = dict(vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, max_position_embeddings=40960)  # fmt: skip
-    shapes = {
-        "qwen3-8b": (
-            Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, **qwen),
-            (1, 9, 17, 25, 33),
-        ),
-        "qwen3.5-9b": (
-            Qwen3_5TextConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                              num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                              linear_num_key_heads=16, linear_num_value_heads=32,
-                              linear_key_head_dim=128, linear_value_head_dim=128,
-                              vocab_size=248320, tie_word_embeddings=False),
-            (1, 8, 15, 22, 29),
-        ),
-        "qwen3-30b-a3b": (
-            Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                           **qwen),
-            (1, 12, 23, 34, 44),
-        ),
-        # transformers' defaults are Qwen3.5-35B-A3B's published text config (40 layers, 3 Gated
-        # DeltaNet : 1 gated attention, 256 experts, 8 routed + 1 shared of width 512)
-        "qwen3.5-35b-a3b": Qwen3_5MoeTextConfig(tie_word_embeddings=False),
-        # gpt-oss-20b: 24 layers alternating a 128-token window with full attention, sinks,
-        # 32 experts (top 4) of width 2880, yarn RoPE (transformers' defaults otherwise = 120b)
-        "gpt-oss-20b": GptOssConfig(num_hidden_layers=24, num_local_experts=32,
-                                    layer_types=["sliding_attention", "full_attention"] * 12),
-        # the DeepSeek-V3 / Kimi-K2 architecture (MLA, shared + routed experts) at the shape of
-        # Moonlight-16B-A3B, the published deepseek_v3 model that fits one GPU in bf16
-        "moonlight-16b-a3b": DeepseekV3Config(
-            hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
-            num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-            n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
-            first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-            qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
-            routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
-            rope_theta=50000.0, tie_word_embeddings=False),
-        # Gemma-3-12B's text model: 5 sliding (1024) : 1 full layers, head_dim 256
-        "gemma3-12b": Gemma3TextConfig(
-            hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
-            query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=False),
-        # Gemma-3-27B's text model (62 layers, 5 sliding : 1 full, head_dim 128)
-        "gemma3-27b": Gemma3TextConfig(
-            hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024,
-            query_pre_attn_scalar=168, vocab_size=262208, tie_word_embeddings=False),
-        # GLM-4.5-Air (transformers' defaults: 128 experts, top 8 + 1 shared, partial RoPE)
-        # TRUNCATED to its first 16 of 46 layers, ~37B of its 106B parameters: 212 GB in bf16
-        # does not fit one H200; per-layer speed is the same
-        "glm-4.5-air-16l": Glm4MoeConfig(num_hidden_layers=16, tie_word_embeddings=False),
-        # Mistral-7B-v0.1 (transformers' defaults: 32 layers, 4096-token sliding windows)
-        "mistral-7b": MistralConfig(tie_word_embeddings=False),
-        # MiniMax-M2 (transformers' defaults: 256 experts of width 1536, top 8, partial RoPE)
-        # TRUNCATED to its first 8 of 62 layers: 230B parameters do not fit one H200
-        "minimax-m2-8l": MiniMaxM2Config(num_hidden_layers=8, tie_word_embeddings=False),
-        # Qwen3-Next-80B-A3B (transformers' defaults: 3 Gated DeltaNet : 1 gated attention,
-        # 512 experts top 10 + shared) TRUNCATED to its first 16 of 48 layers (160 GB in bf16)
-        "qwen3-next-80b-a3b-16l": Qwen3NextConfig(num_hidden_layers=16, tie_word_embeddings=False),
-    }  # fmt: skip
-    if hasattr(transformers, "Gemma4TextConfig"):  # not in every transformers we run
-        # Gemma 4's text layer at the 31B dense shape (60 layers, 5 sliding (1024) : 1 full;
-        # 256-wide sliding heads, 512-wide full ones whose values are their raw keys
-        # (attention_k_eq_v); 31.0B parameters): Gemma-4-31B's dimensions as recalled, its
-        # config.json not readable from this machine, hence "-like"
-        shapes["gemma4-31b-like"] = transformers.Gemma4TextConfig(
-            hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
-            sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
-            hidden_size_per_layer_input=0, attention_k_eq_v=True, vocab_size=262144,
-            tie_word_embeddings=True)  # fmt: skip
-    return {
-        name: shape if isinstance(shape, tuple)
-        else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
-        for name, shape in shapes.items()
-    }  # fmt: skip
 
 
 def document_lengths(token_budget: int, seed: int) -> np.ndarray:
@@ -250,6 +151,7 @@ def bench_shape(
     quantize: tuple[str, ...] = ("none",),
     experts: tuple[str, ...] = ("hf",),
     experts_ways: tuple[str, ...] = ("default",),
+    cuda_graph: bool = False,
 ) -> list[dict]:
     """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
     path) and `fp8` (the same model's decoder matmuls swapped into target/fp8_linear.py's
@@ -259,7 +161,9 @@ def bench_shape(
     into grouped_experts.CompiledExperts (the fast path again, its features against the HF
     experts' fast path); the FP8 row then quantizes those same experts. `experts_ways`: one FP8
     row per entry, the FP8 experts run that way ("default": as constructed; else
-    one of fp8_experts.WAYS)."""
+    one of fp8_experts.WAYS). `cuda_graph`: every fast path timed again replayed from one CUDA
+    graph (target/graphed.py, DFLASH_TARGET__CUDA_GRAPH), as "graph" in the same row, with the
+    memory its graph holds."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
@@ -288,34 +192,44 @@ def bench_shape(
                          "ms": round(seconds * 1e3, 1), "first_call_s": round(first, 1)}  # fmt: skip
         return out
 
-    def fast_path(target, experts: str):
+    def fast_path(target, experts: str, graph: bool = False):
         return select_target_forward(
             target, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
-            packed_hybrid=True, experts=experts,
+            packed_hybrid=True, experts=experts, cuda_graph=graph,
         )  # fmt: skip
 
+    def measure_fast(target: dict, model, experts: str) -> torch.Tensor:
+        """The fast path's row ("fast"), and with `cuda_graph` replayed ("graph"; the
+        reserved memory its graph added, GB, and whether it wrote the same features)."""
+        path = fast_path(model, experts)
+        target["fast_path"], target["fast_reason"] = path.name, path.reason
+        out = measure(target, "fast", path.forward)
+        if cuda_graph:
+            reserved = torch.cuda.memory_reserved()
+            graphed = measure(target, "graph", fast_path(model, experts, graph=True).forward)
+            target["graph"]["pool_gb"] = round((torch.cuda.memory_reserved() - reserved) / 1e9, 2)
+            target["graph"]["features_equal"] = bool(torch.equal(graphed, out))
+        return out
+
     reference = measure(row, "hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
-    path = fast_path(model, "hf")
-    row["fast_path"], row["fast_reason"] = path.name, path.reason
-    fast = measure(row, "fast", path.forward)
+    fast = measure_fast(row, model, "hf")
     _differences(row, fast, reference)
     rows = [row]
     if "compiled" in experts:
         torch._dynamo.reset()
-        path = fast_path(model, "compiled")  # swaps the experts in place (the runs' default)
-        swapped = sum(isinstance(m, CompiledExperts) for m in model.modules())
         compiled = {
             k: row[k]
             for k in ("shape", "quantize", "T", "documents", "layers", "weight_bytes", "held_bytes")
         }
+        # the fast path swaps the experts in place (the runs' default)
+        _differences(compiled, measure_fast(compiled, model, "compiled"), fast)
+        swapped = sum(isinstance(m, CompiledExperts) for m in model.modules())
         compiled.update(experts="compiled", swapped={"swapped": swapped})
-        compiled["fast_path"], compiled["fast_reason"] = path.name, path.reason
-        _differences(compiled, measure(compiled, "fast", path.forward), fast)
         compiled["bf16_rel_diff"] = row["rel_diff"]
         rows.append(compiled)
     fp8_modes = [q for q in ("fp8", "fp8-fast") if q in quantize]
     if fp8_modes:
-        del path, reference
+        del reference
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
         counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
         for mode, way in itertools.product(fp8_modes, experts_ways):  # fp8-fast: fast accumulation
@@ -326,9 +240,8 @@ def bench_shape(
             fp8 = {k: row[k] for k in ("shape", "T", "documents", "layers")}
             fp8.update(quantize=mode, swapped=counts, experts_way=way)
             fp8["weight_bytes"], fp8["held_bytes"] = weight_bytes(model, layer_ids)
-            path = fast_path(model, "hf")  # the experts are FP8 ones now
-            fp8["fast_path"], fp8["fast_reason"] = path.name, path.reason
-            _differences(fp8, measure(fp8, "fast", path.forward), fast)  # against bf16's fast path
+            # the experts are FP8 ones now; the difference against bf16's fast path
+            _differences(fp8, measure_fast(fp8, model, "hf"), fast)
             fp8["bf16_rel_diff"] = row["rel_diff"]  # bf16's own noise, for comparison
             rows.append(fp8)
     del model
@@ -366,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts-way", default="default",
                         help=f"FP8 rows, one per way of the MoE experts: default, or of "
                         f"{', '.join(WAYS)}")  # fmt: skip
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time every fast path also replayed from one CUDA graph")  # fmt: skip
     options = parser.parse_args(argv)
     quantize = _listed(parser, options.quantize, "--quantize", ("none", "fp8", "fp8-fast"))
     experts = _listed(parser, options.experts, "--experts", ("hf", "compiled"))
@@ -374,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in options.shapes.split(","):
         for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
-                               quantize=quantize, experts=experts, experts_ways=ways):  # fmt: skip
+                               quantize=quantize, experts=experts, experts_ways=ways,
+                               cuda_graph=options.cuda_graph):  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12
@@ -396,5 +312,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['fast']['first_call_s']:>10}{r['weight_bytes'] / 1e9:>11.2f}"
             f"{r['held_bytes'] / 1e9:>8.2f}{r['max_abs_diff']:>10.3g}{r['ref_max_abs']:>9.3g}"
             f"{r['rel_diff']:>9.2g}{noise:>11}"
+            + (f"  graph {r['graph']['tokens_per_s']} tok/s" if "graph" in r else "")
         )
     print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines

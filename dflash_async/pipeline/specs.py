@@ -193,7 +193,7 @@ def _target_spec(
         cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
         token_budget=token_budget, max_batch_tokens=max_batch_tokens,
         packed_hybrid=target.packed_hybrid, stages=target.stages, quantize=target.quantize,
-        weights=target.weights, seed=seed, decode=decode,
+        weights=target.weights, seed=seed, decode=decode, cuda_graph=target.cuda_graph,
     )  # fmt: skip
 
 

@@ -254,7 +254,8 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
                                 dtype=t.dtype_on(worker.device), layer_ids=cfg.target_layer_ids,
                                 token_budget=t.token_budget, max_batch_tokens=t.max_batch_tokens,
                                 packed_hybrid=t.packed_hybrid, quantize=t.quantize,
-                                weights=t.weights, seed=t.seed, decode=t.decode)  # fmt: skip
+                                weights=t.weights, seed=t.seed, decode=t.decode,
+                                cuda_graph=t.cuda_graph)  # fmt: skip
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
         lambda: first_epoch(spec.plan, samples.lengths, rank=rank.rank, world_size=rank.world_size)

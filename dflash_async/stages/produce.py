@@ -47,6 +47,7 @@ class TargetSpec:
     weights: str = "checkpoint"  # "random": drawn from the config (target/random_weights.py)
     seed: int = 0  # DFLASH_TRAIN__SEED: the random target's seed (every rank draws the same)
     decode: bool = True  # the in-run evaluation decodes: a random target is drawn whole
+    cuda_graph: bool = False  # replay the packed forward from one CUDA graph (target/graphed.py)
 
     def dtype_on(self, device: torch.device) -> torch.dtype:
         return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype
@@ -95,13 +96,15 @@ def load_runner(
     weights: str = "checkpoint",
     seed: int = 0,
     decode: bool = True,
+    cuda_graph: bool = False,
 ) -> TargetRunner:
     """Load the target on `device`, choose its forward and warm it up (the first call compiles).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
     weights="random": drawn from the config under `seed` (target/random_weights.py), up to the
-    last captured layer unless `decode`.
+    last captured layer unless `decode`. cuda_graph: the forward replayed from one CUDA graph,
+    captured by the warm-up's forward (target/graphed.py).
     """
     log = get_logger(__name__)
     random_seed = seed if weights == "random" else None
@@ -118,7 +121,7 @@ def load_runner(
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     chosen = select_target_forward(
         model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
-        packed_hybrid=packed_hybrid,
+        packed_hybrid=packed_hybrid, cuda_graph=cuda_graph,
     )  # fmt: skip
     param = next(model.parameters())
     log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,

@@ -194,6 +194,7 @@ def select_target_forward(
     packed_hybrid: bool = True,
     layers: range | None = None,
     experts: str = "compiled",
+    cuda_graph: bool = False,
 ) -> TargetPath:
     """The fastest exact forward this model, device and token budget allow (see module doc).
 
@@ -202,7 +203,10 @@ def select_target_forward(
     split target (target/split.py) runs only this range; SettingsError (exit 2) when the chosen
     forward is the HF fallback, which runs the model's own forward from the embedding on and so
     cannot start at a middle layer. experts: "compiled" (on CUDA, a packed path's fused experts
-    swapped in place into CompiledExperts, said in the reason) or "hf".
+    swapped in place into CompiledExperts, said in the reason) or "hf". cuda_graph: replay the
+    forward from one CUDA graph after its first call (target/graphed.py;
+    DFLASH_TARGET__CUDA_GRAPH) where it is a whole packed dense or MoE forward
+    (`PackedDenseForward`) on CUDA; the reason says whether it is.
     """
     path = _select(model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
                    compile=compile, packed_hybrid=packed_hybrid, layers=layers)  # fmt: skip
@@ -213,6 +217,8 @@ def select_target_forward(
             path = dataclasses.replace(
                 path, reason=f"{path.reason}; {swapped} experts modules as CompiledExperts"
             )
+    if cuda_graph:
+        path = _graphed(path, _device(model, layers), split=layers is not None)
     if layers is not None and path.stage is None:
         raise SettingsError(
             f"DFLASH_TARGET__STAGES > 1: the target's forward is the HF fallback ({path.reason}), "
@@ -220,6 +226,20 @@ def select_target_forward(
             "DFLASH_TARGET__STAGES=1"
         )
     return path
+
+
+def _graphed(path: TargetPath, device: torch.device, *, split: bool) -> TargetPath:
+    """`path` replayed from one CUDA graph (target/graphed.py) where that was measured to hold
+    (a whole PackedDenseForward on CUDA: the packed dense and Qwen3-MoE paths), else as it is;
+    either way the reason says so."""
+    packed = getattr(path.forward, "packed", None)
+    if device.type == "cuda" and not split and isinstance(packed, PackedDenseForward):
+        from dflash_async.target.graphed import GraphedForward
+
+        graphed = GraphedForward(path.forward, device=device)
+        return dataclasses.replace(path, forward=graphed, reason=f"{path.reason}; one CUDA graph")
+    why = "a split stage" if split else f"{device.type}, {path.name}"
+    return dataclasses.replace(path, reason=f"{path.reason}; not graphed ({why})")
 
 
 def _device(model: nn.Module, layers: range | None) -> torch.device:
