@@ -10,11 +10,12 @@
 #   target: `bench target --shapes qwen3-30b-a3b --experts compiled --quantize none,fp8-fast`
 #     with one FP8 row per experts way ($WAYS, default: default,routed).
 #   graph: the GPU tests of the CUDA-graphed target forward (target/graphed.py) and the FP8
-#     targets, then `bench target --cuda-graph` at Qwen3-30B-A3B and Qwen3-8B (bf16 and FP8,
-#     each fast path eager and replayed from one CUDA graph).
+#     targets, then `bench target --cuda-graph` at Qwen3-30B-A3B (bf16 and FP8, each fast path
+#     eager and replayed from one CUDA graph).
+#   graph8b: the same `bench target --cuda-graph` at Qwen3-8B.
 #   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8, and each forward captured
 #     as one CUDA graph and replayed (profile_target_gpu.py --graph).
-# Usage: benchmarks/h200_wave3h.sh tests|experts|target|graph|tprof ...; carry .whl as the device
+# Usage: benchmarks/h200_wave3h.sh tests|experts|target|graph|graph8b|tprof ...; carry .whl as the device
 # README says (fbgemm-gpu-genai's wheel for the fbgemm rows).
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -41,6 +42,8 @@ for which in "$@"; do
     timeout 150 python3 -m pytest -q tests/test_target_gpu.py tests/test_fp8_gpu.py --tb=short \
       2>&1 | grep -v DEBUG | grep -e passed -e failed -e Error -e error -e assert | tail -20
     shape 220 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast --cuda-graph
+  fi
+  if [ "$which" = graph8b ]; then
     shape 200 qwen3-8b --quantize none,fp8-fast --cuda-graph
   fi
   if [ "$which" = tprof ]; then
