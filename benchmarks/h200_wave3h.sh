@@ -13,9 +13,12 @@
 #     targets, then `bench target --cuda-graph` at Qwen3-30B-A3B (bf16 and FP8, each fast path
 #     eager and replayed from one CUDA graph).
 #   graph8b: the same `bench target --cuda-graph` at Qwen3-8B.
+#   gdemo: the demo's pipeline on the GPU (the tiny target and a drafter co-located on one
+#     device, 40 steps) with DFLASH_TARGET__CUDA_GRAPH=true: the capture in the target worker,
+#     replays in its slots.
 #   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8, and each forward captured
 #     as one CUDA graph and replayed (profile_target_gpu.py --graph).
-# Usage: benchmarks/h200_wave3h.sh tests|experts|target|graph|graph8b|tprof ...; carry .whl as the device
+# Usage: benchmarks/h200_wave3h.sh tests|experts|target|graph|graph8b|gdemo|tprof ...; carry .whl as the device
 # README says (fbgemm-gpu-genai's wheel for the fbgemm rows).
 . "$(dirname "$0")/h200_lib.sh"  # set -uo pipefail, the environment, $out, part, shape
 
@@ -42,6 +45,16 @@ for which in "$@"; do
     timeout 150 python3 -m pytest -q tests/test_target_gpu.py tests/test_fp8_gpu.py --tb=short \
       2>&1 | grep -v DEBUG | grep -e passed -e failed -e Error -e error -e assert | tail -20
     shape 220 qwen3-30b-a3b --experts compiled --quantize none,fp8-fast --cuda-graph
+  fi
+  if [ "$which" = gdemo ]; then
+    part "python -m dflash_async run: the demo on cuda:0, the target forward in one CUDA graph"
+    DFLASH_PIPELINE__TARGET_DEVICES=cuda:0 DFLASH_PIPELINE__DRAFTER_DEVICES=cuda:0 \
+      DFLASH_TARGET__DTYPE=bfloat16 DFLASH_TARGET__CUDA_GRAPH=true DFLASH_TRAIN__MAX_STEPS=40 \
+      DFLASH_TRAIN__SAVE_EVERY=40 DFLASH_EVAL__AT_START=false DFLASH_EVAL__AT_END=false \
+      DFLASH_LOG__FORMAT=json DFLASH_OUTPUT_DIR=/tmp/gdemo timeout 200 python3 -m dflash_async \
+      run 2>&1 | grep -e target_path_chosen -e target_warmed_up -e train_completed -e run_summary \
+      -e Error -e error | cut -c1-600 | tail -12
+    echo "exit status: ${PIPESTATUS[0]}"
   fi
   if [ "$which" = graph8b ]; then
     shape 200 qwen3-8b --quantize none,fp8-fast --cuda-graph

@@ -199,15 +199,20 @@ def bench_shape(
         )  # fmt: skip
 
     def measure_fast(target: dict, model, experts: str) -> torch.Tensor:
-        """The fast path's row ("fast"), and with `cuda_graph` replayed ("graph"; the
-        reserved memory its graph added, GB, and whether it wrote the same features)."""
+        """The fast path's row ("fast"), and with `cuda_graph` replayed ("graph"; the memory
+        the graph holds, GB: its pool, its buffers and one features tensor; whether it wrote
+        the same features)."""
         path = fast_path(model, experts)
         target["fast_path"], target["fast_reason"] = path.name, path.reason
         out = measure(target, "fast", path.forward)
         if cuda_graph:
+            torch.cuda.empty_cache()  # only blocks in use stay reserved: the graph's pool does
             reserved = torch.cuda.memory_reserved()
-            graphed = measure(target, "graph", fast_path(model, experts, graph=True).forward)
-            target["graph"]["pool_gb"] = round((torch.cuda.memory_reserved() - reserved) / 1e9, 2)
+            graphed_path = fast_path(model, experts, graph=True)
+            graphed = measure(target, "graph", graphed_path.forward)
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_reserved() - reserved  # the pool, its buffers, `graphed`
+            target["graph"]["held_gb"] = round(held / 1e9, 2)
             target["graph"]["features_equal"] = bool(torch.equal(graphed, out))
         return out
 
