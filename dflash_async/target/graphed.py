@@ -5,8 +5,9 @@ forward eagerly (that call compiles and autotunes, and its features are the ones
 then captures the whole forward once, on fixed input and feature buffers of its own; every later
 call copies the pack's layout in, replays the graph and copies the features out. Why: the packed
 Qwen3-30B-A3B forward launches ~40 kernels a layer from Python, and the GPU waited between
-them: 215.1 -> 209.1 ms in bf16, 154.2 -> 148.0 ms with FP8 matmuls, the features equal bit for
-bit (H200, 2026-12-05, benchmarks/profile_target_gpu.py --graph).
+them: 214-215 -> 207.6-209.2 ms in bf16, 154.0-154.3 -> 146.0-148.9 ms with FP8 matmuls, the
+features equal bit for bit (H200, 2026-12-05, `bench target --cuda-graph`, BENCHMARKS.md). The
+dense Qwen3-8B forward gains nothing (its GEMMs hide the launches), so it is a setting.
 
 What it relies on: the packed forwards have one shape per token budget, read no host value and
 never sync (the mask, the rotary tables and the experts' routing are built on the device), and
@@ -15,8 +16,8 @@ whole, unsplit). The capture follows the drafter step's rules (docs/GPU.md, "Mec
 thread that replays, after a warm-up on a side stream, under the process-wide capture lock with
 thread-local error mode; a failed capture raises (fatal: CUDA's capture state is then unusable
 for the rest of the process). The graph keeps the forward's transient activations in its own
-memory pool for the whole run (measured by `bench target`: held_bytes are the weights; the pool
-is the difference in reserved memory).
+memory pool for the whole run: 2.3-2.9 GB at Qwen3-30B-A3B, T = 16384 (`bench target
+--cuda-graph`'s held_gb).
 
 CPU-GPU syncs: two at start-up (around the capture), none per call.
 """
