@@ -1,7 +1,8 @@
 """The FP8 experts' routed grouped product: its contract, its launch and its torch reference.
 
-`Fp8Experts` (target/fp8_experts.py) runs, on a GPU, its two grouped products as one Triton
-kernel (target/fp8_moe_kernel.py) that reads and writes rows through the routing itself:
+`Fp8Experts` (target/fp8_experts.py) runs, on a GPU, its gate_up product (the split way, the
+default) or both grouped products (the routed way) as one Triton kernel
+(target/fp8_moe_kernel.py) that reads and writes rows through the routing itself:
 - the gate_up product gathers each sorted row's token row from the token-quantized hidden
   states (`a_rows`), so the [S, d] routed copy of the rows is never written;
 - the down product multiplies each row by its routing weight and writes it at its routed pair's
@@ -13,7 +14,8 @@ quantize-and-gather of the rows took 0.25 ms and its gate 0.15, which the routed
 out (its two row quantizations take 0.12); its combine took 0.15 ms, the sum over k 0.14, so
 the scatter itself gains nothing there, while this kernel's down product runs 0.66-0.74 ms
 against `_scaled_grouped_mm`'s 0.58-0.63 (gate_up, gated: 0.86-0.93 against 0.83-0.88
-ungated). The experts: 2.0-2.1 ms routed, 2.1-2.4 sorted (BENCHMARKS.md).
+ungated). The experts: 2.0-2.1 ms routed, 2.1-2.4 sorted (BENCHMARKS.md); hence the split way
+(2026-12-05): this kernel's gate_up, `_scaled_grouped_mm`'s down, 2.18 ms against 2.26 routed.
 
 The contract, `routed_mm(a_q, a_scale, w_q, w_scale, offsets, blocks, *, a_rows, out_rows,
 row_weights, gated, out_dtype, launch)` -> out [S, N]: for sorted row i of expert e (offsets,
