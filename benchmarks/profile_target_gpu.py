@@ -6,9 +6,9 @@ accumulation), on one shape of `bench target` (random weights, T = 16384, one pa
 Prints, per path, the forward's median ms over 3 calls and the CUDA kernels of one profiled
 call grouped by name (total ms, calls, share), widest first, and the share of the matmul
 kernels (names with gemm / scaled_mm / grouped / sm90 / cutlass / nvjet). `--graph` also
-captures the whole forward in one CUDA graph after its warm-up calls and times its replay (the
-launch gaps between kernels are what it removes), checking the replayed features equal the
-eager ones bit for bit. GPU only.
+times the forward replayed from one CUDA graph (`select_target_forward(cuda_graph=True)`,
+target/graphed.py: the launch gaps between kernels are what it removes), checking the replayed
+features equal the eager ones bit for bit. GPU only.
 """
 
 from __future__ import annotations
@@ -69,34 +69,28 @@ def main() -> None:
         if label.startswith("fp8"):
             torch._dynamo.reset()
             swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
-        path = select_target_forward(model, layer_ids, token_budget=T, max_batch_tokens=T,
-                                     packed_hybrid=True, experts="compiled")  # fmt: skip
+
+        def forward(graph: bool):
+            return select_target_forward(model, layer_ids, token_budget=T, max_batch_tokens=T,
+                                         packed_hybrid=True, experts="compiled",
+                                         cuda_graph=graph)  # fmt: skip
+
+        path = forward(graph=False)
 
         def call(path=path):
-            path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+            return path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
 
         first, seconds = _timed(call, 3)
         print(f"== {options.shape} {label}: {path.name}, median {seconds * 1e3:.1f} ms "
               f"({lengths.sum() / seconds:,.0f} tokens/s), first call {first:.1f} s")  # fmt: skip
         kernel_table(call, options.top)
-        if options.graph:
-            graphed(call, out, lengths.sum())
-
-
-def graphed(call, out: torch.Tensor, tokens: int) -> None:
-    """The forward `call` (warmed up) captured as one CUDA graph: its replay's median ms and
-    whether the features it writes equal the eager call's."""
-    call()
-    eager = out.clone()
-    out.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph.replay()
-    same = bool(torch.equal(out, eager))
-    _, seconds = _timed(graph.replay, 5)
-    print(f"   one CUDA graph: median {seconds * 1e3:.1f} ms ({tokens / seconds:,.0f} tokens/s), "
-          f"features equal to eager: {same}")  # fmt: skip
+        if options.graph:  # the product's graphed forward (target/graphed.py)
+            eager = call().clone()
+            graphed = forward(graph=True)
+            _, seconds = _timed(lambda g=graphed: call(g), 5)
+            print(f"   one CUDA graph: median {seconds * 1e3:.1f} ms "
+                  f"({lengths.sum() / seconds:,.0f} tokens/s), features equal to eager: "
+                  f"{torch.equal(out, eager)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -114,6 +114,16 @@ def _gated_rows(h, act_fn):
     return quantize_rows(gated(h, act_fn))
 
 
+def _routed_problem(gate_up, down, *, silu: bool, on_gpu: bool) -> str | None:
+    """None when the routed kernel can run these e4m3 experts (on the CPU its reference takes
+    any shape), else why not."""
+    if not silu:
+        return "the routed kernel gates with SiLU only"
+    if not on_gpu:
+        return None
+    return launch_problem(gate_up, GATE_UP_LAUNCH, gated=True) or launch_problem(down, DOWN_LAUNCH)
+
+
 WAYS = ("routed", "split", "sorted")  # Fp8Experts' ways, see there
 
 
@@ -150,6 +160,8 @@ class Fp8Experts(nn.Module):
     BENCHMARKS.md).
     """
 
+    takes_residual = True  # forward's `residual` is added in the last compiled pass (combine)
+
     def __init__(
         self,
         experts: nn.Module,
@@ -182,13 +194,8 @@ class Fp8Experts(nn.Module):
         else:
             self._gated_rows = functools.partial(wrap(_gated_rows), act_fn=self.act_fn)
         self.launches = (GATE_UP_LAUNCH, DOWN_LAUNCH)
-        self.routed_problem = (
-            None if silu else f"the routed kernel gates with SiLU, not {self.act_fn}"
-        )
-        if on_gpu and silu:
-            self.routed_problem = launch_problem(
-                gate_up, GATE_UP_LAUNCH, gated=True
-            ) or launch_problem(down, DOWN_LAUNCH)
+        self.grouped, self.kernel = grouped_kernel(gate_up.device)
+        self.routed_problem = _routed_problem(gate_up, down, silu=silu, on_gpu=on_gpu)
         if self.routed_problem is None:
             if on_gpu:
                 from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
@@ -213,26 +220,27 @@ class Fp8Experts(nn.Module):
             raise ValueError(f"experts way {way!r}: one of {', '.join(WAYS)}")
         if way != "sorted" and self.routed_problem:
             raise ValueError(f"the routed kernel cannot run these experts: {self.routed_problem}")
-        self.grouped, self.kernel = grouped_kernel(self.gate_up_proj.device)
         self.way = way
 
-    takes_residual = True  # forward's `residual` is added in the last compiled pass (combine)
+    @property
+    def _routes(self) -> bool:
+        """Whether a call starts with the routed gate_up product (the routed and split ways,
+        while fast accumulation is on: the kernel's only accumulation)."""
+        return self.way != "sorted" and self.fast_accum
 
     def quantized_tokens(self, hidden_states: torch.Tensor):
         """(e4m3 [T, d], scales [T]) of the tokens as `forward(..., tokens=)` takes them, or None
         where this way does not take them (sorted). Torch ops, for a compiled caller to fuse
         with what makes the tokens (the packed forward's post-attention norm:
         packed_dense.attention_and_route), instead of the row kernel reading them again."""
-        if self.way == "sorted" or not self.fast_accum:
-            return None
-        return quantize_rows(hidden_states)
+        return quantize_rows(hidden_states) if self._routes else None
 
     def forward(
         self, hidden_states, top_k_index, top_k_weights, residual=None, tokens=None
     ) -> torch.Tensor:
         """HF's experts call; `residual` [T, d] added to the output (`takes_residual`), `tokens`
         the hidden states already quantized per row (`quantized_tokens`; else done here)."""
-        if self.way != "sorted" and self.fast_accum:
+        if self._routes:
             return self._routed(hidden_states, top_k_index, top_k_weights, residual, tokens)
         x_q, x_scale, perm, offsets = self._sorted_rows(
             hidden_states, top_k_index, self.num_experts

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.model.attention import document_starts
+from dflash_async.target import packed_hybrid_moe  # its `route`, the same for Qwen3-MoE
 from dflash_async.target.fp8_linear import project  # q, k, v: an FP8 input quantized once
 
 try:
@@ -161,11 +162,9 @@ def attention_and_route(layer, hidden, cos, sin, mask, attend):
     the norm, its quantization and the router's softmax and top-k fuse with the attention's
     residual add (run eagerly they were ~10 passes over [T, d] and [T, E] per layer); the
     experts call, whose grouping is data-dependent, runs after it, outside the graph."""
-    from dflash_async.target.packed_hybrid_moe import route
-
     hidden = attention_block(layer, hidden, cos, sin, mask, attend)
     x = layer.post_attention_layernorm(hidden)[0]
-    weights, indices = route(layer.mlp.gate, x)
+    weights, indices = packed_hybrid_moe.route(layer.mlp.gate, x)
     experts = layer.mlp.experts
     tokens = experts.quantized_tokens(x) if hasattr(experts, "quantized_tokens") else None
     return hidden, x, weights, indices, tokens
