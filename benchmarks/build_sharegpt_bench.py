@@ -27,25 +27,62 @@ QWEN2_SPLIT = (
 )
 # Qwen3's added tokens from id 151643 on: (content, special)
 QWEN3_ADDED = [
-    *[(f"<|{name}|>", True) for name in ("endoftext", "im_start", "im_end", "object_ref_start",
-      "object_ref_end", "box_start", "box_end", "quad_start", "quad_end", "vision_start",
-      "vision_end", "vision_pad", "image_pad", "video_pad")],
-    ("<tool_call>", False), ("</tool_call>", False),
-    *[(f"<|{name}|>", True) for name in ("fim_prefix", "fim_middle", "fim_suffix", "fim_pad",
-      "repo_name", "file_sep")],
-    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False),
+    *[
+        (f"<|{name}|>", True)
+        for name in (
+            "endoftext",
+            "im_start",
+            "im_end",
+            "object_ref_start",
+            "object_ref_end",
+            "box_start",
+            "box_end",
+            "quad_start",
+            "quad_end",
+            "vision_start",
+            "vision_end",
+            "vision_pad",
+            "image_pad",
+            "video_pad",
+        )
+    ],
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    *[
+        (f"<|{name}|>", True)
+        for name in ("fim_prefix", "fim_middle", "fim_suffix", "fim_pad", "repo_name", "file_sep")
+    ],
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
     ("</think>", False),
-]  # fmt: skip
+]
 QWEN3_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False,
-    "attention_dropout": 0.0, "use_cache": True, "use_sliding_window": False,
-    "sliding_window": None, "max_window_layers": 28, "initializer_range": 0.02,
-}  # fmt: skip
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 28,
+    "initializer_range": 0.02,
+}
 
 
 def write_data(data_dir: Path, out: Path, copies: int) -> int:
@@ -98,39 +135,72 @@ def write_tokenizer(tiktoken_file: Path, out: Path) -> None:
             assert len(parts) == 2, (token, parts)
             merges.append([text[parts[0]], text[parts[1]]])
     added = [
-        {"id": len(ranks) + i, "content": content, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": special}
+        {
+            "id": len(ranks) + i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": special,
+        }
         for i, (content, special) in enumerate(QWEN3_ADDED)
-    ]  # fmt: skip
+    ]
     level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     spec = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
         "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
-             "invert": False},
-            {"type": "ByteLevel", **level},
-        ]},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": QWEN2_SPLIT},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {"type": "ByteLevel", **level},
+            ],
+        },
         "post_processor": {"type": "ByteLevel", **level},
         "decoder": {"type": "ByteLevel", **level},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
-                  "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {text[t]: r for t, r in ranks.items()}, "merges": merges},
-    }  # fmt: skip
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {text[t]: r for t, r in ranks.items()},
+            "merges": merges,
+        },
+    }
     out.mkdir(parents=True, exist_ok=True)
     from tokenizers import Tokenizer
 
     Tokenizer.from_str(json.dumps(spec)).save(str(out / "tokenizer.json"))  # HF's layout
     template = (REPO / "tests/fixtures/qwen3_chat_template.jinja").read_text()
     config = {
-        "tokenizer_class": "Qwen2Tokenizer", "model_max_length": 131072, "errors": "replace",
-        "clean_up_tokenization_spaces": False, "split_special_tokens": False,
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "add_prefix_space": False, "chat_template": template,
-        "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
-                                 for t in added},
-    }  # fmt: skip
+        "tokenizer_class": "Qwen2Tokenizer",
+        "model_max_length": 131072,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_prefix_space": False,
+        "chat_template": template,
+        "added_tokens_decoder": {
+            str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added
+        },
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     (out / "config.json").write_text(json.dumps(QWEN3_CONFIG, indent=2))
     print(f"{len(ranks)} ranks, {len(merges)} merges, {len(added)} added tokens")

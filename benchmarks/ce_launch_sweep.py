@@ -1,4 +1,4 @@
-"""Launch shapes of model/ce_kernel.py's CE pass on one GPU: each against the reference
+"""Launch shapes of kernels/ce_kernel.py's CE pass on one GPU: each against the reference
 (objective.ce_and_grad_from_logits, the tolerances of tests/test_gpu_ce_kernel.py) and timed on
 one chunk of the step (2048 x 151936 bf16 logits), CUDA events over 20 launches after 3 warm-up
 ones. Prints one JSON line per launch shape, fastest last. Usage:
@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from dflash_async.model.ce_kernel import CeLaunch, ce_and_grad_triton
+from dflash_async.kernels.ce_kernel import CeLaunch, ce_and_grad_triton
 from dflash_async.model.objective import ce_and_grad_from_logits
 
 
@@ -34,12 +34,15 @@ def main() -> None:
     ce_ref, hit_ref, grad_ref = ce_and_grad_from_logits(logits, labels, weights)
     launch_sets = {
         # the first sweeps' grid: programs per SM, warps, pass 2 reversed
-        "grid": [CeLaunch(p, w, r) for p, w, r in
-                 itertools.product((0, 1, 2, 4), (8, 16), (False, True))],
+        "grid": [
+            CeLaunch(p, w, r) for p, w, r in itertools.product((0, 1, 2, 4), (8, 16), (False, True))
+        ],
         # one program per row, reversed: warps, columns per warp per loop step, pipelining
-        "block": [CeLaunch(0, w, True, e, st) for w, e, st in
-                  itertools.product((4, 8, 16), (256, 512, 1024), (None, 1, 3))],
-    }  # fmt: skip
+        "block": [
+            CeLaunch(0, w, True, e, st)
+            for w, e, st in itertools.product((4, 8, 16), (256, 512, 1024), (None, 1, 3))
+        ],
+    }
     launches = launch_sets[args.launches]
     rows = []
     for launch in launches:
@@ -47,9 +50,13 @@ def main() -> None:
         ok = (
             abs(float(ce) - float(ce_ref)) <= 1e-4 * abs(float(ce_ref))
             and torch.equal(hit, hit_ref)
-            and bool(((grad.float() - grad_ref.float()).abs()
-                      <= 2.0**-7 * grad_ref.float().abs() + 1e-12).all())
-        )  # fmt: skip
+            and bool(
+                (
+                    (grad.float() - grad_ref.float()).abs()
+                    <= 2.0**-7 * grad_ref.float().abs() + 1e-12
+                ).all()
+            )
+        )
         ms = float("nan")
         if device.type == "cuda":
             for _ in range(3):
@@ -62,8 +69,14 @@ def main() -> None:
             torch.cuda.synchronize()  # sync point: timing only
             ms = start.elapsed_time(end) / args.reps
         moved = 3 * logits.numel() * logits.element_size()  # read twice, write once
-        rows.append({**dataclasses.asdict(launch), "equal_to_reference": ok, "ms": round(ms, 4),
-                     "tb_per_s_if_read_twice": round(moved / ms / 1e9, 2)})  # fmt: skip
+        rows.append(
+            {
+                **dataclasses.asdict(launch),
+                "equal_to_reference": ok,
+                "ms": round(ms, 4),
+                "tb_per_s_if_read_twice": round(moved / ms / 1e9, 2),
+            }
+        )
     for row in sorted(rows, key=lambda r: -r["ms"] if r["ms"] == r["ms"] else 0):
         print(json.dumps(row), flush=True)
 

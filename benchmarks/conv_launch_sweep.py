@@ -1,4 +1,4 @@
-"""Launch shapes of model/conv_kernel.py's DFlash2 convolution on one GPU, against the torch
+"""Launch shapes of kernels/conv_kernel.py's DFlash2 convolution on one GPU, against the torch
 reference compiled as the step compiled it before (dflash2.block_causal_conv under torch.compile,
 forward and backward): each checked against the fp32 reference (tests/test_gpu_conv_kernel.py's
 bf16 tolerance) and timed at the Qwen3-8B drafter's shape (1024 blocks x 16, d = 4096, 2 taps,
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from dflash_async.model.conv_kernel import ConvLaunch, triton_block_conv
+from dflash_async.kernels.conv_kernel import ConvLaunch, triton_block_conv
 from dflash_async.model.dflash2 import block_causal_conv
 
 BF16_RTOL = 2.0**-8  # tests/test_gpu_conv_kernel.py derives it
@@ -67,8 +67,11 @@ def main() -> None:
     want = (out, *torch.autograd.grad(out, exact, grad.float()))
 
     def equal(got) -> bool:
-        return all(float((x.detach().float() - y.detach().float()).norm() / y.detach().float().norm()) <= BF16_RTOL
-                   for x, y in zip(got, want, strict=True))  # fmt: skip
+        return all(
+            float((x.detach().float() - y.detach().float()).norm() / y.detach().float().norm())
+            <= BF16_RTOL
+            for x, y in zip(got, want, strict=True)
+        )
 
     # bytes of one convolution if each tensor is read or written once: forward h, dyn, out;
     # backward grad, h, dyn, grad_h, grad_dyn
@@ -91,11 +94,18 @@ def main() -> None:
             print(json.dumps({"conv": name, "error": str(error)[:300]}), flush=True)
             continue
         backward = whole - forward
-        rows.append({"conv": name, **(dataclasses.asdict(launch) if launch else {}),
-                     "equal_to_reference": ok, "forward_ms": round(forward, 4),
-                     "backward_ms": round(backward, 4), "both_ms": round(whole, 4),
-                     "forward_tb_s": round(moved["forward"] / forward / 1e9, 2),
-                     "backward_tb_s": round(moved["backward"] / backward / 1e9, 2)})  # fmt: skip
+        rows.append(
+            {
+                "conv": name,
+                **(dataclasses.asdict(launch) if launch else {}),
+                "equal_to_reference": ok,
+                "forward_ms": round(forward, 4),
+                "backward_ms": round(backward, 4),
+                "both_ms": round(whole, 4),
+                "forward_tb_s": round(moved["forward"] / forward / 1e9, 2),
+                "backward_tb_s": round(moved["backward"] / backward / 1e9, 2),
+            }
+        )
     for row in sorted(rows, key=lambda r: -r["both_ms"]):
         print(json.dumps(row), flush=True)
 

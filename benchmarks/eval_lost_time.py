@@ -40,16 +40,26 @@ def main() -> None:
     for e, (lo, end) in zip(evals, windows, strict=True):
         hi = min(end, last_step)  # after the last step no training is left to lose
         done = sum(1 for t in steps.values() if lo < t <= hi)
-        print(json.dumps({
-            "eval_step": e["step"], "mode": e["mode"], "eval_wall_s": round(end - lo, 1),
-            "steps_during_eval": done, "steady_step_s": round(steady, 3),
-            "lost_training_s": round(max(0.0, hi - lo) - done * steady, 1),
-            "training_waited_s": e["training_waited_s"], "target_busy_s": e["target_busy_s"],
-            "baseline_cached": e["baseline_cached"], "tau": e.get("tau"),
-            "speculative_tokens_per_s": e.get("speculative_tokens_per_s"),
-            "plain_tokens_per_s": e.get("plain_tokens_per_s"),
-            "numerical_ties": e.get("numerical_ties"), "failed": e["event"] == "eval_failed",
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "eval_step": e["step"],
+                    "mode": e["mode"],
+                    "eval_wall_s": round(end - lo, 1),
+                    "steps_during_eval": done,
+                    "steady_step_s": round(steady, 3),
+                    "lost_training_s": round(max(0.0, hi - lo) - done * steady, 1),
+                    "training_waited_s": e["training_waited_s"],
+                    "target_busy_s": e["target_busy_s"],
+                    "baseline_cached": e["baseline_cached"],
+                    "tau": e.get("tau"),
+                    "speculative_tokens_per_s": e.get("speculative_tokens_per_s"),
+                    "plain_tokens_per_s": e.get("plain_tokens_per_s"),
+                    "numerical_ties": e.get("numerical_ties"),
+                    "failed": e["event"] == "eval_failed",
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 from make_random_target import qwen3_8b_config
 from transformers import AutoModelForCausalLM
 
-from dflash_async.eval.batched import BatchedDecode
+from dflash_async.eval.batched_decoding import BatchedDecode
 from dflash_async.eval.evaluation import (
     DecodeSetup,
     greedy_decoders,
@@ -54,12 +54,16 @@ def oracle_run(setup: DecodeSetup, plain, block_size: int, layer_ids):
     sequences = [p + g.tokens for p, g in zip(setup.prompts, plain, strict=True)]
     factories = [
         lambda i=i: BatchedDecode(
-            setup.target, setup.prompts[i : i + size],
-            draft=BaselineOracle(sequences[i : i + size], block_size, device), layer_ids=layer_ids,
-            max_new_tokens=setup.max_new_tokens, eos=setup.eos, suppress=setup.suppress,
+            setup.target,
+            setup.prompts[i : i + size],
+            draft=BaselineOracle(sequences[i : i + size], block_size, device),
+            layer_ids=layer_ids,
+            max_new_tokens=setup.max_new_tokens,
+            eos=setup.eos,
+            suppress=setup.suppress,
         )
         for i in range(0, len(setup.prompts), size)
-    ]  # fmt: skip
+    ]
     return run_decoders(factories, device)
 
 
@@ -72,9 +76,17 @@ def main() -> None:
     args = parser.parse_args()
     target_config, dtype, device = qwen3_8b_config(), torch.bfloat16, torch.device("cuda", 0)
     if args.smoke:  # checks this script on a machine without a GPU
-        target_config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  vocab_size=1000))  # fmt: skip
+        target_config.update(
+            dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=6,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                vocab_size=1000,
+            )
+        )
         dtype, device = torch.float32, torch.device("cpu")
     else:
         torch.cuda.set_device(device)
@@ -103,9 +115,14 @@ def main() -> None:
     for name, (spec, spec_s) in runs.items():
         try:
             summary = report(
-                setup, plain, spec, block_size=config.block_size, plain_s=plain_s,
-                speculative_s=spec_s, tie_tolerance=0.5,
-            )  # fmt: skip
+                setup,
+                plain,
+                spec,
+                block_size=config.block_size,
+                plain_s=plain_s,
+                speculative_s=spec_s,
+                tie_tolerance=0.5,
+            )
         except LosslessError as e:
             print(json.dumps({"event": "bench_eval_failed", "drafter": name, "error": str(e)}))
             continue

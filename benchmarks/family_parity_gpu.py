@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM
 
 from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack, pack_row_offsets
-from dflash_async.target.forward import select_target_forward
-from dflash_async.target.loading import TargetFeatures, text_config
+from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.loading import TargetFeatures, text_config
 
 T = 4096
 
@@ -44,18 +44,24 @@ def _truncated(config, layers: int):
 
 def _alone(model, docs, layer_ids) -> list[torch.Tensor]:
     with TargetFeatures(model, layer_ids) as features:
-        return [features(torch.as_tensor(ids, device="cuda")[None],
-                         torch.ones(1, len(ids), dtype=torch.long, device="cuda"))[0].float()
-                for ids, _ in docs]  # fmt: skip
+        return [
+            features(
+                torch.as_tensor(ids, device="cuda")[None],
+                torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+            )[0].float()
+            for ids, _ in docs
+        ]
 
 
 def _packed(model, docs, layer_ids, lengths) -> tuple[list[torch.Tensor], str]:
-    path = select_target_forward(model, layer_ids, token_budget=T, max_batch_tokens=T,
-                                 compile=False)  # fmt: skip
+    path = select_target_forward(
+        model, layer_ids, token_budget=T, max_batch_tokens=T, compile=False
+    )
     layout = layout_pack(docs, T).to("cuda")
     d = text_config(model).hidden_size
-    out = torch.full((T, len(layer_ids) * d), float("nan"), device="cuda",
-                     dtype=next(model.parameters()).dtype)  # fmt: skip
+    out = torch.full(
+        (T, len(layer_ids) * d), float("nan"), device="cuda", dtype=next(model.parameters()).dtype
+    )
     path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
     offsets = pack_row_offsets(lengths)
     pad = out[offsets[-1] :]
@@ -88,10 +94,14 @@ def check(name: str, layers: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     truth = _alone(model, docs, layer_ids)
     packed32, path = _packed(model, docs, layer_ids, lengths)
-    row = {"shape": name, "layers": layers, "path": path,
-           "layer_types": list(getattr(config, "layer_types", None) or [])[:layers],
-           "packed_fp32": _distance(packed32, truth),
-           "packed_fp32_median_token": _median_token(packed32, truth)}  # fmt: skip
+    row = {
+        "shape": name,
+        "layers": layers,
+        "path": path,
+        "layer_types": list(getattr(config, "layer_types", None) or [])[:layers],
+        "packed_fp32": _distance(packed32, truth),
+        "packed_fp32_median_token": _median_token(packed32, truth),
+    }
     model.to(torch.bfloat16)
     row["hf_bf16"] = _distance(_alone(model, docs, layer_ids), truth)
     packed16, _ = _packed(model, docs, layer_ids, lengths)

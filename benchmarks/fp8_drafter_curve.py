@@ -113,16 +113,28 @@ def run_one(name: str, fp8: bool, seed: int, args) -> dict:
         if len(log["loss"]) == args.steps:
             print(f"{name}: reading the finished run in {output_dir}", file=sys.stderr)
             return log | {"wall_s": None}
-        raise SystemExit(f"{output_dir} holds something other than a finished {args.steps}-step "
-                         "run: remove it or choose another --out")  # fmt: skip
+        raise SystemExit(
+            f"{output_dir} holds something other than a finished {args.steps}-step "
+            "run: remove it or choose another --out"
+        )
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    env = run_env(output_dir=output_dir, steps=args.steps, seed=seed, fp8=fp8,
-                  device=args.device, evaluate=args.eval)  # fmt: skip
+    env = run_env(
+        output_dir=output_dir,
+        steps=args.steps,
+        seed=seed,
+        fp8=fp8,
+        device=args.device,
+        evaluate=args.eval,
+    )
     print(f"{name}: python -m dflash_async run -> {output_dir}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with (args.out / f"{name}.stdout").open("w") as out:
-        code = subprocess.call([sys.executable, "-m", "dflash_async", "run"], env=env,
-                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        code = subprocess.call(
+            [sys.executable, "-m", "dflash_async", "run"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     wall = time.perf_counter() - started
     if code != 0:
         tail = (args.out / f"{name}.stdout").read_text(errors="replace").splitlines()[-20:]
@@ -132,8 +144,10 @@ def run_one(name: str, fp8: bool, seed: int, args) -> dict:
 
 def windows(loss: dict[int, float], first: int, last: int, width: int) -> list[float]:
     """The mean loss of each `width`-step window of steps first..last (whole windows only)."""
-    return [sum(loss[s] for s in range(start, start + width)) / width
-            for start in range(first, last - width + 2, width)]  # fmt: skip
+    return [
+        sum(loss[s] for s in range(start, start + width)) / width
+        for start in range(first, last - width + 2, width)
+    ]
 
 
 def max_gap(a: dict[int, float], b: dict[int, float], first: int, last: int, width: int) -> float:
@@ -174,13 +188,18 @@ def table(logs: dict[str, dict], steps: int, every: int = 50) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--runs", default="bf16:42,bf16:43,fp8:42,fp8:43",
-                        help="precision:seed, comma-separated")  # fmt: skip
+    parser.add_argument(
+        "--runs", default="bf16:42,bf16:43,fp8:42,fp8:43", help="precision:seed, comma-separated"
+    )
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (bf16 runs only)")
     parser.add_argument("--out", type=Path, default=Path("runs/fp8_curve"))
     parser.add_argument("--window", type=int, default=25, help="steps per smoothing window")
-    parser.add_argument("--no-eval", dest="eval", action="store_false",
-                        help="skip the in-run evaluation at the end (tau)")  # fmt: skip
+    parser.add_argument(
+        "--no-eval",
+        dest="eval",
+        action="store_false",
+        help="skip the in-run evaluation at the end (tau)",
+    )
     args = parser.parse_args(argv)
     if args.window < 1 or args.steps // 2 < args.window:
         parser.error(f"--window {args.window} must be 1 to half of --steps ({args.steps})")
@@ -188,8 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, precision, seed in parse_runs(args.runs):
         logs[name] = run_one(name, precision == "fp8", seed, args)
         kernels = logs[name]["kernels"] or {}
-        print(f"{name}: seed {seed}, fp8_matmuls={kernels.get('fp8_matmuls', 'not logged')}, "
-              f"fp8_linears={kernels.get('fp8_linears', '-')}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{name}: seed {seed}, fp8_matmuls={kernels.get('fp8_matmuls', 'not logged')}, "
+            f"fp8_linears={kernels.get('fp8_linears', '-')}",
+            file=sys.stderr,
+        )
     every = 50 if args.steps >= 100 else max(1, args.steps // 10)
     print(f"### Demo loss by step ({args.device}, {args.steps} steps)\n")
     print(table(logs, args.steps, every))
@@ -198,9 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in result.items():
         if key != "windows":
             print(f"- {key}: {value:.4f}")
-    record = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": result,
-              "runs": {n: {k: v for k, v in log.items() if k != "kernels"}
-                       for n, log in logs.items()}}  # fmt: skip
+    record = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": result,
+        "runs": {n: {k: v for k, v in log.items() if k != "kernels"} for n, log in logs.items()},
+    }
     (args.out / "curve.json").write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -30,21 +30,22 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from dflash_async.target import fp8_experts, fp8_linear, fp8_routed
-from dflash_async.target.fp8_gate_kernel import silu_gate_quantize
-from dflash_async.target.fp8_moe_kernel import routed_mm
-from dflash_async.target.grouped_experts import gated as gate_values
+from dflash_async.kernels import fp8_moe_launch
+from dflash_async.kernels.fp8_gate_kernel import silu_gate_quantize
+from dflash_async.kernels.fp8_moe_kernel import routed_mm
+from dflash_async.targets.fp8 import fp8_experts, fp8_linear, fp8_routed
+from dflash_async.targets.grouped_experts import gated as gate_values
 
 # the routed kernel's launches timed (tests/test_gpu_fp8_moe_kernel.py runs each of them)
 LAUNCHES = {  # (gate_up's, down's)
-    "the defaults": (fp8_routed.GATE_UP_LAUNCH, fp8_routed.DOWN_LAUNCH),
+    "the defaults": (fp8_moe_launch.GATE_UP_LAUNCH, fp8_moe_launch.DOWN_LAUNCH),
     **{
         label: (launch, launch)
         for label, launch in {
-            "128 columns, 4 stages": fp8_routed.LAUNCH,
-            "64 rows, 4 warps": fp8_routed.Launch(block_rows=64, num_warps=4),
-            "256 columns, 3 stages": fp8_routed.Launch(block_n=256, num_stages=3),
-            "64-wide reduction": fp8_routed.Launch(block_k=64, num_stages=5),
+            "128 columns, 4 stages": fp8_moe_launch.LAUNCH,
+            "64 rows, 4 warps": fp8_moe_launch.Launch(block_rows=64, num_warps=4),
+            "256 columns, 3 stages": fp8_moe_launch.Launch(block_n=256, num_stages=3),
+            "64-wide reduction": fp8_moe_launch.Launch(block_k=64, num_stages=5),
         }.items()
     },
 }
@@ -74,10 +75,18 @@ def _ms(fn, repeats: int = 10) -> float:
 
 @torch.no_grad()
 def experts(*, launches_only: bool) -> None:
-    config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=1,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                            vocab_size=1024)  # fmt: skip
+    config = Qwen3MoeConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        vocab_size=1024,
+    )
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -108,16 +117,22 @@ def experts(*, launches_only: bool) -> None:
     if "--profile" in sys.argv[1:]:
         from profile_target_gpu import kernel_table
 
-        for name in ("sorted, parts compiled, the gate a Triton kernel",
-                     "routed (both products the routed kernel)",
-                     "split (the default: routed gate_up, down _scaled_grouped_mm)"):  # fmt: skip
+        for name in (
+            "sorted, parts compiled, the gate a Triton kernel",
+            "routed (both products the routed kernel)",
+            "split (the default: routed gate_up, down _scaled_grouped_mm)",
+        ):
             module = modules[name]
             print(f"kernels of one call: {name}")
             kernel_table(lambda m=module: m(x, index, weights), top=14)
     launches = dict(LAUNCHES)
     if "--sweep" in sys.argv[1:]:
-        launches.update({f"sweep {g} {d}": (fp8_routed.Launch(*g), fp8_routed.Launch(*d))
-                         for g, d in SWEEP})  # fmt: skip
+        launches.update(
+            {
+                f"sweep {g} {d}": (fp8_moe_launch.Launch(*g), fp8_moe_launch.Launch(*d))
+                for g, d in SWEEP
+            }
+        )
     products(modules["routed (both products the routed kernel)"], x, index, weights, launches)
     row_kernel(
         x, index.numel(), modules["routed (both products the routed kernel)"].down_proj.shape[2]
@@ -151,33 +166,48 @@ def products(fp8, x, index, weights, launches) -> None:
     width = fp8.down_proj.shape[2]
     flops = {"gate_up": 2 * s * 2 * width * d, "down": 2 * s * d * width}
     x_q, x_scale, _, offsets = fp8_experts._sorted_rows(x, index, 128)
-    h = fp8.grouped(x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets,
-                    out_dtype=x.dtype, fast_accum=True)  # fmt: skip
+    h = fp8.grouped(
+        x_q,
+        x_scale,
+        fp8.gate_up_proj,
+        fp8.gate_up_scale,
+        offsets,
+        out_dtype=x.dtype,
+        fast_accum=True,
+    )
     h_q, h_scale = silu_gate_quantize(h)
     sorted_args = {
         "gate_up": (x_q, x_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets),
         "down": (h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets),
     }
     sorted_out = {
-        name: _product_row(f"{name} alone, sorted: _scaled_grouped_mm fast accumulation",
-                           lambda args=args: fp8.grouped(*args, out_dtype=x.dtype,
-                                                         fast_accum=True),
-                           flops[name])
+        name: _product_row(
+            f"{name} alone, sorted: _scaled_grouped_mm fast accumulation",
+            lambda args=args: fp8.grouped(*args, out_dtype=x.dtype, fast_accum=True),
+            flops[name],
+        )
         for name, args in sorted_args.items()
-    }  # fmt: skip
+    }
     if _fbgemm():  # the same sorted products through fbgemm-gpu-genai, where installed
         for name, (x_q, x_scale, w_q, w_scale, offsets) in sorted_args.items():
             counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
-            _product_row(f"{name} alone, sorted: fbgemm f8f8bf16_rowwise_grouped_stacked",
-                         lambda a=(x_q, w_q, x_scale, w_scale, counts):
-                         torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(*a),
-                         flops[name], sorted_out[name])  # fmt: skip
+            _product_row(
+                f"{name} alone, sorted: fbgemm f8f8bf16_rowwise_grouped_stacked",
+                lambda a=(x_q, w_q, x_scale, w_scale, counts): (
+                    torch.ops.fbgemm.f8f8bf16_rowwise_grouped_stacked(*a)
+                ),
+                flops[name],
+                sorted_out[name],
+            )
     # what each routed product should give: the sorted way's rows gated, and weighted and
     # placed at their routed pairs (the routing's order does not depend on block_rows)
     _, perm, _, _, pair_weights = fp8_routed.routed_rows(
-        index, weights, num_experts=128, block_rows=fp8_routed.LAUNCH.block_rows,
+        index,
+        weights,
+        num_experts=128,
+        block_rows=fp8_moe_launch.LAUNCH.block_rows,
         weight_dtype=x.dtype,
-    )  # fmt: skip
+    )
     placed = torch.empty_like(sorted_out["down"])
     placed[perm.long()] = (sorted_out["down"].float() * pair_weights[perm.long(), None]).to(
         placed.dtype
@@ -187,17 +217,24 @@ def products(fp8, x, index, weights, launches) -> None:
     tokens_q, token_scale = fp8_linear.quantize_rows(x)
     for label, pair in launches.items():
         token, perm, offsets, blocks, pair_weights = fp8_routed.routed_rows(
-            index, weights, num_experts=128, block_rows=pair[0].block_rows,
+            index,
+            weights,
+            num_experts=128,
+            block_rows=pair[0].block_rows,
             weight_dtype=x.dtype,
-        )  # fmt: skip
+        )
         routed_args = {
-            "gate_up": ((tokens_q, token_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets,
-                         blocks), {"a_rows": token, "gated": True}),
-            "down": ((h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets, blocks),
-                     {"out_rows": perm, "row_weights": pair_weights}),
-        }  # fmt: skip
+            "gate_up": (
+                (tokens_q, token_scale, fp8.gate_up_proj, fp8.gate_up_scale, offsets, blocks),
+                {"a_rows": token, "gated": True},
+            ),
+            "down": (
+                (h_q, h_scale, fp8.down_proj, fp8.down_scale, offsets, blocks),
+                {"out_rows": perm, "row_weights": pair_weights},
+            ),
+        }
         for (name, (args, routing)), launch in zip(routed_args.items(), pair, strict=True):
-            problem = fp8_routed.launch_problem(args[2], launch, gated="gated" in routing)
+            problem = fp8_moe_launch.launch_problem(args[2], launch, gated="gated" in routing)
             if problem:
                 print(
                     json.dumps(
@@ -205,16 +242,19 @@ def products(fp8, x, index, weights, launches) -> None:
                     )
                 )
                 continue
-            _product_row(f"{name} alone, routed kernel, {label} ({launch})",
-                         lambda a=args, r=routing, c=launch: routed_mm(*a, **r, launch=c),
-                         flops[name], wants[name])  # fmt: skip
+            _product_row(
+                f"{name} alone, routed kernel, {label} ({launch})",
+                lambda a=args, r=routing, c=launch: routed_mm(*a, **r, launch=c),
+                flops[name],
+                wants[name],
+            )
 
 
 def row_kernel(x, pairs: int, width: int) -> None:
     """The routed way's two row quantizations (fp8_gate_kernel.quantize_rows_kernel) under its
     launches: the tokens [T, d] and the gate output [T * k, I] (bf16 in, e4m3 and a scale per
     row out); TB/s if each byte moves once, and the e4m3 values differing from the default's."""
-    from dflash_async.target.fp8_gate_kernel import quantize_rows_kernel
+    from dflash_async.kernels.fp8_gate_kernel import quantize_rows_kernel
 
     rows = {"tokens": x, "gate output": torch.randn(pairs, width, device=x.device, dtype=x.dtype)}
     for name, a in rows.items():
@@ -225,9 +265,16 @@ def row_kernel(x, pairs: int, width: int) -> None:
             ms = _ms(fn)
             q, _ = fn()
             differing = int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
-            print(json.dumps({"case": f"quantize_rows_kernel, {name}, {rows_} rows, {warps} warps",
-                              "ms": round(ms, 4), "tb_s": round(moved / ms / 1e9, 2),
-                              "e4m3_differing_from_default": differing}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "case": f"quantize_rows_kernel, {name}, {rows_} rows, {warps} warps",
+                        "ms": round(ms, 4),
+                        "tb_s": round(moved / ms / 1e9, 2),
+                        "e4m3_differing_from_default": differing,
+                    }
+                )
+            )
 
 
 def gate(fp8, x, index) -> None:
@@ -246,11 +293,19 @@ def gate(fp8, x, index) -> None:
     for label, fn in gates.items():
         ms = _ms(fn)
         q, scale = fn()
-        print(json.dumps({"case": f"the gate and its quantization alone, {label}",
-                          "ms": round(ms, 4), "tb_s": round(moved / ms / 1e9, 2),
-                          "e4m3_differing_from_compiled": int((q.view(torch.uint8) != want_q.view(
-                              torch.uint8)).sum()),
-                          "scales_equal": bool(torch.equal(scale, want_scale))}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "case": f"the gate and its quantization alone, {label}",
+                    "ms": round(ms, 4),
+                    "tb_s": round(moved / ms / 1e9, 2),
+                    "e4m3_differing_from_compiled": int(
+                        (q.view(torch.uint8) != want_q.view(torch.uint8)).sum()
+                    ),
+                    "scales_equal": bool(torch.equal(scale, want_scale)),
+                }
+            )
+        )
 
 
 @torch.no_grad()

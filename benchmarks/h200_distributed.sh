@@ -14,8 +14,8 @@ rm -rf "$work" && mkdir -p "$work/weights"
 python3 - "$work" <<'PY'
 import json, random, sys
 from pathlib import Path
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
+from dflash_async.targets.loading import load_target_tokenizer
+from dflash_async.targets.tiny import ensure_tiny_target
 work = Path(sys.argv[1])
 target = ensure_tiny_target(work / "cache")
 tokenizer = load_target_tokenizer(target)

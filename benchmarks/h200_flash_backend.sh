@@ -54,7 +54,7 @@ stage_a() {
   part "GPU tests of the drafter step's defaults"
   timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not hybrid and not flex_flash" \
     tests/test_gpu_drafter.py tests/test_no_host_sync.py tests/test_checkpoint.py \
-    tests/test_objective_reference.py tests/test_gpu_ce_kernel.py 2>&1 | tail -15 | cut -c1-400
+    tests/model/test_objective_reference.py tests/test_gpu_ce_kernel.py 2>&1 | tail -15 | cut -c1-400
   echo "stage a done: now stage b, at once (the machine stays warm ~30 s)"
 }
 install() {  # stage b: join the halves, check them, install everything in one go
@@ -106,7 +106,7 @@ clocks() {  # per-step time against the GPU's clock and power
 tests() {  # the drafter step's GPU tests, with auto resolving to flash
   timeout 500 python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "not hybrid" \
     tests/test_gpu_drafter.py tests/test_no_host_sync.py tests/test_checkpoint.py \
-    tests/test_objective_reference.py tests/test_gpu_ce_kernel.py \
+    tests/model/test_objective_reference.py tests/test_gpu_ce_kernel.py \
     tests/test_gpu_drafter_kernels.py 2>&1 | grep -E '\{"check"|passed|failed|skipped|Error' \
     | cut -c1-500
 }

@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$(pwd)
 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_drafter.py \
-  "tests/test_optim.py::test_captured_clip_and_adamw_step_follow_the_schedule_without_recapture" \
+  "tests/model/test_optim.py::test_captured_clip_and_adamw_step_follow_the_schedule_without_recapture" \
   2>&1 | grep -E '^\{|passed|failed|Error' | tail -8
 
 mutant() {  # name, file, text, replacement: "caught" when the flex-vs-sdpa test fails on it
@@ -29,7 +29,7 @@ EOF
   fi
   rm -rf "$scratch"
 }
-mutant context_includes_the_anchor_row dflash_async/model/attention.py \
+mutant context_includes_the_anchor_row dflash_async/model/attention_rule.py \
   "(kv_idx < q_hi)" "(kv_idx <= q_hi)"
-mutant block_sees_the_next_slot dflash_async/model/attention.py \
+mutant block_sees_the_next_slot dflash_async/model/attention_rule.py \
   "(kv_idx < q_block + B)" "(kv_idx < q_block + B + 1)"

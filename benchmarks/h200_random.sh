@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 29 and 31: co-located pipeline runs on one H200 with targets too big for the machine's
 # 64 GiB disk (and, in bf16, its 128 GB of host RAM), drawn in the run from config.json alone
-# (DFLASH_TARGET__WEIGHTS=random: dflash_async/target/random_weights.py, layer by layer on the
+# (DFLASH_TARGET__WEIGHTS=random: dflash_async/targets/random_weights.py, layer by layer on the
 # GPU, each layer swapped to FP8 before the next with QUANTIZE=fp8).
 #   35b        Qwen3.5-35B-A3B shape (bench target's shape_configs()["qwen3.5-35b-a3b"]), bf16
 #              (~69 GB of weights), STEPS steps (issue 29: 100): tokens/s and node MFU

@@ -31,7 +31,7 @@ for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
   if [ "$which" = d2 ]; then
     part "GPU tests: grouped top-k, the CE kernel, the drafter variants"
-    timeout 240 python3 -m pytest -q -x tests/test_grouped_topk.py tests/test_gpu_ce_kernel.py \
+    timeout 240 python3 -m pytest -q -x tests/model/test_grouped_topk.py tests/test_gpu_ce_kernel.py \
       tests/test_gpu_drafter.py 2>&1 | grep -v DEBUG | tail -8
     drafter 170 --kind dflash2 --steps 5
     drafter 170 --kind dflash2 --block-size 8 --vocab-size 248320 --num-anchors 2048 --steps 5
@@ -72,7 +72,7 @@ for which in "$@"; do
   fi
   if [ "$which" = d3 ]; then  # the DFlash2 group maxima from the CE pass (issue 30), and moe2
     part "GPU tests: CE pass (+ group maxima), grouped top-k, drafters, FP8, grouped experts"
-    timeout 240 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
+    timeout 240 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/model/test_grouped_topk.py \
       tests/test_gpu_drafter.py tests/test_grouped_experts.py tests/test_fp8_gpu.py \
       tests/test_fp8_training_gpu.py 2>&1 | grep -v DEBUG | tail -4
     drafter 150 --kind dflash2 --steps 5

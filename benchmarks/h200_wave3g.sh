@@ -10,7 +10,7 @@
 #     with the SM clock and power sampled by nvidia-smi (the step runs at the power cap).
 #   prof: the profiled DFlash2 step with the 60 longest kernels of the graph replays.
 #   b8: the block-8, 248k-vocabulary DFlash2 shape.
-#   conv: (eighth session) the GPU tests of DFlash2's Triton convolutions (model/conv_kernel.py:
+#   conv: (eighth session) the GPU tests of DFlash2's Triton convolutions (kernels/conv_kernel.py:
 #     against the reference, mutants, compiled, in the step) and the DFlash2 drafter tests.
 #   abconv: the DFlash2 step with those kernels (the default, variant today) against the torch
 #     convolutions compiled into the layers (variant conv_compiled), alternating, twice, clocks.
@@ -20,10 +20,10 @@
 #     with every kernel of the graph replays listed, into $OUT/kernels_KIND.txt (to compare the
 #     two steps kernel by kernel), clocks sampled.
 #   gate: (tenth session, issue 31) the FP8 experts' SiLU gate and its quantization as one Triton
-#     kernel (target/fp8_gate_kernel.py): its GPU tests and the FP8 targets', the experts module
+#     kernel (kernels/fp8_gate_kernel.py): its GPU tests and the FP8 targets', the experts module
 #     alone (benchmarks/fp8_experts_gpu.py), the Qwen3-30B-A3B target bf16 against FP8.
 #   routed: (eleventh session, issue 31) the FP8 experts' routed products as one Triton kernel
-#     (target/fp8_moe_kernel.py): its GPU tests and the FP8 targets', its launches and the
+#     (kernels/fp8_moe_kernel.py): its GPU tests and the FP8 targets', its launches and the
 #     experts module alone, the Qwen3-30B-A3B target bf16 against FP8, one forward profiled.
 #   sweep: the routed kernel's products under more launches, the experts' kernels profiled.
 #   tprof: the Qwen3-30B-A3B target forward's kernels, bf16 and FP8 (profile_target_gpu.py).
@@ -64,8 +64,8 @@ for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
   if [ "$which" = tests ]; then
     part "GPU tests: CE pass, grouped top-k, drafter variants, FP8 drafter linears"
-    timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/test_grouped_topk.py \
-      tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py tests/test_objective_reference.py \
+    timeout 300 python3 -m pytest -q -x tests/test_gpu_ce_kernel.py tests/model/test_grouped_topk.py \
+      tests/test_gpu_drafter.py tests/test_fp8_training_gpu.py tests/model/test_objective_reference.py \
       tests/test_no_host_sync.py --tb=short 2>&1 | grep -v DEBUG | tail -60  # a failure's lines
   fi
   if [ "$which" = conv ]; then

@@ -9,7 +9,7 @@
 #     (benchmarks/fp8_experts_gpu.py --launches-only).
 #   target: `bench target --shapes qwen3-30b-a3b --experts compiled --quantize none,fp8-fast`
 #     with one FP8 row per experts way ($WAYS, default: default,routed).
-#   graph: the GPU tests of the CUDA-graphed target forward (target/graphed.py) and the FP8
+#   graph: the GPU tests of the CUDA-graphed target forward (targets/graphed.py) and the FP8
 #     targets, then `bench target --cuda-graph` at Qwen3-30B-A3B (bf16 and FP8, each fast path
 #     eager and replayed from one CUDA graph).
 #   graph8b: the same `bench target --cuda-graph` at Qwen3-8B.

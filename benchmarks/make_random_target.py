@@ -9,7 +9,7 @@ text decoder, 24 Gated DeltaNet + 8 gated attention layers), with the config of
 
 --config-only writes OUT_DIR/<shape>-config instead: config.json and the tokenizer, no weights
 (no GPU, no disk), for a run with DFLASH_TARGET__WEIGHTS=random, which draws the weights layer by
-layer on the GPU (dflash_async/target/random_weights.py). The shapes too big to write
+layer on the GPU (dflash_async/targets/random_weights.py). The shapes too big to write
 (qwen3.5-35b-a3b: 70 GB in bf16; qwen3-next-80b-a3b: 160 GB in bf16, ~80 GB as FP8) are
 config-only.
 
@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_async.bench.target_shapes import shape_configs
-from dflash_async.target.tiny import tiny_tokenizer
+from dflash_async.targets.tiny import tiny_tokenizer
 
 SHAPES = ("qwen3-8b", "qwen3.5-9b")
 CONFIG_ONLY = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
@@ -41,14 +41,26 @@ def qwen3_next_80b_a3b_config():
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
-        shared_expert_intermediate_size=512, intermediate_size=5120, decoder_sparse_step=1,
-        vocab_size=151936, tie_word_embeddings=False,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        intermediate_size=5120,
+        decoder_sparse_step=1,
+        vocab_size=151936,
+        tie_word_embeddings=False,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
-    )  # fmt: skip
+    )
 
 
 def shape_config(shape: str):

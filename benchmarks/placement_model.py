@@ -25,12 +25,27 @@ STEP_S = 0.2882  # measured: compiled drafter step, CUDA graph, 1024 anchors x 1
 TARGETS = {"today (HF, 21.0k)": 21.0e3, "compiled packed (41.1k)": 41.1e3}  # docs/GPU.md
 MEAN_DOC = 780  # tokens: 21 documents per 16384-token pack in the measured runs
 DRAFTER = DrafterConfig(
-    hidden_size=4096, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, intermediate_size=12288, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=151936,
-    num_target_layers=36, target_layer_ids=(1, 9, 17, 25, 33), mask_token_id=151669, block_size=16,
-)  # fmt: skip
-TARGET = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, intermediate_size=12288)  # fmt: skip
+    hidden_size=4096,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    vocab_size=151936,
+    num_target_layers=36,
+    target_layer_ids=(1, 9, 17, 25, 33),
+    mask_token_id=151669,
+    block_size=16,
+)
+TARGET = SimpleNamespace(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+)
 LINKS = Links(grad_bytes=4 * 1.05e9, feature_bytes_per_token=5 * 4096 * 2)
 FITS = MemoryNeeds(20e9, 2e9, 20e9, 16e9, 2e9, 141e9)  # Qwen3-8B: both fit on one H200
 
@@ -53,18 +68,24 @@ def densities() -> dict[str, tuple[float, float]]:
 
 
 def rows():
-    target_fpt = target_forward_flops(TARGET, layers_run=34, tokens=1,
-                                      attention_pairs=(MEAN_DOC + 1) / 2)  # fmt: skip
+    target_fpt = target_forward_flops(
+        TARGET, layers_run=34, tokens=1, attention_pairs=(MEAN_DOC + 1) / 2
+    )
     for target_name, target in TARGETS.items():
         for density, (drafter, drafter_fpt) in densities().items():
-            rates = StageRates(target, drafter, source="measured",
-                               target_flops_per_token=target_fpt,
-                               drafter_flops_per_token=drafter_fpt)  # fmt: skip
+            rates = StageRates(
+                target,
+                drafter,
+                source="measured",
+                target_flops_per_token=target_fpt,
+                drafter_flops_per_token=drafter_fpt,
+            )
             for gpus in (1, 2, 4, 8):
                 p = predict(rates, gpus=gpus, token_budget=T, links=LINKS)
                 split = best_split(rates, gpus=gpus, token_budget=T, links=LINKS)
-                chosen = decide("auto", gpus=gpus, rates=rates, memory=FITS, token_budget=T,
-                                links=LINKS).layout  # fmt: skip
+                chosen = decide(
+                    "auto", gpus=gpus, rates=rates, memory=FITS, token_budget=T, links=LINKS
+                ).layout
                 yield target_name, density, drafter, gpus, p, split, chosen
 
 
@@ -87,7 +108,7 @@ BESIDE = 38 * GB + 4 * GB  # drafter side + target activations per GPU (co-locat
 def split_choice(total_params: float, gpus: int, *, device_bytes: float = 141 * GB):
     """(replicas, stages, weight bytes per GPU) of the fewest stages that fit; None if none."""
     for stages in (k for k in range(1, gpus + 1) if gpus % k == 0):
-        share = total_params / stages  # balanced by bytes (target/split.py)
+        share = total_params / stages  # balanced by bytes (targets/split.py)
         if share + BESIDE <= 0.9 * device_bytes:
             return gpus // stages, stages, share
     return None
@@ -102,31 +123,43 @@ def split_rows():
 
 
 def main() -> None:
-    print("| target | anchors | drafter tok/s alone | GPUs | colocated tok/s per GPU | "
-          "split tok/s per GPU (targets+drafters) | auto |")  # fmt: skip
+    print(
+        "| target | anchors | drafter tok/s alone | GPUs | colocated tok/s per GPU | "
+        "split tok/s per GPU (targets+drafters) | auto |"
+    )
     print("|---|---|---|---|---|---|---|")
     for target, density, drafter, gpus, p, split, chosen in rows():
         split_text = "—" if split is None else f"{p['split']:,.0f} ({split[0]}+{gpus - split[0]})"
-        print(f"| {target} | {density} | {drafter:,.0f} | {gpus} | {p['colocated']:,.0f} | "
-              f"{split_text} | {chosen} |")  # fmt: skip
+        print(
+            f"| {target} | {density} | {drafter:,.0f} | {gpus} | {p['colocated']:,.0f} | "
+            f"{split_text} | {chosen} |"
+        )
     print()
-    print("| target (FP8) | GPUs (141 GB) | replicas x stages | weights per GPU | "
-          "target tok/s (node, MFU 0.5) | why |")  # fmt: skip
+    print(
+        "| target (FP8) | GPUs (141 GB) | replicas x stages | weights per GPU | "
+        "target tok/s (node, MFU 0.5) | why |"
+    )
     print("|---|---|---|---|---|---|")
     for name, gpus, chosen, rate in split_rows():
         if chosen is None:
             share = MOE_TARGETS[name][0] / gpus
-            print(f"| {name} | {gpus} | — | {share / GB:.0f} GB at {gpus} stages | — | exit 2: "
-                  f"no room beside it for the co-located drafter ({BESIDE / GB:.0f} GB); only "
-                  "drafter-free target GPUs (the split layout, not yet with STAGES) could hold it "
-                  "|")  # fmt: skip
+            print(
+                f"| {name} | {gpus} | — | {share / GB:.0f} GB at {gpus} stages | — | exit 2: "
+                f"no room beside it for the co-located drafter ({BESIDE / GB:.0f} GB); only "
+                "drafter-free target GPUs (the split layout, not yet with STAGES) could hold it "
+                "|"
+            )
             continue
         replicas, stages, share = chosen
-        why = (f"{stages} is the fewest stages whose share ({share / GB:.0f} GB) fits beside the "
-               f"drafter ({BESIDE / GB:.0f} GB) in 90% of 141 GB; {replicas} replica(s) fill "
-               "the node")  # fmt: skip
-        print(f"| {name} | {gpus} | {replicas} x {stages} | {share / GB:.0f} GB | {rate:,.0f} | "
-              f"{why} |")  # fmt: skip
+        why = (
+            f"{stages} is the fewest stages whose share ({share / GB:.0f} GB) fits beside the "
+            f"drafter ({BESIDE / GB:.0f} GB) in 90% of 141 GB; {replicas} replica(s) fill "
+            "the node"
+        )
+        print(
+            f"| {name} | {gpus} | {replicas} x {stages} | {share / GB:.0f} GB | {rate:,.0f} | "
+            f"{why} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Prints, per path, the forward's median ms over 3 calls and the CUDA kernels of o
 call grouped by name (total ms, calls, share), widest first, and the share of the matmul
 kernels (names with gemm / scaled_mm / grouped / sm90 / cutlass / nvjet). `--graph` also
 times the forward replayed from one CUDA graph (`select_target_forward(cuda_graph=True)`,
-target/graphed.py: the launch gaps between kernels are what it removes), checking the replayed
+targets/graphed.py: the launch gaps between kernels are what it removes), checking the replayed
 features equal the eager ones bit for bit. GPU only.
 """
 
@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM
 from dflash_async.bench.target_bench import _timed, document_lengths
 from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack
-from dflash_async.target.forward import select_target_forward
-from dflash_async.target.fp8_linear import swap_fp8_matmuls
-from dflash_async.target.loading import text_config, text_model
+from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.fp8.fp8_linear import swap_fp8_matmuls
+from dflash_async.targets.loading import text_config, text_model
 
 MATMUL_WORDS = ("gemm", "scaled_mm", "grouped", "sm90", "cutlass", "nvjet", "xmma")
 
@@ -71,9 +71,15 @@ def main() -> None:
             swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
 
         def forward(graph: bool):
-            return select_target_forward(model, layer_ids, token_budget=T, max_batch_tokens=T,
-                                         packed_hybrid=True, experts="compiled",
-                                         cuda_graph=graph)  # fmt: skip
+            return select_target_forward(
+                model,
+                layer_ids,
+                token_budget=T,
+                max_batch_tokens=T,
+                packed_hybrid=True,
+                experts="compiled",
+                cuda_graph=graph,
+            )
 
         path = forward(graph=False)
 
@@ -81,16 +87,20 @@ def main() -> None:
             return path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
 
         first, seconds = _timed(call, 3)
-        print(f"== {options.shape} {label}: {path.name}, median {seconds * 1e3:.1f} ms "
-              f"({lengths.sum() / seconds:,.0f} tokens/s), first call {first:.1f} s")  # fmt: skip
+        print(
+            f"== {options.shape} {label}: {path.name}, median {seconds * 1e3:.1f} ms "
+            f"({lengths.sum() / seconds:,.0f} tokens/s), first call {first:.1f} s"
+        )
         kernel_table(call, options.top)
-        if options.graph:  # the product's graphed forward (target/graphed.py)
+        if options.graph:  # the product's graphed forward (targets/graphed.py)
             eager = call().clone()
             graphed = forward(graph=True)
             _, seconds = _timed(lambda g=graphed: call(g), 5)
-            print(f"   one CUDA graph: median {seconds * 1e3:.1f} ms "
-                  f"({lengths.sum() / seconds:,.0f} tokens/s), features equal to eager: "
-                  f"{torch.equal(out, eager)}")  # fmt: skip
+            print(
+                f"   one CUDA graph: median {seconds * 1e3:.1f} ms "
+                f"({lengths.sum() / seconds:,.0f} tokens/s), features equal to eager: "
+                f"{torch.equal(out, eager)}"
+            )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dflash_async.target.forward import architecture_table
+from dflash_async.targets.forward import architecture_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(

@@ -43,7 +43,7 @@ from dflash_async.runtime.rings import RingSet, SlotRing
 from dflash_async.stages.chain import build_chain, chain_stage
 from dflash_async.stages.produce import TargetRunner, TargetSpec, _warm_up, target_stage
 from dflash_async.stages.read import PlannedPack
-from dflash_async.target.forward import select_target_forward
+from dflash_async.targets.forward import select_target_forward
 
 WARM_PACKS = 3  # not timed: the chain fills, allocator pools settle
 COMPARED = 3  # packs whose features are kept and compared bit for bit
@@ -77,16 +77,26 @@ async def run_config(model, samples: Samples, *, stages: int, token_budget: int,
     spec = TargetSpec(torch.bfloat16, torch.bfloat16, token_budget, token_budget, False)
     log = get_logger("split_chain_gpu")
     async with AsyncExitStack() as stack:
-        opened = [await stack.enter_async_context(open_device_worker(device, f"stage{i}",
-                  grad_enabled=False)) for i in range(stages)]  # fmt: skip
+        opened = [
+            await stack.enter_async_context(
+                open_device_worker(device, f"stage{i}", grad_enabled=False)
+            )
+            for i in range(stages)
+        ]
         consumer = await stack.enter_async_context(
             open_device_worker(device, "consumer", grad_enabled=False)
         )
         if stages == 1:
-            path = await opened[0].run(select_target_forward, model, layer_ids,
-                                       token_budget=token_budget, max_batch_tokens=token_budget)  # fmt: skip
-            inputs = PackedBatch.empty(token_budget, width, device=device,
-                                       feature_dtype=torch.bfloat16)  # fmt: skip
+            path = await opened[0].run(
+                select_target_forward,
+                model,
+                layer_ids,
+                token_budget=token_budget,
+                max_batch_tokens=token_budget,
+            )
+            inputs = PackedBatch.empty(
+                token_budget, width, device=device, feature_dtype=torch.bfloat16
+            )
             runner = TargetRunner(model, path, inputs)
             await opened[0].run(_warm_up, runner, token_budget, token_budget)
         else:
@@ -151,22 +161,39 @@ def main() -> None:
     device = "cuda"
     if args.cpu_dry_run:
         device, layer_ids, args.token_budget, args.packs = "cpu", (1, 2, 3), 2048, 8
-        config = type(config)(**{**config.to_dict(), "num_hidden_layers": 4, "hidden_size": 256,
-                                 "intermediate_size": 512, "num_attention_heads": 4,
-                                 "num_key_value_heads": 2, "head_dim": 64, "layer_types": None})  # fmt: skip
+        config = type(config)(
+            **{
+                **config.to_dict(),
+                "num_hidden_layers": 4,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "layer_types": None,
+            }
+        )
     with torch.device(device):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     samples = Samples(args.token_budget, args.packs)
-    base_rate, base = anyio.run(lambda: run_config(model, samples, stages=1,
-                                token_budget=args.token_budget, layer_ids=layer_ids))  # fmt: skip
-    print(json.dumps({"stages": 1, "tokens_per_s": round(base_rate), "no_host_sync": True}),
-          flush=True)  # fmt: skip
+    base_rate, base = anyio.run(
+        lambda: run_config(
+            model, samples, stages=1, token_budget=args.token_budget, layer_ids=layer_ids
+        )
+    )
+    print(
+        json.dumps({"stages": 1, "tokens_per_s": round(base_rate), "no_host_sync": True}),
+        flush=True,
+    )
     for k in map(int, args.stages.split(",")):
         try:
-            rate, got = anyio.run(lambda k=k: run_config(model, samples, stages=k,
-                                  token_budget=args.token_budget, layer_ids=layer_ids))  # fmt: skip
+            rate, got = anyio.run(
+                lambda k=k: run_config(
+                    model, samples, stages=k, token_budget=args.token_budget, layer_ids=layer_ids
+                )
+            )
             sync_ok = True
         except Exception as error:  # a host sync under the debug mode, or another failure
             if device == "cuda":
@@ -174,10 +201,19 @@ def main() -> None:
             print(json.dumps({"stages": k, "error": repr(error)[:600]}), flush=True)
             continue
         equal = all(torch.equal(got[i], base[i]) for i in base)
-        print(json.dumps({"stages": k, "tokens_per_s": round(rate),
-                          "ratio_to_unsplit": round(rate / base_rate, 4),
-                          "features_bit_equal": equal, "packs_compared": len(base),
-                          "no_host_sync": sync_ok}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "stages": k,
+                    "tokens_per_s": round(rate),
+                    "ratio_to_unsplit": round(rate / base_rate, 4),
+                    "features_bit_equal": equal,
+                    "packs_compared": len(base),
+                    "no_host_sync": sync_ok,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def smi_samples(path: str) -> list[dict]:
         try:
             ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
             ts += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
-            rows.append(dict(t=ts, sm=float(parts[1].split()[0]), w=float(parts[2].split()[0]),
-                             temp=float(parts[3]), reasons=parts[4]))  # fmt: skip
+            rows.append(
+                dict(
+                    t=ts,
+                    sm=float(parts[1].split()[0]),
+                    w=float(parts[2].split()[0]),
+                    temp=float(parts[3]),
+                    reasons=parts[4],
+                )
+            )
         except ValueError:
             continue
     return rows
@@ -80,14 +87,23 @@ def main() -> None:
 
 def run(args, config, device, *, smi_path: str) -> None:
     for variant in args.variants.split(","):
-        step = build_step(config, token_budget=16384, num_anchors=args.num_anchors,
-                          device=device, attention="flex", compile=True,
-                          **VARIANTS[variant])  # fmt: skip
+        step = build_step(
+            config,
+            token_budget=16384,
+            num_anchors=args.num_anchors,
+            device=device,
+            attention="flex",
+            compile=True,
+            **VARIANTS[variant],
+        )
         step.batch.copy_(synthetic_pack(config, token_budget=16384, num_docs=4, device=device))
         step.capture(warmup_steps=3)
         phases = {}
-        for phase, rest, n in (("cool_first", 3.0, 3), ("run", 0.0, args.steps),
-                               ("cool_again", 3.0, 3)):  # fmt: skip
+        for phase, rest, n in (
+            ("cool_first", 3.0, 3),
+            ("run", 0.0, args.steps),
+            ("cool_again", 3.0, 3),
+        ):
             time.sleep(rest)
             t0 = time.time()
             ms = per_step_ms(step, n)
@@ -100,10 +116,16 @@ def run(args, config, device, *, smi_path: str) -> None:
         samples = smi_samples(smi_path)
         for phase, (t0, t1, ms) in phases.items():
             inside = [s for s in samples if t0 <= s["t"] <= t1]
-            row = {"variant": variant, "phase": phase, "steps": len(ms),
-                   "ms_first": round(ms[0], 2), "ms_last": round(ms[-1], 2),
-                   "ms_mean": round(sum(ms) / len(ms), 2), "ms_min": round(min(ms), 2),
-                   "ms_all": [round(m, 1) for m in ms] if len(ms) > 3 else None}  # fmt: skip
+            row = {
+                "variant": variant,
+                "phase": phase,
+                "steps": len(ms),
+                "ms_first": round(ms[0], 2),
+                "ms_last": round(ms[-1], 2),
+                "ms_mean": round(sum(ms) / len(ms), 2),
+                "ms_min": round(min(ms), 2),
+                "ms_all": [round(m, 1) for m in ms] if len(ms) > 3 else None,
+            }
             if inside:
                 row |= {
                     "sm_mhz_min": min(s["sm"] for s in inside),

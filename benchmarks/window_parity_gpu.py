@@ -30,38 +30,70 @@ def part1(device: str = "cuda") -> None:
     from test_target_packed_sliding import CASES, LAYER_IDS, _model
 
     from dflash_async.data.packing import layout_pack, pack_row_offsets
-    from dflash_async.target.forward import _Packed
-    from dflash_async.target.loading import text_model
-    from dflash_async.target.packed_window import PackedWindowForward
+    from dflash_async.targets.forward import _Packed
+    from dflash_async.targets.loading import text_model
+    from dflash_async.targets.packed_window import PackedWindowForward
 
     for case, (kind, overrides) in CASES.items():
         model = _model(kind, **overrides)
         rng = np.random.default_rng(5)
         lengths = (70, 100, 3, 50)
-        docs = [(rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool))
-                for n in lengths]  # fmt: skip
+        docs = [
+            (rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool)) for n in lengths
+        ]
         offsets = pack_row_offsets(np.array(lengths))
-        ref = [capture_features(model.double(), torch.as_tensor(ids)[None],
-                                torch.ones(1, len(ids), dtype=torch.long), LAYER_IDS)[0]
-               for ids, _ in docs]  # fmt: skip
+        ref = [
+            capture_features(
+                model.double(),
+                torch.as_tensor(ids)[None],
+                torch.ones(1, len(ids), dtype=torch.long),
+                LAYER_IDS,
+            )[0]
+            for ids, _ in docs
+        ]
         gpu = model.float().to(device)
-        hf = [capture_features(gpu, torch.as_tensor(ids, device=device)[None],
-                               torch.ones(1, len(ids), dtype=torch.long, device=device),
-                               LAYER_IDS)[0].cpu().double() for ids, _ in docs]  # fmt: skip
-        row = {"case": case, "max_abs_ref": max(float(r.abs().max()) for r in ref),
-               "hf_gpu_err": max(float((h - r).abs().max()) for h, r in zip(hf, ref, strict=True))}  # fmt: skip
+        hf = [
+            capture_features(
+                gpu,
+                torch.as_tensor(ids, device=device)[None],
+                torch.ones(1, len(ids), dtype=torch.long, device=device),
+                LAYER_IDS,
+            )[0]
+            .cpu()
+            .double()
+            for ids, _ in docs
+        ]
+        row = {
+            "case": case,
+            "max_abs_ref": max(float(r.abs().max()) for r in ref),
+            "hf_gpu_err": max(float((h - r).abs().max()) for h, r in zip(hf, ref, strict=True)),
+        }
         for compile in (False, True) if device == "cuda" else (False,):
-            forward = PackedWindowForward(text_model(gpu), LAYER_IDS, attention="flex",
-                                          compile=compile)  # fmt: skip
+            forward = PackedWindowForward(
+                text_model(gpu), LAYER_IDS, attention="flex", compile=compile
+            )
             layout = layout_pack(docs, 256).to(device)
             out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device=device)
             _Packed(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
             out = out.cpu().double()
-            errs = [float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max())
-                    for j in range(len(docs))]  # fmt: skip
-            by_layer = [max(float((out[offsets[j] : offsets[j + 1], i * 64 : (i + 1) * 64]
-                                   - ref[j][:, i * 64 : (i + 1) * 64]).abs().max())
-                            for j in range(len(docs))) for i in range(len(LAYER_IDS))]  # fmt: skip
+            errs = [
+                float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max())
+                for j in range(len(docs))
+            ]
+            by_layer = [
+                max(
+                    float(
+                        (
+                            out[offsets[j] : offsets[j + 1], i * 64 : (i + 1) * 64]
+                            - ref[j][:, i * 64 : (i + 1) * 64]
+                        )
+                        .abs()
+                        .max()
+                    )
+                    for j in range(len(docs))
+                )
+                for i in range(len(LAYER_IDS))
+            ]
             row[f"packed_err_compile_{compile}"] = max(errs)
             row[f"packed_err_by_doc_compile_{compile}"] = errs
             row[f"packed_err_by_layer_compile_{compile}"] = by_layer
@@ -76,9 +108,9 @@ def part2() -> None:
     from dflash_async.bench.target_shapes import shape_configs
     from dflash_async.data.packing import layout_pack
     from dflash_async.model.flops import mfu
-    from dflash_async.target.forward import HFPaddedForward, _Packed
-    from dflash_async.target.loading import text_model
-    from dflash_async.target.packed_window import PackedWindowForward
+    from dflash_async.targets.forward import HFPaddedForward, _Packed
+    from dflash_async.targets.loading import text_model
+    from dflash_async.targets.packed_window import PackedWindowForward
 
     config, layer_ids = shape_configs()["gemma3-12b"]
     T = 16384
@@ -96,14 +128,19 @@ def part2() -> None:
     width = len(layer_ids) * config.hidden_size
     paths = {
         "hf": HFPaddedForward(model, layer_ids, max_batch_tokens=T),
-        "packed_window": _Packed(PackedWindowForward(text_model(model), layer_ids,
-                                                     attention="flex", compile=True)),
-    }  # fmt: skip
+        "packed_window": _Packed(
+            PackedWindowForward(text_model(model), layer_ids, attention="flex", compile=True)
+        ),
+    }
     for label, forward in paths.items():
         out = torch.empty(T, width, dtype=torch.bfloat16, device="cuda")
         first, seconds = _timed(lambda f=forward, o=out: f(*args, o, lengths), 5)
-        row[label] = {"tokens_per_s": round(lengths.sum() / seconds), "ms": round(seconds * 1e3, 1),
-                      "mfu": round(mfu(flops, seconds), 3), "first_call_s": round(first, 1)}  # fmt: skip
+        row[label] = {
+            "tokens_per_s": round(lengths.sum() / seconds),
+            "ms": round(seconds * 1e3, 1),
+            "mfu": round(mfu(flops, seconds), 3),
+            "first_call_s": round(first, 1),
+        }
         outs[label] = out.float()
     diff = outs["packed_window"] - outs["hf"]
     row["max_abs_diff"] = float(diff.abs().max())

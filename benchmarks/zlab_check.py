@@ -30,8 +30,8 @@ import torch
 
 from dflash_async.eval.harness import load_drafter, prompts_of, stop_rules
 from dflash_async.eval.speculative import DFlashBlockDrafter, speculative_decode
-from dflash_async.target.loading import frozen_embeddings, load_target, load_target_tokenizer
-from dflash_async.target.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.targets.loading import frozen_embeddings, load_target, load_target_tokenizer
+from dflash_async.targets.tiny import demo_prompts, ensure_tiny_target
 
 
 def zlab_model_module(root: Path):
@@ -130,15 +130,26 @@ def main(argv: list[str] | None = None) -> int:
         zlab_log: list = []
         recorded_zlab_drafts(zlab, theirs, zlab_log)
         z = zlab.dflash_generate(
-            theirs, target, torch.tensor([prompt]), args.max_new_tokens, sorted(eos),
+            theirs,
+            target,
+            torch.tensor([prompt]),
+            args.max_new_tokens,
+            sorted(eos),
             return_stats=True,
-        )  # fmt: skip
+        )
         z_tokens = z.output_ids[0, len(prompt) :].tolist()
-        drafter = RecordingDrafter(ours, config, embed, lm_head,
-                                   max_context=len(prompt) + args.max_new_tokens + 64)  # fmt: skip
+        drafter = RecordingDrafter(
+            ours, config, embed, lm_head, max_context=len(prompt) + args.max_new_tokens + 64
+        )
         drafter.log = []
-        spec = speculative_decode(target, drafter, prompt, layer_ids=config.target_layer_ids,
-                                  max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos))  # fmt: skip
+        spec = speculative_decode(
+            target,
+            drafter,
+            prompt,
+            layer_ids=config.target_layer_ids,
+            max_new_tokens=args.max_new_tokens,
+            eos_token_id=sorted(eos),
+        )
         ours_counted = counted_as_zlab(spec.accepted_lengths, len(spec.tokens))
         same = {
             "tokens": spec.tokens == z_tokens,
@@ -154,10 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         if not all(same.values()):
             differences.append({"prompt": i, **same})
     result = {
-        "zlab_commit": zlab_commit(args.zlab), "drafter": str(args.drafter),
-        "architecture": type(theirs).__name__, "loading_info": info, "prompts": len(prompts),
-        "full_block_rounds": rounds, "shrunk_rounds": shrunk, "zlab_tau": sum(taus) / len(taus), "differences": differences,
-    }  # fmt: skip
+        "zlab_commit": zlab_commit(args.zlab),
+        "drafter": str(args.drafter),
+        "architecture": type(theirs).__name__,
+        "loading_info": info,
+        "prompts": len(prompts),
+        "full_block_rounds": rounds,
+        "shrunk_rounds": shrunk,
+        "zlab_tau": sum(taus) / len(taus),
+        "differences": differences,
+    }
     print(json.dumps(result))
     keys_ok = not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     return 0 if keys_ok and not differences else 1

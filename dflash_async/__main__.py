@@ -22,9 +22,10 @@ from contextlib import nullcontext
 from typing import Any
 
 from dflash_async import __version__
+from dflash_async.errors import SettingsError
 from dflash_async.pipeline.shutdown import Shutdown  # light (anyio): handlers before imports
-from dflash_async.settings import Settings, SettingsError
-from dflash_async.settings_env import load_settings
+from dflash_async.settings import Settings
+from dflash_async.settings.env import load_settings
 from dflash_async.usage import (
     ArgumentParser,
     UsageError,
@@ -38,7 +39,7 @@ def _is_user_error(error: BaseException) -> bool:
     transformers (~3 s), which a bad-settings exit should not wait for."""
     from dflash_async.checkpoint.space import NoSpaceError  # the output path's disk is full
     from dflash_async.data.samples import DataError
-    from dflash_async.target.resolve import TargetError
+    from dflash_async.targets.resolve import TargetError
 
     return isinstance(error, SettingsError | DataError | TargetError | UsageError | NoSpaceError)
 
@@ -74,11 +75,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         options = {"use_uvloop": True} if sys.platform != "win32" else {}
         with contextlib.ExitStack() as stack:
             record = stack.enter_context(  # several nodes: rank 0 alone keeps the run's record
-                open_run_record(output_dir=settings.output_dir, settings_dict=settings.public_dict(),
-                                log_settings=settings.log, log=log)
+                open_run_record(
+                    output_dir=settings.output_dir,
+                    settings_dict=settings.public_dict(),
+                    log_settings=settings.log,
+                    log=log,
+                )
                 if rank_info_from_env(os.environ).is_writer
                 else nullcontext(RunRecord(settings.output_dir, 0))
-            )  # fmt: skip
+            )
 
             def close_record(code: int) -> None:  # a signal's exit skips the unwinding below
                 record.exit_code = code
@@ -106,7 +111,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings as JSON; paths absent on this machine are warned about on
     stderr, not fatal (any preset can be inspected anywhere)."""
-    from dflash_async.settings_env import missing_paths
+    from dflash_async.settings.env import missing_paths
 
     settings = load_settings(check_paths=False)  # a cached model id: its snapshot folder
     missing = missing_paths(settings.target, settings.data, settings.eval, drafter=settings.drafter)

@@ -17,17 +17,24 @@ import transformers
 from target_kit import save_random_target
 
 from dflash_async.atomic import atomic_directory
-from dflash_async.target.tiny import tiny_tokenizer
+from dflash_async.targets.tiny import tiny_tokenizer
 
 SLIDING_WINDOW = 6  # shorter than a prompt: decoding runs past the window
 
 
 def _common(vocab: int, eos: int) -> dict[str, Any]:
     return dict(
-        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
@@ -35,10 +42,13 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
     c = _common(vocab, eos)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     linear = dict(
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention"],
-    )  # fmt: skip
+    )
     table: dict[str, dict[str, Any]] = {
         "llama": dict(intermediate_size=128, head_dim=16),
         "qwen3": dict(intermediate_size=128, head_dim=16),
@@ -164,9 +174,11 @@ def tiny_config(model_type: str) -> Any:
         else {}
     )
     return cls(
-        text_config=_text(text_type, vocab, eos), vision_config=_vision(model_type),
-        tie_word_embeddings=False, **extra,
-    )  # fmt: skip
+        text_config=_text(text_type, vocab, eos),
+        vision_config=_vision(model_type),
+        tie_word_embeddings=False,
+        **extra,
+    )
 
 
 def save_tiny_target(folder: Path, model_type: str) -> Path:

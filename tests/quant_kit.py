@@ -1,5 +1,5 @@
 """Test-side quantized checkpoints: a tiny target's weights quantized here, by code written apart
-from target/quantized.py (explicit loops over blocks and groups), into the files a served FP8 or
+from targets/quantized.py (explicit loops over blocks and groups), into the files a served FP8 or
 MXFP4 checkpoint has, and the same weights dequantized into a plain fp32 reference folder.
 
 - `fp8`: `X.weight` float8_e4m3fn + `X.weight_scale_inv` [ceil(R/b0), ceil(C/b1)] fp32,
@@ -110,16 +110,27 @@ def fp8_checkpoint(
         quantized[name], quantized[name.removesuffix("weight") + suffix] = fp8, scale
         reference[name] = deq
     if method == "fp8":
-        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": list(block)}  # fmt: skip
+        config = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+        }
     else:
-        weights = {"num_bits": 8, "type": "float", "symmetric": True,
-                   "strategy": "channel" if channel else "block"}  # fmt: skip
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "channel" if channel else "block",
+        }
         if not channel:
             weights["block_structure"] = list(block)
-        config = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-                  "ignore": ["lm_head"]}  # fmt: skip
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"],
+        }
     return (
         _write(root / method, source, quantized, config),
         _write(root / f"{method}-reference", source, reference, None),
@@ -139,8 +150,15 @@ def mxfp4_checkpoint(source: Path, root: Path) -> tuple[Path, Path]:
         quantized[name + "_blocks"] = torch.stack([p[0] for p in parts])
         quantized[name + "_scales"] = torch.stack([p[1] for p in parts])
         reference[name] = torch.stack([p[2].T for p in parts])
-    config = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-              "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    config = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     return (
         _write(root / "mxfp4", source, quantized, config),
         _write(root / "mxfp4-reference", source, reference, None),

@@ -168,8 +168,9 @@ def attend_listed(
     """Block query j attends to keys[j] only, one query at a time (None: every query all keys)."""
     if keys is None:
         return attend(q, k, v)
-    return torch.cat([attend(q[j : j + 1], k[list(keys[j])], v[list(keys[j])])
-                      for j in range(q.shape[0])])  # fmt: skip
+    return torch.cat(
+        [attend(q[j : j + 1], k[list(keys[j])], v[list(keys[j])]) for j in range(q.shape[0])]
+    )
 
 
 def decoder_layer(

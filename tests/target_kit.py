@@ -1,7 +1,7 @@
 """Test-side helpers around the target: one-shot layer capture (the per-sequence reference the
 packed and hybrid paths are compared with) and a random target written as an HF folder (what
 `load_target` reads). The product captures through `TargetFeatures` and builds its random tiny
-target in target/tiny.py; neither needs these.
+target in targets/tiny.py; neither needs these.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from dflash_async.atomic import atomic_directory
-from dflash_async.target.loading import TargetFeatures, random_target
+from dflash_async.targets.loading import TargetFeatures, random_target
 
 
 def capture_features(

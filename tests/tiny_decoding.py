@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config
 
-from dflash_async.target.loading import random_target
+from dflash_async.targets.loading import random_target
 
 VOCAB = 96
 

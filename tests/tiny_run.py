@@ -11,8 +11,8 @@ import json
 import random
 from pathlib import Path
 
-from dflash_async.target.loading import load_target_tokenizer
-from dflash_async.target.tiny import ensure_tiny_target
+from dflash_async.targets.loading import load_target_tokenizer
+from dflash_async.targets.tiny import ensure_tiny_target
 
 
 def write_pretokenized(path: Path, *, records: int, vocab: int, seed: int = 0) -> Path:

@@ -18,7 +18,7 @@ import research_entry
 import torch
 
 from dflash_async.bench.drafter_bench import SHAPES, synthetic_pack
-from dflash_async.model.attention import flex_attend, flex_block_mask
+from dflash_async.model.attention_rule import flex_attend, flex_block_mask
 from dflash_async.model.flops import mfu
 from dflash_async.model.objective import sample_anchors
 from dflash_async.model.step import visible_pairs
@@ -31,32 +31,84 @@ from dflash_async.usage import ArgumentParser, require_cuda
 # warps). The step's BlockMask tile is 128: every block size here divides it.
 CONFIGS: dict[str, dict[str, int | bool | str]] = {
     "default": {},
-    "f128x128_s2w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2,
-                      "fwd_num_warps": 8},
-    "f128x64_s3w4": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3,
-                     "fwd_num_warps": 4},
-    "f128x64_s4w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 4,
-                     "fwd_num_warps": 8},
-    "f64x128_s3w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3,
-                     "fwd_num_warps": 4},
-    "b64x64_s3w4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                    "bwd_BLOCK_N2": 64, "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "b64x64_s3w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                    "bwd_BLOCK_N2": 64, "bwd_num_stages": 3, "bwd_num_warps": 8},
-    "b32x128_s3w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                     "bwd_BLOCK_N2": 32, "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "b64x128_s2w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                     "bwd_BLOCK_N2": 64, "bwd_num_stages": 2, "bwd_num_warps": 8},
-    "b64x128_s4w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                     "bwd_BLOCK_N2": 64, "bwd_num_stages": 4, "bwd_num_warps": 8},
-    "b128x128_s2w8": {"bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                      "bwd_BLOCK_N2": 128, "bwd_num_stages": 2, "bwd_num_warps": 8},
+    "f128x128_s2w8": {
+        "fwd_BLOCK_M": 128,
+        "fwd_BLOCK_N": 128,
+        "fwd_num_stages": 2,
+        "fwd_num_warps": 8,
+    },
+    "f128x64_s3w4": {
+        "fwd_BLOCK_M": 128,
+        "fwd_BLOCK_N": 64,
+        "fwd_num_stages": 3,
+        "fwd_num_warps": 4,
+    },
+    "f128x64_s4w8": {
+        "fwd_BLOCK_M": 128,
+        "fwd_BLOCK_N": 64,
+        "fwd_num_stages": 4,
+        "fwd_num_warps": 8,
+    },
+    "f64x128_s3w4": {
+        "fwd_BLOCK_M": 64,
+        "fwd_BLOCK_N": 128,
+        "fwd_num_stages": 3,
+        "fwd_num_warps": 4,
+    },
+    "b64x64_s3w4": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
+    "b64x64_s3w8": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 8,
+    },
+    "b32x128_s3w4": {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
+    "b64x128_s2w8": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 2,
+        "bwd_num_warps": 8,
+    },
+    "b64x128_s4w8": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 4,
+        "bwd_num_warps": 8,
+    },
+    "b128x128_s2w8": {
+        "bwd_BLOCK_M1": 128,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 128,
+        "bwd_num_stages": 2,
+        "bwd_num_warps": 8,
+    },
     "no_dq_write": {"WRITE_DQ": False},
     # flash-attn-4 (CuTe DSL) through flex_attention: needs flash_attn.cute importable, which
     # the device does not have (benchmarks/h200_flash_backend.sh carries it); not in the default
     # list of `--configs`
     "flash_backend": {"BACKEND": "FLASH"},
-}  # fmt: skip
+}
 DEFAULT_CONFIGS = [name for name in CONFIGS if name != "flash_backend"]
 
 LAYOUTS = {
@@ -80,8 +132,12 @@ def attention_inputs(
     as the step lays it out ([rows, heads, hd] transposed: rows heads*hd apart), else contiguous."""
     config = SHAPES[shape]()
     batch = synthetic_pack(config, token_budget=token_budget, num_docs=num_docs, device=device)
-    noise = torch.rand(token_budget + 1, generator=torch.Generator(device).manual_seed(0),
-                       device=device, dtype=torch.float64)  # fmt: skip
+    noise = torch.rand(
+        token_budget + 1,
+        generator=torch.Generator(device).manual_seed(0),
+        device=device,
+        dtype=torch.float64,
+    )
     anchors = sample_anchors(batch.loss_mask, batch.doc_ids, num_anchors, noise=noise)
     B = config.block_size
     mask = flex_block_mask(batch.doc_ids, anchors.positions, anchors.valid, B)
@@ -161,11 +217,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-anchors", type=int, default=1024)
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--layout", choices=LAYOUTS, default="contiguous",
-                        help="q and the output gradient: " + "; ".join(LAYOUTS.values()))  # fmt: skip
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="contiguous",
+        help="q and the output gradient: " + "; ".join(LAYOUTS.values()),
+    )
     parser.add_argument("--device", default="cuda:0", help="a CUDA device")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                        help=f"comma-separated, of: {', '.join(CONFIGS)}")  # fmt: skip
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated, of: {', '.join(CONFIGS)}",
+    )
     args = parser.parse_args(argv)
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
@@ -175,9 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.set_device(device)
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     q, k, v, mask, pairs, config = attention_inputs(
-        args.shape, token_budget=args.token_budget, num_anchors=args.num_anchors,
-        num_docs=args.num_docs, device=device, strided_q=args.layout == "strided",
-    )  # fmt: skip
+        args.shape,
+        token_budget=args.token_budget,
+        num_anchors=args.num_anchors,
+        num_docs=args.num_docs,
+        device=device,
+        strided_q=args.layout == "strided",
+    )
     fwd_flops = 2 * 2 * config.num_attention_heads * config.head_dim * pairs
     dout = torch.randn_like(q)  # same strides as q
     if args.layout == "contiguous_q":  # the step's: q contiguous, its output gradient strided
@@ -187,26 +254,32 @@ def main(argv: list[str] | None = None) -> None:
     reference = None
     for name in ["default", *(n for n in names if n != "default")]:
         try:
-            fwd, bwd, results = time_config(flex_attend(mask, flex, CONFIGS[name]), q, k, v,
-                                            dout, args.reps)  # fmt: skip
+            fwd, bwd, results = time_config(
+                flex_attend(mask, flex, CONFIGS[name]), q, k, v, dout, args.reps
+            )
         except Exception as error:  # a configuration may not fit (shared memory): say so
             where = traceback.extract_tb(error.__traceback__)[-4:]  # the innermost frames
             row = {
-                "config": name, "error": str(error)[:300],
+                "config": name,
+                "error": str(error)[:300],
                 "at": [f"{f.filename}:{f.lineno} {f.name}" for f in where],
                 "forward_only_ms": forward_only_ms(mask, flex, CONFIGS[name], q, k, v),
-            }  # fmt: skip
+            }
             print(json.dumps(row), flush=True)
             continue
         reference = reference or results
         diffs = [rel_diff(a, b) for a, b in zip(results, reference, strict=True)]
         row = {
-            "config": name, "fwd_ms": round(fwd, 3), "bwd_ms": round(bwd, 3),
+            "config": name,
+            "fwd_ms": round(fwd, 3),
+            "bwd_ms": round(bwd, 3),
             "fwd_mfu": round(mfu(fwd_flops, fwd / 1e3), 3),
             "bwd_mfu": round(mfu(2 * fwd_flops, bwd / 1e3), 3),
             "rel_diff_out_dq_dk_dv": [f"{d:.1e}" for d in diffs],
-            "ok": max(diffs) <= REL_TOL, "options": CONFIGS[name], "layout": args.layout,
-        }  # fmt: skip
+            "ok": max(diffs) <= REL_TOL,
+            "options": CONFIGS[name],
+            "layout": args.layout,
+        }
         print(json.dumps(row), flush=True)
 
 

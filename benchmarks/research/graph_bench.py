@@ -36,9 +36,15 @@ def _step(
 ) -> DrafterStep:
     config = SHAPES[shape]()
     step = build_step(
-        config, token_budget=token_budget, num_anchors=num_anchors, device=device,
-        attention="flex", flex_fn=flex_fn, seed=seed, compile=compile,
-    )  # fmt: skip
+        config,
+        token_budget=token_budget,
+        num_anchors=num_anchors,
+        device=device,
+        attention="flex",
+        flex_fn=flex_fn,
+        seed=seed,
+        compile=compile,
+    )
     pack = synthetic_pack(config, token_budget=token_budget, num_docs=4, device=device, seed=seed)
     step.batch.copy_(pack)
     step.generator = torch.Generator(device).manual_seed(1234)
@@ -67,17 +73,27 @@ def parity(shape, device, token_budget, num_anchors, steps, flex_fn) -> dict:
     sched = graph.schedule
     for i in range(steps):
         loss_g += _losses(graph, 1)
-        expected = lr_at(i + 1, peak_lr=sched.peak_lr, warmup_steps=sched.warmup_steps,
-                         total_steps=sched.total_steps)  # fmt: skip
+        expected = lr_at(
+            i + 1,
+            peak_lr=sched.peak_lr,
+            warmup_steps=sched.warmup_steps,
+            total_steps=sched.total_steps,
+        )
         lr_err = max(lr_err, abs(sched.lr.item() - expected) / expected)
     rel = [abs(a - b) / abs(a) for a, b in zip(loss_e, loss_g, strict=True)]
     params = [
         ((pe - pg).norm() / pe.norm()).item()
         for pe, pg in zip(eager.params, graph.params, strict=True)
     ]
-    return {"check": "parity", "steps": steps, "max_loss_rel_diff": max(rel),
-            "max_param_rel_diff": max(params), "max_lr_rel_err": lr_err,
-            "loss_first": loss_e[0], "loss_last": loss_e[-1]}  # fmt: skip
+    return {
+        "check": "parity",
+        "steps": steps,
+        "max_loss_rel_diff": max(rel),
+        "max_param_rel_diff": max(params),
+        "max_lr_rel_err": lr_err,
+        "loss_first": loss_e[0],
+        "loss_last": loss_e[-1],
+    }
 
 
 def memory(shape, device, token_budget, num_anchors, steps, flex_fn) -> dict:
@@ -91,11 +107,17 @@ def memory(shape, device, token_budget, num_anchors, steps, flex_fn) -> dict:
         step.phase_a()
         step.phase_b()
     torch.cuda.synchronize(device)
-    return {"check": "memory", "steps": steps, "token_budget": token_budget,
-            "num_anchors": num_anchors, "reserved_gib_before": before / 2**30,
-            "reserved_gib_after": torch.cuda.memory_reserved(device) / 2**30,
-            "alloc_retries_delta": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries,
-            "step_ms": (time.perf_counter() - started) / steps * 1e3}  # fmt: skip
+    return {
+        "check": "memory",
+        "steps": steps,
+        "token_budget": token_budget,
+        "num_anchors": num_anchors,
+        "reserved_gib_before": before / 2**30,
+        "reserved_gib_after": torch.cuda.memory_reserved(device) / 2**30,
+        "alloc_retries_delta": torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        - retries,
+        "step_ms": (time.perf_counter() - started) / steps * 1e3,
+    }
 
 
 def threads(shape, device, token_budget, num_anchors, n_threads, steps, graph, flex_fn) -> dict:
@@ -136,8 +158,13 @@ def threads(shape, device, token_budget, num_anchors, n_threads, steps, graph, f
     elapsed = time.perf_counter() - started
     if errors:
         raise errors[0]
-    return {"check": "threads", "threads": n_threads, "mode": "graph" if graph else "eager",
-            "steps_per_thread": steps, "aggregate_steps_per_s": n_threads * steps / elapsed}  # fmt: skip
+    return {
+        "check": "threads",
+        "threads": n_threads,
+        "mode": "graph" if graph else "eager",
+        "steps_per_thread": steps,
+        "aggregate_steps_per_s": n_threads * steps / elapsed,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

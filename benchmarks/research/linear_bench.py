@@ -58,10 +58,12 @@ def layer_linears(
     d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     return [
-        ("q_proj", (queries,), d, q), ("k_proj", (context, queries), d, kv),
-        ("o_proj", (queries,), q, d), ("gate_proj", (queries,), d, f),
+        ("q_proj", (queries,), d, q),
+        ("k_proj", (context, queries), d, kv),
+        ("o_proj", (queries,), q, d),
+        ("gate_proj", (queries,), d, f),
         ("down_proj", (queries,), f, d),
-    ]  # fmt: skip
+    ]
 
 
 def bench_shape(uses: tuple[int, ...], fan_in: int, fan_out: int, *, device, reps: int) -> dict:

@@ -152,8 +152,9 @@ def bench(
     rows, reference = [], None
     for name in ["today", *[n for n in names if n != "today"]]:
         try:
-            row = _bench_one(name, state, device=device, replays=replays, kernels=kernels,
-                             reference=reference)  # fmt: skip
+            row = _bench_one(
+                name, state, device=device, replays=replays, kernels=kernels, reference=reference
+            )
             row["shape"] = shape
         except Exception as error:  # a candidate may not build here (compile): say so, go on
             if name == "today":
@@ -184,8 +185,13 @@ def _bench_one(name, state: PhaseState, *, device, replays, kernels, reference) 
         call = lambda fn=fn: fn(state)  # noqa: E731
     ms = time_calls(call, device, replays)
     gbytes = SEQUENCES[name][1] * numel / 1e9
-    row = {"variant": name, "params": numel, "ms": round(ms, 3), "gb": round(gbytes, 2),
-           "gb_per_s": round(gbytes / ms * 1e3, 1)}  # fmt: skip
+    row = {
+        "variant": name,
+        "params": numel,
+        "ms": round(ms, 3),
+        "gb": round(gbytes, 2),
+        "gb_per_s": round(gbytes / ms * 1e3, 1),
+    }
     if source is not None:  # a full sequence: 3 steps from the same state and grads
         state.reset(seed=0, weight_sum=WEIGHT_SUM)
         for k in range(CHECK_STEPS):
@@ -205,15 +211,20 @@ def _bench_one(name, state: PhaseState, *, device, replays, kernels, reference) 
 
 
 def format_table(rows: list[dict], *, title: str) -> str:
-    lines = [title, "",
-             "| variant | ms | GB moved | GB/s | max rel diff p / m / v / norm (u = 2^-24) | ok |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        title,
+        "",
+        "| variant | ms | GB moved | GB/s | max rel diff p / m / v / norm (u = 2^-24) | ok |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         diff = r.get("rel_diff_u")
         shown = " / ".join(f"{diff[k]:g}" for k in ("p", "m", "v", "norm")) if diff else "—"
         ok = {True: "yes", False: "NO"}.get(r.get("within_tol"), "—")
-        lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r['gb']:.1f} | {r['gb_per_s']:.0f} | "
-                     f"{shown} | {ok} |")  # fmt: skip
+        lines.append(
+            f"| {r['variant']} | {r['ms']:.2f} | {r['gb']:.1f} | {r['gb_per_s']:.0f} | "
+            f"{shown} | {ok} |"
+        )
     return "\n".join(lines)
 
 
@@ -233,8 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     line per sequence, then a markdown table. GPU (graphs); a CPU --device runs a smoke test."""
     parser = ArgumentParser(prog="python benchmarks/research/optimizer_bench.py")
     parser.add_argument("--shape", choices=sorted([*DRAFTER_SHAPES, "tiny"]), default="qwen3-8b")
-    parser.add_argument("--variants", default=",".join(SEQUENCES),
-                        help=f"comma-separated, of: {', '.join(SEQUENCES)}")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default=",".join(SEQUENCES),
+        help=f"comma-separated, of: {', '.join(SEQUENCES)}",
+    )
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--kernels", action="store_true", help="kernels of each full sequence")
@@ -250,13 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     device = parse_device(args.device, setting="--device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    rows = bench(names, shape=args.shape, device=device, replays=args.replays,
-                 kernels=args.kernels)  # fmt: skip
+    rows = bench(names, shape=args.shape, device=device, replays=args.replays, kernels=args.kernels)
     numel = rows[0]["params"]
     mode = "graph-replayed" if device.type == "cuda" else "eager (CPU smoke run)"
-    title = (f"### Phase B alone, {args.shape} drafter parameters ({numel / 1e9:.3f} B fp32 "
-             f"incl. alignment padding), {mode}, mean of {args.replays}; rel diff after "
-             f"{CHECK_STEPS} steps vs today, tolerance {REL_TOL / U:.0f}u")  # fmt: skip
+    title = (
+        f"### Phase B alone, {args.shape} drafter parameters ({numel / 1e9:.3f} B fp32 "
+        f"incl. alignment padding), {mode}, mean of {args.replays}; rel diff after "
+        f"{CHECK_STEPS} steps vs today, tolerance {REL_TOL / U:.0f}u"
+    )
     print(format_table(rows, title=title), flush=True)
 
 

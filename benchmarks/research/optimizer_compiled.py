@@ -54,8 +54,16 @@ def compiled_sequence(s: PhaseState, *, flat: bool, compile: bool) -> Callable[[
     hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=s.weight_decay)
 
     def run_flat(state: PhaseState) -> None:
-        math_fn(state.flat_param, state.flat_grad, state.exp_avg, state.exp_avg_sq, state.step,
-                state.schedule.lr, folded_coefficient(state), **hyper)  # fmt: skip
+        math_fn(
+            state.flat_param,
+            state.flat_grad,
+            state.exp_avg,
+            state.exp_avg_sq,
+            state.step,
+            state.schedule.lr,
+            folded_coefficient(state),
+            **hyper,
+        )
         state.schedule.advance_()
 
     return run_flat

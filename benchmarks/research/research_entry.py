@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from dflash_async.settings import SettingsError
+from dflash_async.errors import SettingsError
 from dflash_async.usage import UsageError
 
 

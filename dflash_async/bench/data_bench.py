@@ -46,9 +46,9 @@ from dflash_async.data.samples import (
 )
 from dflash_async.data.tokenization import direct_backend
 from dflash_async.runtime.channels import open_channel
-from dflash_async.settings_env import repo_root
+from dflash_async.settings.env import repo_root
 from dflash_async.stages.read import read_stage
-from dflash_async.target.tiny import tiny_tokenizer
+from dflash_async.targets.tiny import tiny_tokenizer
 
 EXCHANGES = 3
 USER_WORDS, ASSISTANT_WORDS = 60, 190  # ~1k tokens per conversation with either tokenizer
@@ -157,8 +157,8 @@ def bench_file(path: str, tokenizer_path: str, workers: list[int]) -> list[dict]
     worker count; the first load tokenizes and writes the cache, the second only maps it."""
     from dflash_async.pipeline.specs import _data_options
     from dflash_async.settings import DataSettings
-    from dflash_async.settings_recipe import TrainSettings
-    from dflash_async.target.loading import load_target_tokenizer
+    from dflash_async.settings.recipe import TrainSettings
+    from dflash_async.targets.loading import load_target_tokenizer
 
     block_size = TrainSettings().block_size
     rows = []
@@ -167,26 +167,36 @@ def bench_file(path: str, tokenizer_path: str, workers: list[int]) -> list[dict]
             started = time.perf_counter()
             tokenizer = load_target_tokenizer(tokenizer_path)
             tokenizer_s = time.perf_counter() - started
-            options = _data_options(DataSettings(workers=count), max_len=DataSettings().max_len,
-                                    output_dir=Path(folder))  # fmt: skip
+            options = _data_options(
+                DataSettings(workers=count), max_len=DataSettings().max_len, output_dir=Path(folder)
+            )
             timed = []
             for _ in range(2):  # first load, then the cached reload
                 started, cpu, log = time.perf_counter(), _cpu_s(), _Quiet()
-                samples = load_samples(path, tokenizer, options=options, block_size=block_size,
-                                       log=log)  # fmt: skip
+                samples = load_samples(
+                    path, tokenizer, options=options, block_size=block_size, log=log
+                )
                 timed.append((time.perf_counter() - started, _cpu_s() - cpu, log))
             (first_s, cpu_s, first), (reload_s, _, again) = timed
             assert not first.loaded["cached"] and again.loaded["cached"]
             tokens = int(samples.lengths.sum())
-            rows.append({"path": Path(path).name, "encoder": first.encoder, "workers": count,
-                         "records": first.loaded["records"], "samples": len(samples), "tokens": tokens,
-                         "supervised_tokens": int(samples.loss_mask.sum()),
-                         "tokenizer_load_s": round(tokenizer_s, 2),
-                         "first_load_s": round(first_s, 2),
-                         "tokens_per_s": round(tokens / first_s),
-                         "cpu_s": round(cpu_s, 2), "reload_s": round(reload_s, 3),
-                         "filtered": {k: first.loaded[k] for k in DROP_REASONS
-                                      if first.loaded.get(k)}})  # fmt: skip
+            rows.append(
+                {
+                    "path": Path(path).name,
+                    "encoder": first.encoder,
+                    "workers": count,
+                    "records": first.loaded["records"],
+                    "samples": len(samples),
+                    "tokens": tokens,
+                    "supervised_tokens": int(samples.loss_mask.sum()),
+                    "tokenizer_load_s": round(tokenizer_s, 2),
+                    "first_load_s": round(first_s, 2),
+                    "tokens_per_s": round(tokens / first_s),
+                    "cpu_s": round(cpu_s, 2),
+                    "reload_s": round(reload_s, 3),
+                    "filtered": {k: first.loaded[k] for k in DROP_REASONS if first.loaded.get(k)},
+                }
+            )
             print(format_table(rows[-1]), flush=True)
     return rows
 
@@ -195,8 +205,10 @@ def _tokenizer_cpu_ms(tokenizer: Any, records: list[dict]) -> tuple[float, float
     """CPU ms per record of the tokenizer's Rust batch alone on the records' renderings: the
     part of tokenization no rendering or masking work can remove; and of fast_bpe's tiktoken
     encoder with its offsets where it is proven exact (else None)."""
-    texts = [render_qwen3(chat_messages(r), add_generation_prompt=False, enable_thinking=False)
-             for r in records]  # fmt: skip
+    texts = [
+        render_qwen3(chat_messages(r), add_generation_prompt=False, enable_thinking=False)
+        for r in records
+    ]
     assert all(t is not None for t in texts)
     backend = direct_backend(tokenizer)
     cpu = time.process_time()  # all threads of this process: the backend may use several
@@ -307,9 +319,17 @@ async def _plan_with_ticks(lengths: np.ndarray, token_budget: int, in_process: b
         async with anyio.create_task_group() as group:
             stop = anyio.Event()
             group.start_soon(_ticks, planning, stop)
-            group.start_soon(lambda: read_stage(lengths, token_budget=token_budget, seed=0,
-                                                start=PackCursor(), epochs=None, send=send,
-                                                plan_in_process=in_process))  # fmt: skip
+            group.start_soon(
+                lambda: read_stage(
+                    lengths,
+                    token_budget=token_budget,
+                    seed=0,
+                    start=PackCursor(),
+                    epochs=None,
+                    send=send,
+                    plan_in_process=in_process,
+                )
+            )
             await receive.receive()
             plan_s = time.perf_counter() - started
             stop.set()
@@ -320,10 +340,14 @@ async def _plan_with_ticks(lengths: np.ndarray, token_budget: int, in_process: b
                     await anyio.sleep(0.002)
             stop.set()
             group.cancel_scope.cancel()
-    figures = {"planner": "process" if in_process else "thread", "samples": len(lengths),
-               "gc_frozen": gc.get_freeze_count() > 0, "first_pack_s": round(plan_s, 2),
-               "full_gc_pauses": len(collections.pauses_s),
-               "full_gc_max_ms": round(max(collections.pauses_s, default=0.0) * 1e3, 1)}  # fmt: skip
+    figures = {
+        "planner": "process" if in_process else "thread",
+        "samples": len(lengths),
+        "gc_frozen": gc.get_freeze_count() > 0,
+        "first_pack_s": round(plan_s, 2),
+        "full_gc_pauses": len(collections.pauses_s),
+        "full_gc_max_ms": round(max(collections.pauses_s, default=0.0) * 1e3, 1),
+    }
     for name, ticks in (("planning", planning), ("sending", sending), ("idle", idle)):
         lag = np.array([t[0] for t in ticks]) * 1e3  # [ticks] ms
         own = lag - np.array([t[1] for t in ticks]) * 1e3  # [ticks] ms, less waiting for a CPU
@@ -346,8 +370,15 @@ def bench_planning(num_samples: int, token_budget: int = 49152, gc_freeze: bool 
         gc.freeze()
     rows = []
     for in_process in (True, False):
-        rows.append(anyio.run(_plan_with_ticks, lengths, token_budget, in_process,
-                              backend_options={"use_uvloop": True}))  # fmt: skip
+        rows.append(
+            anyio.run(
+                _plan_with_ticks,
+                lengths,
+                token_budget,
+                in_process,
+                backend_options={"use_uvloop": True},
+            )
+        )
         print(format_table(rows[-1]), flush=True)
     return rows
 

@@ -111,17 +111,38 @@ def build_step(
     if compiled_update is None:
         compiled_update = compile and device.type == "cuda"
     spec = StepSpec(
-        token_budget=token_budget, num_anchors=num_anchors,
-        gamma=default_gamma(config.block_size), lr=6e-4, warmup_frac=10 / BENCH_STEPS,
-        weight_decay=0.0, grad_clip=1.0, seed=seed, attention=attention, compile=compile,
-        compiled_update=compiled_update, cuda_graph=device.type == "cuda",
-        ce_chunk_size=ce_chunk_size, ce_kernel=ce_kernel, conv_kernel=conv_kernel,
-        flex_backend=flex_backend, flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
-        flex_autotune=flex_autotune, working_weights=working_weights is not False,
-        kind=config.kind, fp8_matmuls=fp8_matmuls,
-    )  # fmt: skip
-    return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device, rank=0,
-                              total_steps=BENCH_STEPS, flex_fn=flex_fn)  # fmt: skip
+        token_budget=token_budget,
+        num_anchors=num_anchors,
+        gamma=default_gamma(config.block_size),
+        lr=6e-4,
+        warmup_frac=10 / BENCH_STEPS,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        seed=seed,
+        attention=attention,
+        compile=compile,
+        compiled_update=compiled_update,
+        cuda_graph=device.type == "cuda",
+        ce_chunk_size=ce_chunk_size,
+        ce_kernel=ce_kernel,
+        conv_kernel=conv_kernel,
+        flex_backend=flex_backend,
+        flex_kernel_options=tuple(sorted((flex_kernel_options or {}).items())),
+        flex_autotune=flex_autotune,
+        working_weights=working_weights is not False,
+        kind=config.kind,
+        fp8_matmuls=fp8_matmuls,
+    )
+    return build_drafter_step(
+        spec,
+        config,
+        embed=embed,
+        lm_head=lm_head,
+        device=device,
+        rank=0,
+        total_steps=BENCH_STEPS,
+        flex_fn=flex_fn,
+    )
 
 
 @dataclass
@@ -208,8 +229,9 @@ def bench_drafter(
     seconds = time_steps(step, steps)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     stats = dict(zip(STATS, step.stats.tolist(), strict=True))  # sync point: report only
-    kwargs = dict(token_budget=token_budget, num_anchors=num_anchors,
-                  visible_pairs=stats["visible_pairs"])  # fmt: skip
+    kwargs = dict(
+        token_budget=token_budget, num_anchors=num_anchors, visible_pairs=stats["visible_pairs"]
+    )
     flops = drafter_step_flops(config, **kwargs)
     result = DrafterBench(
         mode="graph" if cuda_graph else "eager",
@@ -222,23 +244,31 @@ def bench_drafter(
         flex_backend=step.objective.flex_backend,
     )
     if profile:
-        rows = part_rows(profile_parts(step, steps=2), steps=2,
-                         intermediate_size=config.intermediate_size,
-                         flops_by_part=drafter_step_flops_by_part(config, **kwargs))  # fmt: skip
+        rows = part_rows(
+            profile_parts(step, steps=2),
+            steps=2,
+            intermediate_size=config.intermediate_size,
+            flops_by_part=drafter_step_flops_by_part(config, **kwargs),
+        )
         result.parts_ms = {r.part: round(r.ms, 3) for r in rows}
         title = (
             f"### T={token_budget}, {num_anchors} anchors x {config.block_size}: by part, from "
             f"2 profiled eager steps of the same code (a CUDA-graph replay hides which operator "
             f"launched which kernel). Whole step, {result.mode}: {result.step_ms:.1f} ms, "
             f"MFU {result.mfu:.3f} (peak 780 TFLOP/s, measured H200 bf16)"
-            + (". FP8 matmuls: FLOPs as for bf16, MFU against the same bf16 peak" if fp8_matmuls
-               else "")
-        )  # fmt: skip
+            + (
+                ". FP8 matmuls: FLOPs as for bf16, MFU against the same bf16 peak"
+                if fp8_matmuls
+                else ""
+            )
+        )
         print(format_rows(rows, title=title), file=sys.stderr, flush=True)
         if cuda_graph:
             graph = graph_kernels(step, steps=2, top=profile_top, trace=trace)
-            title = (f"### The same step graph-replayed, GPU activity by name (2 replays): "
-                     f"busy {graph.busy_ms:.1f} ms per {result.step_ms:.1f} ms step")  # fmt: skip
+            title = (
+                f"### The same step graph-replayed, GPU activity by name (2 replays): "
+                f"busy {graph.busy_ms:.1f} ms per {result.step_ms:.1f} ms step"
+            )
             print(format_kernels(graph, title=title), file=sys.stderr, flush=True)
     return result
 
@@ -266,11 +296,11 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # compiled update, model/step.py) or autocast's casts of the fp32 masters
     "working_weights": {"working_weights": True},
     "master_weights": {"working_weights": False},
-    # the CE pass: model/ce_kernel.py's Triton kernel (the GPU default) or the torch ops
+    # the CE pass: kernels/ce_kernel.py's Triton kernel (the GPU default) or the torch ops
     # (torch.compile'd with --compile)
     "ce_triton": {"ce_kernel": "triton"},
     "ce_compiled": {"ce_kernel": "compiled"},
-    # DFlash2's convolutions: model/conv_kernel.py's Triton kernels (the GPU default) or the
+    # DFlash2's convolutions: kernels/conv_kernel.py's Triton kernels (the GPU default) or the
     # torch ops, compiled with the layers
     "conv_triton": {"conv_kernel": "triton"},
     "conv_compiled": {"conv_kernel": "compiled"},
@@ -319,8 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trace", help="with --profile: write the graph replays' Chrome trace here (.json.gz)"
     )
-    parser.add_argument("--profile-top", type=int, default=25,
-                        help="with --profile: kernels listed, the longest first")  # fmt: skip
+    parser.add_argument(
+        "--profile-top",
+        type=int,
+        default=25,
+        help="with --profile: kernels listed, the longest first",
+    )
     parser.add_argument("--compile", action="store_true", help="compile layers and CE math")
     parser.add_argument(
         "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
@@ -333,10 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--sliding-window", type=int, help="W of the sliding layers")
     parser.add_argument(
-        "--fp8-matmuls", action="store_true",
+        "--fp8-matmuls",
+        action="store_true",
         help="the drafter's linears as FP8 matmuls (DFLASH_TRAIN__FP8_MATMULS); FLOPs and MFU "
         "counted as for bf16, against the bf16 peak",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:

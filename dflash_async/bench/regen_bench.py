@@ -1,5 +1,5 @@
 """`python -m dflash_async bench regen`: in-process regeneration throughput on one device, today's
-HF path against the batched static-cache engine of `regenerate --target` (regen/batched.py).
+HF path against the batched static-cache engine of `regenerate --target` (regen/batched_generation.py).
 
 The target: a public shape (`target_shapes.shape_configs()`, default qwen3-8b) with random weights
 built in memory on the GPU in bf16, or `--shape tiny`, a small fp32 Qwen3 that runs on the CPU in
@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.eval.regenerate import cpu_threads, generate_ids
-from dflash_async.regen.batched import GenerationPool, run_to_end
+from dflash_async.regen.batched_generation import GenerationPool, run_to_end
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 _WARMUP_NEW_TOKENS = 16
@@ -44,9 +44,16 @@ _GPU = {"prompts": 400, "max_new_tokens": 512, "prompt_tokens": 400}  # (b): ~2 
 
 
 def _tiny_config() -> PretrainedConfig:
-    return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=512, max_position_embeddings=4096)  # fmt: skip
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
 
 
 def build_target(shape: str, device: torch.device, *, seed: int = 0) -> Any:
@@ -67,8 +74,13 @@ def chat_prompts(n: int, mean_tokens: int, vocab: int, *, seed: int = 0) -> list
 
 
 def _config(max_new_tokens: int, vocab: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                            do_sample=False, eos_token_id=vocab - 1, pad_token_id=0)  # fmt: skip
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=vocab - 1,
+        pad_token_id=0,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -93,9 +105,15 @@ def hf_generate_row(model: Any, prompts: list[list[int]], options: Any) -> dict[
         )
     _sync(device)
     seconds = time.perf_counter() - started
-    return {"row": "hf_generate", "cache": "dynamic", "batch": options.baseline_batch,
-            "prompts": len(sample), "new_tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    return {
+        "row": "hf_generate",
+        "cache": "dynamic",
+        "batch": options.baseline_batch,
+        "prompts": len(sample),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
 
 
 def static_batched_row(model: Any, prompts: list[list[int]], options: Any) -> dict[str, Any]:
@@ -122,12 +140,21 @@ def static_batched_row(model: Any, prompts: list[list[int]], options: Any) -> di
     assert pool.plan == plan, (pool.plan, plan)  # one shape: nothing recompiled in the timing
     tokens = sum(map(len, new_ids))
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return {"row": "static_batched", "cache": "static", "batch": plan.batch,
-            "cache_len": plan.cache_len, "compiled": pool.compile,
-            "compile_mode": pool.config.compile_config.mode if pool.compile else None, "prompts": len(prompts),
-            "batches": -(-len(prompts) // plan.batch), "new_tokens": tokens,
-            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
-            "warmup_s": round(warmup, 1), "max_memory_gib": round(memory, 1)}  # fmt: skip
+    return {
+        "row": "static_batched",
+        "cache": "static",
+        "batch": plan.batch,
+        "cache_len": plan.cache_len,
+        "compiled": pool.compile,
+        "compile_mode": pool.config.compile_config.mode if pool.compile else None,
+        "prompts": len(prompts),
+        "batches": -(-len(prompts) // plan.batch),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "warmup_s": round(warmup, 1),
+        "max_memory_gib": round(memory, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,10 +180,16 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     model = build_target(options.shape, device)
     prompts = chat_prompts(options.prompts, options.prompt_tokens, model.config.vocab_size)
-    setup = {"row": "setup", "shape": options.shape, "device": str(device),
-             "prompts": len(prompts), "mean_prompt_tokens": round(float(np.mean([len(p) for p in prompts])), 1),
-             "max_prompt_tokens": max(map(len, prompts)), "max_new_tokens": options.max_new_tokens,
-             "build_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    setup = {
+        "row": "setup",
+        "shape": options.shape,
+        "device": str(device),
+        "prompts": len(prompts),
+        "mean_prompt_tokens": round(float(np.mean([len(p) for p in prompts])), 1),
+        "max_prompt_tokens": max(map(len, prompts)),
+        "max_new_tokens": options.max_new_tokens,
+        "build_s": round(time.perf_counter() - started, 1),
+    }
     print(json.dumps(setup), flush=True)
     with cpu_threads(1 if device.type == "cpu" else None):  # cpu_threads says why
         rows = [hf_generate_row(model, prompts, options)]
@@ -164,8 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(static_batched_row(model, prompts, options))
         print(json.dumps(rows[-1]), flush=True)
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    summary = {"row": "summary", "speedup": round(ratio, 2), "goal": 5.0,
-               "total_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    summary = {
+        "row": "summary",
+        "speedup": round(ratio, 2),
+        "goal": 5.0,
+        "total_s": round(time.perf_counter() - started, 1),
+    }
     print(json.dumps(summary), flush=True)
     table = [
         f"{options.shape} on {device}: {len(prompts)} prompts (mean {setup['mean_prompt_tokens']}"
@@ -174,8 +211,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{'tokens/s':>11}",
     ]
     for r in rows:
-        table.append(f"{r['row']:<16}{r['cache']:<9}{r['batch']:>6}{r['prompts']:>8}"
-                     f"{r['new_tokens']:>11}{r['seconds']:>8}{r['tokens_per_s']:>11}")  # fmt: skip
-    table.append(f"speedup {ratio:.2f}x (goal >= 5x); (b) warm-up/compile "
-                 f"{rows[1]['warmup_s']} s, total {summary['total_s']} s")  # fmt: skip
+        table.append(
+            f"{r['row']:<16}{r['cache']:<9}{r['batch']:>6}{r['prompts']:>8}"
+            f"{r['new_tokens']:>11}{r['seconds']:>8}{r['tokens_per_s']:>11}"
+        )
+    table.append(
+        f"speedup {ratio:.2f}x (goal >= 5x); (b) warm-up/compile "
+        f"{rows[1]['warmup_s']} s, total {summary['total_s']} s"
+    )
     print("\n".join(table), file=sys.stderr)  # stdout holds only the JSON lines

@@ -8,7 +8,7 @@ each writing the captured layers' features [T, k*d]. Printed per path: tokens/s,
 measured H200 bf16 peak (780 TFLOP/s, docs/GPU.md), the first-call (compile) seconds, the max
 abs difference of the fast features from the reference, the reference's largest feature and the
 relative (Frobenius) difference, and the weights' GPU bytes. `--quantize none,fp8` adds an FP8
-row per shape (target/fp8_linear.py: the same model's decoder matmuls in e4m3, row-wise), its
+row per shape (targets/fp8/fp8_linear.py: the same model's decoder matmuls in e4m3, row-wise), its
 difference taken against the bf16 fast path and shown next to bf16's own (fast vs HF). Whether such a bf16 difference is noise is settled by the GPU
 tests (tests/test_target_gpu.py, test_target_hybrid.py): the fast path is no farther from the
 fp32 model than the HF path is.
@@ -29,11 +29,11 @@ from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack
 from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
-from dflash_async.target.forward import HFPaddedForward, select_target_forward
-from dflash_async.target.fp8_experts import WAYS, set_experts_way
-from dflash_async.target.fp8_linear import set_fast_accum, swap_fp8_matmuls
-from dflash_async.target.grouped_experts import CompiledExperts
-from dflash_async.target.loading import decoder_layers, text_config, text_model
+from dflash_async.targets.forward import HFPaddedForward, select_target_forward
+from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
+from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls
+from dflash_async.targets.grouped_experts import CompiledExperts
+from dflash_async.targets.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 
@@ -125,7 +125,7 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
 def weight_bytes(model: torch.nn.Module, layer_ids: list[int]) -> tuple[int, int]:
     """(bytes of all the model's parameters and buffers, bytes of those a run's target worker
     holds: the input embedding and the decoder layers up to the last captured one, as
-    target/loading.py loads them; no final norm, no lm_head, no later layers). Each tensor once
+    targets/loading.py loads them; no final norm, no lm_head, no later layers). Each tensor once
     (tied weights share storage). Counted from the tensors, not from the allocator, so the
     activations alive at that moment (a previous row's output features, 0.67 GB at the Qwen3-8B
     shape) are not counted as weights."""
@@ -154,7 +154,7 @@ def bench_shape(
     cuda_graph: bool = False,
 ) -> list[dict]:
     """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
-    path) and `fp8` (the same model's decoder matmuls swapped into target/fp8_linear.py's
+    path) and `fp8` (the same model's decoder matmuls swapped into targets/fp8/fp8_linear.py's
     e4m3 row-wise linears and experts, the fast path again). The bf16 row always runs: FP8's
     feature error is measured against its fast path's features, next to bf16's own noise (its
     fast path against HF). `experts` "compiled" adds a bf16 row with the fused experts swapped
@@ -162,7 +162,7 @@ def bench_shape(
     experts' fast path); the FP8 row then quantizes those same experts. `experts_ways`: one FP8
     row per entry, the FP8 experts run that way ("default": as constructed; else
     one of fp8_experts.WAYS). `cuda_graph`: every fast path timed again replayed from one CUDA
-    graph (target/graphed.py, DFLASH_TARGET__CUDA_GRAPH), as "graph" in the same row, with the
+    graph (targets/graphed.py, DFLASH_TARGET__CUDA_GRAPH), as "graph" in the same row, with the
     memory its graph holds."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
@@ -188,15 +188,24 @@ def bench_shape(
     def measure(target: dict, label: str, forward) -> torch.Tensor:
         out = torch.empty(token_budget, len(layer_ids) * d, dtype=torch.bfloat16, device="cuda")
         first, seconds = _timed(lambda: forward(*args, out, lengths), repeats)
-        target[label] = {"tokens_per_s": round(lengths.sum() / seconds), "mfu": round(mfu(flops, seconds), 3),
-                         "ms": round(seconds * 1e3, 1), "first_call_s": round(first, 1)}  # fmt: skip
+        target[label] = {
+            "tokens_per_s": round(lengths.sum() / seconds),
+            "mfu": round(mfu(flops, seconds), 3),
+            "ms": round(seconds * 1e3, 1),
+            "first_call_s": round(first, 1),
+        }
         return out
 
     def fast_path(target, experts: str, graph: bool = False):
         return select_target_forward(
-            target, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget,
-            packed_hybrid=True, experts=experts, cuda_graph=graph,
-        )  # fmt: skip
+            target,
+            layer_ids,
+            token_budget=token_budget,
+            max_batch_tokens=token_budget,
+            packed_hybrid=True,
+            experts=experts,
+            cuda_graph=graph,
+        )
 
     def measure_fast(target: dict, model, experts: str) -> torch.Tensor:
         """The fast path's row ("fast"), and with `cuda_graph` replayed ("graph"; the memory
@@ -277,15 +286,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen3-8b,qwen3.5-9b,qwen3-30b-a3b")
     parser.add_argument("--token-budget", type=positive_int, default=16384)
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--quantize", default="none",
-                        help="none,fp8,fp8-fast: bf16 and FP8 rows (fp8-fast: fast accumulation)")  # fmt: skip
-    parser.add_argument("--experts", default="hf", help="hf,compiled: HF's MoE experts call, "
-                        "and a row with grouped_experts.CompiledExperts")  # fmt: skip
-    parser.add_argument("--experts-way", default="default",
-                        help=f"FP8 rows, one per way of the MoE experts: default, or of "
-                        f"{', '.join(WAYS)}")  # fmt: skip
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="time every fast path also replayed from one CUDA graph")  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        help="none,fp8,fp8-fast: bf16 and FP8 rows (fp8-fast: fast accumulation)",
+    )
+    parser.add_argument(
+        "--experts",
+        default="hf",
+        help="hf,compiled: HF's MoE experts call, and a row with grouped_experts.CompiledExperts",
+    )
+    parser.add_argument(
+        "--experts-way",
+        default="default",
+        help=f"FP8 rows, one per way of the MoE experts: default, or of {', '.join(WAYS)}",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time every fast path also replayed from one CUDA graph",
+    )
     options = parser.parse_args(argv)
     quantize = _listed(parser, options.quantize, "--quantize", ("none", "fp8", "fp8-fast"))
     experts = _listed(parser, options.experts, "--experts", ("hf", "compiled"))
@@ -293,9 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda("bench target", "cuda:0")
     rows = []
     for name in options.shapes.split(","):
-        for row in bench_shape(name, token_budget=options.token_budget, repeats=options.repeats,
-                               quantize=quantize, experts=experts, experts_ways=ways,
-                               cuda_graph=options.cuda_graph):  # fmt: skip
+        for row in bench_shape(
+            name,
+            token_budget=options.token_budget,
+            repeats=options.repeats,
+            quantize=quantize,
+            experts=experts,
+            experts_ways=ways,
+            cuda_graph=options.cuda_graph,
+        ):
             rows.append(row)
             print(json.dumps(row), flush=True)
     peak = H200_BF16_PEAK_FLOPS / 1e12

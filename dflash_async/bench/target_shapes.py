@@ -27,27 +27,56 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         Qwen3NextConfig,
     )
 
-    qwen = dict(vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, max_position_embeddings=40960)  # fmt: skip
+    qwen = dict(
+        vocab_size=151936,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    )
     shapes = {
         "qwen3-8b": (
-            Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, **qwen),
+            Qwen3Config(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                **qwen,
+            ),
             (1, 9, 17, 25, 33),
         ),
         "qwen3.5-9b": (
-            Qwen3_5TextConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                              num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                              linear_num_key_heads=16, linear_num_value_heads=32,
-                              linear_key_head_dim=128, linear_value_head_dim=128,
-                              vocab_size=248320, tie_word_embeddings=False),
+            Qwen3_5TextConfig(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=32,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                head_dim=256,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                vocab_size=248320,
+                tie_word_embeddings=False,
+            ),
             (1, 8, 15, 22, 29),
         ),
         "qwen3-30b-a3b": (
-            Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                           num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                           **qwen),
+            Qwen3MoeConfig(
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                **qwen,
+            ),
             (1, 12, 23, 34, 44),
         ),
         # transformers' defaults are Qwen3.5-35B-A3B's published text config (40 layers, 3 Gated
@@ -55,28 +84,63 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         "qwen3.5-35b-a3b": Qwen3_5MoeTextConfig(tie_word_embeddings=False),
         # gpt-oss-20b: 24 layers alternating a 128-token window with full attention, sinks,
         # 32 experts (top 4) of width 2880, yarn RoPE (transformers' defaults otherwise = 120b)
-        "gpt-oss-20b": GptOssConfig(num_hidden_layers=24, num_local_experts=32,
-                                    layer_types=["sliding_attention", "full_attention"] * 12),
+        "gpt-oss-20b": GptOssConfig(
+            num_hidden_layers=24,
+            num_local_experts=32,
+            layer_types=["sliding_attention", "full_attention"] * 12,
+        ),
         # the DeepSeek-V3 / Kimi-K2 architecture (MLA, shared + routed experts) at the shape of
         # Moonlight-16B-A3B, the published deepseek_v3 model that fits one GPU in bf16
         "moonlight-16b-a3b": DeepseekV3Config(
-            hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
-            num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-            n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
-            first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-            qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
-            routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
-            rope_theta=50000.0, tie_word_embeddings=False),
+            hidden_size=2048,
+            intermediate_size=11264,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            norm_topk_prob=True,
+            vocab_size=163840,
+            rope_theta=50000.0,
+            tie_word_embeddings=False,
+        ),
         # Gemma-3-12B's text model: 5 sliding (1024) : 1 full layers, head_dim 256
         "gemma3-12b": Gemma3TextConfig(
-            hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
-            query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=False),
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            sliding_window=1024,
+            query_pre_attn_scalar=256,
+            vocab_size=262208,
+            tie_word_embeddings=False,
+        ),
         # Gemma-3-27B's text model (62 layers, 5 sliding : 1 full, head_dim 128)
         "gemma3-27b": Gemma3TextConfig(
-            hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=128, sliding_window=1024,
-            query_pre_attn_scalar=168, vocab_size=262208, tie_word_embeddings=False),
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            sliding_window=1024,
+            query_pre_attn_scalar=168,
+            vocab_size=262208,
+            tie_word_embeddings=False,
+        ),
         # GLM-4.5-Air (transformers' defaults: 128 experts, top 8 + 1 shared, partial RoPE)
         # TRUNCATED to its first 16 of 46 layers, ~37B of its 106B parameters: 212 GB in bf16
         # does not fit one H200; per-layer speed is the same
@@ -89,20 +153,30 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # Qwen3-Next-80B-A3B (transformers' defaults: 3 Gated DeltaNet : 1 gated attention,
         # 512 experts top 10 + shared) TRUNCATED to its first 16 of 48 layers (160 GB in bf16)
         "qwen3-next-80b-a3b-16l": Qwen3NextConfig(num_hidden_layers=16, tie_word_embeddings=False),
-    }  # fmt: skip
+    }
     if hasattr(transformers, "Gemma4TextConfig"):  # not in every transformers we run
         # Gemma 4's text layer at the 31B dense shape (60 layers, 5 sliding (1024) : 1 full;
         # 256-wide sliding heads, 512-wide full ones whose values are their raw keys
         # (attention_k_eq_v); 31.0B parameters): Gemma-4-31B's dimensions as recalled, its
         # config.json not readable from this machine, hence "-like"
         shapes["gemma4-31b-like"] = transformers.Gemma4TextConfig(
-            hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
-            sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
-            hidden_size_per_layer_input=0, attention_k_eq_v=True, vocab_size=262144,
-            tie_word_embeddings=True)  # fmt: skip
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=256,
+            global_head_dim=512,
+            sliding_window=1024,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+            hidden_size_per_layer_input=0,
+            attention_k_eq_v=True,
+            vocab_size=262144,
+            tie_word_embeddings=True,
+        )
     return {
-        name: shape if isinstance(shape, tuple)
+        name: shape
+        if isinstance(shape, tuple)
         else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
         for name, shape in shapes.items()
-    }  # fmt: skip
+    }

@@ -117,8 +117,11 @@ def _layout(value: Any, tensors: list[torch.Tensor]) -> Any:
     """`value` as JSON with each tensor replaced by {"tensor": index, shape, dtype}."""
     if torch.is_tensor(value):
         tensors.append(value)
-        return {"tensor": len(tensors) - 1, "shape": list(value.shape),
-                "dtype": str(value.dtype).removeprefix("torch.")}  # fmt: skip
+        return {
+            "tensor": len(tensors) - 1,
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).removeprefix("torch."),
+        }
     if isinstance(value, dict):
         return {"dict": {k: _layout(v, tensors) for k, v in value.items()}}
     if isinstance(value, list | tuple):

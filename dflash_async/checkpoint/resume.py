@@ -30,7 +30,7 @@ from dflash_async.checkpoint.state import (
     plan_identity,
 )
 from dflash_async.data.packing import PackCursor
-from dflash_async.settings import SettingsError
+from dflash_async.errors import SettingsError
 
 
 def export_path(output_dir: Path) -> Path:
@@ -62,8 +62,12 @@ class Resume:
         if shared["path"] is None:
             return cls(identity)
         cursor = shared["cursors"][rank]
-        return cls(identity, Path(shared["path"]), shared["step"],
-                   PackCursor(cursor["epoch"], cursor["index"]))  # fmt: skip
+        return cls(
+            identity,
+            Path(shared["path"]),
+            shared["step"],
+            PackCursor(cursor["epoch"], cursor["index"]),
+        )
 
     def placed(self, *, total_steps: int, num_drafters: int) -> dict | None:
         """Complete the identity with the placed run's plan (SettingsError if it differs from

@@ -82,13 +82,16 @@ def check_output_space(
     from dflash_async.checkpoint.export import export_bytes  # torch: imported when used
     from dflash_async.checkpoint.resume import export_path
     from dflash_async.checkpoint.state import checkpoint_bytes, list_checkpoints
-    from dflash_async.settings import SettingsError
+    from dflash_async.errors import SettingsError
 
     existing = len(list_checkpoints(output_dir))
     needed = space_needed(
-        checkpoint=checkpoint_bytes(step), export=export_bytes(config), keep=keep,
-        existing=existing, has_export=export_path(Path(output_dir)).exists(),
-    )  # fmt: skip
+        checkpoint=checkpoint_bytes(step),
+        export=export_bytes(config),
+        keep=keep,
+        existing=existing,
+        has_export=export_path(Path(output_dir)).exists(),
+    )
     available = (free or free_bytes)(Path(output_dir))
     if needed > available:
         already = f", {existing} already there" if existing else ""

@@ -33,8 +33,8 @@ import torch
 
 from dflash_async.atomic import atomic_directory, remove_directory
 from dflash_async.data.packing import PackCursor
+from dflash_async.errors import SettingsError
 from dflash_async.model.step import DrafterStep
-from dflash_async.settings import SettingsError
 
 FORMAT = "dflash_async.training_state"
 VERSION = 2

@@ -27,9 +27,9 @@ from dflash_async.checkpoint.export import (
     load_drafter_export,
 )
 from dflash_async.checkpoint.state import STATE_NAME, load_checkpoint
+from dflash_async.errors import SettingsError
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step import DrafterStep
-from dflash_async.settings import SettingsError
 
 INIT_VAR = "DFLASH_DRAFTER__INIT"
 

@@ -89,8 +89,12 @@ def assistant_char_mask(
 
     def render(msgs: Sequence[Message], add_generation_prompt: bool = False) -> str:
         if fast_render is not None:
-            text = fast_render(msgs, add_generation_prompt=add_generation_prompt,
-                               enable_thinking=enable_thinking, tools=tools)  # fmt: skip
+            text = fast_render(
+                msgs,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+                tools=tools,
+            )
             if text is not None:
                 return text
         return render_chat(

@@ -79,9 +79,11 @@ class FastBPE:
             from tokenizers import normalizers
 
             encoding = tiktoken.Encoding(  # from memory: never downloads anything
-                "dflash_fast_bpe", pat_str=self.pattern, mergeable_ranks=self.ranks,
+                "dflash_fast_bpe",
+                pat_str=self.pattern,
+                mergeable_ranks=self.ranks,
                 special_tokens=self.added,
-            )  # fmt: skip
+            )
             lengths = np.zeros(encoding.max_token_value + 1, dtype=np.int64)  # [V] bytes
             for token, rank in self.ranks.items():
                 lengths[rank] = len(token)
@@ -326,9 +328,11 @@ def engines_disagree(pattern: str) -> str:
 
     def matched_tiktoken(regex: str, text: str) -> str:
         encoding = tiktoken.Encoding(
-            "dflash_probe", pat_str=regex, special_tokens={},
+            "dflash_probe",
+            pat_str=regex,
+            special_tokens={},
             mergeable_ranks={bytes([b]): b for b in range(256)},
-        )  # fmt: skip
+        )
         return encoding.decode_bytes(encoding.encode_ordinary(text)).decode()
 
     space = "".join(chr(c) for c in range(CHECKED_BELOW) if not 0xD800 <= c < 0xE000)

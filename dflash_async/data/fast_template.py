@@ -149,8 +149,9 @@ def choose_renderer(
     for messages in [*PROBES, *sample]:
         for n in range(1, len(messages) + 1):
             for add_generation_prompt in (False, True):
-                kwargs = dict(add_generation_prompt=add_generation_prompt,
-                              enable_thinking=enable_thinking)  # fmt: skip
+                kwargs = dict(
+                    add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+                )
                 fast = render_qwen3(messages[:n], **kwargs)
                 if fast is None:
                     continue

@@ -267,3 +267,11 @@ def layout_pack(
         position_ids=torch.from_numpy(position_ids),
         features=features if features is not None else torch.empty(token_budget, 0),
     )
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """First row of each row's document, [T] -> [T], sync-free (cummax of start indices)."""
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.where(is_start, rows, 0).cummax(0).values

@@ -45,7 +45,7 @@ DROP_REASONS = (
 
 @dataclass(frozen=True)
 class DataOptions:
-    """The `data` settings the read stage uses (see settings.py for their documentation)."""
+    """The `data` settings the read stage uses (see settings/sections.py for their documentation)."""
 
     max_len: int = 3072
     enable_thinking: bool = True
@@ -131,8 +131,12 @@ def load_samples(
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="dflash-tokenized-") as scratch:
             # memory maps outlive the folder: the files are unlinked, their pages stay mapped
-            samples, cached = _tokenize_into(Path(scratch) / "arrays", path, files, tokenizer,
-                                             options, encode, log), False  # fmt: skip
+            samples, cached = (
+                _tokenize_into(
+                    Path(scratch) / "arrays", path, files, tokenizer, options, encode, log
+                ),
+                False,
+            )
     else:
         key = cache.cache_key(files, tokenizer, asdict(encode))
         with cache.entry_lock(cache_dir, key):  # one builder per key; other ranks wait, then read
@@ -145,8 +149,14 @@ def load_samples(
                 entry = cache.open_arrays(final), built.summary
         samples = TokenizedSamples(**entry[0], summary=entry[1])
     load_s = round(time.perf_counter() - started, 3)
-    log.info("data_loaded", path=path, cached=cached, cache_dir=options.cache_dir or None,
-             load_s=load_s, **samples.summary)  # fmt: skip
+    log.info(
+        "data_loaded",
+        path=path,
+        cached=cached,
+        cache_dir=options.cache_dir or None,
+        load_s=load_s,
+        **samples.summary,
+    )
     return samples
 
 
@@ -162,8 +172,14 @@ def _tokenize_into(
     """Stream every record through tokenization into array files in `folder`; map them back."""
     records = (item for file in files for item in iter_raw_records(file))
     counts = Counter()
-    results = encode_all(records, tokenizer, encode, workers=options.num_workers,
-                         chunk_records=options.chunk_records, log=log)  # fmt: skip
+    results = encode_all(
+        records,
+        tokenizer,
+        encode,
+        workers=options.num_workers,
+        chunk_records=options.chunk_records,
+        log=log,
+    )
     with cache.ArrayWriter(folder) as writer, closing(results):  # closing: stop the workers
         for result in results:
             if result.bad and options.on_bad_record == "error":

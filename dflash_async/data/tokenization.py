@@ -96,8 +96,9 @@ def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) 
         if not supervised_turns(messages, options.loss_turns):
             return ("no_assistant_turn", "")
         tools = record.get("tools") if isinstance(record.get("tools"), list) else None
-        kwargs = dict(enable_thinking=options.enable_thinking, loss_turns=options.loss_turns,
-                      tools=tools)  # fmt: skip
+        kwargs = dict(
+            enable_thinking=options.enable_thinking, loss_turns=options.loss_turns, tools=tools
+        )
         found = qwen3_char_mask(messages, **kwargs) if fast_render is render_qwen3 else None
         text, char_mask = found or assistant_char_mask(
             chat_template_of(tokenizer), messages, fast_render=fast_render, **kwargs
@@ -183,9 +184,13 @@ def _for_workers(tokenizer: Any) -> Any:
     backend = direct_backend(tokenizer)
     if backend is None:
         return tokenizer
-    return BackendOnly(backend.to_str(), getattr(tokenizer, "chat_template", None),
-                       str(getattr(tokenizer, "name_or_path", "")),
-                       bool(getattr(tokenizer, "split_special_tokens", False)), len(tokenizer))  # fmt: skip
+    return BackendOnly(
+        backend.to_str(),
+        getattr(tokenizer, "chat_template", None),
+        str(getattr(tokenizer, "name_or_path", "")),
+        bool(getattr(tokenizer, "split_special_tokens", False)),
+        len(tokenizer),
+    )
 
 
 def _flat_offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
@@ -274,9 +279,15 @@ def encode_all(
         spec_json = getattr(for_workers, "backend_json", None)
         fast_encode, verdict, proving = _fast_encoder_proving(texts, tokenizer, log, spec_json)
         try:
-            results = encode_in_pool(chain(first, chunks), for_workers, options,
-                                     workers=workers, fast=(fast_render, fast_encode),
-                                     verdict=verdict, parent_tokenizer=tokenizer)  # fmt: skip
+            results = encode_in_pool(
+                chain(first, chunks),
+                for_workers,
+                options,
+                workers=workers,
+                fast=(fast_render, fast_encode),
+                verdict=verdict,
+                parent_tokenizer=tokenizer,
+            )
             yield from _with_progress(results, log, progress_every_s)
         finally:
             proving.shutdown(wait=False)
@@ -301,8 +312,12 @@ def _fast_renderer(chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptio
     except ChatMaskError:
         return None
     fast_render, why = choose_renderer(template, sample, enable_thinking=options.enable_thinking)
-    log.info("chat_renderer_chosen", renderer="jinja" if fast_render is None else "python_qwen3",
-             checked_records=len(sample), **({"why": why} if why else {}))  # fmt: skip
+    log.info(
+        "chat_renderer_chosen",
+        renderer="jinja" if fast_render is None else "python_qwen3",
+        checked_records=len(sample),
+        **({"why": why} if why else {}),
+    )
     return fast_render
 
 
@@ -360,8 +375,12 @@ def _compared(fast: FastBPE | None, why: str, texts: list[str], tokenizer: Any, 
             if got is not None and not all(map(np.array_equal, got, want)):
                 fast, why = None, f"rendering {i} of the run encodes to other ids or offsets"
                 break
-    log.info("tokenizer_chosen", encoder="huggingface" if fast is None else "tiktoken",
-             checked_records=checked, **({"why": why} if why else {}))  # fmt: skip
+    log.info(
+        "tokenizer_chosen",
+        encoder="huggingface" if fast is None else "tiktoken",
+        checked_records=checked,
+        **({"why": why} if why else {}),
+    )
     return fast
 
 
@@ -384,8 +403,12 @@ def _with_progress(
             bar.update(result.counts["records"])
             now = time.perf_counter()
             if not on_tty and now - last >= every_s:
-                log.info("tokenization_progressed", records=records, samples=samples,
-                         elapsed_s=round(now - started, 1),
-                         records_per_s=round(records / max(now - started, 1e-9), 1))  # fmt: skip
+                log.info(
+                    "tokenization_progressed",
+                    records=records,
+                    samples=samples,
+                    elapsed_s=round(now - started, 1),
+                    records_per_s=round(records / max(now - started, 1e-9), 1),
+                )
                 last = now
             yield result

@@ -55,8 +55,14 @@ def _encode_chunk_in_worker(chunk: list[Raw], use_fast: bool) -> ChunkResult:
     # next chunk's end.
     gc.disable()
     try:
-        return encode_chunk(chunk, _WORKER["tokenizer"], _WORKER["options"], fast_render,
-                            fast_encode if use_fast else None, defer=True)  # fmt: skip
+        return encode_chunk(
+            chunk,
+            _WORKER["tokenizer"],
+            _WORKER["options"],
+            fast_render,
+            fast_encode if use_fast else None,
+            defer=True,
+        )
     finally:
         gc.enable()
 
@@ -133,8 +139,9 @@ def encode_in_pool(
                 use_fast = False
                 for _, future in in_flight:
                     future.cancel()
-                in_flight = deque((c, pool.submit(_encode_chunk_in_worker, c, False))
-                                  for c, _ in in_flight)  # fmt: skip
+                in_flight = deque(
+                    (c, pool.submit(_encode_chunk_in_worker, c, False)) for c, _ in in_flight
+                )
         return finish_chunk(in_flight.popleft()[1].result(), parent_tokenizer, options)
 
     try:

@@ -70,8 +70,13 @@ def save_baseline(
     """Write the baseline atomically (a reader never sees half a file)."""
     meta = {"key": key, "num_prompts": len(results), "plain_s": plain_s}
     rows = [
-        {"tokens": r.tokens, "runner_up": r.runner_up, "margins": r.margins,
-         "alternatives": r.alternatives, "gaps": r.gaps}
+        {
+            "tokens": r.tokens,
+            "runner_up": r.runner_up,
+            "margins": r.margins,
+            "alternatives": r.alternatives,
+            "gaps": r.gaps,
+        }
         for r in results
-    ]  # fmt: skip
+    ]
     return write_jsonl([meta, *rows], baseline_path(folder, key))

@@ -3,7 +3,7 @@
 Both decoders (speculative.py one sequence, batched.py per row) run the drafter on the block
 [anchor, MASK x (B-1)] with its queries on keys [context slots (S), block (B)]. Each layer's
 AttentionRule (model/layer_rules.py, docs/DFLASH.md s.10) narrows that exactly as the training
-mask of model/attention.py does:
+mask of model/attention_rule.py does:
 - context slot p (slot index = RoPE position) is visible to block slot k iff p < anchor, and in
   a sliding layer also (anchor + k) - p < W, with `anchor` the position of the block's first
   token: z-lab's per-slot window (its `_attention_mask`, each query windowed from its own

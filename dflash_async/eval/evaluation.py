@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from dflash_async.eval.batched import (
+from dflash_async.eval.batched_decoding import (
     BatchedDecode,
     RowsBlockDrafter,
     batched_unsupported_reason,
@@ -38,7 +38,7 @@ from dflash_async.eval.speculative import greedy_generate, speculative_generate
 from dflash_async.log import get_logger
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.target.loading import frozen_embeddings
+from dflash_async.targets.loading import frozen_embeddings
 
 # Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row) and
 # Gated DeltaNet linear attention (state rolled back, hybrid_state.py).
@@ -106,9 +106,14 @@ def greedy_decoders(setup: DecodeSetup) -> list[Callable[[], Decoder]]:
     def make(batch: list[list[int]]) -> Decoder:
         if s.batched:
             return BatchedDecode(
-                s.target, batch, draft=None, layer_ids=(), max_new_tokens=s.max_new_tokens,
-                eos=s.eos, suppress=s.suppress,
-            )  # fmt: skip
+                s.target,
+                batch,
+                draft=None,
+                layer_ids=(),
+                max_new_tokens=s.max_new_tokens,
+                eos=s.eos,
+                suppress=s.suppress,
+            )
         return _OnePrompt(
             lambda: greedy_generate(
                 s.target, batch[0], s.max_new_tokens, s.eos, suppress_token_ids=s.suppress
@@ -134,15 +139,27 @@ def speculative_decoders(
                 drafter, config, embed, lm_head, batch=len(batch), capacity=capacity
             )
             return BatchedDecode(
-                s.target, batch, draft=rows, layer_ids=config.target_layer_ids,
-                max_new_tokens=s.max_new_tokens, eos=s.eos, suppress=s.suppress,
-            )  # fmt: skip
+                s.target,
+                batch,
+                draft=rows,
+                layer_ids=config.target_layer_ids,
+                max_new_tokens=s.max_new_tokens,
+                eos=s.eos,
+                suppress=s.suppress,
+            )
         return _OnePrompt(
             lambda: speculative_generate(
-                s.target, drafter, config, embed, lm_head, batch[0],
-                max_new_tokens=s.max_new_tokens, eos_token_id=s.eos, suppress_token_ids=s.suppress,
+                s.target,
+                drafter,
+                config,
+                embed,
+                lm_head,
+                batch[0],
+                max_new_tokens=s.max_new_tokens,
+                eos_token_id=s.eos,
+                suppress_token_ids=s.suppress,
             )
-        )  # fmt: skip
+        )
 
     return [lambda batch=batch: make(batch) for batch in _batches(s)]
 
@@ -155,20 +172,28 @@ def _sampled_decoders(
     assert options is not None
     if s.batched:  # the batched decoder is greedy only: T > 0 falls back to the reference
         get_logger(__name__).info(
-            "eval_sampled_reference", temperature=options.temperature,
+            "eval_sampled_reference",
+            temperature=options.temperature,
             reason="the batched decoder is greedy only; T > 0 decodes one prompt at a time",
-        )  # fmt: skip
+        )
     embed, lm_head = frozen_embeddings(s.target)
 
     def make(index: int, prompt: list[int]) -> Decoder:
         sampler = Sampler.for_prompt(options, index, s.device)
         return _OnePrompt(
             lambda: speculative_generate(
-                s.target, drafter, config, embed, lm_head, prompt,
-                max_new_tokens=s.max_new_tokens, eos_token_id=s.eos, suppress_token_ids=s.suppress,
+                s.target,
+                drafter,
+                config,
+                embed,
+                lm_head,
+                prompt,
+                max_new_tokens=s.max_new_tokens,
+                eos_token_id=s.eos,
+                suppress_token_ids=s.suppress,
                 sampler=sampler,
             )
-        )  # fmt: skip
+        )
 
     return [lambda i=i, p=p: make(i, p) for i, p in enumerate(s.prompts)]
 

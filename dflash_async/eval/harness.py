@@ -7,7 +7,7 @@ at a block size below the trained one: --block-size), reads and chat-templates t
 target's generation config, so the greedy output is what `model.generate`, and so the regenerated
 training data, would produce. evaluation.py decodes (plain greedy once, cached by baseline.py;
 then speculatively, batched), checks every sample lossless and reports tau, the accepted-length
-histogram, per-position acceptance and tokens/s. Defaults are EvalSettings' (settings.py): the
+histogram, per-position acceptance and tokens/s. Defaults are EvalSettings' (settings/sections.py): the
 in-run evaluation and this command decode the same way unless told otherwise. --temperature 0,0.7
 (0 = greedy; above 0: sampling.py) reports the first, plus "by_temperature" for several.
 """
@@ -53,13 +53,13 @@ from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.settings import EvalSettings
-from dflash_async.target.loading import (
+from dflash_async.targets.loading import (
     frozen_embeddings,
     load_target,
     load_target_tokenizer,
     text_config,
 )
-from dflash_async.target.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
+from dflash_async.targets.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
 from dflash_async.usage import ArgumentParser, UsageError, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
@@ -185,10 +185,15 @@ def greedy_baseline(
     and kept in `folder` (None: not kept)."""
     dtype = frozen_embeddings(setup.target)[0].dtype
     key = baseline_key(
-        target_id=target_id, dtype=str(dtype), device_type=setup.device.type,
-        prompts=setup.prompts, max_new_tokens=setup.max_new_tokens, eos=setup.eos,
-        suppress=setup.suppress, batch_size=setup.batch_size,
-    )  # fmt: skip
+        target_id=target_id,
+        dtype=str(dtype),
+        device_type=setup.device.type,
+        prompts=setup.prompts,
+        max_new_tokens=setup.max_new_tokens,
+        eos=setup.eos,
+        suppress=setup.suppress,
+        batch_size=setup.batch_size,
+    )
     cached = load_baseline(folder, key) if folder else None
     if cached is not None:
         return *cached, True
@@ -246,10 +251,17 @@ def evaluate(
         batches = speculative_decoders(sampled, drafter, drafter_config)
         shown = progress(batches, total=len(batches), task="eval speculative (batches)")
         spec, spec_s = run_decoders(shown, setup.device)
-        results.append(report(
-            sampled, plain, spec, block_size=drafter_config.block_size, plain_s=plain_s,
-            speculative_s=spec_s, tie_tolerance=tolerance,
-        ))  # fmt: skip
+        results.append(
+            report(
+                sampled,
+                plain,
+                spec,
+                block_size=drafter_config.block_size,
+                plain_s=plain_s,
+                speculative_s=spec_s,
+                tie_tolerance=tolerance,
+            )
+        )
     several = {"by_temperature": [_summary(r) for r in results]} if results[1:] else {}
     return results[0] | several | {"baseline_cached": cached}
 
@@ -318,11 +330,18 @@ def run_eval(
         records = demo_prompts(num_prompts, split="heldout")
     with cpu_threads(1 if device.type == "cpu" else None):
         report = evaluate(
-            target, tokenizer, drafter, config, records,
-            max_new_tokens=max_new_tokens, batch_size=batch_size, enable_thinking=enable_thinking,
+            target,
+            tokenizer,
+            drafter,
+            config,
+            records,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            enable_thinking=enable_thinking,
             baseline_dir=baseline_dir or (Path(results_path).parent if results_path else None),
-            target_id=str(folder.resolve()), sampling=sampling,
-        )  # fmt: skip
+            target_id=str(folder.resolve()),
+            sampling=sampling,
+        )
     if results_path:
         write_results(report["samples"], results_path)
     summary = _summary(report)
@@ -385,12 +404,21 @@ def main(argv: list[str] | None = None) -> int:
     log = get_logger(__name__)
     try:
         report = run_eval(
-            args.target or None, args.drafter, args.prompts or None,
-            device=args.device, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-            batch_size=args.batch_size, log=log, cache_dir=builtin_cache_dir(),
-            results_path=args.results or None, baseline_dir=args.baseline_dir or None,
-            dtype=_DTYPES[args.dtype], block_size=args.block_size, sampling=opts,
-        )  # fmt: skip
+            args.target or None,
+            args.drafter,
+            args.prompts or None,
+            device=args.device,
+            max_new_tokens=args.max_new_tokens,
+            num_prompts=args.num_prompts,
+            batch_size=args.batch_size,
+            log=log,
+            cache_dir=builtin_cache_dir(),
+            results_path=args.results or None,
+            baseline_dir=args.baseline_dir or None,
+            dtype=_DTYPES[args.dtype],
+            block_size=args.block_size,
+            sampling=opts,
+        )
     except LosslessError as e:
         log.error("eval_failed", reason="lossless_check", error=str(e))
         return 1

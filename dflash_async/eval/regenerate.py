@@ -33,8 +33,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from dflash_async.atomic import atomic_file
 from dflash_async.data.formats import ASSISTANT_TURNS as TURNS
 from dflash_async.log import progress
-from dflash_async.target.loading import load_target, load_target_tokenizer
-from dflash_async.target.tiny import TINY_SEED, demo_prompts
+from dflash_async.targets.loading import load_target, load_target_tokenizer
+from dflash_async.targets.tiny import TINY_SEED, demo_prompts
 
 _ROLES = ("system", "user", "assistant", "tool")
 _HASH_WHOLE_FILE_BELOW = 64 * 2**20  # bytes; bigger files are keyed by name, size and mtime
@@ -189,10 +189,18 @@ def regenerate(
     """
     start = time.perf_counter()
     records, stats = regenerate_with_stats(
-        model, tokenizer, conversations, max_new_tokens=max_new_tokens, batch_size=batch_size,
-        greedy=greedy, temperature=temperature, seed=seed, turns=turns, show_progress=True,
+        model,
+        tokenizer,
+        conversations,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        greedy=greedy,
+        temperature=temperature,
+        seed=seed,
+        turns=turns,
+        show_progress=True,
         template_kwargs={"enable_thinking": enable_thinking, **(template_kwargs or {})},
-    )  # fmt: skip
+    )
     seconds = time.perf_counter() - start
     totals = {key: (sum(v) if isinstance(v, list) else v) for key, v in stats.items()}
     structlog.get_logger().info(
@@ -235,9 +243,17 @@ def regenerate_with_stats(
     with nullcontext() if greedy else _seeded(seed, next(model.parameters()).device):
         for round_ in range(max((len(t) for t in chosen), default=0)):
             jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
-            _run_round(model, tokenizer, records, jobs, config, batch_size=batch_size,
-                       template_kwargs=template_kwargs, stats=stats,
-                       show_progress=show_progress)  # fmt: skip
+            _run_round(
+                model,
+                tokenizer,
+                records,
+                jobs,
+                config,
+                batch_size=batch_size,
+                template_kwargs=template_kwargs,
+                stats=stats,
+                show_progress=show_progress,
+            )
     return records, stats
 
 
@@ -254,8 +270,9 @@ def _run_round(
     show_progress: bool,
 ) -> None:
     """Fill the assistant turn `index` of each (record number, index), longest prompts first."""
-    prompts = [render_prompt(tokenizer, records[n]["messages"][:i], template_kwargs)
-               for n, i in jobs]  # fmt: skip
+    prompts = [
+        render_prompt(tokenizer, records[n]["messages"][:i], template_kwargs) for n, i in jobs
+    ]
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # the template has them
     order = sorted(range(len(jobs)), key=lambda j: -len(rows[j]))  # similar lengths together
     starts = range(0, len(order), batch_size)

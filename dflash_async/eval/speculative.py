@@ -52,7 +52,7 @@ from dflash_async.eval.sampling import Sampler
 from dflash_async.eval.selector import draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.target.loading import decoder_layers
+from dflash_async.targets.loading import decoder_layers
 
 
 class BlockDrafter(Protocol):
@@ -112,8 +112,12 @@ class DFlashBlockDrafter:
         """An `attend` for one block pass: layer i's call prepends layer i's cached context,
         masked by layer i's trained rule (block_masks.py; none for a full bidirectional one)."""
         anchor = torch.tensor([self.length], device=self.keys[0].device)
-        masks = layer_masks(self.config.attention_rules(), anchor, slots=self.length,
-                            block_size=self.config.block_size)  # fmt: skip
+        masks = layer_masks(
+            self.config.attention_rules(),
+            anchor,
+            slots=self.length,
+            block_size=self.config.block_size,
+        )
         layers = iter(zip(self.keys, self.values, masks, strict=True))
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 # model_type (of config.json, wrappers included) -> the family, as the README lists it. Multimodal
-# wrappers (`*ForConditionalGeneration`) train on their language model alone (target/loading.py).
+# wrappers (`*ForConditionalGeneration`) train on their language model alone (targets/loading.py).
 SUPPORTED: dict[str, str] = {
     "llama": "Llama 2/3",
     "qwen2": "Qwen2/2.5",
@@ -37,7 +37,7 @@ SUPPORTED: dict[str, str] = {
     "deepseek_v3": "DeepSeek-V3 (MLA)",
 }
 
-# quantization_config.quant_method -> the format, as the README lists it; target/quantized.py
+# quantization_config.quant_method -> the format, as the README lists it; targets/quantized.py
 # reads these tensors (every other quantized checkpoint exits 2 at start-up, never loads as bf16).
 SUPPORTED_QUANT_METHODS: dict[str, str] = {
     "fp8": "FP8 e4m3 with weight_scale_inv per weight_block_size block (DeepSeek-V3, Qwen3-FP8)",

@@ -27,7 +27,7 @@ from dflash_async.model.step import DrafterStep
 
 @dataclass(frozen=True)
 class StepSpec:
-    """The recipe and kernels of one drafter step (settings.py documents each field)."""
+    """The recipe and kernels of one drafter step (settings/sections.py documents each field)."""
 
     token_budget: int  # T rows of the step's static inputs
     num_anchors: int
@@ -113,17 +113,23 @@ def build_drafter_step(
     )
     if spec.attention == "flex":  # the preflight line of the kernels chosen for the step
         get_logger("drafter").info(
-            "drafter_kernels_chosen", rank=rank, attention=spec.attention,
+            "drafter_kernels_chosen",
+            rank=rank,
+            attention=spec.attention,
             flex_backend=objective.flex_backend,
-            flex_kernel_options=dict(spec.flex_kernel_options), flex_autotune=spec.flex_autotune,
-            ce_chunk_size=spec.ce_chunk_size, ce_kernel=objective.ce_kernel,
+            flex_kernel_options=dict(spec.flex_kernel_options),
+            flex_autotune=spec.flex_autotune,
+            ce_chunk_size=spec.ce_chunk_size,
+            ce_kernel=objective.ce_kernel,
             conv_kernel=objective.conv_kernel if spec.kind == "dflash2" else None,
             update="compiled" if step.adamw is not None else "reference",
             working_weights=any(w is not None for w in step.working),
             grad_dtype=str(step.grad_dtype).removeprefix("torch."),
-            fp8_matmuls=_fp8_line(fp8), fp8_linears=len(fp8.fp8) if fp8 else 0,
-            fp8_kept=list(fp8.kept) if fp8 else [], torch=torch.__version__,
-        )  # fmt: skip
+            fp8_matmuls=_fp8_line(fp8),
+            fp8_linears=len(fp8.fp8) if fp8 else 0,
+            fp8_kept=list(fp8.kept) if fp8 else [],
+            torch=torch.__version__,
+        )
     return step
 
 

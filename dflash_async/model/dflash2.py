@@ -195,9 +195,16 @@ class DFlash2Drafter(DFlashDrafter):
     def run_layer(self, layer, x, context, block_rope, context_rope, attend) -> torch.Tensor:
         """The DFlash2 layer: convolutions around attention and MLP (dflash2_layer_forward)."""
         with step_range("layer"):
-            return self._dflash2_layer(layer, x, context, block_rope, context_rope, attend,
-                                       block_size=self.config.block_size,
-                                       conv=self.conv or block_causal_conv)  # fmt: skip
+            return self._dflash2_layer(
+                layer,
+                x,
+                context,
+                block_rope,
+                context_rope,
+                attend,
+                block_size=self.config.block_size,
+                conv=self.conv or block_causal_conv,
+            )
 
 
 def make_drafter(config: DrafterConfig) -> DFlashDrafter:

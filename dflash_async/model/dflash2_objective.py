@@ -195,11 +195,13 @@ def resolve_conv_kernel(
         if choice == "triton":
             raise ValueError("conv_kernel='triton' needs the drafter on a CUDA device")
         return "compiled"
-    from dflash_async.model.conv_kernel import conv_kernel_problem  # a GPU: triton is there
+    from dflash_async.kernels.conv_kernel import conv_kernel_problem  # a GPU: triton is there
 
-    problem = conv_kernel_problem(hidden_size=config.hidden_size,
-                                  group_size=config.conv_group_size,
-                                  taps=config.conv_kernel_size)  # fmt: skip
+    problem = conv_kernel_problem(
+        hidden_size=config.hidden_size,
+        group_size=config.conv_group_size,
+        taps=config.conv_kernel_size,
+    )
     if problem and choice == "triton":
         raise ValueError(f"conv_kernel='triton': {problem}")
     return "compiled" if problem else "triton"
@@ -231,7 +233,7 @@ class DFlash2Objective(DFlashObjective):
         )  # "triton" or "compiled"
         drafter.conv = None  # the reference; evaluation builds its own drafters, with it too
         if self.conv_kernel == "triton":
-            from dflash_async.model.conv_kernel import triton_block_conv  # needs triton
+            from dflash_async.kernels.conv_kernel import triton_block_conv  # needs triton
 
             drafter.conv = triton_block_conv()  # registers its ops: here, not while compiling
         width = group_width(drafter.config.vocab_size, self.top_k)
@@ -250,9 +252,16 @@ class DFlash2Objective(DFlashObjective):
         gold = labels[:, 1:].flatten()  # [N]
         with step_range("lm_head_ce"):
             ce_sum, correct_pred, unary, candidates = _UnaryCEAndTopK.apply(
-                slots, self.lm_head_weight.detach(), gold, w, self.config.ce_chunk_size,
-                self.ce_elementwise, self.top_k, self.logit_transform, self.candidate_rows_grad,
-            )  # fmt: skip
+                slots,
+                self.lm_head_weight.detach(),
+                gold,
+                w,
+                self.config.ce_chunk_size,
+                self.ce_elementwise,
+                self.top_k,
+                self.logit_transform,
+                self.candidate_rows_grad,
+            )
         with step_range("lm_head_ce"):  # the selector: part of the head's range
             previous = selector_predecessors(labels).flatten()  # [N]
             selector_sum, selector_hit, has_gold = self.selector_loss(

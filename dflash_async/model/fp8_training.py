@@ -6,7 +6,7 @@ Owns the training recipe of the drafter's FP8 linears and how it is installed: `
 `use_fp8_matmuls(drafter)`, which makes the drafter's linears compute through it.
 
 The recipe follows torchao float8's row-wise recipes (torchtitan's `--float8.recipe_name`), in
-the row-wise e4m3 format of model/fp8_format.py (one fp32 scale per row, amax / 448, scales not
+the row-wise e4m3 format of kernels/fp8_format.py (one fp32 scale per row, amax / 448, scales not
 rounded to powers of two):
 - forward, y = x @ W^T: x [M, K] quantized per row (token), W [N, K] per output row;
   `torch._scaled_mm(x_q, w_q.t(), scale_a [M, 1], scale_b [1, N], out_dtype=bf16,
@@ -47,13 +47,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_async.model.drafter import compute_dtype
-from dflash_async.model.fp8_format import (
+from dflash_async.kernels.fp8_format import (
     ALIGN,
     quantize_rows,
     rowwise_kernel_problem,
     rowwise_mm,
 )
+from dflash_async.model.drafter import compute_dtype
 
 KERNEL = "scaled_mm_rowwise"
 REFERENCE = "dequantized_reference"
@@ -87,21 +87,24 @@ def rowwise_product(
     a_q, b_q = a_q.contiguous(), b_q.contiguous()
     if not kernel:
         return dequantized_product(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
-    return rowwise_mm(a_q, a_scale[:, None], b_q, b_scale[None, :], out_dtype=out_dtype,
-                      fast_accum=fast_accum)  # fmt: skip
+    return rowwise_mm(
+        a_q, a_scale[:, None], b_q, b_scale[None, :], out_dtype=out_dtype, fast_accum=fast_accum
+    )
 
 
 def forward_product(x, weight, *, out_dtype: torch.dtype, kernel: bool) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W [N, K]^T: x per token, W per output row, fast accumulation."""
-    return rowwise_product(x, weight, out_dtype=out_dtype, kernel=kernel,
-                           fast_accum=FORWARD_FAST_ACCUM)  # fmt: skip
+    return rowwise_product(
+        x, weight, out_dtype=out_dtype, kernel=kernel, fast_accum=FORWARD_FAST_ACCUM
+    )
 
 
 def input_gradient(grad_out, weight, *, out_dtype: torch.dtype, kernel: bool) -> torch.Tensor:
     """grad_x [M, K] = dy [M, N] @ W [N, K]: dy per token, W^T [K, N] per row (per input column
     of W), fp32 accumulation."""
-    return rowwise_product(grad_out, weight.t(), out_dtype=out_dtype, kernel=kernel,
-                           fast_accum=GRADIENT_FAST_ACCUM)  # fmt: skip
+    return rowwise_product(
+        grad_out, weight.t(), out_dtype=out_dtype, kernel=kernel, fast_accum=GRADIENT_FAST_ACCUM
+    )
 
 
 def weight_gradient(grad_out, x, *, dtype: torch.dtype) -> torch.Tensor:
@@ -206,5 +209,6 @@ def use_fp8_matmuls(drafter: nn.Module, *, kernel: bool | None = None) -> Fp8Mat
         fp8.append(name)
     if not kernel:
         reason = reason or "the reference asked for (kernel=False)"
-    return Fp8Matmuls(KERNEL if kernel else REFERENCE, None if kernel else reason, tuple(fp8),
-                      tuple(kept))  # fmt: skip
+    return Fp8Matmuls(
+        KERNEL if kernel else REFERENCE, None if kernel else reason, tuple(fp8), tuple(kept)
+    )

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.data.packing import PackedBatch
-from dflash_async.model.attention import (
+from dflash_async.model.attention_rule import (
     FLASH_DTYPES,
     FlexBackend,
     dense_rule_mask,
@@ -208,7 +208,7 @@ class DFlashObjective(nn.Module):
         same keywords). One place for the choice, so that a subclass asking for a pass with more
         outputs (DFlash2's group maxima) chooses it exactly as DFlash's is chosen."""
         if self.ce_kernel == "triton":
-            from dflash_async.model import ce_kernel  # lazy: needs triton
+            from dflash_async.kernels import ce_kernel  # lazy: needs triton
 
             return functools.partial(getattr(ce_kernel, triton), **options)
         fn = functools.partial(reference, **options)

@@ -28,7 +28,6 @@ mode runs the very same functions. Static buffers are never reallocated after co
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -36,24 +35,29 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from dflash_async.data.packing import PackedBatch
-from dflash_async.model.attention import FULL_RULE, document_starts
+from dflash_async.data.packing import PackedBatch, document_starts
+from dflash_async.model.attention_rule import FULL_RULE
 from dflash_async.model.layer_rules import AttentionRule
 from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_buffer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
 from dflash_async.model.update import WEIGHT_SUM_FLOOR, folded_adamw, folded_clip_coefficient
+from dflash_async.runtime.devices import CAPTURE_LOCK
 
 # Indices of the per-step statistics vector (fp32, on the drafter device).
 # (StepSums' fields, then visible_pairs: pipeline/distributed.py sums those before it over nodes)
 STATS = (
-    "ce_sum", "weight_sum", "correct", "supervised", "accepted", "blocks", "topk_hits",
-    "selector_correct", "visible_pairs",
-)  # fmt: skip
+    "ce_sum",
+    "weight_sum",
+    "correct",
+    "supervised",
+    "accepted",
+    "blocks",
+    "topk_hits",
+    "selector_correct",
+    "visible_pairs",
+)
 NUM_STATS = len(STATS)
-
-# One capture at a time in the whole process (docs/GPU.md: concurrent captures fail).
-CAPTURE_LOCK = threading.Lock()
 
 
 def working_copies(params: list[nn.Parameter], *, dtype: torch.dtype) -> list[torch.Tensor | None]:
@@ -74,7 +78,7 @@ def visible_pairs(
     """Attended (query, key) pairs of the step per layer, averaged over the layers' `rules`, for
     FLOP accounting (0-d, on the device): slot k of a block sees its document's c context rows
     before the anchor (a sliding layer: rows p >= anchor + k - (W - 1), so min(c, W - 1 - k) of
-    them, none once k >= W - 1: model/attention.py's per-slot rule) and its own block's slots s
+    them, none once k >= W - 1: model/attention_rule.py's per-slot rule) and its own block's slots s
     (a causal layer: s <= k; a sliding one: |k - s| < W). The mean times the layer count is the
     step's sum."""
     context = torch.where(valid, anchors - document_starts(doc_ids)[anchors], 0)  # [A]
@@ -147,8 +151,9 @@ class DrafterStep:
             self.grad_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             self.working = working_copies(self.params, dtype=self.grad_dtype)
             shapes = [p.shape for p in self.params]
-            self.flat_grad, self.grad_views = flat_buffer(shapes, dtype=self.grad_dtype,
-                                                          device=device)  # fmt: skip
+            self.flat_grad, self.grad_views = flat_buffer(
+                shapes, dtype=self.grad_dtype, device=device
+            )
         else:
             self.grad_dtype = torch.float32
             self.flat_grad, self.grad_views = flat_grad_buffer(self.params)
@@ -209,9 +214,15 @@ class DrafterStep:
         if working_weights is None:
             working_weights = compiled_update
         step = cls(
-            objective, optimizer, schedule, batch=batch, grad_clip=grad_clip, generator=generator,
-            num_anchors=objective.config.num_anchors, working_weights=working_weights,
-        )  # fmt: skip
+            objective,
+            optimizer,
+            schedule,
+            batch=batch,
+            grad_clip=grad_clip,
+            generator=generator,
+            num_anchors=objective.config.num_anchors,
+            working_weights=working_weights,
+        )
         if compiled_update or working_weights:
             step.use_folded_update(compile=compiled_update)
         return step
@@ -220,9 +231,12 @@ class DrafterStep:
         """Phase B through update.py's folded AdamW over this step's gradient views, writing the
         working copies (compile: torch.compile'd at its first call; GPU)."""
         self.adamw = folded_adamw(
-            self.optimizer, self.params, compile=compile, grads=self.grad_views,
+            self.optimizer,
+            self.params,
+            compile=compile,
+            grads=self.grad_views,
             working=self.working,
-        )  # fmt: skip
+        )
 
     @property
     def device(self) -> torch.device:
@@ -271,8 +285,9 @@ class DrafterStep:
             return self.objective(self.batch, anchors)
         # The forward reads the working copies in place of the masters (a swap of module
         # attributes for the call; the compiled layers see bf16 weights, autocast casts nothing).
-        return torch.func.functional_call(self.objective, self._working_by_name,
-                                          (self.batch, anchors))  # fmt: skip
+        return torch.func.functional_call(
+            self.objective, self._working_by_name, (self.batch, anchors)
+        )
 
     def _forward_backward(self) -> None:
         batch = self.batch
@@ -286,8 +301,13 @@ class DrafterStep:
         if len(self._written) != len(self.params):
             missing = sorted(set(range(len(self.params))) - self._written)
             raise RuntimeError(f"drafter parameters {missing} got no gradient in this step")
-        pairs = visible_pairs(batch.doc_ids, anchors.positions, anchors.valid, self.block_size,
-                              self.objective.drafter.config.attention_rules())  # fmt: skip
+        pairs = visible_pairs(
+            batch.doc_ids,
+            anchors.positions,
+            anchors.valid,
+            self.block_size,
+            self.objective.drafter.config.attention_rules(),
+        )
         self.stats.copy_(torch.stack([*(s.detach().float() for s in sums), pairs.float()]))
 
     def _update(self) -> None:
@@ -301,9 +321,11 @@ class DrafterStep:
                 self.optimizer.step()
             else:
                 coef = folded_clip_coefficient(
-                    self.flat_grad, self.stats[1], grad_clip=self.grad_clip,
+                    self.flat_grad,
+                    self.stats[1],
+                    grad_clip=self.grad_clip,
                     norm_out=self.grad_norm,
-                )  # fmt: skip
+                )
                 self.adamw(coef)
             self.schedule.advance_()
 

@@ -137,8 +137,16 @@ def folded_adamw(
         ensure_adamw_state(optimizer, params)
         # read each call: resume may have created the state since (checkpoint/state.restore)
         states = [optimizer.state[p] for p in params]
-        math_fn([p.detach() for p in params], grads or [p.grad for p in params],
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], group["lr"], coef, working, **hyper)  # fmt: skip
+        math_fn(
+            [p.detach() for p in params],
+            grads or [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            group["lr"],
+            coef,
+            working,
+            **hyper,
+        )
 
     return update

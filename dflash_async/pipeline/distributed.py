@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_async.checkpoint.ranks import wait_for_key
+from dflash_async.errors import SettingsError
 from dflash_async.log import bound_context
-from dflash_async.settings import SettingsError
 
 EXIT_PEER_LOST = 1
 BEAT_S = 1.0  # how often each rank beats, and how often it looks at the others
@@ -64,7 +64,7 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class NodesSpec:
-    """How the nodes of a torchrun/srun launch talk (settings.py: DFLASH_PIPELINE__DIST_*)."""
+    """How the nodes of a torchrun/srun launch talk (settings/sections.py: DFLASH_PIPELINE__DIST_*)."""
 
     backend: str  # nccl | gloo, resolved (pick_backend)
     timeout_s: float  # longest wait in a collective or at start-up
@@ -129,9 +129,14 @@ async def process_group(
     with bound_context(rank=info.rank):
         store = await anyio.to_thread.run_sync(_join, info, backend, timeout_s)
         info = replace(info, store=store)
-        log.info("process_group_joined", world_size=info.world_size, backend=backend,
-                 master=f"{info.master_addr}:{info.master_port}", timeout_s=timeout_s,
-                 join_s=round(time.perf_counter() - started, 2))  # fmt: skip
+        log.info(
+            "process_group_joined",
+            world_size=info.world_size,
+            backend=backend,
+            master=f"{info.master_addr}:{info.master_port}",
+            timeout_s=timeout_s,
+            join_s=round(time.perf_counter() - started, 2),
+        )
         watchdog = Watchdog(store, info, silence_s=silence_s, log=log)
         watchdog.start()
         try:

@@ -118,8 +118,11 @@ def launch(argv: Sequence[str], *, log: Any) -> int:
     if result.line:
         print(result.line, file=sys.stderr)
     log_event = log.info if result.exit_code in (0, *STOPPED) else log.error
-    log_event("launch_finished", exit_code=result.exit_code,
-              failures={f.rank: f.exit_code for f in failures})  # fmt: skip
+    log_event(
+        "launch_finished",
+        exit_code=result.exit_code,
+        failures={f.rank: f.exit_code for f in failures},
+    )
     return result.exit_code
 
 

@@ -13,7 +13,7 @@ SIGINT/SIGTERM stop after the current step (start-up and evaluations at once), s
 130/143 (shutdown.py).
 
 Where new things plug in: a drafter kind is a model (model/), built by model/build.py from its
-StepSpec; a target family is a packed forward chosen by target/forward.py for target workers
+StepSpec; a target family is a packed forward chosen by targets/forward.py for target workers
 (stages/produce.py); a new setting is read once, in pipeline/specs.py, into the spec of the code
 that uses it.
 """
@@ -51,9 +51,13 @@ from dflash_async.usage import check_writable_folder
 
 
 async def run(
-    settings: Settings, log, environ: Mapping[str, str] | None = None, *,
-    shutdown: Shutdown | None = None, on_accepted: Callable[[], None] | None = None,
-) -> int:  # fmt: skip
+    settings: Settings,
+    log,
+    environ: Mapping[str, str] | None = None,
+    *,
+    shutdown: Shutdown | None = None,
+    on_accepted: Callable[[], None] | None = None,
+) -> int:
     """Train a drafter end to end; returns the exit code: 0, or 130/143 after SIGINT/SIGTERM
     (handled from this first line: shutdown.py; `python -m dflash_async run` passes a Shutdown
     that ends the process after a signal; without one, run returns the code).
@@ -70,15 +74,23 @@ async def run(
         nodes = spec.nodes
         async with process_group(
             rank_info_from_env(os.environ if environ is None else environ),
-            backend=nodes.backend, timeout_s=nodes.timeout_s, silence_s=nodes.silence_s, log=log,
-        ) as rank:  # fmt: skip
+            backend=nodes.backend,
+            timeout_s=nodes.timeout_s,
+            silence_s=nodes.silence_s,
+            log=log,
+        ) as rank:
             return await _run_node(spec, rank, started, log, shutdown, on_accepted=on_accepted)
 
 
 async def _run_node(
-    spec: RunSpec, rank: RankInfo, started: float, log, shutdown, *,
+    spec: RunSpec,
+    rank: RankInfo,
+    started: float,
+    log,
+    shutdown,
+    *,
     on_accepted: Callable[[], None] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """This node's part of the run (the whole run on a single node)."""
     prepared = await prepare_node(spec, rank, log=log, shutdown=shutdown)
     if prepared is None:
@@ -86,14 +98,22 @@ async def _run_node(
     if on_accepted is not None:
         on_accepted()
     inputs = prepared.inputs
-    log.info("run_started", target=inputs.target_path, data=inputs.data_path,
-             samples=len(prepared.samples), drafter=inputs.drafter_config.__dict__)  # fmt: skip
+    log.info(
+        "run_started",
+        target=inputs.target_path,
+        data=inputs.data_path,
+        samples=len(prepared.samples),
+        drafter=inputs.drafter_config.__dict__,
+    )
     async with AsyncExitStack() as stack:
         node = await start_node(stack, prepared, log=log, shutdown=shutdown)
         if node is None:  # nothing new to save: no step ran
             return _interrupted(shutdown, prepared.resume.step, log, rank)
-        log.info("startup_completed", startup_s=round(time.perf_counter() - started, 2),
-                 total_steps=node.plan.total_steps)  # fmt: skip
+        log.info(
+            "startup_completed",
+            startup_s=round(time.perf_counter() - started, 2),
+            total_steps=node.plan.total_steps,
+        )
         if spec.eval.at_start and rank.is_writer and node.resume.path is None:
             with shutdown.interruptible():
                 await node.evaluate(0)
@@ -107,9 +127,13 @@ async def _run_node(
             return _interrupted(shutdown, steps, log, rank)
     if not rank.is_writer:
         return 0
-    log.info("train_completed", steps=steps, export=str(export_path(spec.output_dir)),
-             wall_s=round(time.perf_counter() - started, 2),
-             **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary})  # fmt: skip
+    log.info(
+        "train_completed",
+        steps=steps,
+        export=str(export_path(spec.output_dir)),
+        wall_s=round(time.perf_counter() - started, 2),
+        **{k: summary[k] for k in ("loss", "acc", "tau_hat", "eval_tau") if k in summary},
+    )
     return 0
 
 
@@ -125,17 +149,40 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
 
     async def produce() -> None:  # each target fills its home ring first, else one with room
         async with anyio.create_task_group() as producers:
-            producers.start_soon(lambda: read_stage(
-                node.samples.lengths, token_budget=spec.plan.token_budget, seed=spec.plan.seed,
-                start=start, epochs=node.plan.epochs, send=send_packs,
-                rank=rank.rank, world_size=rank.world_size, first_plan=node.plan.first_epoch))  # fmt: skip
+            producers.start_soon(
+                lambda: read_stage(
+                    node.samples.lengths,
+                    token_budget=spec.plan.token_budget,
+                    seed=spec.plan.seed,
+                    start=start,
+                    epochs=node.plan.epochs,
+                    send=send_packs,
+                    rank=rank.rank,
+                    world_size=rank.world_size,
+                    first_plan=node.plan.first_epoch,
+                )
+            )
             for chain in node.chains:  # a split target: each replica a chain of stages
-                producers.start_soon(chain_stage, chain, node.samples, receive_packs.clone(),
-                                     node.rings.producer(chain.home))  # fmt: skip
-            for worker, runner, home in zip(node.targets, node.target_runners, node.homes,
-                                            strict=True) if not node.chains else ():  # fmt: skip
-                producers.start_soon(target_stage, worker, runner, node.samples,
-                                     receive_packs.clone(), node.rings.producer(home))  # fmt: skip
+                producers.start_soon(
+                    chain_stage,
+                    chain,
+                    node.samples,
+                    receive_packs.clone(),
+                    node.rings.producer(chain.home),
+                )
+            for worker, runner, home in (
+                zip(node.targets, node.target_runners, node.homes, strict=True)
+                if not node.chains
+                else ()
+            ):
+                producers.start_soon(
+                    target_stage,
+                    worker,
+                    runner,
+                    node.samples,
+                    receive_packs.clone(),
+                    node.rings.producer(home),
+                )
             receive_packs.close()
         node.rings.close()  # all producers done: the consumers drain the rings and stop
 
@@ -151,26 +198,46 @@ async def _train(node: Node, log, *, shutdown: Shutdown) -> tuple[int, dict]:
                 await node.evaluate(step)
 
     async def report() -> None:
-        summary.update(await report_stage(receive_records, _throughput(node, lag), log,
-                                          total_steps=last, tensorboard_dir=spec.tensorboard_dir))  # fmt: skip
+        summary.update(
+            await report_stage(
+                receive_records,
+                _throughput(node, lag),
+                log,
+                total_steps=last,
+                tensorboard_dir=spec.tensorboard_dir,
+            )
+        )
 
     # Several nodes: one all-reduce a step, which also carries the stop vote and its signal
     across = NodeReducer(signal_of=lambda: shutdown.signum) if rank.distributed else None
     async with anyio.create_task_group() as background:
-        saver = Saver(node.drafters, spec.output_dir, keep=spec.save.keep, seed=spec.step.seed,
-                      run=resume.identity, tasks=background, log=log,
-                      node=rank if rank.distributed else None,
-                      timeout_s=spec.nodes.timeout_s)  # fmt: skip
+        saver = Saver(
+            node.drafters,
+            spec.output_dir,
+            keep=spec.save.keep,
+            seed=spec.step.seed,
+            run=resume.identity,
+            tasks=background,
+            log=log,
+            node=rank if rank.distributed else None,
+            timeout_s=spec.nodes.timeout_s,
+        )
         saver.last_step = resume.step if resume.path else None
         background.start_soon(lag.run)
         background.start_soon(produce)
         async with anyio.create_task_group() as foreground:
             foreground.start_soon(report)
             steps = await train_steps(
-                node.drafters, node.rings, send_records, first_step=resume.step, last_step=last,
-                stop=shutdown.stopping, on_step_end=between_steps, progress=progress,
+                node.drafters,
+                node.rings,
+                send_records,
+                first_step=resume.step,
+                last_step=last,
+                stop=shutdown.stopping,
+                on_step_end=between_steps,
+                progress=progress,
                 across_nodes=across,
-            )  # fmt: skip
+            )
         if across is not None and across.agreed_signal is not None:  # a peer's signal, or ours
             shutdown.adopt(across.agreed_signal)  # every rank ends alike: save, 130/143
         if steps > resume.step:  # the final checkpoint, also after a signal (rank 0 writes it)
@@ -186,14 +253,20 @@ def _throughput(node: Node, lag: LoopLag) -> Throughput:
     targets = [(w, r.meter) for w, r in zip(node.targets, node.target_runners, strict=True)]
     drafters = [(r.worker, r.meter) for r in node.drafters]
     return Throughput(
-        node.rings, targets, drafters, step.token_budget,
+        node.rings,
+        targets,
+        drafters,
+        step.token_budget,
         step_flops=lambda pairs: drafter_step_flops(
-            node.inputs.drafter_config, token_budget=step.token_budget,
-            num_anchors=step.num_anchors, visible_pairs=pairs,
+            node.inputs.drafter_config,
+            token_budget=step.token_budget,
+            num_anchors=step.num_anchors,
+            visible_pairs=pairs,
         ),
-        loop_lag_ms=lag.read_max_ms, target_flops=node.target_flops,
+        loop_lag_ms=lag.read_max_ms,
+        target_flops=node.target_flops,
         gpus=GpuBusy(targets + drafters),
-    )  # fmt: skip
+    )
 
 
 def _interrupted(shutdown: Shutdown, step: int, log, rank: RankInfo) -> int:

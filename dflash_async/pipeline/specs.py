@@ -7,10 +7,10 @@ Each spec is defined beside the code that owns it and carries only what that cod
                                         and its warm-start weights (DFLASH_DRAFTER__INIT)
     PlanSpec       stages/read.py       packs, epochs, steps
     TargetSpec     stages/produce.py    how target workers load and run the target
-    PlacementSpec  pipeline/placing.py  the candidate devices, roles by hand, ring depth
+    PlacementSpec  pipeline/placement/placing.py  the candidate devices, roles by hand, ring depth
     NodesSpec      pipeline/distributed the process group of several nodes
     SaveSpec       stages/save.py       checkpoints, export, resume policy
-    EvalSettings   settings.py          the in-run evaluation (the section as it is)
+    EvalSettings   settings/sections.py          the in-run evaluation (the section as it is)
     DataOptions    data/samples.py      reading and tokenizing the corpus
 
 Every `auto` that depends on the machine is resolved here (device lists, dtypes, which kernels a
@@ -29,23 +29,18 @@ from pathlib import Path
 import torch
 
 from dflash_async.data.samples import DataOptions
+from dflash_async.errors import SettingsError
+from dflash_async.kernels.fp8_format import rowwise_kernel_problem
 from dflash_async.model.build import StepSpec
 from dflash_async.model.drafter_config import DrafterSpec
-from dflash_async.model.fp8_format import rowwise_kernel_problem
 from dflash_async.pipeline.distributed import NodesSpec, pick_backend
-from dflash_async.pipeline.placing import PlacementSpec, candidate_devices, given_roles
-from dflash_async.settings import (
-    DataSettings,
-    EvalSettings,
-    Settings,
-    SettingsError,
-    TargetSettings,
-)
-from dflash_async.settings_recipe import TrainSettings
+from dflash_async.pipeline.placement.placing import PlacementSpec, candidate_devices, given_roles
+from dflash_async.settings import DataSettings, EvalSettings, Settings, TargetSettings
+from dflash_async.settings.recipe import TrainSettings
 from dflash_async.stages.produce import TargetSpec
 from dflash_async.stages.read import PlanSpec
 from dflash_async.stages.save import SaveSpec
-from dflash_async.target.split import replica_devices
+from dflash_async.targets.split import replica_devices
 
 
 @dataclass(frozen=True)
@@ -75,9 +70,13 @@ def run_spec(settings: Settings) -> RunSpec:
     devices = candidate_devices(pipe.devices)
     given = given_roles(pipe.target_devices, pipe.drafter_devices, default=devices)
     placement = PlacementSpec(
-        layout=pipe.layout, devices=devices, given=given, num_slots=pipe.num_slots,
-        target_batch_tokens=pipe.target_batch_tokens, calibration_packs=pipe.calibration_packs,
-    )  # fmt: skip
+        layout=pipe.layout,
+        devices=devices,
+        given=given,
+        num_slots=pipe.num_slots,
+        target_batch_tokens=pipe.target_batch_tokens,
+        calibration_packs=pipe.calibration_packs,
+    )
     _check_stages(settings.target.stages, layout=pipe.layout, given=given, devices=devices)
     if train.fp8_matmuls:
         _check_fp8_matmuls(placement.drafter_devices)
@@ -138,11 +137,13 @@ def _variant_fields(settings: Settings) -> dict:
     transforms and the embedding scale, as DrafterSpec (and DrafterConfig) fields."""
     drafter = settings.drafter
     return dict(
-        layer_types=tuple(drafter.layer_types), sliding_window=drafter.sliding_window,
-        is_causal=drafter.is_causal, output_multiplier=drafter.output_multiplier,
+        layer_types=tuple(drafter.layer_types),
+        sliding_window=drafter.sliding_window,
+        is_causal=drafter.is_causal,
+        output_multiplier=drafter.output_multiplier,
         final_logit_softcapping=drafter.final_logit_softcapping,
         input_embedding_scale=drafter.input_embedding_scale,
-    )  # fmt: skip
+    )
 
 
 def _step_spec(
@@ -156,18 +157,29 @@ def _step_spec(
             "a CPU); use sdpa or auto"
         )
     return StepSpec(
-        token_budget=token_budget, num_anchors=train.num_anchors, gamma=train.gamma,
-        lr=train.lr, warmup_frac=train.warmup_frac, weight_decay=train.weight_decay,
-        grad_clip=train.grad_clip, seed=train.seed, attention=attention,
-        compile=cuda and train.compile, compiled_update=cuda and train.compile,
+        token_budget=token_budget,
+        num_anchors=train.num_anchors,
+        gamma=train.gamma,
+        lr=train.lr,
+        warmup_frac=train.warmup_frac,
+        weight_decay=train.weight_decay,
+        grad_clip=train.grad_clip,
+        seed=train.seed,
+        attention=attention,
+        compile=cuda and train.compile,
+        compiled_update=cuda and train.compile,
         cuda_graph=cuda and train.cuda_graph,
-        ce_chunk_size=train.ce_chunk_size, ce_kernel=train.ce_kernel if cuda else "compiled",
+        ce_chunk_size=train.ce_chunk_size,
+        ce_kernel=train.ce_kernel if cuda else "compiled",
         conv_kernel=train.conv_kernel if cuda else "compiled",
         flex_backend=train.flex_backend,
         flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
-        flex_autotune=train.flex_autotune, working_weights=train.working_weights,
-        kind=kind, selector_alpha=train.selector_alpha, fp8_matmuls=train.fp8_matmuls,
-    )  # fmt: skip
+        flex_autotune=train.flex_autotune,
+        working_weights=train.working_weights,
+        kind=kind,
+        selector_alpha=train.selector_alpha,
+        fp8_matmuls=train.fp8_matmuls,
+    )
 
 
 def _check_fp8_matmuls(devices) -> None:
@@ -190,11 +202,18 @@ def _target_spec(
     """DFLASH_TARGET__DTYPE per device type: auto is bf16 on a GPU, fp32 on the CPU."""
     named = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(target.dtype)
     return TargetSpec(
-        cuda_dtype=named or torch.bfloat16, cpu_dtype=named or torch.float32,
-        token_budget=token_budget, max_batch_tokens=max_batch_tokens,
-        packed_hybrid=target.packed_hybrid, stages=target.stages, quantize=target.quantize,
-        weights=target.weights, seed=seed, decode=decode, cuda_graph=target.cuda_graph,
-    )  # fmt: skip
+        cuda_dtype=named or torch.bfloat16,
+        cpu_dtype=named or torch.float32,
+        token_budget=token_budget,
+        max_batch_tokens=max_batch_tokens,
+        packed_hybrid=target.packed_hybrid,
+        stages=target.stages,
+        quantize=target.quantize,
+        weights=target.weights,
+        seed=seed,
+        decode=decode,
+        cuda_graph=target.cuda_graph,
+    )
 
 
 def _evaluation_decodes(settings: Settings) -> bool:
@@ -210,7 +229,7 @@ def _evaluation_decodes(settings: Settings) -> bool:
 
 def _check_stages(stages: int, *, layout: str, given, devices) -> None:
     """A split target (DFLASH_TARGET__STAGES > 1) runs co-located on DEVICES, in groups of
-    `stages` devices (pipeline/split_placement.py); anything else is refused here (exit 2)."""
+    `stages` devices (pipeline/placement/split_placement.py); anything else is refused here (exit 2)."""
     if stages == 1:
         return
     if given is not None or layout == "split":
@@ -228,7 +247,12 @@ def _data_options(data: DataSettings, *, max_len: int, output_dir: Path) -> Data
     it, so a resume or a re-run never tokenizes again), `none` is off, anything else that folder."""
     cache_dir = data.cache_dir or str(output_dir / "cache")
     return DataOptions(
-        max_len=max_len, enable_thinking=data.enable_thinking, loss_turns=data.loss_turns,
-        too_long=data.too_long, on_bad_record=data.on_bad_record, role_map=data.role_map,
-        cache_dir=None if cache_dir == "none" else cache_dir, workers=data.workers,
-    )  # fmt: skip
+        max_len=max_len,
+        enable_thinking=data.enable_thinking,
+        loss_turns=data.loss_turns,
+        too_long=data.too_long,
+        on_bad_record=data.on_bad_record,
+        role_map=data.role_map,
+        cache_dir=None if cache_dir == "none" else cache_dir,
+        workers=data.workers,
+    )

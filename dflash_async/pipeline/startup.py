@@ -32,28 +32,28 @@ from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
 from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_init_weights
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
+from dflash_async.errors import SettingsError
 from dflash_async.log import get_logger
 from dflash_async.model.architectures import text_config_of, unsupported_reason
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
-from dflash_async.pipeline import placing, split_placement
 from dflash_async.pipeline.distributed import (
     RankInfo,
     check_same_run,
     writer_decides,
     writer_first,
 )
+from dflash_async.pipeline.placement import placing, split_placement
 from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec
 from dflash_async.runtime.devices import DeviceWorker, open_device_worker
 from dflash_async.runtime.rings import RingSet
-from dflash_async.settings import SettingsError
 from dflash_async.stages.chain import TargetChain, load_chain
 from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_evaluator
 from dflash_async.stages.produce import TargetRunner, load_runner
 from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
-from dflash_async.target.loading import TargetError, load_target_tokenizer
-from dflash_async.target.mask_token import mask_token
+from dflash_async.targets.loading import TargetError, load_target_tokenizer
+from dflash_async.targets.mask_token import mask_token
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,13 @@ async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
 
     def identity() -> dict:
         fingerprint = data_fingerprint(samples.tokens, samples.loss_mask, samples.offsets)
-        return run_identity(spec.step, inputs.drafter_config, target_path=inputs.target_path,
-                            data=fingerprint, world_size=rank.world_size)  # fmt: skip
+        return run_identity(
+            spec.step,
+            inputs.drafter_config,
+            target_path=inputs.target_path,
+            data=fingerprint,
+            world_size=rank.world_size,
+        )
 
     run = await anyio.to_thread.run_sync(identity, abandon_on_cancel=True)
 
@@ -149,8 +154,12 @@ def init_weights(
     if spec.init is None:
         return None
     if resume.path is not None:
-        log.info("drafter_init_ignored", path=str(spec.init), resumed=str(resume.path),
-                 reason="the run resumes its checkpoint")  # fmt: skip
+        log.info(
+            "drafter_init_ignored",
+            path=str(spec.init),
+            resumed=str(resume.path),
+            reason="the run resumes its checkpoint",
+        )
         return None
     return read_init_weights(spec.init, config)
 
@@ -158,7 +167,7 @@ def init_weights(
 def resolve_inputs(spec: RunSpec, log) -> RunInputs:
     """Target folder, data path and drafter config (builds the tiny target/corpus if needed)."""
     from dflash_async.eval.regenerate import demo_corpus
-    from dflash_async.target.tiny import builtin_cache_dir, ensure_tiny_target
+    from dflash_async.targets.tiny import builtin_cache_dir, ensure_tiny_target
 
     builtin = not spec.target_path
     target_path = str(ensure_tiny_target(builtin_cache_dir())) if builtin else spec.target_path
@@ -173,7 +182,7 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
     """The drafter's shapes from the target's config.json and the drafter's own settings; an
     architecture outside model/architectures.SUPPORTED is SettingsError (exit 2) naming it.
-    The mask token, unless set, is the target tokenizer's (target/mask_token.py; the built-in
+    The mask token, unless set, is the target tokenizer's (targets/mask_token.py; the built-in
     target's `<|mask|>` by its first rule), logged with the rule that chose it."""
     if Path(target_path).is_dir() and not (Path(target_path) / "config.json").is_file():
         raise TargetError(f"target folder {target_path!r} has no config.json")
@@ -194,15 +203,20 @@ def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> Dr
                 "row and no unused special token; set DFLASH_DRAFTER__MASK_TOKEN_ID to an id "
                 "the data never contains"
             )
-        get_logger(__name__).info("mask_token_chosen", id=found.id, token=found.token,
-                                  rule=found.rule, builtin=builtin)  # fmt: skip
+        get_logger(__name__).info(
+            "mask_token_chosen", id=found.id, token=found.token, rule=found.rule, builtin=builtin
+        )
         mask_token_id = found.id
     try:
         return drafter_config_from_target(
-            target_config, num_hidden_layers=spec.num_layers, num_features=spec.num_features,
-            block_size=spec.block_size, mask_token_id=mask_token_id,
-            target_layer_ids=spec.target_layer_ids, **spec.variant_fields(),
-        )  # fmt: skip
+            target_config,
+            num_hidden_layers=spec.num_layers,
+            num_features=spec.num_features,
+            block_size=spec.block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=spec.target_layer_ids,
+            **spec.variant_fields(),
+        )
     except ValueError as e:  # the target cannot host this drafter: name the settings involved
         raise SettingsError(
             f"drafter for target {target_path!r}: {e} (see DFLASH_TARGET__NUM_FEATURES, "
@@ -213,8 +227,9 @@ def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> Dr
 def read_samples(spec: RunSpec, inputs: RunInputs, log) -> TokenizedSamples:
     """The corpus tokenized with the target's tokenizer (DataError for an id past its vocab)."""
     tokenizer = load_target_tokenizer(inputs.target_path)
-    samples = load_samples(inputs.data_path, tokenizer, options=spec.data,
-                           block_size=spec.drafter.block_size, log=log)  # fmt: skip
+    samples = load_samples(
+        inputs.data_path, tokenizer, options=spec.data, block_size=spec.drafter.block_size, log=log
+    )
     vocab = inputs.drafter_config.vocab_size
     if samples.max_token_id >= vocab:  # would index past the embedding
         raise DataError(
@@ -234,10 +249,17 @@ async def start_node(
     if shutdown.requested:
         return None
     # Entered outside the interruptible scope: the evaluator's task group lives in the stack.
-    node.evaluate = await stack.enter_async_context(open_run_evaluator(
-        node.spec.eval, inputs=node.inputs, target_worker=node.targets[0],
-        target_model=node.target_runners[0].model, drafter=node.drafters[0],
-        output_dir=node.spec.output_dir, log=log))  # fmt: skip
+    node.evaluate = await stack.enter_async_context(
+        open_run_evaluator(
+            node.spec.eval,
+            inputs=node.inputs,
+            target_worker=node.targets[0],
+            target_model=node.target_runners[0].model,
+            drafter=node.drafters[0],
+            output_dir=node.spec.output_dir,
+            log=log,
+        )
+    )
     return node
 
 
@@ -250,12 +272,21 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
 
     async def load(worker: DeviceWorker) -> TargetRunner:
         t = spec.target
-        return await worker.run(load_runner, inputs.target_path, device=worker.device,
-                                dtype=t.dtype_on(worker.device), layer_ids=cfg.target_layer_ids,
-                                token_budget=t.token_budget, max_batch_tokens=t.max_batch_tokens,
-                                packed_hybrid=t.packed_hybrid, quantize=t.quantize,
-                                weights=t.weights, seed=t.seed, decode=t.decode,
-                                cuda_graph=t.cuda_graph)  # fmt: skip
+        return await worker.run(
+            load_runner,
+            inputs.target_path,
+            device=worker.device,
+            dtype=t.dtype_on(worker.device),
+            layer_ids=cfg.target_layer_ids,
+            token_budget=t.token_budget,
+            max_batch_tokens=t.max_batch_tokens,
+            packed_hybrid=t.packed_hybrid,
+            quantize=t.quantize,
+            weights=t.weights,
+            seed=t.seed,
+            decode=t.decode,
+            cuda_graph=t.cuda_graph,
+        )
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
         lambda: first_epoch(spec.plan, samples.lengths, rank=rank.rank, world_size=rank.world_size)
@@ -268,9 +299,17 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     else:
         targets = [await open_worker(place.first_device, "target0", False)]
         runners = [await load(targets[0])]
-        roles = await placing.place(place, spec.step, cfg, samples, first,
-                                    target_path=inputs.target_path, target=targets[0],
-                                    runner=runners[0], log=log)  # fmt: skip
+        roles = await placing.place(
+            place,
+            spec.step,
+            cfg,
+            samples,
+            first,
+            target_path=inputs.target_path,
+            target=targets[0],
+            runner=runners[0],
+            log=log,
+        )
     for i, device in enumerate(roles.targets[len(targets) :], start=len(targets)):
         targets.append(await open_worker(device, f"target{i}", False))
         runners.append(await load(targets[-1]))
@@ -282,8 +321,13 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     await _warm_start(prepared, drafters, log)
     await _restore(prepared, drafters, log, total_steps=plan.total_steps)
     feature_dtype = torch.bfloat16 if place.first_device.type == "cuda" else torch.float32
-    rings = placing.open_rings(roles, num_slots=place.num_slots, token_budget=spec.step.token_budget,
-                               feature_dim=cfg.num_features * cfg.hidden_size, dtype=feature_dtype)  # fmt: skip
+    rings = placing.open_rings(
+        roles,
+        num_slots=place.num_slots,
+        token_budget=spec.step.token_budget,
+        feature_dim=cfg.num_features * cfg.hidden_size,
+        dtype=feature_dtype,
+    )
     # Start-up leaves ~350k long-lived objects (torch, transformers, the target's modules); a
     # full collection that walks them all took 180-200 ms on the loop (BENCHMARKS.md, issue 15).
     # Frozen, collections during training see only what training allocates. Process-wide:
@@ -291,8 +335,21 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
     gc.freeze()
     stack.callback(gc.unfreeze)
     flops = placing.target_pack_flops(cfg, inputs.target_path)
-    return Node(spec, rank, inputs, samples, prepared.resume, plan, targets, runners,
-                roles.homes, drafters, rings, flops, chains=chains)  # fmt: skip
+    return Node(
+        spec,
+        rank,
+        inputs,
+        samples,
+        prepared.resume,
+        plan,
+        targets,
+        runners,
+        roles.homes,
+        drafters,
+        rings,
+        flops,
+        chains=chains,
+    )
 
 
 async def _start_chains(spec: RunSpec, inputs: RunInputs, open_worker, log):
@@ -300,14 +357,20 @@ async def _start_chains(spec: RunSpec, inputs: RunInputs, open_worker, log):
     replica's chain of stage workers, loaded one replica at a time."""
     t, cfg, stages = spec.target, inputs.drafter_config, spec.target.stages
     roles, groups, homes = split_placement.place_split(
-        spec.placement, spec.step, cfg, target_path=inputs.target_path, stages=stages,
-        dtype=t.dtype_on(spec.placement.devices[0]), log=log,
-    )  # fmt: skip
+        spec.placement,
+        spec.step,
+        cfg,
+        target_path=inputs.target_path,
+        stages=stages,
+        dtype=t.dtype_on(spec.placement.devices[0]),
+        log=log,
+    )
     chains = []
     for r, (group, home) in enumerate(zip(groups, homes, strict=True)):
         workers = [await open_worker(d, f"target{r}.{s}", False) for s, d in enumerate(group)]
-        chain = await load_chain(inputs.target_path, workers, spec=t,
-                                 layer_ids=cfg.target_layer_ids, log=log)  # fmt: skip
+        chain = await load_chain(
+            inputs.target_path, workers, spec=t, layer_ids=cfg.target_layer_ids, log=log
+        )
         chain.home = home
         chains.append(chain)
     return roles, chains
@@ -324,35 +387,55 @@ async def _plan_and_check(prepared: Prepared, first, *, num_drafters: int) -> Pl
     """The run's length, then the same facts on every node (a check that waits on the peers)."""
     spec, rank, samples = prepared.spec, prepared.rank, prepared.samples
     plan = plan_run(spec.plan, first, num_drafters=num_drafters)
-    await anyio.to_thread.run_sync(lambda: check_same_run(
-        rank, timeout_s=spec.nodes.timeout_s, samples=len(samples),
-        tokens=int(samples.lengths.sum()), drafters=num_drafters,
-        total_steps=plan.total_steps))  # fmt: skip
+    await anyio.to_thread.run_sync(
+        lambda: check_same_run(
+            rank,
+            timeout_s=spec.nodes.timeout_s,
+            samples=len(samples),
+            tokens=int(samples.lengths.sum()),
+            drafters=num_drafters,
+            total_steps=plan.total_steps,
+        )
+    )
     return plan
 
 
 async def _start_drafters(
-    spec: RunSpec, inputs: RunInputs, workers: list[DeviceWorker], total_steps: int,
-    rank: RankInfo, log,
-) -> list[DrafterRunner]:  # fmt: skip
+    spec: RunSpec,
+    inputs: RunInputs,
+    workers: list[DeviceWorker],
+    total_steps: int,
+    rank: RankInfo,
+    log,
+) -> list[DrafterRunner]:
     """Build each drafter in its own thread; capture graphs one device at a time. Anchors are
     drawn per drafter of the whole run (node rank * drafters per node + local index)."""
     runners = []
     for i, worker in enumerate(workers):  # one at a time: compile/capture not thread-safe
         started = time.perf_counter()
         step = await worker.run(
-            drafter_step_on, worker.device, spec.step, inputs.drafter_config,
-            target_path=inputs.target_path, rank=rank.rank * len(workers) + i,
-            total_steps=total_steps, random_seed=spec.target.random_seed,
-        )  # fmt: skip
+            drafter_step_on,
+            worker.device,
+            spec.step,
+            inputs.drafter_config,
+            target_path=inputs.target_path,
+            rank=rank.rank * len(workers) + i,
+            total_steps=total_steps,
+            random_seed=spec.target.random_seed,
+        )
         timings = {}  # warmup_s includes compiling and autotuning (the first calls)
         if spec.step.cuda_graph:
             timings = await worker.run(step.capture)
-        log.info("drafter_ready", device=str(worker.device), graph=step.graphs is not None,
-                 **{k: round(v, 2) for k, v in timings.items()},
-                 startup_s=round(time.perf_counter() - started, 2))  # fmt: skip
-        runners.append(DrafterRunner(worker, step, seed=spec.step.seed,
-                                     node=(rank.rank, rank.world_size)))  # fmt: skip
+        log.info(
+            "drafter_ready",
+            device=str(worker.device),
+            graph=step.graphs is not None,
+            **{k: round(v, 2) for k, v in timings.items()},
+            startup_s=round(time.perf_counter() - started, 2),
+        )
+        runners.append(
+            DrafterRunner(worker, step, seed=spec.step.seed, node=(rank.rank, rank.world_size))
+        )
     return runners
 
 
@@ -364,8 +447,14 @@ async def _warm_start(prepared: Prepared, drafters: list[DrafterRunner], log) ->
         return
     for runner in drafters:
         tensors = await runner.worker.run(load_init_weights, runner.step, init)
-    log.info("drafter_initialized", path=str(init.path), kind=init.kind, tensors=tensors,
-             stored_dtype=init.stored_dtype, drafters=len(drafters))  # fmt: skip
+    log.info(
+        "drafter_initialized",
+        path=str(init.path),
+        kind=init.kind,
+        tensors=tensors,
+        stored_dtype=init.stored_dtype,
+        drafters=len(drafters),
+    )
 
 
 async def _restore(
@@ -376,17 +465,24 @@ async def _restore(
     others are refused alike) and hands its checkpoint to every rank (ranks.broadcast_state)."""
     resume, rank, timeout_s = prepared.resume, prepared.rank, prepared.spec.nodes.timeout_s
     plan = {"total_steps": total_steps, "num_drafters": len(drafters)}
-    state, _ = await writer_decides(rank, "resume_placed", lambda: (resume.placed(**plan), None),
-                                    timeout_s=timeout_s)  # fmt: skip
+    state, _ = await writer_decides(
+        rank, "resume_placed", lambda: (resume.placed(**plan), None), timeout_s=timeout_s
+    )
     if not rank.is_writer:
         resume.placed(**plan)  # the identity this rank holds; rank 0 checked it
     if resume.path is None:
         return
     if rank.distributed:  # sync points: one broadcast per tensor, at start-up
         first = drafters[0].worker
-        state = await first.run(broadcast_state, state, rank, device=first.device,
-                                timeout_s=timeout_s)  # fmt: skip
+        state = await first.run(
+            broadcast_state, state, rank, device=first.device, timeout_s=timeout_s
+        )
     for i, runner in enumerate(drafters):
         await runner.worker.run(restore, runner.step, state, rank=i, node=rank.rank)
-    log.info("resumed", step=resume.step, epoch=resume.cursor.epoch, pack=resume.cursor.index,
-             path=str(resume.path))  # fmt: skip
+    log.info(
+        "resumed",
+        step=resume.step,
+        epoch=resume.cursor.epoch,
+        pack=resume.cursor.index,
+        path=str(resume.path),
+    )

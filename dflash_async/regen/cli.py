@@ -154,15 +154,24 @@ def main(args: argparse.Namespace) -> Path:
         raise DataError(f"--input {args.input!r}{part} has no records to regenerate")
     log = get_logger("dflash_async")
     model_name = _served_model(args)
-    identity = _identity(args, corpus, sampling, total=total, fingerprint=fingerprint,
-                         model_name=model_name)  # fmt: skip
+    identity = _identity(
+        args, corpus, sampling, total=total, fingerprint=fingerprint, model_name=model_name
+    )
     progress = read_progress(output, identity)
     if progress.complete:
         log.info("regenerate_completed", output=str(output), records=total, already_done=True)
         return output
     engine = _engine(args, sampling, model_name=model_name, devices=devices)
-    _drive(engine, corpus, output, identity=identity, progress=progress, total=total, args=args,
-           log=log)  # fmt: skip
+    _drive(
+        engine,
+        corpus,
+        output,
+        identity=identity,
+        progress=progress,
+        total=total,
+        args=args,
+        log=log,
+    )
     return output
 
 
@@ -170,9 +179,13 @@ def _sampling(args: argparse.Namespace) -> Any:
     from dflash_async.regen.engines import Sampling
 
     return Sampling(
-        max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
-        seed=args.seed, turns=args.turns, template_kwargs=_template_kwargs(args),
-    )  # fmt: skip
+        max_new_tokens=args.max_new_tokens,
+        greedy=not args.sample,
+        temperature=args.temperature,
+        seed=args.seed,
+        turns=args.turns,
+        template_kwargs=_template_kwargs(args),
+    )
 
 
 def _devices(args: argparse.Namespace) -> list[Any]:
@@ -237,15 +250,24 @@ def _engine(
         from dflash_async.regen.engines import ServerEngine
 
         return ServerEngine(
-            args.server, model=model_name, sampling=sampling, concurrency=args.concurrency,
-            timeout_s=args.timeout, retries=args.retries,
-        )  # fmt: skip
+            args.server,
+            model=model_name,
+            sampling=sampling,
+            concurrency=args.concurrency,
+            timeout_s=args.timeout,
+            retries=args.retries,
+        )
     from dflash_async.regen.engines import InProcessEngine
-    from dflash_async.target.loading import load_target, load_target_tokenizer
+    from dflash_async.targets.loading import load_target, load_target_tokenizer
 
     models = [load_target(args.target, device=device) for device in devices]  # TargetError: exit 2
-    return InProcessEngine(models, load_target_tokenizer(args.target), sampling=sampling,
-                           batch_size=args.batch_size, compile=args.compile)  # fmt: skip
+    return InProcessEngine(
+        models,
+        load_target_tokenizer(args.target),
+        sampling=sampling,
+        batch_size=args.batch_size,
+        compile=args.compile,
+    )
 
 
 def _drive(
@@ -263,11 +285,18 @@ def _drive(
     from dflash_async.data.formats import DataError
     from dflash_async.regen.shards import ShardWriter
 
-    writer = ShardWriter(output, identity=identity, records_per_shard=args.records_per_shard,
-                         progress=progress)  # fmt: skip
+    writer = ShardWriter(
+        output, identity=identity, records_per_shard=args.records_per_shard, progress=progress
+    )
     meter = _Meter(total=total, done=writer.done, every_s=args.progress_every, log=log)
-    log.info("regenerate_started", output=str(output), records=total, resumed_at=writer.done,
-             engine=identity["engine"], model=identity["model"])  # fmt: skip
+    log.info(
+        "regenerate_started",
+        output=str(output),
+        records=total,
+        resumed_at=writer.done,
+        engine=identity["engine"],
+        model=identity["model"],
+    )
     last_flush, shards = time.monotonic(), len(progress.shards)
     outcomes = engine.outcomes(corpus.conversations(skip=writer.done))
     try:
@@ -275,30 +304,44 @@ def _drive(
             if outcome is not None and outcome.error is not None:
                 where = outcome.conversation.where
                 if args.on_error == "fail":
-                    raise DataError(f"{where}: the server rejected it: {outcome.error} "
-                                    "(--on-error skip skips such records)")  # fmt: skip
+                    raise DataError(
+                        f"{where}: the server rejected it: {outcome.error} "
+                        "(--on-error skip skips such records)"
+                    )
                 log.warning("regenerate_record_skipped", where=where, error=outcome.error)
             if outcome is not None:
                 writer.add(outcome.record)
                 meter.count(outcome)
             if len(progress.shards) > shards:
                 shards = len(progress.shards)
-                log.info("regenerate_shard_written", file=progress.shards[-1]["file"],
-                         records_done=writer.done)  # fmt: skip
+                log.info(
+                    "regenerate_shard_written",
+                    file=progress.shards[-1]["file"],
+                    records_done=writer.done,
+                )
             if time.monotonic() - last_flush > _FLUSH_EVERY_S:
                 writer.flush()
                 last_flush = time.monotonic()
             meter.maybe_log()
         writer.finish()
         if len(progress.shards) > shards:
-            log.info("regenerate_shard_written", file=progress.shards[-1]["file"],
-                     records_done=writer.done)  # fmt: skip
+            log.info(
+                "regenerate_shard_written",
+                file=progress.shards[-1]["file"],
+                records_done=writer.done,
+            )
     finally:
         outcomes.close()  # now, not at garbage collection: the server's workers stop
         writer.flush()  # the records done stay done (a no-op after finish)
         writer.close()
-    log.info("regenerate_completed", output=str(output), records=total, shards=len(progress.shards),
-             skipped=progress.skipped, **meter.rates())  # fmt: skip
+    log.info(
+        "regenerate_completed",
+        output=str(output),
+        records=total,
+        shards=len(progress.shards),
+        skipped=progress.skipped,
+        **meter.rates(),
+    )
 
 
 class _Meter:
@@ -331,5 +374,10 @@ class _Meter:
         rates = self.rates()
         left = self.total - self.done
         eta = round(left / rates["records_per_s"], 1) if rates["records_per_s"] else None
-        self.log.info("regenerate_progress", records_done=self.done, records_total=self.total,
-                      eta_s=eta, **rates)  # fmt: skip
+        self.log.info(
+            "regenerate_progress",
+            records_done=self.done,
+            records_total=self.total,
+            eta_s=eta,
+            **rates,
+        )

@@ -8,7 +8,7 @@
   408/429 and 5xx are retried with exponential back-off; another 4xx is the server rejecting the
   record (the command skips it or fails, by --on-error).
 - `InProcessEngine`: the target loaded here, one replica per device, batched generation with a
-  static KV cache, prompts sorted by length (regen/batched.py).
+  static KV cache, prompts sorted by length (regen/batched_generation.py).
 
 Both yield one `Outcome` per conversation in input order, so the output does not depend on the
 engine's concurrency; `None` now and then while waiting, so the caller can log progress.
@@ -40,7 +40,7 @@ from dflash_async.eval.regenerate import (
     render_prompt,
     turns_to_generate,
 )
-from dflash_async.regen.batched import GenerationPool
+from dflash_async.regen.batched_generation import GenerationPool
 from dflash_async.regen.corpus import Conversation
 from dflash_async.usage import UsageError
 
@@ -81,7 +81,7 @@ class ServerError(RuntimeError):
 
 
 class InProcessEngine:
-    """The target in this process: a `GenerationPool` (regen/batched.py) of one replica per
+    """The target in this process: a `GenerationPool` (regen/batched_generation.py) of one replica per
     device, fed windows of conversations; `batch_size` None: as large as fits.
 
     A window is `window_batches` batches per device of conversations; its turns are generated
@@ -103,10 +103,21 @@ class InProcessEngine:
     ) -> None:
         s = sampling
         self.tokenizer, self.sampling = tokenizer, sampling
-        config = generation_config(models[0], tokenizer, max_new_tokens=s.max_new_tokens,
-                                   greedy=s.greedy, temperature=s.temperature)  # fmt: skip
-        self.pool = GenerationPool(models, config=config, batch_size=batch_size, compile=compile,
-                                   seed=s.seed, tick_s=tick_s)  # fmt: skip
+        config = generation_config(
+            models[0],
+            tokenizer,
+            max_new_tokens=s.max_new_tokens,
+            greedy=s.greedy,
+            temperature=s.temperature,
+        )
+        self.pool = GenerationPool(
+            models,
+            config=config,
+            batch_size=batch_size,
+            compile=compile,
+            seed=s.seed,
+            tick_s=tick_s,
+        )
         self.window_batches = window_batches
         # on the CPU one intra-op thread decodes several times faster (cpu_threads says why)
         on_cpu = any(r.device.type == "cpu" for r in self.pool.replicas)
@@ -130,8 +141,10 @@ class InProcessEngine:
         tokens = [0] * len(records)
         for round_ in range(max((len(t) for t in chosen), default=0)):
             jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
-            prompts = [render_prompt(tokenizer, records[n]["messages"][:i], s.template_kwargs)
-                       for n, i in jobs]  # fmt: skip
+            prompts = [
+                render_prompt(tokenizer, records[n]["messages"][:i], s.template_kwargs)
+                for n, i in jobs
+            ]
             # no special tokens added: the template has them
             rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
             new_ids = yield from self.pool.generate(rows)
@@ -236,8 +249,10 @@ class ServerEngine:
         """Answers in input order from `concurrency` daemon threads (daemon: a signal's exit
         does not wait for requests in flight), at most 2 x concurrency conversations ahead."""
         jobs: SimpleQueue[tuple[Conversation, Future] | None] = SimpleQueue()
-        workers = [threading.Thread(target=self._work, args=(jobs,), daemon=True)
-                   for _ in range(self.concurrency)]  # fmt: skip
+        workers = [
+            threading.Thread(target=self._work, args=(jobs,), daemon=True)
+            for _ in range(self.concurrency)
+        ]
         for worker in workers:
             worker.start()
         pending: deque[Future] = deque()

@@ -66,8 +66,9 @@ def read_progress(output: Path, identity: dict[str, Any]) -> Progress:
     except (ValueError, KeyError, TypeError) as error:
         raise _refuse(output, f"has an unreadable {MANIFEST} ({error})") from None
     if recorded != identity:
-        changed = sorted(k for k in identity.keys() | recorded.keys()
-                         if identity.get(k) != recorded.get(k))  # fmt: skip
+        changed = sorted(
+            k for k in identity.keys() | recorded.keys() if identity.get(k) != recorded.get(k)
+        )
         raise _refuse(output, f"holds a regeneration with other settings ({', '.join(changed)})")
     return progress
 

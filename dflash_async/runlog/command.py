@@ -7,10 +7,17 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_LOG",
-                        help="run folders (holding log.jsonl) or JSON log files; several: side by side")  # fmt: skip
-    parser.add_argument("--out", default=None,
-                        help="folder for report.html and the PNGs (default: FIRST_RUN/report)")  # fmt: skip
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR_OR_LOG",
+        help="run folders (holding log.jsonl) or JSON log files; several: side by side",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for report.html and the PNGs (default: FIRST_RUN/report)",
+    )
 
 
 def default_out(first: str) -> Path:

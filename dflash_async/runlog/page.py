@@ -62,11 +62,15 @@ def run_line(run: RunLog) -> str:
     train, pipe = settings.get("train", {}), settings.get("pipeline", {})
     parts = [f"{k} {v}" for k, v in versions.items()]
     if train:
-        parts.append(f"T={train.get('token_budget')} A={train.get('num_anchors')} "
-                     f"B={train.get('block_size')}")  # fmt: skip
+        parts.append(
+            f"T={train.get('token_budget')} A={train.get('num_anchors')} "
+            f"B={train.get('block_size')}"
+        )
     if pipe:
-        parts.append(f"targets {','.join(pipe.get('target_devices', []))}, "
-                     f"drafters {','.join(pipe.get('drafter_devices', []))}")  # fmt: skip
+        parts.append(
+            f"targets {','.join(pipe.get('target_devices', []))}, "
+            f"drafters {','.join(pipe.get('drafter_devices', []))}"
+        )
     target = settings.get("target", {}).get("path")
     if target is not None:
         parts.append(f"target {target or 'built-in tiny'}")

@@ -64,8 +64,11 @@ class RunLog:
     @property
     def world_size(self) -> int:
         """Nodes (ranks) of the run: `process_group_joined`'s world_size, or the ranks seen."""
-        joined = [e["world_size"] for e in self.named("process_group_joined")
-                  if _is_number(e.get("world_size"))]  # fmt: skip
+        joined = [
+            e["world_size"]
+            for e in self.named("process_group_joined")
+            if _is_number(e.get("world_size"))
+        ]
         ranks = [_rank(e) for e in self.events if e["event"] == "step"]
         return int(max([*joined, max(ranks, default=0) + 1]))
 

@@ -82,12 +82,24 @@ def learning_figure(runs: list[RunLog]) -> Figure:
             _curve(ax, *run.series(key), color, run.name)
             ax.set_ylabel(label)
         evals = [e for e in run.named("eval") if isinstance(e.get("tau"), int | float)]
-        axes[1, 1].plot([e.get("step", 0) for e in evals], [e["tau"] for e in evals], "o-",
-                        color=color, label=run.name)  # fmt: skip
+        axes[1, 1].plot(
+            [e.get("step", 0) for e in evals],
+            [e["tau"] for e in evals],
+            "o-",
+            color=color,
+            label=run.name,
+        )
     axes[1, 1].set_ylabel("τ by decoding (eval)")
     if not any(run.named("eval") for run in runs):  # say so rather than draw an empty axis
-        axes[1, 1].text(0.5, 0.5, "no evaluation in this run", ha="center", va="center",
-                        transform=axes[1, 1].transAxes, color="gray")  # fmt: skip
+        axes[1, 1].text(
+            0.5,
+            0.5,
+            "no evaluation in this run",
+            ha="center",
+            va="center",
+            transform=axes[1, 1].transAxes,
+            color="gray",
+        )
     for ax in axes[1]:
         ax.set_xlabel("optimizer step")
     _legend(fig, runs)
@@ -148,8 +160,14 @@ def _tokens_panel(ax: Axes, run: RunLog, xy: tuple[list[float], list[float]], co
         _curve(ax, *xy, color, run.name)
         return
     _curve(ax, *xy, color, f"{run.name}: rank 0's node")
-    _curve(ax, xy[0], [y * nodes for y in xy[1]], color,
-           f"{run.name}: all {nodes} nodes (rank 0's × {nodes})", ls="--")  # fmt: skip
+    _curve(
+        ax,
+        xy[0],
+        [y * nodes for y in xy[1]],
+        color,
+        f"{run.name}: all {nodes} nodes (rank 0's × {nodes})",
+        ls="--",
+    )
 
 
 def throughput_figure(runs: list[RunLog]) -> Figure:
@@ -166,8 +184,9 @@ def throughput_figure(runs: list[RunLog]) -> Figure:
             x, y = _over_time(run, times, steps, key)
             _curve(bottom, x, [v * 100 for v in y], color, f"{run.name}: {key}", ls=styles[j % 4])
     several = any(run.world_size > 1 for run in runs)
-    top.set_ylabel("training tokens/s (all drafters" + (", per node and all nodes)" if several
-                                                        else ")"))  # fmt: skip
+    top.set_ylabel(
+        "training tokens/s (all drafters" + (", per node and all nodes)" if several else ")")
+    )
     top.yaxis.set_major_formatter(EngFormatter())
     if several:
         _labelled_legend(top, fontsize=9)
@@ -175,8 +194,15 @@ def throughput_figure(runs: list[RunLog]) -> Figure:
     bottom.yaxis.set_major_formatter(PercentFormatter(decimals=None))
     if not all(gpu):
         cpu = ", ".join(run.name for run, on_gpu in zip(runs, gpu, strict=True) if not on_gpu)
-        bottom.text(0.5, 0.5, f"no MFU for CPU runs ({cpu}): it is against a GPU's peak",
-                    ha="center", va="center", transform=bottom.transAxes, color="gray")  # fmt: skip
+        bottom.text(
+            0.5,
+            0.5,
+            f"no MFU for CPU runs ({cpu}): it is against a GPU's peak",
+            ha="center",
+            va="center",
+            transform=bottom.transAxes,
+            color="gray",
+        )
     _labelled_legend(bottom, fontsize=9)
     bottom.set_xlabel(f"{unit} since the run started")
     _legend(fig, runs)
@@ -208,8 +234,14 @@ def _busy_series(run: RunLog) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def busy_figure(runs: list[RunLog]) -> Figure:
-    fig, axes = _figure(1, len(runs), "Device busy per worker (share of wall time)",
-                        height=4.5, sharex=True, sharey=True)  # fmt: skip
+    fig, axes = _figure(
+        1,
+        len(runs),
+        "Device busy per worker (share of wall time)",
+        height=4.5,
+        sharex=True,
+        sharey=True,
+    )
     for ax, run in zip(axes[0], runs, strict=True):
         for j, (name, (steps, values)) in enumerate(sorted(_busy_series(run).items())):
             style = "-" if "target" in name else "--"
@@ -231,8 +263,13 @@ def pipeline_figure(runs: list[RunLog]) -> Figure:
         steps, depth = run.series("slot_queue")
         top.step(steps, depth, where="post", color=color, lw=max(0.8, 2.4 - 0.6 * i), alpha=0.8)
         _curve(bottom, *run.series("supply_tokens_per_s"), color, f"{run.name}: supply (targets)")
-        _curve(bottom, *run.series("demand_tokens_per_s"), color, f"{run.name}: demand (drafters)",
-               ls="--")  # fmt: skip
+        _curve(
+            bottom,
+            *run.series("demand_tokens_per_s"),
+            color,
+            f"{run.name}: demand (drafters)",
+            ls="--",
+        )
     top.set_ylabel("full slots waiting (packs)")
     top.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_ylabel("tokens/s")
@@ -263,8 +300,9 @@ def step_time_figure(runs: list[RunLog]) -> Figure:
 
 
 def startup_figure(runs: list[RunLog]) -> Figure:
-    fig, axes = _figure(1, 1, "Start-up breakdown (until startup_completed)",
-                        height=1.6 + 1.2 * len(runs))  # fmt: skip
+    fig, axes = _figure(
+        1, 1, "Start-up breakdown (until startup_completed)", height=1.6 + 1.2 * len(runs)
+    )
     ax = axes[0, 0]
     phases: list[str] = []  # one colour and one legend entry per phase, devices merged
     segments = [startup_segments(run) for run in runs]
@@ -278,8 +316,16 @@ def startup_figure(runs: list[RunLog]) -> Figure:
             color = COLORS[phases.index(base) % 10]
             ax.barh(row, seconds, left=left, color=color, edgecolor="white", label=label)
             if seconds > 0.06 * longest:  # wide enough to hold its duration
-                ax.text(left + seconds / 2, row, f"{seconds:.3g} s", ha="center", va="center",
-                        color="white", fontsize=10, fontweight="bold")  # fmt: skip
+                ax.text(
+                    left + seconds / 2,
+                    row,
+                    f"{seconds:.3g} s",
+                    ha="center",
+                    va="center",
+                    color="white",
+                    fontsize=10,
+                    fontweight="bold",
+                )
             left += seconds
     ax.set_yticks(range(len(runs)), [r.name for r in runs])
     ax.invert_yaxis()

@@ -110,8 +110,13 @@ def open_run_record(
     `run_summary` (the exit reason) goes to stdout alone."""
     folder = Path(output_dir)
     log_path = folder / LOG_NAME
-    configure_logging(log_settings.format, log_settings.level, file=log_path, hold_file=True,
-                      every=log_settings.every)  # fmt: skip
+    configure_logging(
+        log_settings.format,
+        log_settings.level,
+        file=log_path,
+        hold_file=True,
+        every=log_settings.every,
+    )
     record = RunRecord(folder, 0)
     record.on_accept = lambda: _write_folder(record, settings_dict)
     error: BaseException | None = None

@@ -50,8 +50,9 @@ def devices(run: RunLog) -> set[str]:
     """The devices the log names: each drafter's (`drafter_ready`) and each the step lines
     measure (`gpu_busy` keys: "cuda:0", "cpu")."""
     named = {str(e["device"]) for e in run.named("drafter_ready") if "device" in e}
-    return named | {str(k) for e in run.steps if isinstance(e.get("gpu_busy"), dict)
-                    for k in e["gpu_busy"]}  # fmt: skip
+    return named | {
+        str(k) for e in run.steps if isinstance(e.get("gpu_busy"), dict) for k in e["gpu_busy"]
+    }
 
 
 def is_gpu_run(run: RunLog) -> bool:

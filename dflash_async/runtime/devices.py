@@ -28,7 +28,11 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from dflash_async.settings import SettingsError
+from dflash_async.errors import SettingsError
+
+# One CUDA-graph capture at a time in the whole process (docs/GPU.md: concurrent captures fail):
+# the drafter step and the graphed target forward both capture under it.
+CAPTURE_LOCK = threading.Lock()
 
 T = TypeVar("T")
 

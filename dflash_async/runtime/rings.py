@@ -93,10 +93,18 @@ class SlotRing:
         if pin_memory is None:
             pin_memory = device.type == "cpu" and torch.cuda.is_available()
         self.slots = tuple(
-            Slot(i, PackedBatch.empty(token_budget, feature_dim, device=device,
-                                      feature_dtype=feature_dtype, pin_memory=pin_memory))
+            Slot(
+                i,
+                PackedBatch.empty(
+                    token_budget,
+                    feature_dim,
+                    device=device,
+                    feature_dtype=feature_dtype,
+                    pin_memory=pin_memory,
+                ),
+            )
             for i in range(num_slots)
-        )  # fmt: skip
+        )
         self.device = device
         self.pinned = pin_memory
         self._poll_interval_s = poll_interval_s

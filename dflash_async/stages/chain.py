@@ -1,4 +1,4 @@
-"""The stage chain: one target replica split by layers (target/split.py) over k stage workers.
+"""The stage chain: one target replica split by layers (targets/split.py) over k stage workers.
 
 Per pack: the first stage builds the fixed layout on the host (pinned on CUDA), takes a free slot
 (the slot counts as held from here to the last stage's publish), and every stage, in its own
@@ -38,10 +38,10 @@ from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import RingProducer
 from dflash_async.stages.produce import TargetRunner, TargetSpec, load_logged_random
 from dflash_async.stages.read import PlannedPack
-from dflash_async.target.forward import TargetPath, select_target_forward
-from dflash_async.target.loading import _checked_folder, load_target, text_config, text_model
-from dflash_async.target.random_weights import meta_target, random_config
-from dflash_async.target.split import Split, layer_sizes, split_layers
+from dflash_async.targets.forward import TargetPath, select_target_forward
+from dflash_async.targets.loading import _checked_folder, load_target, text_config, text_model
+from dflash_async.targets.random_weights import meta_target, random_config
+from dflash_async.targets.split import Split, layer_sizes, split_layers
 
 Chooser = Callable[[torch.nn.Module, range], TargetPath]  # a stage's forward for its range
 
@@ -106,25 +106,32 @@ class InFlight:
 
 
 async def load_chain(
-    path: str, workers: Sequence[DeviceWorker], *, spec: TargetSpec, layer_ids: tuple[int, ...],
+    path: str,
+    workers: Sequence[DeviceWorker],
+    *,
+    spec: TargetSpec,
+    layer_ids: tuple[int, ...],
     log,
-) -> TargetChain:  # fmt: skip
+) -> TargetChain:
     """Load the target once on the host (in the first stage's thread; the GPU part of issue 34
     would load each stage's layers straight onto its device), then `build_chain`. A random
     target (spec.weights) is drawn instead, each stage's layers straight onto its device
     (`_random_chain_model`)."""
     host = torch.device("cpu")
     if spec.random_seed is not None:
-        model, split = await workers[0].run(_random_chain_model, path, workers, spec=spec,
-                                            last_layer=max(layer_ids), log=log)  # fmt: skip
-        return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log,
-                                 split=split)  # fmt: skip
+        model, split = await workers[0].run(
+            _random_chain_model, path, workers, spec=spec, last_layer=max(layer_ids), log=log
+        )
+        return await build_chain(
+            model, workers, spec=spec, layer_ids=layer_ids, log=log, split=split
+        )
     model = await workers[0].run(load_target, path, device=host, dtype=spec.dtype_on(host))
     return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log)
 
 
-def _random_chain_model(path: str, workers: Sequence[DeviceWorker], *, spec: TargetSpec,
-                        last_layer: int, log):  # fmt: skip
+def _random_chain_model(
+    path: str, workers: Sequence[DeviceWorker], *, spec: TargetSpec, last_layer: int, log
+):
     """(the random target, its split): the split from the meta-built model's bytes (as
     `build_chain` would cut it), then every stage's layers drawn on that stage's device, the
     embedding and rotary on the first; with spec.decode the layers past the last captured one
@@ -135,17 +142,30 @@ def _random_chain_model(path: str, workers: Sequence[DeviceWorker], *, spec: Tar
     split = split_layers(layer_sizes(text_model(meta), last_layer=last_layer), stages=len(devices))
     stage_of = {i: s for s, r in enumerate(split.ranges) for i in r}
     model, _ = load_logged_random(
-        path, device=devices[0], dtype=dtype, seed=spec.seed, last_layer=last_layer,
-        decode=spec.decode, quantize=spec.quantize, log=log,
-        layer_device=lambda i: devices[stage_of[i]], tail_device=torch.device("cpu"),
-    )  # fmt: skip
+        path,
+        device=devices[0],
+        dtype=dtype,
+        seed=spec.seed,
+        last_layer=last_layer,
+        decode=spec.decode,
+        quantize=spec.quantize,
+        log=log,
+        layer_device=lambda i: devices[stage_of[i]],
+        tail_device=torch.device("cpu"),
+    )
     return model, split
 
 
 async def build_chain(
-    model, workers: Sequence[DeviceWorker], *, spec: TargetSpec, layer_ids: tuple[int, ...], log,
-    choose: Chooser | None = None, split: Split | None = None,
-) -> TargetChain:  # fmt: skip
+    model,
+    workers: Sequence[DeviceWorker],
+    *,
+    spec: TargetSpec,
+    layer_ids: tuple[int, ...],
+    log,
+    choose: Chooser | None = None,
+    split: Split | None = None,
+) -> TargetChain:
     """Split the model's layers by bytes (unless `split` is given: a random target's, cut
     before its layers were drawn), move each stage's layers (and the embedding, to the first)
     onto its device in its thread, choose each stage's forward (`choose(model, layers)`, by
@@ -157,27 +177,47 @@ async def build_chain(
     d = text_config(model).hidden_size
     stages = []
     for worker, layers in zip(workers, split.ranges, strict=True):  # one at a time: compile
-        runner = await worker.run(_stage_runner, model, layers, worker.device, choose=choose,
-                                  token_budget=spec.token_budget, width=len(layer_ids) * d)  # fmt: skip
+        runner = await worker.run(
+            _stage_runner,
+            model,
+            layers,
+            worker.device,
+            choose=choose,
+            token_budget=spec.token_budget,
+            width=len(layer_ids) * d,
+        )
         columns = tuple(j for j, i in enumerate(layer_ids) if i in layers)
         stages.append(ChainStage(worker, runner, layers, columns, d))
     inbound = [await s.worker.run(_boundaries, s, spec.token_budget) for s in stages[1:]]
     chain = TargetChain(stages, split, inbound)
-    log.info("target_split", stages=len(stages), layers=[[r.start, r.stop] for r in split.ranges],
-             stage_bytes=list(split.stage_bytes), devices=[str(w.device) for w in workers],
-             target_path=stages[0].runner.path.name)  # fmt: skip
+    log.info(
+        "target_split",
+        stages=len(stages),
+        layers=[[r.start, r.stop] for r in split.ranges],
+        stage_bytes=list(split.stage_bytes),
+        devices=[str(w.device) for w in workers],
+        target_path=stages[0].runner.path.name,
+    )
     started = time.perf_counter()
     await _warm_up(chain, spec.token_budget)
-    log.info("target_warmed_up", target_path=stages[0].runner.path.name, stages=len(stages),
-             warm_up_s=round(time.perf_counter() - started, 2))  # fmt: skip
+    log.info(
+        "target_warmed_up",
+        target_path=stages[0].runner.path.name,
+        stages=len(stages),
+        warm_up_s=round(time.perf_counter() - started, 2),
+    )
     return chain
 
 
 def _select(model, layers: range, *, spec: TargetSpec, layer_ids) -> TargetPath:
     return select_target_forward(
-        model, layer_ids, token_budget=spec.token_budget, max_batch_tokens=spec.max_batch_tokens,
-        packed_hybrid=spec.packed_hybrid, layers=layers,
-    )  # fmt: skip
+        model,
+        layer_ids,
+        token_budget=spec.token_budget,
+        max_batch_tokens=spec.max_batch_tokens,
+        packed_hybrid=spec.packed_hybrid,
+        layers=layers,
+    )
 
 
 def _stage_runner(
@@ -211,8 +251,15 @@ async def _warm_up(chain: TargetChain, token_budget: int) -> None:
     boundary = None
     for i, stage in enumerate(chain.stages):
         out = chain.inbound[i][0] if i < len(chain.inbound) else None
-        await stage.worker.run(run_stage, stage, host, stage.runner.inputs, inbound=boundary,
-                               outbound=out, last=out is None)  # fmt: skip
+        await stage.worker.run(
+            run_stage,
+            stage,
+            host,
+            stage.runner.inputs,
+            inbound=boundary,
+            outbound=out,
+            last=out is None,
+        )
         boundary = out
 
 
@@ -238,9 +285,14 @@ def _wait(event: torch.cuda.Event | None) -> None:
 
 @torch.no_grad()
 def run_stage(
-    stage: ChainStage, host: HostPack, slot_batch: PackedBatch, *, inbound: Boundary | None,
-    outbound: Boundary | None, last: bool,
-):  # fmt: skip
+    stage: ChainStage,
+    host: HostPack,
+    slot_batch: PackedBatch,
+    *,
+    inbound: Boundary | None,
+    outbound: Boundary | None,
+    last: bool,
+):
     """A stage's part of one pack (see the module doc); returns its written event (CPU: None)."""
     runner, device = stage.runner, stage.device
     ins = runner.inputs
@@ -252,8 +304,9 @@ def run_stage(
         hidden = inbound.buffer
     in_place = slot_batch.features.device == device
     features = slot_batch.features if in_place else ins.features
-    out = runner.path.stage(hidden, ins.input_ids, ins.position_ids, ins.doc_ids, features,
-                            host.lengths)  # fmt: skip
+    out = runner.path.stage(
+        hidden, ins.input_ids, ins.position_ids, ins.doc_ids, features, host.lengths
+    )
     if not in_place:
         _copy_columns(slot_batch.features, ins.features, stage.columns, stage.width)
     if outbound is not None:
@@ -280,21 +333,25 @@ def _copy_columns(dst: torch.Tensor, src: torch.Tensor, columns: Sequence[int], 
 
 
 async def chain_stage(
-    chain: TargetChain, samples: TokenizedSamples, packs: ReceiveChannel[PlannedPack],
+    chain: TargetChain,
+    samples: TokenizedSamples,
+    packs: ReceiveChannel[PlannedPack],
     ring: RingProducer,
-) -> None:  # fmt: skip
+) -> None:
     """Run packs through the chain until the packs channel closes (then each link closes)."""
     k = len(chain.stages)
     links = [open_channel(1, f"stage{i + 1}") for i in range(k - 1)]
-    pools = [await _pool(boundaries, f"boundary{i + 1}") for i, boundaries in
-             enumerate(chain.inbound)]  # fmt: skip
+    pools = [
+        await _pool(boundaries, f"boundary{i + 1}") for i, boundaries in enumerate(chain.inbound)
+    ]
     try:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(_first, chain.stages[0], samples, packs, ring, links[0][0], pools[0])
             for i in range(1, k):
                 onward = (links[i][0], pools[i]) if i < k - 1 else (None, None)
-                tasks.start_soon(_later, chain.stages[i], links[i - 1][1], pools[i - 1],
-                                 *onward, ring)  # fmt: skip
+                tasks.start_soon(
+                    _later, chain.stages[i], links[i - 1][1], pools[i - 1], *onward, ring
+                )
     finally:
         packs.close()
 
@@ -315,9 +372,13 @@ async def _pool(boundaries: list[Boundary], name: str) -> _Pool:
 
 
 async def _first(
-    stage: ChainStage, samples: TokenizedSamples, packs: ReceiveChannel[PlannedPack],
-    ring: RingProducer, send: SendChannel[InFlight], pool: _Pool,
-) -> None:  # fmt: skip
+    stage: ChainStage,
+    samples: TokenizedSamples,
+    packs: ReceiveChannel[PlannedPack],
+    ring: RingProducer,
+    send: SendChannel[InFlight],
+    pool: _Pool,
+) -> None:
     pin = stage.device.type == "cuda"
     budget = stage.runner.inputs.num_tokens
     async with send:
@@ -325,28 +386,40 @@ async def _first(
             host = await stage.worker.run(host_pack, samples, pack, token_budget=budget, pin=pin)
             slot = await ring.acquire_free()  # the backpressure; held until the last stage
             out = await pool.take()
-            await stage.worker.run(run_stage, stage, host, slot.batch, inbound=None, outbound=out,
-                                   last=False)  # fmt: skip
+            await stage.worker.run(
+                run_stage, stage, host, slot.batch, inbound=None, outbound=out, last=False
+            )
             await send.send(InFlight(pack, host, slot, out))
 
 
 async def _later(
-    stage: ChainStage, receive: ReceiveChannel[InFlight], inbound: _Pool,
-    send: SendChannel[InFlight] | None, pool: _Pool | None, ring: RingProducer,
-) -> None:  # fmt: skip
+    stage: ChainStage,
+    receive: ReceiveChannel[InFlight],
+    inbound: _Pool,
+    send: SendChannel[InFlight] | None,
+    pool: _Pool | None,
+    ring: RingProducer,
+) -> None:
     try:
         async for item in receive:
             out = await pool.take() if pool is not None else None
-            event = await stage.worker.run(run_stage, stage, item.host, item.slot.batch,
-                                           inbound=item.boundary, outbound=out,
-                                           last=send is None)  # fmt: skip
+            event = await stage.worker.run(
+                run_stage,
+                stage,
+                item.host,
+                item.slot.batch,
+                inbound=item.boundary,
+                outbound=out,
+                last=send is None,
+            )
             await inbound.give(item.boundary)  # reusable once its `consumed` event completes
             if send is not None:
                 await send.send(replace(item, boundary=out))
                 continue
             host = item.host
-            item.slot.meta.update(cursor=item.pack.cursor, tokens=host.tokens,
-                                  documents=host.documents)  # fmt: skip
+            item.slot.meta.update(
+                cursor=item.pack.cursor, tokens=host.tokens, documents=host.documents
+            )
             ring.publish(item.slot, event)
     finally:
         receive.close()

@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import torch
 
+from dflash_async.errors import SettingsError
 from dflash_async.eval.baseline import baseline_key, load_baseline, save_baseline
 from dflash_async.eval.evaluation import (
     Decoder,
@@ -52,9 +53,9 @@ from dflash_async.eval.sampling import SamplingOptions, sampled_or_none
 from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.runtime.devices import DeviceWorker
-from dflash_async.settings import EvalSettings, SettingsError
+from dflash_async.settings import EvalSettings
 from dflash_async.stages.train import DrafterRunner
-from dflash_async.target.loading import frozen_embeddings, load_target_tokenizer
+from dflash_async.targets.loading import frozen_embeddings, load_target_tokenizer
 
 EXPORT_DTYPE = torch.bfloat16  # the servable export's (checkpoint.export_drafter, DFLASH.md s.7)
 
@@ -132,8 +133,11 @@ class InRunEvaluator:
         dtype = frozen_embeddings(self.setup.target)[0].dtype
         self.copy = await self.drafter.worker.run(
             functools.partial(copy_weights, block_size=self.settings.block_size),
-            source, self.copy, device=self.setup.device, dtype=dtype,
-        )  # fmt: skip
+            source,
+            self.copy,
+            device=self.setup.device,
+            dtype=dtype,
+        )
 
     async def _jobs(self, factories: Sequence[Callable[[], Decoder]]) -> tuple[list, float]:
         """Decode on the target's worker, one short job at a time; (results, device seconds)."""
@@ -152,10 +156,15 @@ class InRunEvaluator:
             return *self.baseline, True
         s = self.setup
         key = baseline_key(
-            target_id=self.target_id, dtype=str(frozen_embeddings(s.target)[0].dtype),
-            device_type=s.device.type, prompts=s.prompts, max_new_tokens=s.max_new_tokens,
-            eos=s.eos, suppress=s.suppress, batch_size=s.batch_size,
-        )  # fmt: skip
+            target_id=self.target_id,
+            dtype=str(frozen_embeddings(s.target)[0].dtype),
+            device_type=s.device.type,
+            prompts=s.prompts,
+            max_new_tokens=s.max_new_tokens,
+            eos=s.eos,
+            suppress=s.suppress,
+            batch_size=s.batch_size,
+        )
         self.baseline = load_baseline(self.folder, key)
         if self.baseline is not None:
             return *self.baseline, True
@@ -183,10 +192,14 @@ class InRunEvaluator:
         }
         try:
             result = report(
-                self.setup, plain, spec, block_size=self.copy.config.block_size,
-                plain_s=plain_s, speculative_s=spec_s,
+                self.setup,
+                plain,
+                spec,
+                block_size=self.copy.config.block_size,
+                plain_s=plain_s,
+                speculative_s=spec_s,
                 tie_tolerance=tie_tolerance_for(frozen_embeddings(self.setup.target)[0].dtype),
-            )  # fmt: skip
+            )
         except LosslessError as e:  # the evaluation's verdict, not a reason to stop training
             self.log.error(
                 "eval_failed", step=step, reason="lossless_check", error=str(e), **timing
@@ -215,7 +228,7 @@ def eval_setup(
         read_prompts,
         stop_rules,
     )
-    from dflash_async.target.tiny import demo_prompts
+    from dflash_async.targets.tiny import demo_prompts
 
     problem = evaluation_unsupported_reason(target)
     if problem:
@@ -242,9 +255,14 @@ def eval_setup(
     prompts = prompts_of(tokenizer, records, enable_thinking=False)
     sampling = SamplingOptions(settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
     return DecodeSetup(
-        target, prompts, settings.max_new_tokens, eos, suppress, settings.batch_size,
+        target,
+        prompts,
+        settings.max_new_tokens,
+        eos,
+        suppress,
+        settings.batch_size,
         sampling=sampled_or_none(sampling),
-    )  # fmt: skip
+    )
 
 
 async def evaluation_off(step: int, *, wait: bool = False) -> dict[str, Any]:
@@ -288,18 +306,32 @@ async def open_run_evaluator(
         return
     setup = await anyio.to_thread.run_sync(
         lambda: eval_setup(
-            settings, target=target_model, target_path=inputs.target_path,
-            builtin_target=inputs.builtin_target, drafter_config=inputs.drafter_config,
+            settings,
+            target=target_model,
+            target_path=inputs.target_path,
+            builtin_target=inputs.builtin_target,
+            drafter_config=inputs.drafter_config,
         )
-    )  # fmt: skip
-    log.info("eval_ready", prompts=len(setup.prompts), max_new_tokens=settings.max_new_tokens,
-             batch_size=settings.batch_size, mode=settings.mode,
-             decoder="batched" if setup.batched else "reference")  # fmt: skip
+    )
+    log.info(
+        "eval_ready",
+        prompts=len(setup.prompts),
+        max_new_tokens=settings.max_new_tokens,
+        batch_size=settings.batch_size,
+        mode=settings.mode,
+        decoder="batched" if setup.batched else "reference",
+    )
     # Background evaluations end with the block: it waits for one still running when it ends
     # normally; an error cancels it (its current decode job finishes in the worker, the rest
     # is dropped).
     async with anyio.create_task_group() as task_group:
         yield InRunEvaluator(
-            settings, setup, target_worker=target_worker, drafter=drafter, output_dir=output_dir,
-            target_id=inputs.target_path, task_group=task_group, log=log,
-        )  # fmt: skip
+            settings,
+            setup,
+            target_worker=target_worker,
+            drafter=drafter,
+            output_dir=output_dir,
+            target_id=inputs.target_path,
+            task_group=task_group,
+            log=log,
+        )

@@ -4,7 +4,7 @@ Per pack, in the target's DeviceWorker thread, two jobs:
 1. `stage_inputs`: the fixed drafter layout is built on the host, put in pinned memory and copied
    onto the target device without blocking (`runner.inputs`). Only then does the stage take a
    free slot, so a slot is never held while the target waits for data or for the loop.
-2. `fill_slot`: the target forward chosen at load time (`target/forward.py`: packed dense, MoE or
+2. `fill_slot`: the target forward chosen at load time (`targets/forward.py`: packed dense, MoE or
    hybrid, else the HF fallback) writes the captured layers into the slot's features (or into a
    staging buffer copied over, when the slot lives on another device), and the layout rows are
    copied into the slot.
@@ -28,14 +28,14 @@ from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
-from dflash_async.target.forward import TargetPath, select_target_forward
-from dflash_async.target.loading import fast_kernel_preflight, load_served_target, text_config
-from dflash_async.target.random_weights import load_random_target
+from dflash_async.targets.forward import TargetPath, select_target_forward
+from dflash_async.targets.loading import fast_kernel_preflight, load_served_target, text_config
+from dflash_async.targets.random_weights import load_random_target
 
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """How every target worker loads and runs the target (settings.py: DFLASH_TARGET__*)."""
+    """How every target worker loads and runs the target (settings/sections.py: DFLASH_TARGET__*)."""
 
     cuda_dtype: torch.dtype  # weights and compute on a GPU
     cpu_dtype: torch.dtype  # and on the CPU
@@ -43,11 +43,11 @@ class TargetSpec:
     max_batch_tokens: int  # most tokens per forward (HF fallback batches)
     packed_hybrid: bool  # Qwen3.5 on CUDA: the packed varlen forward
     stages: int = 1  # stage workers per replica (stages/chain.py), each a range of layers
-    quantize: str = "none"  # "fp8": the decoder weights quantized at load (target/quantized.py)
-    weights: str = "checkpoint"  # "random": drawn from the config (target/random_weights.py)
+    quantize: str = "none"  # "fp8": the decoder weights quantized at load (targets/quantized.py)
+    weights: str = "checkpoint"  # "random": drawn from the config (targets/random_weights.py)
     seed: int = 0  # DFLASH_TRAIN__SEED: the random target's seed (every rank draws the same)
     decode: bool = True  # the in-run evaluation decodes: a random target is drawn whole
-    cuda_graph: bool = False  # replay the packed forward from one CUDA graph (target/graphed.py)
+    cuda_graph: bool = False  # replay the packed forward from one CUDA graph (targets/graphed.py)
 
     def dtype_on(self, device: torch.device) -> torch.dtype:
         return self.cuda_dtype if device.type == "cuda" else self.cpu_dtype
@@ -102,32 +102,53 @@ def load_runner(
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
-    weights="random": drawn from the config under `seed` (target/random_weights.py), up to the
+    weights="random": drawn from the config under `seed` (targets/random_weights.py), up to the
     last captured layer unless `decode`. cuda_graph: the forward replayed from one CUDA graph,
-    captured by the warm-up's forward (target/graphed.py).
+    captured by the warm-up's forward (targets/graphed.py).
     """
     log = get_logger(__name__)
     random_seed = seed if weights == "random" else None
     if random_seed is not None:
-        model, served = load_logged_random(path, device=device, dtype=dtype, seed=seed,
-                                            last_layer=max(layer_ids), decode=decode,
-                                            quantize=quantize, log=log)  # fmt: skip
+        model, served = load_logged_random(
+            path,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            last_layer=max(layer_ids),
+            decode=decode,
+            quantize=quantize,
+            log=log,
+        )
     else:
         model, served = load_served_target(path, device=device, dtype=dtype, quantize=quantize)
-        log.info("target_weights_loaded", weight_format=served.name,
-                 quant_method=served.quant_method, dequantized=served.dequantized,
-                 device=str(device))  # fmt: skip
+        log.info(
+            "target_weights_loaded",
+            weight_format=served.name,
+            quant_method=served.quant_method,
+            dequantized=served.dequantized,
+            device=str(device),
+        )
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     chosen = select_target_forward(
-        model, layer_ids, token_budget=token_budget, max_batch_tokens=max_batch_tokens,
-        packed_hybrid=packed_hybrid, cuda_graph=cuda_graph,
-    )  # fmt: skip
+        model,
+        layer_ids,
+        token_budget=token_budget,
+        max_batch_tokens=max_batch_tokens,
+        packed_hybrid=packed_hybrid,
+        cuda_graph=cuda_graph,
+    )
     param = next(model.parameters())
-    log.info("target_path_chosen", target_path=chosen.name, reason=chosen.reason,
-             device=str(device), dtype=str(param.dtype).removeprefix("torch."),
-             weight_format=served.name, kernel=served.kernel,
-             kernel_reason=served.kernel_reason)  # fmt: skip
+    log.info(
+        "target_path_chosen",
+        target_path=chosen.name,
+        reason=chosen.reason,
+        device=str(device),
+        dtype=str(param.dtype).removeprefix("torch."),
+        weight_format=served.name,
+        kernel=served.kernel,
+        kernel_reason=served.kernel_reason,
+    )
     width = len(layer_ids) * text_config(model).hidden_size
     inputs = PackedBatch.empty(token_budget, width, device=device, feature_dtype=param.dtype)
     runner = TargetRunner(model, chosen, inputs, random_seed=random_seed)
@@ -147,17 +168,32 @@ def load_logged_random(path: str, *, log, **options):
     started = time.perf_counter()
     model, weights, facts = load_random_target(path, **options)
     device = options.get("device")
-    log.warning("target_weights_random", path=str(path), reason="DFLASH_TARGET__WEIGHTS=random: "
-                "weights drawn from the config for throughput runs and benchmarks only; the "
-                "features of random weights are meaningless for a real drafter")  # fmt: skip
+    log.warning(
+        "target_weights_random",
+        path=str(path),
+        reason="DFLASH_TARGET__WEIGHTS=random: "
+        "weights drawn from the config for throughput runs and benchmarks only; the "
+        "features of random weights are meaningless for a real drafter",
+    )
     if facts["ignored_weight_files"]:
-        log.warning("target_weight_files_ignored", files=facts["ignored_weight_files"],
-                    reason="DFLASH_TARGET__WEIGHTS=random draws the weights, never reads them")  # fmt: skip
-    log.info("target_weights_loaded", weight_format=weights.name, quant_method=None,
-             dequantized=weights.dequantized, kernel=weights.kernel, device=str(device),
-             seed=facts["seed"], layers_drawn=facts["layers_drawn"],
-             layers_on_meta=facts["layers_on_meta"], lm_head_on_meta=facts["lm_head_on_meta"],
-             load_s=round(time.perf_counter() - started, 2))  # fmt: skip
+        log.warning(
+            "target_weight_files_ignored",
+            files=facts["ignored_weight_files"],
+            reason="DFLASH_TARGET__WEIGHTS=random draws the weights, never reads them",
+        )
+    log.info(
+        "target_weights_loaded",
+        weight_format=weights.name,
+        quant_method=None,
+        dequantized=weights.dequantized,
+        kernel=weights.kernel,
+        device=str(device),
+        seed=facts["seed"],
+        layers_drawn=facts["layers_drawn"],
+        layers_on_meta=facts["layers_on_meta"],
+        lm_head_on_meta=facts["lm_head_on_meta"],
+        load_s=round(time.perf_counter() - started, 2),
+    )
     return model, weights
 
 

@@ -24,7 +24,7 @@ from dflash_async.runtime.channels import SendChannel, open_channel
 
 @dataclass(frozen=True)
 class PlanSpec:
-    """Which packs a run trains on, in which order (settings.py: DFLASH_TRAIN__*)."""
+    """Which packs a run trains on, in which order (settings/sections.py: DFLASH_TRAIN__*)."""
 
     token_budget: int  # T: rows of every pack
     seed: int  # the pack order of each epoch
@@ -104,9 +104,15 @@ async def read_stage(
                 epoch += 1
 
     planner = await anyio.to_thread.run_sync(  # writes the lengths for a planner process
-        partial(EpochPlanner, lengths, token_budget=token_budget, seed=seed,
-                in_process=plan_in_process, plan_kwargs={"rank": rank, "world_size": world_size})
-    )  # fmt: skip
+        partial(
+            EpochPlanner,
+            lengths,
+            token_budget=token_budget,
+            seed=seed,
+            in_process=plan_in_process,
+            plan_kwargs={"rank": rank, "world_size": world_size},
+        )
+    )
     try:
         async with anyio.create_task_group() as group, receive_plans:
             group.start_soon(plan_epochs, planner)

@@ -253,13 +253,15 @@ async def report_stage(
             await _wait(record.ready)
             values = record.report.tolist()  # the event completed: reading it does not sync
             now = time.perf_counter()
-            last = _rounded({
-                "step": record.step + 1,
-                **eta.fields(record.step + 1, now),
-                "epoch": record.slots_meta[0]["cursor"].epoch,
-                **learning_fields(values),
-                **tp.fields(record, values[STATS.index("visible_pairs")], now),
-            })  # fmt: skip
+            last = _rounded(
+                {
+                    "step": record.step + 1,
+                    **eta.fields(record.step + 1, now),
+                    "epoch": record.slots_meta[0]["cursor"].epoch,
+                    **learning_fields(values),
+                    **tp.fields(record, values[STATS.index("visible_pairs")], now),
+                }
+            )
             log.info("step", **last)
             if writer is not None:
                 for tag, value in tensorboard_scalars(last).items():

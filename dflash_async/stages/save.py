@@ -39,7 +39,7 @@ from dflash_async.stages.train import DrafterRunner
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """When and what the run saves (settings.py: DFLASH_TRAIN__SAVE_EVERY, KEEP_CHECKPOINTS,
+    """When and what the run saves (settings/sections.py: DFLASH_TRAIN__SAVE_EVERY, KEEP_CHECKPOINTS,
     RESUME)."""
 
     output_dir: Path
@@ -54,10 +54,18 @@ class Saver:
     one process); `timeout_s`: rank 0's longest wait for the other ranks' parts."""
 
     def __init__(
-        self, runners: list[DrafterRunner], output_dir: Path, *, keep: int, seed: int,
-        run: dict, tasks: anyio.abc.TaskGroup, log, node: RankView | None = None,
+        self,
+        runners: list[DrafterRunner],
+        output_dir: Path,
+        *,
+        keep: int,
+        seed: int,
+        run: dict,
+        tasks: anyio.abc.TaskGroup,
+        log,
+        node: RankView | None = None,
         timeout_s: float = 60.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.runners, self.output_dir, self.keep = runners, output_dir, keep
         self.seed, self.run, self.tasks, self.log = seed, run, tasks, log
         self.node, self.timeout_s = node, timeout_s
@@ -79,9 +87,14 @@ class Saver:
         started = time.perf_counter()
         first = self.runners[0]
         state = await first.worker.run(
-            snapshot, [r.step for r in self.runners], step=step, cursor=cursor, seed=self.seed,
-            run=self.run, staging=self.staging,
-        )  # fmt: skip
+            snapshot,
+            [r.step for r in self.runners],
+            step=step,
+            cursor=cursor,
+            seed=self.seed,
+            run=self.run,
+            staging=self.staging,
+        )
         self.last_step, self._idle = step, anyio.Event()
         copy_s, waited_s = time.perf_counter() - started, started - asked
         self.tasks.start_soon(self._write, state, copy_s, waited_s)
@@ -117,17 +130,27 @@ class Saver:
                     lambda: write_checkpoint(self.output_dir, state, keep=self.keep)
                 )
             written = time.perf_counter()
-            self.log.info("checkpoint_written", step=state["step"], path=str(folder),
-                          bytes=size, copy_s=round(copy_s, 3), waited_s=round(waited_s, 3),
-                          write_s=round(written - started, 3))  # fmt: skip
+            self.log.info(
+                "checkpoint_written",
+                step=state["step"],
+                path=str(folder),
+                bytes=size,
+                copy_s=round(copy_s, 3),
+                waited_s=round(waited_s, 3),
+                write_s=round(written - started, 3),
+            )
             config = self.runners[0].step.objective.drafter.config
             export = export_path(self.output_dir)
             with self._out_of_space(state["step"], export, needed=export_bytes(config)):
                 await anyio.to_thread.run_sync(
                     lambda: export_drafter(state["drafter"], config, export)
                 )
-            self.log.info("export_written", step=state["step"], path=str(export),
-                          write_s=round(time.perf_counter() - written, 3))  # fmt: skip
+            self.log.info(
+                "export_written",
+                step=state["step"],
+                path=str(export),
+                write_s=round(time.perf_counter() - written, 3),
+            )
         finally:
             self._idle.set()
 
@@ -143,6 +166,12 @@ class Saver:
             free = free_bytes(self.output_dir)  # after the partial copy was removed
             if not is_no_space(error, needed=needed, free=free):
                 raise
-            self.log.error("checkpoint_failed", step=step, path=str(path), needed_bytes=needed,
-                           free_bytes=free, error=str(error))  # fmt: skip
+            self.log.error(
+                "checkpoint_failed",
+                step=step,
+                path=str(path),
+                needed_bytes=needed,
+                free_bytes=free,
+                error=str(error),
+            )
             raise NoSpaceError(path, needed=needed, free=free) from error

@@ -26,8 +26,8 @@ from dflash_async.runtime.channels import SendChannel
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import RingSet
-from dflash_async.target.embeddings import load_frozen_embeddings
-from dflash_async.target.random_weights import random_embeddings
+from dflash_async.targets.embeddings import load_frozen_embeddings
+from dflash_async.targets.random_weights import random_embeddings
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2
@@ -77,12 +77,18 @@ class DrafterRunner:
 
 
 def drafter_step_on(
-    device: torch.device, spec: StepSpec, config: DrafterConfig, *, target_path: str, rank: int,
-    total_steps: int, random_seed: int | None = None,
-) -> DrafterStep:  # fmt: skip
+    device: torch.device,
+    spec: StepSpec,
+    config: DrafterConfig,
+    *,
+    target_path: str,
+    rank: int,
+    total_steps: int,
+    random_seed: int | None = None,
+) -> DrafterStep:
     """A drafter's step on `device` around the target's frozen embedding and lm_head, read from
     its files in the compute dtype (bf16 on a GPU), or redrawn exactly as a random target drew
-    them (`random_seed`: target/random_weights.py). Run in the device's worker."""
+    them (`random_seed`: targets/random_weights.py). Run in the device's worker."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if random_seed is None:
         embed, lm_head = load_frozen_embeddings(target_path, device=device, dtype=dtype)
@@ -90,8 +96,15 @@ def drafter_step_on(
         embed, lm_head = random_embeddings(
             target_path, seed=random_seed, device=device, dtype=dtype
         )
-    return build_drafter_step(spec, config, embed=embed, lm_head=lm_head, device=device,
-                              rank=rank, total_steps=total_steps)  # fmt: skip
+    return build_drafter_step(
+        spec,
+        config,
+        embed=embed,
+        lm_head=lm_head,
+        device=device,
+        rank=rank,
+        total_steps=total_steps,
+    )
 
 
 def _wait(event: Any) -> None:

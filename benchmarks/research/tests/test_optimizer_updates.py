@@ -120,9 +120,19 @@ def _last_parameter_out_of_flat_adamw(s: PhaseState) -> None:
     s.grad_norm.copy_(norm)
     coef = (s.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0) / weight_sum
     betas = s.optimizer.param_groups[0]["betas"]
-    adamw_flat_math(s.flat_param[:end], s.flat_grad[:end], s.exp_avg[:end], s.exp_avg_sq[:end],
-                    s.step, s.schedule.lr, coef, beta1=betas[0], beta2=betas[1], eps=1e-8,
-                    weight_decay=0.0)  # fmt: skip
+    adamw_flat_math(
+        s.flat_param[:end],
+        s.flat_grad[:end],
+        s.exp_avg[:end],
+        s.exp_avg_sq[:end],
+        s.step,
+        s.schedule.lr,
+        coef,
+        beta1=betas[0],
+        beta2=betas[1],
+        eps=1e-8,
+        weight_decay=0.0,
+    )
     s.schedule.advance_()
     s.flat_grad.zero_()
 
@@ -170,8 +180,12 @@ def test_bench_cli_runs_on_cpu_and_prints_the_table(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0][2:] for r in rows[1:]] == [
-        "today", "div", "fold", "gradscale", "compiled"
-    ]  # fmt: skip
+        "today",
+        "div",
+        "fold",
+        "gradscale",
+        "compiled",
+    ]
     assert all(r.endswith("| yes |") for r in rows[1:] if not r.startswith("| div"))
 
 

@@ -16,7 +16,7 @@ import pytest
 import research_entry
 import torch
 
-from dflash_async.settings_env import repo_root
+from dflash_async.settings.env import repo_root
 
 RESEARCH = Path(__file__).resolve().parents[1]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

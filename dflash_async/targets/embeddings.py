@@ -1,0 +1,60 @@
+"""The target's frozen embedding and lm_head, read straight from its safetensors.
+
+A drafter reuses the target's `embed_tokens` and `lm_head` as frozen tensors. Its worker reads
+just those two tensors from the checkpoint files (a sharded checkpoint's index names the file of
+each), so a drafter on a GPU without a target worker never holds a second copy of the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dflash_async.targets.resolve import TargetError
+
+# Text models (`model.*`), multimodal wrappers as transformers 5 lays them out
+# (`model.language_model.*`: Qwen3.5, Qwen3-VL) and as Gemma 3's checkpoints do
+# (`language_model.model.*`, its lm_head `language_model.lm_head`).
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+)
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def load_frozen_embeddings(
+    folder: str, *, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embed_tokens and lm_head weights [V, d] (the same tensor when tied)."""
+    files = _weight_files(Path(folder))
+
+    def read(names: tuple[str, ...]) -> torch.Tensor | None:
+        name = next((n for n in names if n in files), None)
+        if name is None:
+            return None
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = read(EMBED_NAMES)
+    if embed is None:
+        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
+    lm_head = read(LM_HEAD_NAMES)
+    return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor

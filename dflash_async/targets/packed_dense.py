@@ -1,0 +1,309 @@
+"""The packed target forward for dense (and MoE) decoders: one pack in, its features written in place.
+
+Input is the fixed drafter layout itself: input_ids [T], position_ids [T] restarting at 0 in every
+document, doc_ids [T] (-1 for padding, padding last). One forward over the whole row, in one shape:
+- positions restart per document, so the rotary embedding (the HF module's own `rotary_emb`) is
+  what each document sees alone;
+- attention is document-causal: row q sees key k iff doc(k) == doc(q) and k <= q, so nothing
+  crosses a document boundary (padding rows only see padding, and come out zero at the end);
+- the decoder layers run up to the last captured one, and each captured layer's output is copied
+  into its column block of `features` [T, k*d] (the slot's buffer): no re-batching, no gather.
+
+The layers are the HF modules (norms, q/k/v/o projections with their biases and q/k norms, the MLP
+or MoE block): only the attention core is ours, in two implementations of one rule:
+- `document_causal_mask` [T, T] for SDPA: the simple reference, used on the CPU (tests, demo);
+- `document_causal_block_mask` for flex_attention on CUDA, built from doc_ids with fixed-shape
+  tensor ops (no host sync), with each layer run through one torch.compile'd function: the layer
+  module is an argument, so its weights are graph inputs and one compilation serves every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_async.data.packing import document_starts
+from dflash_async.targets import packed_hybrid_moe  # its `route`, the same for Qwen3-MoE
+from dflash_async.targets.fp8.fp8_linear import project  # q, k, v: an FP8 input quantized once
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None
+    flex_attention = None
+
+FLEX_TILE = 128  # flex_attention's block size: T must be a multiple of it on the flex path
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T, T] bool, True where query row q may see key row k (same document, k <= q)."""
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    return (doc_ids[:, None] == doc_ids[None, :]) & (rows[None, :] <= rows[:, None])
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nq, nk] bool -> (counts [1,1,nq] int32, indices [1,1,nq,nk] int32), set tiles first."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None, None], order[None, None]
+
+
+def first_visible_key(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[T] -> [T] lo(q): the first key row q sees (its document's start, or q - window + 1)."""
+    starts = document_starts(doc_ids)
+    if window is None:
+        return starts
+    rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    return torch.maximum(starts, rows - (window - 1))
+
+
+def document_causal_block_mask(
+    doc_ids: torch.Tensor, tile: int = FLEX_TILE, *, window: int | None = None
+) -> BlockMask:
+    """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0); with
+    a `window`, also q - k < window (sliding-window layers: targets/packed_window.py).
+
+    Documents are contiguous, so row q sees exactly the keys [lo(q), q], lo(q) its document's
+    start (or q - window + 1). A key tile is "full" for a query tile when every row of it sees
+    every key of the tile, "partial" when some row sees some key; only partial tiles evaluate
+    the mask_mod.
+    """
+    T = doc_ids.shape[0]
+    if T % tile:
+        raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
+    lo = first_visible_key(doc_ids, window)  # [T]
+    rows = torch.arange(T, device=doc_ids.device)
+    tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
+    tile_hi = tile_lo + tile
+    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
+    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
+    n = T // tile
+    some = sees_some.view(n, tile, n).any(1)
+    full = sees_all.view(n, tile, n).all(1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
+
+    return BlockMask.from_kv_blocks(
+        *_ordered(some & ~full),
+        *_ordered(full),
+        BLOCK_SIZE=tile,
+        mask_mod=mask_mod,
+        seq_lengths=(T, T),
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (HF's non-interleaved rotate_half form); x [1, H, T, hd], cos [1, T, hd]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def attend_sdpa(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+# Heads wider than 256 (Gemma 4's 512-wide full-attention layers): flex's default tiles asked
+# 256 KiB of shared memory, over the H200's 227 KiB ("No valid triton configs", 2026-12-03).
+# Smaller tiles and one stage: q 64 x 512 plus k and v 32 x 512 are 128 KiB in bf16; in fp32
+# (the parity checks) q 32 x 512 plus k and v 32 x 512 are 192 KiB. Forward only (the target
+# is frozen); all divide the block mask's 128-token blocks.
+WIDE_HEAD_DIM = 256
+WIDE_HEAD_KERNEL = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1}
+WIDE_HEAD_KERNEL_FP32 = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+
+
+def attend_flex(q, k, v, mask, scale):
+    options = None
+    if q.shape[-1] > WIDE_HEAD_DIM:
+        options = WIDE_HEAD_KERNEL_FP32 if q.dtype == torch.float32 else WIDE_HEAD_KERNEL
+    return flex_attention(
+        q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options
+    )
+
+
+def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
+    """hidden [1, T, d] + self-attention of the HF `layer` (pre-norm residual), document-causal."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (1, hidden.shape[1], -1, attn.head_dim)
+    q, k, v = (p.view(shape) for p in project((attn.q_proj, attn.k_proj, attn.v_proj), x))
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = v.transpose(1, 2)  # [1, Hkv, T, hd]
+    q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+    out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
+    return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+def mlp_block(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [1, T, d] + the HF layer's MLP (or MoE block) on its post-attention norm."""
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _whole_layer(layer, hidden, cos, sin, mask, attend):
+    return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
+
+
+# MoE blocks whose forward is exactly "route the normed rows (softmax, top-k, renormalised
+# where the router says so), then the experts call": `attention_and_route` computes their
+# router itself (packed_hybrid_moe.route, the same ops in the same order as HF's router).
+ROUTED_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock"})
+
+
+def attention_and_route(layer, hidden, cos, sin, mask, attend):
+    """`attention_block`, then the MoE block's inputs: (hidden [1, T, d], its post-attention
+    norm x [T, d], the routing weights [T, k] and experts [T, k], and x quantized for FP8
+    experts that take it (Fp8Experts.quantized_tokens; else None)). Compiled as one function,
+    the norm, its quantization and the router's softmax and top-k fuse with the attention's
+    residual add (run eagerly they were ~10 passes over [T, d] and [T, E] per layer); the
+    experts call, whose grouping is data-dependent, runs after it, outside the graph."""
+    hidden = attention_block(layer, hidden, cos, sin, mask, attend)
+    x = layer.post_attention_layernorm(hidden)[0]
+    weights, indices = packed_hybrid_moe.route(layer.mlp.gate, x)
+    experts = layer.mlp.experts
+    tokens = experts.quantized_tokens(x) if hasattr(experts, "quantized_tokens") else None
+    return hidden, x, weights, indices, tokens
+
+
+def moe_residual(experts: nn.Module, hidden, x, weights, indices, tokens=None) -> torch.Tensor:
+    """hidden [1, T, d] + experts(x, indices, weights): inside the experts' last compiled pass
+    where they take the residual (`takes_residual`: CompiledExperts, Fp8Experts; the same
+    values), else added here. `tokens`: x quantized, for FP8 experts (attention_and_route)."""
+    if tokens is not None:
+        return experts(x, indices, weights, residual=hidden[0], tokens=tokens)[None]
+    if getattr(experts, "takes_residual", False):
+        return experts(x, indices, weights, residual=hidden[0])[None]
+    return hidden + experts(x, indices, weights)[None]
+
+
+class PackedRange:
+    """What every packed forward of a layer range shares: the attention argument ("sdpa": dense
+    masks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
+    (`layers`: a split target's stage, targets/split.py; default up to the last captured
+    layer) and its modules, the embedding and rotary modules, the column block of each
+    captured layer in the range, `__call__` as the whole range's `stage`, and the copy of a
+    captured layer's output into its columns. A subclass defines `stage`."""
+
+    def __init__(
+        self,
+        text_model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        attention: str,
+        layers: range | None,
+    ) -> None:
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.hidden_size = text_model.config.hidden_size
+        self.layers = layers or range(max(self.layer_ids) + 1)
+        self._embed = text_model.embed_tokens
+        self._rotary = text_model.rotary_emb
+        self._layers = dict(
+            zip(self.layers, text_model.layers[self.layers.start : self.layers.stop], strict=True)
+        )
+        self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
+        self.attention = attention
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T]
+        doc_ids: torch.Tensor,  # [T]
+        features: torch.Tensor,  # [T, k*d], written in place
+    ) -> torch.Tensor:
+        """Write the captured layers' outputs into `features` (padding rows zero); returns it."""
+        self.stage(None, input_ids, position_ids, doc_ids, features)
+        return features
+
+    def capture(self, i: int, hidden: torch.Tensor, features: torch.Tensor) -> None:
+        """Copy layer i's output hidden [1, T, d] into its columns when it is a captured one."""
+        if i in self._columns:
+            d, j = self.hidden_size, self._columns[i]
+            features[:, j * d : (j + 1) * d].copy_(hidden[0])
+
+
+class PackedDenseForward(PackedRange):
+    """Features of a packed layout for a dense or MoE HF decoder (see the module docstring).
+
+    `attention` is "sdpa" (dense mask: CPU reference, any T) or "flex" (CUDA, T % 128 == 0).
+    `compile` wraps each layer in torch.compile (CUDA only; compile once, on one thread, before
+    the workers start: the first call compiles). `moe_eager` keeps the MLP (an MoE block with
+    data-dependent routing) out of the compiled region and runs it as HF does; for the blocks
+    of ROUTED_BLOCKS only the experts call stays out, the norm and router compiled with the
+    attention (`attention_and_route`).
+    """
+
+    def __init__(
+        self,
+        text_model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        attention: str,
+        compile: bool,
+        moe_eager: bool = False,
+        layers: range | None = None,
+    ) -> None:
+        super().__init__(text_model, layer_ids, attention=attention, layers=layers)
+        self._attend = attend_flex if attention == "flex" else attend_sdpa
+        self._moe_eager = moe_eager
+        routed = {type(layer.mlp).__name__ for layer in self._layers.values()} <= ROUTED_BLOCKS
+        self._routed = moe_eager and routed
+        layer_fn = attention_block if moe_eager else _whole_layer
+        if self._routed:
+            layer_fn = attention_and_route
+        self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
+
+    def mask(self, doc_ids: torch.Tensor):
+        """The attention mask this forward uses for `doc_ids` [T] (built on its device)."""
+        if self.attention == "flex":
+            return document_causal_block_mask(doc_ids)
+        return document_causal_mask(doc_ids)
+
+    @torch.no_grad()
+    def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
+        """Run this forward's layer range on `hidden` [1, T, d] (None: embed `input_ids`, the
+        first stage), write the columns of the captured layers in the range (padding rows
+        zero), and return the range's output hidden states [1, T, d]. The mask and rotary
+        tables are rebuilt from the layout by every stage: the same ops, so the same values."""
+        d = self.hidden_size
+        mask = self.mask(doc_ids)
+        if hidden is None:
+            hidden = self._embed(input_ids[None])  # [1, T, d]
+        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
+        for i, layer in self._layers.items():
+            if self._routed:
+                hidden, *routing = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+                hidden = moe_residual(layer.mlp.experts, hidden, *routing)
+            else:
+                hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+                if self._moe_eager:
+                    hidden = mlp_block(layer, hidden)
+            self.capture(i, hidden, features)
+        mask_padding(features, doc_ids, self._columns.values(), d)
+        return hidden
+
+
+def stage_columns(layer_ids: Sequence[int], layers: range) -> dict[int, int]:
+    """layer -> its column block in the features, for the captured layers inside `layers`."""
+    return {i: j for j, i in enumerate(layer_ids) if i in layers}
+
+
+def mask_padding(features, doc_ids, columns, d: int) -> None:
+    """Zero the padding rows of the column blocks `columns` (all of them: the whole width)."""
+    padding = (doc_ids < 0)[:, None]
+    blocks = sorted(columns)
+    if blocks == list(range(features.shape[1] // d)):  # the whole width at once (unsplit)
+        features.masked_fill_(padding, 0)
+        return
+    for j in blocks:
+        features[:, j * d : (j + 1) * d].masked_fill_(padding, 0)

@@ -1,0 +1,156 @@
+"""The packed target forward for DeepSeek-V3-style MoE decoders (targets/packed_mla.py): multi-head
+latent attention (DeepSeek-V3, Kimi-K2.x, Moonlight) and GLM-4.5's partial-rotary GQA, both with
+the sigmoid-scored grouped top-k router and shared experts.
+
+It is `PackedDenseForward` (targets/packed_dense.py: the pack layout, the document-causal SDPA mask
+on the CPU or flex BlockMask on CUDA, the layer range and `stage()` of a split target, the feature
+columns and zeroed padding rows) with a different layer function:
+- attention, DeepSeek-V3 MLA: q from q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj (q_lora_rank);
+  kv_a_proj_with_mqa gives the kv latent (kv_a_layernorm, then kv_b_proj to per-head k_nope and v)
+  and one k_rope shared by all heads. RoPE (rotate_half, or the interleaved pairs of
+  `rope_interleave`) touches only the qk_rope_head_dim dims, which come last in q and k. q/k are
+  nope+rope wide, v is v_head_dim wide: SDPA and flex both take a value dim other than q/k's.
+  The scale is the HF module's own (yarn's mscale folded in);
+- attention, GLM-4.5: packed_dense's GQA block with RoPE on the first rotary dims only (cos/sin are
+  partial_rotary_factor * head_dim wide), after the optional per-head q/k norms;
+- MLP: the first `first_k_dense_replace` layers are the HF dense MLP; the MoE layers route here
+  (`grouped_topk`, the HF TopkRouter's rule spelt out from its weights, sync-free) and run the HF
+  experts module (its configured experts implementation: the grouped path where set) plus the
+  shared experts. The router is ours so that one function serves both families.
+The attention may be compiled (CUDA); the MoE runs eagerly after it (data-dependent routing), as
+packed_dense's Qwen3-MoE does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from dflash_async.targets.packed_dense import PackedDenseForward, _rope
+
+MLA_TYPES = frozenset({"deepseek_v3"})
+GLM_MOE_TYPES = frozenset({"glm4_moe"})
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3)... each rotated by one frequency,
+    output de-interleaved (evens' rotation first), as HF's apply_rotary_pos_emb_interleave.
+    x [1, H, T, r], cos/sin [1, T, r] (cat(freqs, freqs): the first half holds each pair's angle)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :, :half], sin[:, None, :, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * c - odd * s, odd * c + even * s], dim=-1)
+
+
+def _mla_query(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [1, T, d] -> q [1, H, T, nope+rope] (the low-rank path when q_lora_rank is set)."""
+    if attn.q_lora_rank is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    return q.view(1, x.shape[1], -1, attn.qk_head_dim).transpose(1, 2)
+
+
+def mla_attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
+    """hidden [1, T, d] + the HF DeepseekV3Attention of `layer` (pre-norm residual),
+    document-causal; cos/sin [1, T, rope] from the model's rotary_emb."""
+    attn = layer.self_attn
+    T, nope, r = hidden.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rope = _rope_interleaved if attn.config.rope_interleave else _rope
+    x = layer.input_layernorm(hidden)
+    q = _mla_query(attn, x)  # [1, H, T, nope+r]
+    latent, k_rope = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, r], dim=-1)
+    kv = attn.kv_b_proj(attn.kv_a_layernorm(latent))  # [1, T, H*(nope+v)]
+    kv = kv.view(1, T, -1, nope + attn.v_head_dim).transpose(1, 2)  # [1, H, T, nope+v]
+    k_nope, v = kv.split([nope, attn.v_head_dim], dim=-1)
+    k_rope = rope(k_rope.view(1, 1, T, r), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+    q = torch.cat([q[..., :nope], rope(q[..., nope:], cos, sin)], dim=-1)
+    k = torch.cat([k_nope, k_rope], dim=-1)  # [1, H, T, nope+r]
+    out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, v]
+    return hidden + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate_half) on the first cos.shape[-1] dims of x [1, H, T, hd]; the rest passes."""
+    r = cos.shape[-1]
+    return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+def partial_rotary_attention_block(layer: nn.Module, hidden, cos, sin, mask, attend):
+    """hidden [1, T, d] + the HF GLM-4.5 (Glm4MoeAttention) self-attention, document-causal:
+    GQA with optional per-head q/k norms and RoPE on the first rotary dims (cos [1, T, r])."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (1, hidden.shape[1], -1, attn.head_dim)
+    q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+    if getattr(attn, "q_norm", None) is not None:  # use_qk_norm
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, T, hd]
+    q = _partial_rope(q.transpose(1, 2), cos, sin)  # [1, H, T, hd]
+    k = _partial_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, hd]
+    out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
+    return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+def grouped_topk(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 / GLM-4.5 router on x [N, d]: -> (weights [N, k] fp32, experts [N, k]).
+
+    Sigmoid scores of fp32 logits; the choice uses scores + e_score_correction_bias: the experts
+    split into n_group groups, each scored by the sum of its best two, only the topk_group best
+    groups stay eligible, then the top_k experts among them. The weights are the plain scores of
+    the chosen experts, normalised to sum 1 when norm_topk_prob, times routed_scaling_factor."""
+    n, groups = gate.num_experts, gate.num_group
+    scores = torch.sigmoid(x.float() @ gate.weight.float().t())  # [N, E]
+    choice = scores + gate.e_score_correction_bias  # [N, E]
+    by_group = choice.view(-1, groups, n // groups)  # [N, G, E/G]
+    group_score = by_group.topk(2, dim=-1)[0].sum(-1)  # [N, G]
+    best = group_score.topk(gate.topk_group, dim=-1, sorted=False)[1]  # [N, topk_group]
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+    choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(-1, n)
+    experts = choice.topk(gate.top_k, dim=-1, sorted=False)[1]  # [N, k]
+    weights = scores.gather(1, experts)  # [N, k]
+    if gate.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * gate.routed_scaling_factor, experts
+
+
+def moe_mlp_block(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [1, T, d] + the layer's MLP on its post-attention norm: the dense MLP of the first
+    layers, else routed experts (HF experts module, our router) plus the shared experts."""
+    x = layer.post_attention_layernorm(hidden)  # [1, T, d]
+    mlp = layer.mlp
+    if not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):  # a first_k_dense_replace layer
+        return hidden + mlp(x)
+    flat = x.view(-1, x.shape[-1])  # [T, d]
+    weights, experts = grouped_topk(mlp.gate, flat)
+    routed = mlp.experts(flat, experts, weights).view_as(x)  # [1, T, d]
+    return hidden + routed + mlp.shared_experts(x)
+
+
+def _layer(layer, hidden, cos, sin, mask, attend, *, attention: Callable) -> torch.Tensor:
+    """One decoder layer: `attention` (maybe compiled), then the MoE/MLP block eagerly."""
+    return moe_mlp_block(layer, attention(layer, hidden, cos, sin, mask, attend))
+
+
+class PackedMLAForward(PackedDenseForward):
+    """PackedDenseForward for `deepseek_v3` (MLA) or `glm4_moe` (partial-rotary GQA) decoders,
+    with grouped-router MoE layers; same calls (`__call__`, `stage`), same layout contract."""
+
+    def __init__(
+        self,
+        text_model: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        attention: str,
+        compile: bool,
+        layers: range | None = None,
+    ) -> None:
+        super().__init__(text_model, layer_ids, attention=attention, compile=False, layers=layers)
+        model_type = text_model.config.model_type
+        block = mla_attention_block if model_type in MLA_TYPES else partial_rotary_attention_block
+        if compile:
+            block = torch.compile(block, dynamic=False)
+        self._layer_fn = partial(_layer, attention=block)

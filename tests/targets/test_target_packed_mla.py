@@ -1,0 +1,246 @@
+"""The packed MLA / grouped-router MoE forward (targets/packed_mla.py) equals each document run
+alone through HF, row for row, for DeepSeek-V3 (MLA) and GLM-4.5 (partial-rotary GQA) targets.
+
+Tolerance 1e-5 in fp32, as tests/test_target_packed.py derives it: both sides run the same
+matmuls on the same rows and differ only in summation order (masked keys add exact zeros), a few
+fp32 ulps (1.2e-7) of values of order 1, measured below 4.1e-6 over the variants. The router is discrete, but a flip between two experts
+needs their scores within those ulps: with these seeds none does (a flip would show as an O(0.1)
+row error, never as a silent pass). The weights are drawn with initializer_range 0.1 (not HF's
+0.02) and the score-correction bias at random, so that the expert, shared-expert and routing terms
+each move features by far more than the tolerance: the mutant tests below check that (measured:
+RoPE on the nope dims 3.1, shared experts dropped 2.3, top-k weights unnormalised 2.7 or
+softmax-normalised 0.6).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from target_kit import capture_features
+from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig
+
+from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.targets import packed_mla
+from dflash_async.targets.forward import planned_path, select_target_forward
+from dflash_async.targets.loading import random_target, text_model
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+ATOL = 1e-5  # see the module docstring
+LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
+TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
+LAYER_IDS = (0, 2, 4)  # a dense layer (first_k_dense_replace=1) and two MoE layers
+VOCAB = 300
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    initializer_range=0.1,
+    max_position_embeddings=512,
+)
+
+
+def _deepseek(**over) -> PretrainedConfig:
+    """A tiny DeepSeek-V3: q/k 24 wide (16 nope + 8 rope), v 16 wide, low-rank q and kv."""
+    mla = dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
+    )
+    return DeepseekV3Config(**(_COMMON | mla | over))
+
+
+def _glm(**over) -> PretrainedConfig:
+    """A tiny GLM-4.5: GQA 4/2 heads of 16, RoPE on the first half of each head, q/k norms."""
+    gqa = dict(num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True)
+    config = Glm4MoeConfig(**(_COMMON | gqa | over))
+    assert config.rope_parameters.get("partial_rotary_factor", 1.0) == 0.5
+    return config
+
+
+_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+    original_max_position_embeddings=128,
+    beta_fast=32,
+    beta_slow=1,
+)
+VARIANTS = {
+    "deepseek_v3": lambda: _deepseek(),  # interleaved RoPE (the config's default)
+    "deepseek_v3_rotate_half": lambda: _deepseek(rope_interleave=False),
+    "deepseek_v3_yarn": lambda: _deepseek(rope_parameters=_YARN),  # mscale in the scale
+    "moonlight_no_q_lora": lambda: _deepseek(q_lora_rank=None),
+    "glm4_moe": lambda: _glm(),
+}
+
+
+def _model(config: PretrainedConfig, seed: int = 1):
+    """A random target whose routers' score-correction biases are random too (HF zeroes them)."""
+    model = random_target(config, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    for layer in text_model(model).layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            bias = gate.e_score_correction_bias
+            bias.copy_(0.2 * torch.randn(bias.shape, generator=generator))
+    return model
+
+
+def _documents(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in LENGTHS]
+
+
+def _nan_features() -> torch.Tensor:
+    """The slot's buffer, poisoned: every row must be written."""
+    return torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
+
+
+def _packed(forward, docs) -> torch.Tensor:
+    layout = layout_pack(docs, TOKEN_BUDGET)
+    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, _nan_features())
+
+
+def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
+    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
+    for j, (ids, _) in enumerate(docs):
+        ids = torch.as_tensor(ids, device=packed.device)[None]
+        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
+        rows = packed[offsets[j] : offsets[j + 1]]
+        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
+    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+
+
+def _forward(model, module=packed_mla):
+    return module.PackedMLAForward(text_model(model), LAYER_IDS, attention="sdpa", compile=False)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str) -> None:
+    model, docs = _model(VARIANTS[variant]()), _documents()
+    _assert_rows_equal_each_document_alone(model, docs, _packed(_forward(model), docs))
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
+    model, docs = _model(VARIANTS[kind](), seed=2), _documents(seed=3)
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == ("packed_mla" if kind == "deepseek_v3" else "packed_moe"), path.reason
+    assert "packed" in planned_path(kind)
+    layout = layout_pack(docs, TOKEN_BUDGET)
+    out = _nan_features()
+    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    _assert_rows_equal_each_document_alone(model, docs, out)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_two_chained_stages_write_the_same_features_as_the_whole_forward(kind: str) -> None:
+    """A split target (targets/split.py): layers [0, 3) then [3, 5), hidden handed over."""
+    model, docs = _model(VARIANTS[kind]()), _documents()
+    layout = layout_pack(docs, TOKEN_BUDGET)
+    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
+    out = _nan_features()
+    hidden = None
+    for layers in (range(0, 3), range(3, 5)):
+        stage = select_target_forward(
+            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
+        )
+        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    assert torch.equal(out, _packed(_forward(model), docs))
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> None:
+    """The GPU path's attention (flex, its BlockMask over tiles of 128) run eagerly on the CPU:
+    flex takes MLA's value dim (16) narrower than q/k's (24). T = 256 with documents across tile
+    edges; same 1e-5 bound (summation order only)."""
+    model, rng = _model(VARIANTS[kind]()), np.random.default_rng(5)
+    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
+    layout = layout_pack(docs, 256)
+    outs = []
+    for attention in ("sdpa", "flex"):
+        forward = packed_mla.PackedMLAForward(
+            text_model(model), LAYER_IDS, attention=attention, compile=False
+        )
+        out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
+        outs.append(forward(layout.input_ids, layout.position_ids, layout.doc_ids, out))
+    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+
+
+def _mutant(old: str, new: str):
+    """packed_mla with the one occurrence of `old` in its source replaced by `new`."""
+    source = inspect.getsource(packed_mla)
+    assert source.count(old) == 1, old
+    spec = importlib.util.spec_from_loader("packed_mla_mutant", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(source.replace(old, new), "packed_mla_mutant", "exec"), module.__dict__)
+    return module
+
+
+MUTANTS = {
+    "rope_on_the_nope_dims": (
+        "q = torch.cat([q[..., :nope], rope(q[..., nope:], cos, sin)], dim=-1)",
+        "q = torch.cat([rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)",
+    ),
+    "topk_weights_not_normalised": (
+        "weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)",
+        "pass",
+    ),
+    "topk_weights_softmax_normalised": (
+        "weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)",
+        "weights = weights.softmax(-1)",
+    ),
+    "shared_experts_dropped": (
+        "return hidden + routed + mlp.shared_experts(x)",
+        "return hidden + routed",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_the_parity_check_catches_a_mutant_forward(mutant: str) -> None:
+    model, docs = _model(_deepseek()), _documents()
+    broken = _forward(model, _mutant(*MUTANTS[mutant]))
+    with pytest.raises(AssertionError, match="document 0"):
+        _assert_rows_equal_each_document_alone(model, docs, _packed(broken, docs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool) -> None:
+    """fp32 on CUDA (no TF32), flex over T = 256 (tiles of 128) with documents across tile edges;
+    q/k (24) and v (16) head dims differ for MLA. Same 1e-5 bound as the CPU."""
+    model = _model(VARIANTS[kind]()).cuda()
+    forward = packed_mla.PackedMLAForward(
+        text_model(model), LAYER_IDS, attention="flex", compile=compile
+    )
+    rng = np.random.default_rng(5)
+    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
+    layout = layout_pack(docs, 256).to("cuda")
+    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
+    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
+    _assert_rows_equal_each_document_alone(model, docs, out)
