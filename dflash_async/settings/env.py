@@ -45,7 +45,7 @@ TARGET_PATH_VAR = f"{PREFIX}TARGET{NESTING}PATH"
 
 def repo_root() -> Path:
     """The repository holding this package: where `settings/` presets live."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def setting_names() -> dict[str, tuple[str, ...]]:
