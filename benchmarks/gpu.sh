@@ -56,7 +56,7 @@ for which in "$@"; do
     drafter 300 --steps 10
     drafter 300 --steps 10 --num-anchors 4096
     drafter 300 --steps 5 --token-budget 49152 --num-anchors 2048
-    drafter 300 --steps 5 --profile 2> "$out/drafter_profile.txt"
+    drafter 300 --steps 5 --profile  # the tables by part go to bench_drafter.err
     drafter 300 --steps 8 --kind dflash
     drafter 300 --steps 8 --kind dflash2
     drafter 300 --steps 5 --kind dflash --block-size 8 --vocab-size 248320 --num-anchors 2048
