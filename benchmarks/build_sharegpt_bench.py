@@ -1,4 +1,4 @@
-"""Builds the real-ShareGPT first-load benchmark's inputs (BENCHMARKS.md, issue 32) from two
+"""Builds the real-ShareGPT first-load benchmark's inputs (BENCHMARKS.md, data path) from two
 fetched snapshots; nothing is downloaded here and nothing it writes is committed.
 
 - DATA_DIR: `sampled_enriched_data/` of Marugannwg/ShareGPT92k_user_linguistic_mining (8186064):

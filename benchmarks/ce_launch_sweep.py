@@ -1,5 +1,5 @@
 """Launch shapes of kernels/ce_kernel.py's CE pass on one GPU: each against the reference
-(objective.ce_and_grad_from_logits, the tolerances of tests/test_gpu_ce_kernel.py) and timed on
+(objective.ce_and_grad_from_logits, the tolerances of tests/kernels/test_ce_kernel_gpu.py) and timed on
 one chunk of the step (2048 x 151936 bf16 logits), CUDA events over 20 launches after 3 warm-up
 ones. Prints one JSON line per launch shape, fastest last. Usage:
   python benchmarks/ce_launch_sweep.py [--rows 2048] [--vocab 151936] [--launches block|grid]

@@ -1,6 +1,6 @@
 """Launch shapes of kernels/conv_kernel.py's DFlash2 convolution on one GPU, against the torch
 reference compiled as the step compiled it before (dflash2.block_causal_conv under torch.compile,
-forward and backward): each checked against the fp32 reference (tests/test_gpu_conv_kernel.py's
+forward and backward): each checked against the fp32 reference (tests/kernels/test_conv_kernel_gpu.py's
 bf16 tolerance) and timed at the Qwen3-8B drafter's shape (1024 blocks x 16, d = 4096, 2 taps,
 groups of 16, bf16; one of a step's 20 convolutions), CUDA events over 20 calls after 3 warm-up
 ones, each captured as a CUDA graph. Prints one JSON line per launch, fastest last. Usage:
@@ -19,7 +19,7 @@ import torch
 from dflash_async.kernels.conv_kernel import ConvLaunch, triton_block_conv
 from dflash_async.model.dflash2 import block_causal_conv
 
-BF16_RTOL = 2.0**-8  # tests/test_gpu_conv_kernel.py derives it
+BF16_RTOL = 2.0**-8  # tests/kernels/test_conv_kernel_gpu.py derives it
 
 
 def _timed_ms(fn, reps: int) -> float:

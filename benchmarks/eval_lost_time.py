@@ -1,4 +1,4 @@
-"""Training time lost to in-run evaluations, read from a run's JSON log (issue 14).
+"""Training time lost to in-run evaluations, read from a run's JSON log.
 
     python benchmarks/eval_lost_time.py RUN_LOG.jsonl
 

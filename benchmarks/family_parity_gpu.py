@@ -1,5 +1,5 @@
 """Is `bench target`'s difference between HF and the packed path of a new family noise or a bug?
-(issue 29, one H200)
+(one GPU)
 
 `bench target` compares the bf16 packed path with HF's bf16 padded batches on random weights;
 for gpt-oss-20b, Moonlight-16B-A3B and Qwen3.5-35B-A3B that difference was 0.33-0.71 of the

@@ -1,4 +1,4 @@
-"""Where the FP8 MoE experts' time goes at the Qwen3-30B-A3B shape (issue 31), one H200.
+"""Where the FP8 MoE experts' time goes at the Qwen3-30B-A3B shape, one GPU.
 
 One HF Qwen3-MoE experts module (128 experts of width 768, d = 2048, top 8) on T = 16384 tokens
 routed by its own router: the bf16 HF experts (grouped_mm), `Fp8Experts` the sorted way with
@@ -36,7 +36,7 @@ from dflash_async.kernels.fp8_moe_kernel import routed_mm
 from dflash_async.targets.fp8 import fp8_experts, fp8_linear, fp8_routed
 from dflash_async.targets.grouped_experts import gated as gate_values
 
-# the routed kernel's launches timed (tests/test_gpu_fp8_moe_kernel.py runs each of them)
+# the routed kernel's launches timed (tests/kernels/test_fp8_moe_kernel_gpu.py runs each of them)
 LAUNCHES = {  # (gate_up's, down's)
     "the defaults": (fp8_moe_launch.GATE_UP_LAUNCH, fp8_moe_launch.DOWN_LAUNCH),
     **{

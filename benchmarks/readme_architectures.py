@@ -3,7 +3,7 @@
     python benchmarks/readme_architectures.py      # from the repository root
 
 The table is target/forward.architecture_table() (model/architectures.SUPPORTED with the forward
-each family takes); tests/test_readme_architectures.py fails when the README's copy differs.
+each family takes); tests/targets/test_readme_architectures.py fails when the README's copy differs.
 """
 
 from __future__ import annotations

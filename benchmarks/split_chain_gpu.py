@@ -1,4 +1,4 @@
-"""A target split into stages on one GPU against the unsplit target (issue 34), target side only.
+"""A target split into stages on one GPU against the unsplit target, target side only.
 
 One H200, a Qwen3-8B-shaped random bf16 target built on the GPU, the product's stage code:
 - unsplit: `stages/produce.target_stage` (one DeviceWorker, the packed dense forward);

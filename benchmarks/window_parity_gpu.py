@@ -1,6 +1,6 @@
-"""Is the packed sliding-window forward's GPU difference from HF noise or a bug? (issue 29)
+"""Is the packed sliding-window forward's GPU difference from HF noise or a bug?
 
-Part 1, tiny fp32 models (tests/test_target_packed_sliding.py's configs and documents, T = 256):
+Part 1, tiny fp32 models (tests/targets/test_target_packed_sliding.py's configs and documents, T = 256):
 for Mistral, Gemma 3 and Gemma 4 text, the max |error| against an fp64 CPU run of HF, each
 document alone, of (a) HF fp32 on the GPU, each document alone, and (b) the packed flex forward on
 the GPU, eager and compiled. The packed path is as exact as HF when (b) is within a small factor

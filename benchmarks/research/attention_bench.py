@@ -1,7 +1,7 @@
 """`python benchmarks/research/attention_bench.py`: one drafter layer's flex_attention, forward and
 backward, under the step's real block mask, for a list of kernel tile configurations.
 
-The step's attention runs at a fraction of the MFU of its matmuls (BENCHMARKS.md, issue 20), and
+The step's attention runs at a fraction of the MFU of its matmuls (BENCHMARKS.md), and
 flex_attention's tiles (BLOCK_M/N, BLOCK_M1/N1/M2/N2, stages, warps) are chosen by a heuristic
 for plain causal masks. This times each configuration on the exact mask a step sees (documents,
 sampled anchors, the own-block keys), compiled as the step compiles it, and checks each against
@@ -104,9 +104,8 @@ CONFIGS: dict[str, dict[str, int | bool | str]] = {
         "bwd_num_warps": 8,
     },
     "no_dq_write": {"WRITE_DQ": False},
-    # flash-attn-4 (CuTe DSL) through flex_attention: needs flash_attn.cute importable, which
-    # the device does not have (benchmarks/h200_flash_backend.sh carries it); not in the default
-    # list of `--configs`
+    # flash-attn-4 (CuTe DSL) through flex_attention: needs flash_attn.cute importable
+    # (`pip install -e ".[flash]"`); not in the default list of `--configs`
     "flash_backend": {"BACKEND": "FLASH"},
 }
 DEFAULT_CONFIGS = [name for name in CONFIGS if name != "flash_backend"]

@@ -8,7 +8,7 @@ buffer (AccumulateGrad: 2 + 4 + 4 + 4 more). The candidate (`master`) keeps a bf
 weight, written once per step where the optimizer writes the weight (2 bytes), and has the
 weight-gradient GEMM accumulate in fp32 straight into the flat buffer (`torch.addmm` with
 `out_dtype=torch.float32`), so none of those passes run. The graph-replayed step spends ~6-8 ms of
-its ~275 ms in them at the Qwen3-8B shape (BENCHMARKS.md, issue 20).
+its ~275 ms in them at the Qwen3-8B shape (BENCHMARKS.md).
 
 Per shape: forward + backward ms of each path (CUDA events, eager, after warm-up) and the
 candidate's weight and input gradients against today's (relative Frobenius difference; tolerance

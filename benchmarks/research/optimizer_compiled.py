@@ -9,7 +9,7 @@ created as Adam._init_group creates them for fused=True), so optimizer.state_dic
 checkpoints stay as they are; the gradients are only read there (they are views of one buffer:
 mutating aliased inputs would make AOTAutograd merge them into a synthetic base) and zeroed by
 one fill of the flat buffer after it, the same 4 B/param. Same math as torch's fused CUDA kernel
-up to fp32 rounding order (checked against `today` in tests/test_optimizer_updates.py, uncompiled
+up to fp32 rounding order (checked against `today` in benchmarks/research/tests/test_optimizer_updates.py, uncompiled
 there: CPU, and compiled on the GPU bench).
 
 `sequence` resolves any name of optimizer_updates.SEQUENCES, these two included.

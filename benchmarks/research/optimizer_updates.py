@@ -21,7 +21,7 @@ Bytes each sequence must move per parameter (fp32; the `bytes_per_param` of SEQU
          the zeroing 4 (in the same kernel where g is one flat tensor); total 36. Over the flat
          buffers (`compiled`), or per parameter on torch AdamW's own state tensors
          (`compiled_views`: checkpoints unchanged); both in optimizer_compiled.py.
-All are the same math as today's up to fp32 rounding order; tests/test_optimizer_updates.py checks
+All are the same math as today's up to fp32 rounding order; benchmarks/research/tests/test_optimizer_updates.py checks
 each against `today` and against mutants, the bench (optimizer_bench.py) times them on a GPU.
 """
 
