@@ -49,7 +49,8 @@ for which in "$@"; do
   case $which in
   tests)
     part "every GPU test"
-    python -m pytest -m gpu -v tests > "$out/gpu_tests.txt" 2>&1
+    timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu -v -p no:cacheprovider tests \
+      > "$out/gpu_tests.txt" 2>&1
     echo "rc=$?: $(tail -1 "$out/gpu_tests.txt")"
     ;;
   drafter)
