@@ -1,5 +1,5 @@
 """Launch shapes of kernels/conv_kernel.py's DFlash2 convolution on one GPU, against the torch
-reference compiled as the step compiled it before (dflash2.block_causal_conv under torch.compile,
+reference compiled as the step compiled it before (kinds/dflash2/drafter.block_causal_conv under torch.compile,
 forward and backward): each checked against the fp32 reference (tests/kernels/test_conv_kernel_gpu.py's
 bf16 tolerance) and timed at the Qwen3-8B drafter's shape (1024 blocks x 16, d = 4096, 2 taps,
 groups of 16, bf16; one of a step's 20 convolutions), CUDA events over 20 calls after 3 warm-up
@@ -17,7 +17,7 @@ import json
 import torch
 
 from dflash_async.kernels.conv_kernel import ConvLaunch, triton_block_conv
-from dflash_async.model.dflash2 import block_causal_conv
+from dflash_async.model.kinds.dflash2.drafter import block_causal_conv
 
 BF16_RTOL = 2.0**-8  # tests/kernels/test_conv_kernel_gpu.py derives it
 

@@ -1,7 +1,7 @@
 """An independent, slow reference of the DFlash2 drafter and objective, from the contract alone.
 
-Written from docs/DFLASH.md s.9-10 and sharing no code with `dflash_async.model.dflash2` or
-`dflash_async.model.dflash2_objective`; it reuses only the DFlash reference's own Qwen3 pieces
+Written from docs/DFLASH.md s.9-10 and sharing no code with `dflash_async.model.kinds.dflash2` (its drafter) or
+its objective; it reuses only the DFlash reference's own Qwen3 pieces
 (tests/reference_dflash.py: norms, RoPE, attention over an explicit list of visible keys).
 Float64, one block at a time, and the convolutions as a loop over block positions and taps:
 position t of a block reads positions t, t-1, ..., t-K+1 OF THAT BLOCK ONLY (nothing before its

@@ -32,6 +32,7 @@ from dflash_async.data.packing import PackedBatch
 from dflash_async.model.build import StepSpec, build_drafter_step
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS
 from dflash_async.model.objective import default_gamma
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.runtime.devices import parse_device
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--variants", default="today", help=f"comma-separated, of: {', '.join(VARIANTS)}"
     )
-    parser.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash")
+    parser.add_argument("--kind", choices=tuple(KINDS), default=DEFAULT_KIND)
     parser.add_argument("--block-size", type=int, help="the shape's own (16) unless given")
     parser.add_argument("--vocab-size", type=int, help="the shape's own unless given")
     parser.add_argument(

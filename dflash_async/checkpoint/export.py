@@ -3,8 +3,8 @@
 Export (docs/DFLASH.md s.7) is what SGLang, vLLM and z-lab's code load: a folder with a Qwen3
 `config.json` (architectures ["DFlashDraftModel"], a `dflash_config` with mask_token_id and
 target_layer_ids) and a bf16 `model.safetensors` with flat names and no embedding or lm_head.
-A DFlash2 drafter (s.9) is exported as ["DFlash2DraftModel"] with its convolution and selector
-fields in `dflash_config` and its extra tensors (`_dflash2_weight_shapes`).
+Each drafter kind (model/kinds/) names its architecture (["DFlash2DraftModel"] for DFlash2, s.9)
+and adds its own fields to `dflash_config` and its own tensors (DFlash2: convolutions, selector).
 The drafter variants (s.10) are written where z-lab's reader looks for them: `layer_types`,
 `sliding_window`, `use_sliding_window` and `is_causal` at the top level, `output_multiplier`,
 `final_logit_softcapping` and `input_embedding_scale` in `dflash_config` (only when set).
@@ -32,7 +32,8 @@ from torch import nn
 
 from dflash_async.atomic import atomic_directory
 from dflash_async.log import get_logger
-from dflash_async.model.drafter_config import DFLASH2_FIELDS, DrafterConfig
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import KINDS, kind_of
 from dflash_async.model.layer_rules import SLIDING_ATTENTION, layer_types_of
 
 # dflash_config's logit and embedding fields (docs/DFLASH.md s.10) and their "unset" values
@@ -44,12 +45,11 @@ TRANSFORM_DEFAULTS = {
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-# The servable architecture name of each drafter kind (what z-lab's code and the engines read).
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a drafter (docs/DFLASH.md s.7) and its shape ([out, in] for Linear)."""
+    """Every tensor name of a drafter (docs/DFLASH.md s.7) and its shape ([out, in] for Linear),
+    its kind's own tensors included."""
     d, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     layer = {
@@ -73,53 +73,34 @@ def expected_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     shapes["fc.weight"] = (d, config.num_features * d)
     shapes["hidden_norm.weight"] = (d,)
     shapes["norm.weight"] = (d,)
-    if config.kind == "dflash2":
-        shapes |= _dflash2_weight_shapes(config)
-    return shapes
-
-
-def _dflash2_weight_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """DFlash2's tensors (docs/DFLASH.md s.9): two convolutions per layer and the selector,
-    whose codebooks are plain tensors (no `.weight`)."""
-    d, k, r = config.hidden_size, config.conv_kernel_size, config.selector_rank
-    conv = {"base_kernel": (2, k, d), "kernel_projection.weight": (2 * k * config.conv_groups, d)}
-    shapes = {
-        f"layers.{i}.{which}.{name}": shape
-        for i in range(config.num_hidden_layers)
-        for which in ("attention_conv", "mlp_conv")
-        for name, shape in conv.items()
-    }
-    shapes["candidate_selector.hidden_projection.weight"] = (r, d)
-    shapes["candidate_selector.predecessor_codebook"] = (config.vocab_size, r)
-    shapes["candidate_selector.successor_codebook"] = (config.vocab_size, r)
-    return shapes
+    return shapes | kind_of(config.kind).weight_shapes(config)
 
 
 def export_config_json(
     config: DrafterConfig, *, max_position_embeddings: int = 40960
 ) -> dict[str, Any]:
-    """The servable config.json contents (a Qwen3Config plus the DFlash fields).
+    """The servable config.json contents (a Qwen3Config plus the DFlash fields and the kind's).
 
     rope_theta is written both flat (transformers 4, vLLM) and as rope_parameters (transformers
     5); block_size both top-level (docs/DFLASH.md s.7) and inside dflash_config (z-lab's reader).
     max_position_embeddings is the target's (Qwen3: 40960); the drafter does not limit it.
     """
     n = config.num_hidden_layers
+    kind = kind_of(config.kind)
     dflash_config = {
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
         "block_size": config.block_size,
     }
-    if config.kind == "dflash2":
-        dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+    dflash_config |= kind.export_fields(config)
     dflash_config |= {
         name: getattr(config, name)
         for name, unset in TRANSFORM_DEFAULTS.items()
         if getattr(config, name) != unset
     }
     return {
-        "architectures": [ARCHITECTURES[config.kind]],
-        "model_type": "qwen3",
+        "architectures": [kind.architecture],
+        "model_type": kind.model_type,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": n,
         "num_attention_heads": config.num_attention_heads,
@@ -327,18 +308,15 @@ def _layout_and_transforms(cfg: Mapping[str, Any], dflash: Mapping[str, Any]) ->
 
 
 def _variant_fields(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> dict:
-    """kind from `architectures` (DFlash when absent) and, for DFlash2, its dflash_config fields."""
-    kinds = {
-        kind for kind, name in ARCHITECTURES.items() if name in (cfg.get("architectures") or [])
-    }
+    """kind from `architectures` (the default kind when none is known) and its dflash_config
+    fields (model/kinds/)."""
+    named = cfg.get("architectures") or []
+    kinds = sorted(name for name, kind in KINDS.items() if kind.architecture in named)
     if len(kinds) > 1:
-        raise ValueError(f"{where}: architectures name both {sorted(kinds)}")
-    if kinds != {"dflash2"}:
+        raise ValueError(f"{where}: architectures name both {kinds}")
+    if not kinds:
         return {}
-    missing = [f"dflash_config.{name}" for name in DFLASH2_FIELDS if name not in dflash]
-    if missing:
-        raise ValueError(f"{where}: missing fields {missing}")
-    return {"kind": "dflash2", **{name: int(dflash[name]) for name in DFLASH2_FIELDS}}
+    return {"kind": kinds[0], **kind_of(kinds[0]).fields_from_export(dflash, where)}
 
 
 def _block_size(cfg: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> int:

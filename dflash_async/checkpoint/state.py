@@ -34,6 +34,7 @@ import torch
 from dflash_async.atomic import atomic_directory, remove_directory
 from dflash_async.data.packing import PackCursor
 from dflash_async.errors import SettingsError
+from dflash_async.model.kinds import DEFAULT_KIND, kind_of
 from dflash_async.model.step import DrafterStep
 
 FORMAT = "dflash_async.training_state"
@@ -112,8 +113,9 @@ def run_identity(
         FP8_MATMULS_KEY: getattr(recipe, "fp8_matmuls", False),  # the linears' numerics
         WORLD_SIZE_KEY: world_size,  # each rank's share of the data, its cursor, depend on it
     }
-    if getattr(recipe, "kind", "dflash") == "dflash2":  # a DFlash run's identity is unchanged
-        identity["DFLASH_TRAIN__SELECTOR_ALPHA"] = recipe.selector_alpha
+    # the kind's own keys (model/kinds/): none for DFlash, whose identity is the one from before
+    # other kinds existed, so that its older checkpoints still resume
+    identity |= kind_of(getattr(recipe, "kind", DEFAULT_KIND)).run_identity(recipe)
     return json.loads(json.dumps(identity))  # tuples become lists, as they come back from disk
 
 

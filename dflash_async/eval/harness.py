@@ -49,9 +49,9 @@ from dflash_async.eval.sampling import (
     temperatures,
 )
 from dflash_async.log import get_logger, progress
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import kind_of
 from dflash_async.settings import EvalSettings
 from dflash_async.targets.loading import (
     frozen_embeddings,
@@ -92,7 +92,7 @@ def load_drafter(
     eval-mode drafter of its kind, served at `block_size` (None: the trained one)."""
     config, tensors = load_drafter_export(Path(folder))
     config = serving_config(config, block_size=block_size)
-    drafter = make_drafter(config)
+    drafter = kind_of(config.kind).make_drafter(config)
     drafter.load_state_dict(tensors, strict=True)  # the export holds exactly these names
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False), config
 

@@ -11,7 +11,7 @@ times the launch shapes CeLaunch offers). Rows with w == 0 still get their argma
 gradient and loss are exactly 0 (selected, never multiplied: a non-finite logit there must not leak
 in), as in the reference. Ties in the argmax go to the lowest index, as torch.argmax.
 For DFlash2 the same launch also writes the maxima of each row's fixed-width column groups
-(`ce_grad_and_group_max_triton`), the first step of its unary top-k (grouped_topk.py), from the
+(`ce_grad_and_group_max_triton`), the first step of its unary top-k (grouped_topk, model/kinds/), from the
 loads of pass 1: the kernel went 4.73 -> 5.87 ms per Qwen3-8B-shaped DFlash2 step (8 chunks) and
 the separate 7.48 ms amax went away (H200, BENCHMARKS.md). tests/test_gpu_ce_kernel.py
 compares both with the reference and with mutants on a GPU.
@@ -181,7 +181,7 @@ def ce_grad_and_group_max_triton(
     launch: CeLaunch = CE_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ce_and_grad_triton's outputs and the maxima of each row's `group_width`-wide column
-    groups, [c, V / group_width] in the logits' dtype: dflash2_objective.ce_grad_and_group_max's
+    groups, [c, V / group_width] in the logits' dtype: DFlash2's objective's ce_grad_and_group_max's
     contract, the same values (a maximum of bf16 values is one of them, exactly). The maxima
     come from pass 1's loads, so grouped_topk's own pass over the chunk goes: that eager amax
     over [2048, 1187, 128] bf16 took 0.94 ms per chunk, 7.5 ms of a Qwen3-8B-shaped DFlash2 step

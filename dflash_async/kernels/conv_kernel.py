@@ -1,6 +1,6 @@
 """DFlash2's block-causal grouped dynamic convolution as Triton kernels (GPU only, imported lazily).
 
-The same contract as dflash2.block_causal_conv (the reference, what the CPU runs):
+The same contract as DFlash2's block_causal_conv (model/kinds/; the reference, what the CPU runs):
     out[a, t, c] = sum_{o<K} (base[o, c] + dyn[a, t, o, c // S]) * h[a, t-o, c],  zero for t < o,
 on the block layout h [A, B, d], S = d / G channels per dynamic kernel. Each program owns one
 block (forward) or a few blocks (backward) and a tile of channels, so no tap reads another
@@ -308,7 +308,7 @@ def _register_ops() -> None:
 
 
 def triton_block_conv(launch: ConvLaunch = CONV_LAUNCH) -> Callable:
-    """`conv(h, dyn, base)` with dflash2.block_causal_conv's signature and contract through the
+    """`conv(h, dyn, base)` with DFlash2's block_causal_conv's signature and contract through the
     kernels, differentiable. Registers the ops at the first call: call it outside
     torch.compile'd code (the objective does, when it is built)."""
     _register_ops()

@@ -15,19 +15,20 @@ from typing import Literal
 import torch
 
 from dflash_async.log import get_logger
-from dflash_async.model.dflash2 import make_drafter
-from dflash_async.model.dflash2_objective import DFlash2Objective
-from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.fp8_training import Fp8Matmuls, use_fp8_matmuls
-from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
+from dflash_async.model.kinds.interface import with_fields
+from dflash_async.model.objective import ObjectiveConfig
 from dflash_async.model.optim import warmup_steps_for
 from dflash_async.model.step import DrafterStep
 
 
 @dataclass(frozen=True)
-class StepSpec:
-    """The recipe and kernels of one drafter step (settings/sections.py documents each field)."""
+class _StepSpec:
+    """The recipe and kernels of one drafter step (settings/recipe.py documents each field);
+    after these come every kind's own DFLASH_TRAIN__* fields (model/kinds/), which only the
+    objective of that kind reads."""
 
     token_budget: int  # T rows of the step's static inputs
     num_anchors: int
@@ -47,11 +48,11 @@ class StepSpec:
     flex_kernel_options: tuple[tuple[str, bool | int | str], ...] = ()
     flex_autotune: bool = False
     working_weights: bool = True  # bf16 working copies where the compiled update runs
-    kind: Literal["dflash", "dflash2"] = "dflash"  # the drafter's (DrafterConfig.kind)
-    selector_alpha: float = 1.0  # dflash2: weight of the selector's CE (docs/DFLASH.md s.9)
-    # dflash2's convolutions (ObjectiveConfig.conv_kernel); auto: Triton on a GPU where it runs
-    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
+    kind: str = DEFAULT_KIND  # the drafter's (DrafterConfig.kind)
     fp8_matmuls: bool = False  # the drafter's linears as FP8 matmuls (model/fp8_training.py)
+
+
+StepSpec = with_fields(_StepSpec, [kind.train_fields for kind in KINDS.values()])
 
 
 def build_drafter_step(
@@ -75,11 +76,11 @@ def build_drafter_step(
     """
     if spec.kind != config.kind:
         raise ValueError(f"the step is for a {spec.kind} drafter, the config for {config.kind}")
+    kind = kind_of(spec.kind)
     torch.manual_seed(spec.seed)
-    drafter = make_drafter(config).to(device)
+    drafter = kind.make_drafter(config).to(device)
     fp8 = use_fp8_matmuls(drafter) if spec.fp8_matmuls else None  # before the first forward
-    objective = _objective(
-        spec,
+    objective = kind.make_objective(
         ObjectiveConfig(
             block_size=config.block_size,
             num_anchors=spec.num_anchors,
@@ -92,11 +93,11 @@ def build_drafter_step(
             flex_backend=spec.flex_backend,
             flex_autotune=spec.flex_autotune,
             ce_kernel=spec.ce_kernel,
-            conv_kernel=spec.conv_kernel,
         ),
         drafter,
-        embed=embed,
-        lm_head=lm_head,
+        embed,
+        lm_head,
+        spec=spec,
         flex_fn=flex_fn,
     )
     step = DrafterStep.build(
@@ -121,7 +122,7 @@ def build_drafter_step(
             flex_autotune=spec.flex_autotune,
             ce_chunk_size=spec.ce_chunk_size,
             ce_kernel=objective.ce_kernel,
-            conv_kernel=objective.conv_kernel if spec.kind == "dflash2" else None,
+            **kind.kernels_chosen(objective),
             update="compiled" if step.adamw is not None else "reference",
             working_weights=any(w is not None for w in step.working),
             grad_dtype=str(step.grad_dtype).removeprefix("torch."),
@@ -139,20 +140,3 @@ def _fp8_line(fp8: Fp8Matmuls | None) -> str:
     if fp8 is None:
         return "off"
     return fp8.path if fp8.reason is None else f"{fp8.path} ({fp8.reason})"
-
-
-def _objective(
-    spec: StepSpec,
-    config: ObjectiveConfig,
-    drafter: DFlashDrafter,
-    *,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
-    flex_fn,
-) -> DFlashObjective:
-    """The objective of the drafter's kind: DFlash's, or DFlash2's (docs/DFLASH.md s.10)."""
-    if spec.kind == "dflash2":
-        return DFlash2Objective(
-            config, drafter, embed, lm_head, selector_alpha=spec.selector_alpha, flex_fn=flex_fn
-        )
-    return DFlashObjective(config, drafter, embed, lm_head, flex_fn=flex_fn)

@@ -205,7 +205,7 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     def make_layer(self, config: DrafterConfig) -> nn.Module:
-        """One decoder layer (a drafter variant, model/dflash2.py, makes its own)."""
+        """One decoder layer (a drafter kind, e.g. DFlash2 in model/kinds/, makes its own)."""
         return DraftLayer(config)
 
     def compile_layers(self) -> None:
@@ -266,8 +266,8 @@ class DFlashDrafter(nn.Module):
             return self._final_norm(self, x)
 
     def run_layer(self, layer, x, context, block_rope, context_rope, attend) -> torch.Tensor:
-        """One decoder layer on the block stream x [Q, d] (a drafter variant, model/dflash2.py,
-        runs its own layer here)."""
+        """One decoder layer on the block stream x [Q, d] (a drafter kind, e.g. DFlash2 in
+        model/kinds/, runs its own layer here)."""
         if self._layer is not None:  # compiled: attention inside the layer's range
             with step_range("layer"):
                 return self._layer(layer, x, context, block_rope, context_rope, attend)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from dflash_async.model.architectures import (
     attention_head_dim,
@@ -18,6 +18,8 @@ from dflash_async.model.architectures import (
     layer_attribute,
     text_config_of,
 )
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
+from dflash_async.model.kinds.interface import with_fields
 from dflash_async.model.layer_rules import AttentionRule, layer_rule_problem, layer_rules
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
@@ -27,9 +29,6 @@ QWEN35_MASK_TOKEN_ID = 248070
 # docs/DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
-DrafterKind = Literal["dflash", "dflash2"]
-# The fields only a DFlash2 drafter reads (docs/DFLASH.md s.9); a DFlash drafter ignores them.
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # The drafter variants of released drafters (docs/DFLASH.md s.10), for both kinds, and their
 # defaults: today's drafter. A run's identity lists one only when it differs from its default, so
 # the checkpoints written before the variants existed still resume.
@@ -43,9 +42,15 @@ VARIANT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def kinds_drafter_fields() -> tuple[str, ...]:
+    """Every kind's own DrafterConfig fields (model/kinds/), in the table's order."""
+    return tuple(name for kind in KINDS.values() for name in kind.drafter_fields.model_fields)
+
+
 @dataclass(frozen=True)
-class DrafterConfig:
-    """Shapes of a DFlash drafter. Field names follow the servable config.json (docs/DFLASH.md s.7)."""
+class _DrafterConfig:
+    """Shapes of a DFlash drafter. Field names follow the servable config.json (docs/DFLASH.md s.7);
+    after these come every kind's own fields (model/kinds/), read only by a drafter of that kind."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -60,11 +65,7 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     block_size: int = 16
-    kind: DrafterKind = "dflash"
-    conv_kernel_size: int = 2  # dflash2: taps of each causal convolution along the block
-    conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel
-    selector_rank: int = 256  # dflash2: r of the candidate selector
-    selector_top_k: int = 16  # dflash2: candidates per slot
+    kind: str = DEFAULT_KIND  # a key of model/kinds/'s table
     # per layer "full_attention" | "sliding_attention"; () = every layer full (layer_rules.py)
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # W of the sliding layers
@@ -76,27 +77,15 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         self._check_shapes()
         self._check_variants()
-        if self.kind == "dflash2":
-            self._check_dflash2()
-
-    def _check_dflash2(self) -> None:
-        if self.hidden_size % self.conv_group_size:
-            raise ValueError(
-                f"conv_group_size={self.conv_group_size} does not divide "
-                f"hidden_size={self.hidden_size}"
-            )
-        if not 1 <= self.selector_top_k <= self.vocab_size:
-            raise ValueError(f"selector_top_k={self.selector_top_k} is outside [1, vocab_size]")
-        if min(self.conv_kernel_size, self.selector_rank) < 1:
-            raise ValueError("conv_kernel_size and selector_rank must be at least 1")
+        kind_of(self.kind).check_config(self)
 
     def identity(self) -> dict[str, Any]:
-        """The fields that define a run (checkpoint/state.run_identity): a DFlash drafter's are
-        those it had before DFlash2 existed, so its older checkpoints still resume."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.kind == "dflash":
-            for name in ("kind", *DFLASH2_FIELDS):
-                del values[name]
+        """The fields that define a run (checkpoint/state.run_identity): every kind's shared
+        fields, then those the kind adds (none for DFlash, whose drafter's identity is the one it
+        had before other kinds existed, so its older checkpoints still resume)."""
+        kinds_own = {"kind", *kinds_drafter_fields()}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in kinds_own}
+        values |= kind_of(self.kind).identity(self)
         for name, default in VARIANT_DEFAULTS.items():
             if values[name] == default:
                 del values[name]
@@ -122,11 +111,6 @@ class DrafterConfig:
             sliding_window=self.sliding_window,
             is_causal=self.is_causal,
         )
-
-    @property
-    def conv_groups(self) -> int:
-        """G: dynamic kernels per convolution tap (hidden_size / conv_group_size)."""
-        return self.hidden_size // self.conv_group_size
 
     def _check_shapes(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -171,8 +155,11 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple
     return tuple(round(1 + i * step) for i in range(num_features))
 
 
+DrafterConfig = with_fields(_DrafterConfig, [kind.drafter_fields for kind in KINDS.values()])
+
+
 @dataclass(frozen=True)
-class DrafterSpec:
+class _DrafterSpec:
     """The drafter's own shape settings (DFLASH_DRAFTER__*, DFLASH_TARGET__NUM_FEATURES and
     TARGET_LAYER_IDS, DFLASH_TRAIN__BLOCK_SIZE); the rest of its config comes from the target's
     config.json at start-up (`drafter_config_from_target`), which the settings never read.
@@ -184,11 +171,7 @@ class DrafterSpec:
     target_layer_ids: tuple[int, ...] | None  # None: spread over the target's layers
     mask_token_id: int | None  # None: the tokenizer's mask token (built-in target) or family's
     init: Path | None = None  # an export or checkpoint folder; None: random init
-    kind: DrafterKind = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
+    kind: str = DEFAULT_KIND  # a key of model/kinds/'s table; every kind's own fields follow
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     is_causal: bool | None = None
@@ -197,10 +180,13 @@ class DrafterSpec:
     input_embedding_scale: float = 1.0
 
     def variant_fields(self) -> dict[str, Any]:
-        """The DrafterConfig fields of the drafter kind (kind and the DFlash2 shapes) and of its
-        variants (sliding layers, logit transforms, embedding scale: VARIANT_DEFAULTS)."""
-        names = (*DFLASH2_FIELDS, *VARIANT_DEFAULTS)
+        """The DrafterConfig fields of the drafter kind (kind and every kind's own shapes) and
+        of its variants (sliding layers, logit transforms, embedding scale: VARIANT_DEFAULTS)."""
+        names = (*kinds_drafter_fields(), *VARIANT_DEFAULTS)
         return {"kind": self.kind, **{name: getattr(self, name) for name in names}}
+
+
+DrafterSpec = with_fields(_DrafterSpec, [kind.drafter_fields for kind in KINDS.values()])
 
 
 def drafter_config_from_target(

@@ -15,6 +15,7 @@ from dflash_async.model.architectures import (
     routed_expert_width,
 )
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import kind_of
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 
@@ -24,7 +25,7 @@ def drafter_step_flops_by_part(
 ) -> dict[str, float]:
     """Train FLOPs of one drafter step by part (the parts of bench/step_profile.py that do
     matmul work; norms, elementwise work and the optimizer count 0): T context rows,
-    Q = A*B block slots.
+    Q = A*B block slots; then the parts the drafter's kind adds (model/kinds/).
 
     visible_pairs: attended (query, key) pairs summed over all queries (context + own block).
     """
@@ -44,22 +45,7 @@ def drafter_step_flops_by_part(
         "attn_bwd": float(2 * attention_forward),
         "mlp": float(3 * L * 2 * 3 * Q * d * f),  # gate, up, down
         "lm_head_ce": float(2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size),
-        **(_dflash2_flops(config, slots=Q) if config.kind == "dflash2" else {}),
-    }
-
-
-def _dflash2_flops(config: DrafterConfig, *, slots: int) -> dict[str, float]:
-    """DFlash2's matmul work beyond DFlash's (docs/DFLASH.md s.9), trained (3x forward):
-    - `conv`: per layer two kernel projections d -> 2*K*G over the Q block slots (the
-      convolutions' multiply-adds are elementwise work and count 0, like norms);
-    - `selector`: hidden_projection d -> r and the k candidates' rank-r dot products per
-      supervised slot (the codebook gathers count 0)."""
-    d, L, r = config.hidden_size, config.num_hidden_layers, config.selector_rank
-    kg = 2 * config.conv_kernel_size * config.conv_groups
-    supervised = slots // config.block_size * (config.block_size - 1)
-    return {
-        "conv": float(3 * L * 2 * 2 * slots * d * kg),
-        "selector": float(3 * 2 * supervised * (d * r + config.selector_top_k * r)),
+        **kind_of(config.kind).flops(config, slots=Q),  # the kind's own matmul work
     }
 
 

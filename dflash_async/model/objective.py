@@ -76,10 +76,6 @@ class ObjectiveConfig:
     # the CE chunk's elementwise pass: the hand-written Triton kernel of ce_kernel.py (GPU only),
     # or ce_and_grad_from_logits (torch.compile'd when `compile`); auto: Triton on a GPU
     ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
-    # DFlash2's convolutions: conv_kernel.py's Triton kernels (GPU only) or the torch ops of
-    # dflash2.block_causal_conv (compiled with the layers when `compile`); auto: Triton on a GPU
-    # where the drafter's shape allows (conv_kernel.conv_kernel_problem). DFlash ignores it.
-    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
 
 
 class Anchors(NamedTuple):
@@ -96,7 +92,7 @@ class StepSums(NamedTuple):
     supervised: torch.Tensor  # positions with w > 0
     accepted: torch.Tensor  # sum over valid blocks of the accepted-prefix length
     blocks: torch.Tensor  # valid blocks
-    # DFlash2 (model/dflash2_objective.py); 0 for a DFlash drafter
+    # DFlash2's (its objective in model/kinds/); 0 for a DFlash drafter
     topk_hits: torch.Tensor  # positions with w > 0 whose label is in the unary top-k
     selector_correct: torch.Tensor  # of those, the selector's teacher-forced argmax is right
 

@@ -32,7 +32,8 @@ from dflash_async.data.samples import DataOptions
 from dflash_async.errors import SettingsError
 from dflash_async.kernels.fp8_format import rowwise_kernel_problem
 from dflash_async.model.build import StepSpec
-from dflash_async.model.drafter_config import DrafterSpec
+from dflash_async.model.drafter_config import DrafterSpec, kinds_drafter_fields
+from dflash_async.model.kinds import DEFAULT_KIND, kind_of
 from dflash_async.pipeline.distributed import NodesSpec, pick_backend
 from dflash_async.pipeline.placement.placing import PlacementSpec, candidate_devices, given_roles
 from dflash_async.settings import DataSettings, EvalSettings, Settings, TargetSettings
@@ -93,10 +94,7 @@ def run_spec(settings: Settings) -> RunSpec:
             mask_token_id=settings.drafter.mask_token_id,
             init=Path(settings.drafter.init) if settings.drafter.init else None,
             kind=settings.drafter.kind,
-            conv_kernel_size=settings.drafter.conv_kernel_size,
-            conv_group_size=settings.drafter.conv_group_size,
-            selector_rank=settings.drafter.selector_rank,
-            selector_top_k=settings.drafter.selector_top_k,
+            **{name: getattr(settings.drafter, name) for name in kinds_drafter_fields()},
             **_variant_fields(settings),
         ),
         data=_data_options(
@@ -147,7 +145,7 @@ def _variant_fields(settings: Settings) -> dict:
 
 
 def _step_spec(
-    train: TrainSettings, *, token_budget: int, cuda: bool, kind: str = "dflash"
+    train: TrainSettings, *, token_budget: int, cuda: bool, kind: str = DEFAULT_KIND
 ) -> StepSpec:
     """The drafter step: compile, graphs and the Triton CE pass only on GPU drafters."""
     attention = train.attention if train.attention != "auto" else ("flex" if cuda else "sdpa")
@@ -171,14 +169,13 @@ def _step_spec(
         cuda_graph=cuda and train.cuda_graph,
         ce_chunk_size=train.ce_chunk_size,
         ce_kernel=train.ce_kernel if cuda else "compiled",
-        conv_kernel=train.conv_kernel if cuda else "compiled",
         flex_backend=train.flex_backend,
         flex_kernel_options=tuple(sorted(train.flex_kernel_options.items())),
         flex_autotune=train.flex_autotune,
         working_weights=train.working_weights,
         kind=kind,
-        selector_alpha=train.selector_alpha,
         fp8_matmuls=train.fp8_matmuls,
+        **kind_of(kind).step_values(train, cuda=cuda),  # the kind's own objective and kernels
     )
 
 

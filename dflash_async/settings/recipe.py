@@ -2,7 +2,9 @@
 
 Apart from settings/sections.py (the root and the other sections) because these are the sections that
 grow with every drafter kind and kernel choice; the same rules hold: frozen, no unknown fields,
-every field documented, checks of single values here and cross-section checks in the root.
+every field documented, checks of single values here and cross-section checks in the root. Each
+drafter kind's own fields are its module's (model/kinds/), composed here from the kinds' table,
+after the fields every kind shares and in the table's order.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS
 from dflash_async.model.layer_rules import LAYER_TYPES, SLIDING_ATTENTION
 from dflash_async.settings.values import Section
 
@@ -24,7 +27,14 @@ def parse_name_list(value: Any) -> Any:
     return value
 
 
-class DrafterSettings(Section):
+# DFLASH_DRAFTER__KIND's values: the table's names (a Literal, so that a wrong one is refused
+# with the known names listed)
+KindName = Literal[tuple(KINDS)]
+
+
+class _DrafterCommon(Section):
+    """The drafter fields every kind has, up to the kind."""
+
     num_layers: int = Field(5, ge=1)
     """Drafter transformer layers."""
     mask_token_id: int | None = Field(None, ge=0)
@@ -33,18 +43,17 @@ class DrafterSettings(Section):
     """Warm start from an export (ours or z-lab's) or a training checkpoint folder: weights only,
     fresh optimizer and schedule; shapes must match (exit 2); empty = random init; ignored when
     the run resumes its own checkpoint."""
-    kind: Literal["dflash", "dflash2"] = "dflash"
-    """The drafter trained and exported: dflash (DFlashDraftModel) or dflash2 (DFlash2DraftModel:
-    two grouped dynamic causal convolutions per layer and a candidate selector, docs/DFLASH.md
-    s.9). The in-run evaluation cannot decode dflash2 yet and is skipped for it."""
-    conv_kernel_size: int = Field(2, ge=1)
-    """dflash2: taps K of each layer's causal convolutions along the block (2 in every release)."""
-    conv_group_size: int = Field(16, ge=1)
-    """dflash2: channels sharing one dynamic kernel; must divide the hidden size."""
-    selector_rank: int = Field(256, ge=1)
-    """dflash2: rank r of the candidate selector's codebooks and hidden projection."""
-    selector_top_k: int = Field(16, ge=1)
-    """dflash2: candidates per slot the selector chooses among (the unary top-k)."""
+    kind: KindName = DEFAULT_KIND
+    """The drafter trained and exported, one of model/kinds/'s table: DFlash (DFlashDraftModel) or
+    DFlash2 (DFlash2DraftModel: two grouped dynamic causal convolutions per layer and a candidate
+    selector, docs/DFLASH.md s.9)."""
+
+
+class DrafterSettings(*(kind.drafter_fields for kind in reversed(KINDS.values())), _DrafterCommon):
+    """The drafter section: every kind's fields, each kind's own (in the table's order), then
+    the layer layout and logit transforms (pydantic lists a base's fields before its subclass's,
+    the last base's first, so the kinds are given in reverse)."""
+
     layer_types: tuple[str, ...] = ()
     """Comma list of full_attention|sliding_attention, one per drafter layer; empty = every
     layer full attention. A sliding layer's block slot k sees only the context rows within
@@ -89,7 +98,9 @@ class DrafterSettings(Section):
         return self
 
 
-class TrainSettings(Section):
+class _TrainCommon(Section):
+    """The training fields every kind has, up to the CE pass."""
+
     epochs: int = Field(6, ge=1)
     """Passes over the data (used when max_steps is 0)."""
     max_steps: int = Field(0, ge=0)
@@ -144,31 +155,6 @@ class TrainSettings(Section):
     """The CE chunk's elementwise pass: kernels/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). The CPU always runs the plain torch ops."""
-    conv_kernel: Literal["auto", "compiled", "triton"] = "auto"
-    """dflash2: the convolutions' kernels: kernels/conv_kernel.py's Triton kernels (GPU only;
-    `auto` picks them on a GPU where the drafter's hidden size and conv_group_size allow) or the
-    torch ops, compiled with the layers where `compile` is on (same result up to fp32 rounding
-    order). The CPU always runs the plain torch ops."""
-    selector_alpha: float = Field(1.0, ge=0)
-    """dflash2: weight of the candidate selector's cross-entropy next to the DFlash loss; 0 trains
-    the unary DFlash loss alone (the selector then learns nothing)."""
-    working_weights: bool = True
-    """Keep bf16 working copies of the drafter's matmul weights, written by the optimizer with
-    the fp32 weights, and the gradients in bf16 (GPU with `compile`; ignored elsewhere). The
-    forward and the matmul weights' gradients are the same; the norm weights' gradients and the
-    sums across drafters are rounded to bf16. Off: autocast casts the fp32 weights at every use
-    and the gradients are fp32 (the same memory; slower, BENCHMARKS.md)."""
-    fp8_matmuls: bool = False
-    """Run the drafter's linears (attention, MLP, fc; DFlash2's projections) as FP8 matmuls on
-    the GPU: e4m3 with a scale per row, torch._scaled_mm for the output and the input gradient,
-    the weight gradient in bf16 (after torchao float8's row-wise recipes, docs/GPU.md); the
-    fp32 weights, the bf16 working copies, checkpoints and exports are unchanged. Needs GPU
-    drafters with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); refused
-    elsewhere (exit 2): there it could only emulate the rounding, slower than the plain step.
-    Off by default: it changes the training numerics (e4m3 keeps 3 mantissa bits against bf16's
-    7); measured on an H200, 1.16x the bf16 step at the Qwen3-8B drafter shape, and demo loss
-    curves within 0.006 of bf16's on the same data (BENCHMARKS.md), a check at the demo's scale
-    only. Part of the run identity: a resume must use the same value."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod
@@ -206,6 +192,29 @@ class TrainSettings(Section):
                 f"{', '.join(map(str, DEFAULT_GAMMA))}): set DFLASH_TRAIN__GAMMA"
             )
         return DEFAULT_GAMMA[block_size]
+
+
+class TrainSettings(*(kind.train_fields for kind in reversed(KINDS.values())), _TrainCommon):
+    """The train section: every kind's fields, each kind's own (in the table's order), then
+    the matmul weights' numerics (the kinds in reverse: see DrafterSettings)."""
+
+    working_weights: bool = True
+    """Keep bf16 working copies of the drafter's matmul weights, written by the optimizer with
+    the fp32 weights, and the gradients in bf16 (GPU with `compile`; ignored elsewhere). The
+    forward and the matmul weights' gradients are the same; the norm weights' gradients and the
+    sums across drafters are rounded to bf16. Off: autocast casts the fp32 weights at every use
+    and the gradients are fp32 (the same memory; slower, BENCHMARKS.md)."""
+    fp8_matmuls: bool = False
+    """Run the drafter's linears (attention, MLP, fc; DFlash2's projections) as FP8 matmuls on
+    the GPU: e4m3 with a scale per row, torch._scaled_mm for the output and the input gradient,
+    the weight gradient in bf16 (after torchao float8's row-wise recipes, docs/GPU.md); the
+    fp32 weights, the bf16 working copies, checkpoints and exports are unchanged. Needs GPU
+    drafters with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); refused
+    elsewhere (exit 2): there it could only emulate the rounding, slower than the plain step.
+    Off by default: it changes the training numerics (e4m3 keeps 3 mantissa bits against bf16's
+    7); measured on an H200, 1.16x the bf16 step at the Qwen3-8B drafter shape, and demo loss
+    curves within 0.006 of bf16's on the same data (BENCHMARKS.md), a check at the demo's scale
+    only. Part of the run identity: a resume must use the same value."""
 
     @model_validator(mode="after")
     def _anchors_fit(self) -> TrainSettings:

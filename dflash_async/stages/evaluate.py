@@ -50,8 +50,8 @@ from dflash_async.eval.evaluation import (
 from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.eval.sampling import SamplingOptions, sampled_or_none
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.kinds import kind_of
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.settings import EvalSettings
 from dflash_async.stages.train import DrafterRunner
@@ -81,7 +81,7 @@ def copy_weights(
         if block_size:
             config = replace(config, block_size=block_size)  # checked by eval_setup
         with torch.device("meta"):
-            copy = make_drafter(config)
+            copy = kind_of(config.kind).make_drafter(config)
         copy = copy.to_empty(device=device).to(dtype).eval().requires_grad_(False)
     copy.load_state_dict({k: v.to(EXPORT_DTYPE) for k, v in source.state_dict().items()})
     if source.fc.weight.device.type == "cuda":

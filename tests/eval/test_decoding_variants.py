@@ -26,8 +26,8 @@ from dflash_async.eval.lossless import check_lossless
 from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import DFlashBlockDrafter, greedy_generate, speculative_decode
 from dflash_async.model.attention_rule import dense_rule_mask, sdpa_attend
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter_config import drafter_config_from_target
+from dflash_async.model.kinds import kind_of
 from dflash_async.targets.loading import frozen_embeddings
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -53,7 +53,7 @@ def tiny_variant(kind: str, variant: dict, seed: int = 5):
     config = replace(tiny_config(TinySpec(block_size=B)), kind=kind, **variant)
     if kind == "dflash2":
         config = replace(config, conv_group_size=8, selector_rank=8, selector_top_k=4)
-    drafter = make_drafter(config).double()
+    drafter = kind_of(config.kind).make_drafter(config).double()
     randomize_(drafter, seed)
     drafter.eval().requires_grad_(False)
     embed, lm_head = tiny_target_weights(config, seed)
@@ -154,7 +154,7 @@ def test_sliding_drafters_decode_losslessly_and_batched_equals_the_reference(tar
             else {}
         ),
     )
-    drafter = make_drafter(config)
+    drafter = kind_of(config.kind).make_drafter(config)
     randomize_(drafter, 2)
     drafter.eval().requires_grad_(False)
     embed, lm_head = frozen_embeddings(target)

@@ -1,6 +1,6 @@
 """Decoding with a DFlash2 drafter: its drafts are the candidate selector's greedy walk.
 
-The walk (eval/selector.py, both decoders) is compared with an independent loop written here from
+The walk (model/kinds/dflash2/decoding.py, both decoders) is compared with an independent loop written here from
 the contract alone: for slots 1..B-1 left to right, candidates = the unary top-k, score(c) =
 unary(c) + sum_r pred[prev, r] * (W_h h)[r] * succ[c, r], prev = the previous slot's choice (the
 anchor for slot 1), draft = the best scored candidate. Three mutants of the walk must break that
@@ -25,14 +25,14 @@ from tiny_decoding import VOCAB, tiny_qwen3_target
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint.export import export_drafter
-from dflash_async.eval import selector
 from dflash_async.eval.batched_decoding import BatchedDecode, RowsBlockDrafter
 from dflash_async.eval.harness import main
 from dflash_async.eval.lossless import check_lossless
 from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import DFlashBlockDrafter, greedy_generate, speculative_decode
-from dflash_async.model.dflash2 import CandidateSelector, DFlash2Drafter
 from dflash_async.model.drafter_config import drafter_config_from_target
+from dflash_async.model.kinds.dflash2 import decoding as selector
+from dflash_async.model.kinds.dflash2.drafter import CandidateSelector, DFlash2Drafter
 from dflash_async.targets.loading import frozen_embeddings
 from dflash_async.targets.tiny import ensure_tiny_target, tiny_tokenizer
 

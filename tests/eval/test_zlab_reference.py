@@ -23,8 +23,8 @@ from conftest import randomize_
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint.export import export_drafter
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter_config import drafter_config_from_target
+from dflash_async.model.kinds import kind_of
 from dflash_async.targets.tiny import ensure_tiny_target, tiny_tokenizer
 
 ZLAB = os.environ.get("DFLASH_ZLAB_DFLASH", "")
@@ -74,7 +74,7 @@ def tiny_export(folder: Path, out: Path, fields: dict) -> Path:
         mask_token_id=tiny_tokenizer().mask_token_id,
         **fields,
     )
-    drafter = make_drafter(config)
+    drafter = kind_of(config.kind).make_drafter(config)
     randomize_(drafter, 2)
     if config.kind == "dflash2":  # a selector that overrules the unary order: the walk matters
         with torch.no_grad():

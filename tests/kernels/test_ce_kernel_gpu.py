@@ -115,8 +115,8 @@ def test_triton_ce_pass_with_group_maxima_equals_the_reference_pass(vocab, width
     vocabulary (1187 groups of 128; its last loop block is partial) and a 248k one (970 of 256);
     maxima one group off, or of groups starting half a group off, would not be equal."""
     from dflash_async.kernels.ce_kernel import ce_grad_and_group_max_triton
-    from dflash_async.model.dflash2_objective import ce_grad_and_group_max
-    from dflash_async.model.grouped_topk import group_maxima
+    from dflash_async.model.kinds.dflash2.grouped_topk import group_maxima
+    from dflash_async.model.kinds.dflash2.objective import ce_grad_and_group_max
 
     g = torch.Generator("cuda").manual_seed(2)
     logits = (torch.randn(ROWS, vocab, generator=g, device="cuda") * 4).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""kernels/conv_kernel.py's Triton convolution equals the reference (dflash2.block_causal_conv) on a
+"""kernels/conv_kernel.py's Triton convolution equals the reference (kinds/dflash2/drafter.block_causal_conv) on a
 GPU: the output and the gradients of h, of the dynamic taps (through the [A, B, 2, K, G] slice the
 layer passes) and of the static taps, eager and inside a compiled graph; and the comparison fails
 on purpose-made mutants of the reference. Skipped without CUDA (triton is never installed on the
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_async.model.dflash2 import block_causal_conv
+from dflash_async.model.kinds.dflash2.drafter import block_causal_conv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,11 +35,12 @@ from dflash_async.checkpoint.export import (
     export_drafter,
 )
 from dflash_async.data.packing import PackedBatch
-from dflash_async.model import dflash2, dflash2_objective
-from dflash_async.model.dflash2 import DFlash2Drafter
-from dflash_async.model.dflash2_objective import DFlash2Objective
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds.dflash2 import drafter as dflash2
+from dflash_async.model.kinds.dflash2 import objective as dflash2_objective
+from dflash_async.model.kinds.dflash2.drafter import DFlash2Drafter
+from dflash_async.model.kinds.dflash2.objective import DFlash2Objective
 from dflash_async.model.objective import DFlashObjective, ObjectiveConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -119,8 +119,8 @@ def test_dflash2_convolutions_take_the_reference_on_the_cpu_and_refuse_triton_th
     import torch
     from conftest import TinySpec, tiny_config, tiny_target_weights
 
-    from dflash_async.model.dflash2 import DFlash2Drafter
-    from dflash_async.model.dflash2_objective import DFlash2Objective
+    from dflash_async.model.kinds.dflash2.drafter import DFlash2Drafter
+    from dflash_async.model.kinds.dflash2.objective import DFlash2Objective
     from dflash_async.model.objective import ObjectiveConfig
 
     config = dataclasses.replace(tiny_config(TinySpec()), kind="dflash2")
@@ -131,9 +131,10 @@ def test_dflash2_convolutions_take_the_reference_on_the_cpu_and_refuse_triton_th
     drafter = DFlash2Drafter(config)
     objective = DFlash2Objective(objective_config, drafter, embed, lm_head)
     assert objective.conv_kernel == "compiled" and drafter.conv is None
-    triton = dataclasses.replace(objective_config, conv_kernel="triton")
     with pytest.raises(ValueError, match="conv_kernel='triton' needs the drafter on a CUDA"):
-        DFlash2Objective(triton, DFlash2Drafter(config), embed, lm_head)
+        DFlash2Objective(
+            objective_config, DFlash2Drafter(config), embed, lm_head, conv_kernel="triton"
+        )
 
 
 def test_the_drafter_step_logs_the_kernels_it_chose(tmp_path) -> None:

@@ -36,7 +36,7 @@ from dflash_async.checkpoint.export import export_drafter, load_drafter_export
 from dflash_async.errors import SettingsError
 from dflash_async.model import attention_rule as attention
 from dflash_async.model import objective
-from dflash_async.model.dflash2 import DFlash2Drafter
+from dflash_async.model.kinds.dflash2.drafter import DFlash2Drafter
 from dflash_async.model.layer_rules import AttentionRule
 from dflash_async.model.logit_transforms import LogitTransform
 from dflash_async.settings.env import load_settings

@@ -37,9 +37,9 @@ from dflash_async.kernels.fp8_format import (
 )
 from dflash_async.model import fp8_training
 from dflash_async.model.build import StepSpec, build_drafter_step
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter import DraftLayer, layer_forward
 from dflash_async.model.fp8_training import Fp8TrainingLinear, fp8_matmul, use_fp8_matmuls
+from dflash_async.model.kinds import kind_of
 from dflash_async.settings.env import load_settings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -221,7 +221,7 @@ def _tiny_drafter(kind: str = "dflash") -> nn.Module:
             config, kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4
         )
     torch.manual_seed(0)
-    return make_drafter(config)
+    return kind_of(config.kind).make_drafter(config)
 
 
 def test_use_fp8_matmuls_keeps_every_parameter_and_swaps_the_aligned_linears() -> None:

@@ -1,4 +1,4 @@
-"""model/grouped_topk.py's two-step top-k gives torch.topk's values, and its indices where no two
+"""model/kinds/dflash2/grouped_topk.py's two-step top-k gives torch.topk's values, and its indices where no two
 values tie, on rows built so that a wrong reduction fails: the top k all in one group, the top k
 spread one per group, and the group maxima tied; purpose-made mutants of the algorithm fail on
 the same rows. Also on a GPU at a DFlash2 chunk's real shape (2048 x 248320 bf16)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_async.model.grouped_topk import group_maxima, group_width, grouped_topk
+from dflash_async.model.kinds.dflash2.grouped_topk import group_maxima, group_width, grouped_topk
 
 # V = 1024, k = 4: 256- and 128-wide groups leave 4 and 8 groups, under 4k = 16, so the width
 # is 64 (16 groups), which the rows below are built around
@@ -78,7 +78,7 @@ def test_grouped_topk_with_maxima_given_equals_torch_topk_and_wrong_maxima_are_c
 
 
 def test_the_dflash2_reference_pass_is_the_ce_pass_and_the_group_maxima():
-    from dflash_async.model.dflash2_objective import ce_grad_and_group_max
+    from dflash_async.model.kinds.dflash2.objective import ce_grad_and_group_max
     from dflash_async.model.objective import ce_and_grad_from_logits
 
     z = _clustered()

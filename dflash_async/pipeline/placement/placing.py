@@ -23,9 +23,9 @@ from dflash_async.data.packing import PackedBatch
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.errors import SettingsError
 from dflash_async.model.build import StepSpec
-from dflash_async.model.dflash2 import make_drafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, target_forward_flops
+from dflash_async.model.kinds import kind_of
 from dflash_async.pipeline import placement
 from dflash_async.pipeline.placement.calibration import calibrate
 from dflash_async.runtime.devices import DeviceWorker, open_device_worker, parse_devices
@@ -242,7 +242,7 @@ def links(config: DrafterConfig, devices: tuple[torch.device, ...]) -> placement
 def drafter_params(config: DrafterConfig) -> int:
     """Trainable drafter parameters, counted on the meta device (no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in make_drafter(config).parameters())
+        return sum(p.numel() for p in kind_of(config.kind).make_drafter(config).parameters())
 
 
 def memory_needs(

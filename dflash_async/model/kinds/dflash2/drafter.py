@@ -1,7 +1,7 @@
 """The DFlash2 drafter: the DFlash drafter plus per-layer dynamic convolutions and a selector.
 
 This module owns the model half of DFlash2 (docs/DFLASH.md s.9); its objective is
-`model/dflash2_objective.py`. Two additions to every DFlash layer:
+`model/kinds/dflash2/objective.py`. Two additions to every DFlash layer:
 - `attention_conv` around attention and `mlp_conv` around the MLP: grouped dynamic causal
   convolutions along the block positions. Each has `base_kernel` [2, K, d] (side 0 before the
   sublayer, side 1 after it) and `kernel_projection` Linear(d -> 2*K*G), G = d / group size, which
@@ -31,6 +31,7 @@ from dflash_async.model.drafter import (
     DraftLayer,
 )
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds.dflash2 import NAME, conv_groups
 from dflash_async.model.step_ranges import step_range
 
 
@@ -57,7 +58,7 @@ def block_causal_conv(
 
 
 # conv(h [A, B, d], dyn [A, B, K, G], base [K, d]) -> [A, B, d]: block_causal_conv's contract
-# (conv_kernel.triton_block_conv() on a GPU)
+# (kernels/conv_kernel.triton_block_conv() on a GPU)
 BlockConv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -66,7 +67,7 @@ class GroupedDynamicConv(nn.Module):
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
-        d, k, g = config.hidden_size, config.conv_kernel_size, config.conv_groups
+        d, k, g = config.hidden_size, config.conv_kernel_size, conv_groups(config)
         self.kernel_size, self.groups = k, g
         self.base_kernel = nn.Parameter(torch.zeros(2, k, d))
         self.kernel_projection = nn.Linear(d, 2 * k * g, bias=False)
@@ -162,13 +163,13 @@ class DFlash2Drafter(DFlashDrafter):
     """The trainable DFlash2 drafter; forward() returns norm(x) [Q, d] like DFlashDrafter's."""
 
     def __init__(self, config: DrafterConfig) -> None:
-        if config.kind != "dflash2":
-            raise ValueError(f"DFlash2Drafter needs kind='dflash2', not {config.kind!r}")
+        if config.kind != NAME:
+            raise ValueError(f"DFlash2Drafter needs kind={NAME!r}, not {config.kind!r}")
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
         self._dflash2_layer = dflash2_layer_forward  # compile_layers() swaps in a compiled one
         # every convolution's function; None: block_causal_conv (the reference, looked up at
-        # each call); the objective sets a GPU kernel's (conv_kernel.py)
+        # each call); the objective sets a GPU kernel's (kernels/conv_kernel.py)
         self.conv: BlockConv | None = None
         self.reset_parameters()
 
@@ -205,8 +206,3 @@ class DFlash2Drafter(DFlashDrafter):
                 block_size=self.config.block_size,
                 conv=self.conv or block_causal_conv,
             )
-
-
-def make_drafter(config: DrafterConfig) -> DFlashDrafter:
-    """The drafter of `config.kind`."""
-    return DFlash2Drafter(config) if config.kind == "dflash2" else DFlashDrafter(config)

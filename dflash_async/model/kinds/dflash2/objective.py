@@ -1,7 +1,7 @@
 """The DFlash2 training objective: DFlash's loss on the unary logits plus alpha x the selector's CE.
 
 This module owns the objective choice for DFlash2 (docs/DFLASH.md s.10; the authors published
-none). For a trained slot n (block j, slot k >= 1, weight w_n > 0 as in s.4):
+none) and its convolutions' kernel choice (`resolve_conv_kernel`). For a trained slot n (block j, slot k >= 1, weight w_n > 0 as in s.4):
 - unary logits u_n = lm_head(h_n), after the drafter's logit transforms (output multiplier,
   softcap: logit_transforms.py), as at inference; the DFlash loss term is w_n * CE(u_n, gold_n), exactly as
   DFlashObjective computes it (same chunks, same elementwise pass);
@@ -27,9 +27,9 @@ import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.chunked_ce import ce_and_grad_from_logits
-from dflash_async.model.dflash2 import CandidateSelector, DFlash2Drafter
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.model.grouped_topk import group_maxima, group_width, grouped_topk
+from dflash_async.model.kinds.dflash2.drafter import CandidateSelector, DFlash2Drafter
+from dflash_async.model.kinds.dflash2.grouped_topk import group_maxima, group_width, grouped_topk
 from dflash_async.model.logit_transforms import transformed_ce_and_grad
 from dflash_async.model.objective import (
     Anchors,
@@ -186,7 +186,7 @@ def selector_loss(
 def resolve_conv_kernel(
     choice: str, config: DrafterConfig, *, device: torch.device
 ) -> Literal["triton", "compiled"]:
-    """ObjectiveConfig.conv_kernel resolved for this drafter on `device`: auto takes the Triton
+    """DFLASH_TRAIN__CONV_KERNEL (StepSpec.conv_kernel) resolved for this drafter on `device`: auto takes the Triton
     kernels on a GPU where conv_kernel_problem finds none (the reference elsewhere); triton
     where they cannot run is a ValueError that says why."""
     if choice == "compiled":
@@ -218,8 +218,12 @@ class DFlash2Objective(DFlashObjective):
         lm_head_weight: torch.Tensor,
         *,
         selector_alpha: float = 1.0,
+        conv_kernel: Literal["auto", "compiled", "triton"] = "auto",
         flex_fn=None,
     ) -> None:
+        """`conv_kernel`: the convolutions' kernels, kernels/conv_kernel.py's Triton ones (GPU
+        only) or the torch ops of drafter.block_causal_conv (compiled with the layers when
+        `compile`); auto: Triton on a GPU where the drafter's shape allows (resolve_conv_kernel)."""
         super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
         self.selector_alpha = float(selector_alpha)
         self.top_k = drafter.config.selector_top_k
@@ -229,7 +233,7 @@ class DFlash2Objective(DFlashObjective):
             self.selector_loss = compiled(selector_loss)
             self.candidate_rows_grad = compiled(candidate_rows_grad)
         self.conv_kernel = resolve_conv_kernel(
-            config.conv_kernel, drafter.config, device=self.lm_head_weight.device
+            conv_kernel, drafter.config, device=self.lm_head_weight.device
         )  # "triton" or "compiled"
         drafter.conv = None  # the reference; evaluation builds its own drafters, with it too
         if self.conv_kernel == "triton":

@@ -1,6 +1,6 @@
 """An exact top-k over a large vocabulary in two small steps: group maxima, then the best groups.
 
-This module owns `grouped_topk`, the DFlash2 objective's unary top-k (dflash2_objective.py).
+This module owns `grouped_topk`, the DFlash2 objective's unary top-k (objective.py here).
 A row of V logits is viewed as G groups of S contiguous columns. If an element is among the
 row's top k, its group's maximum is at least that element, and so are the maxima of the k groups
 with the largest maxima; if its group were not among those k, the k maxima (k distinct elements,
