@@ -5,7 +5,7 @@ Owns SamplingOptions (temperature, top-k, top-p, seed; `eval --temperature`'s pa
 the drafter's q and the target's p go through), the rejection rule as small pure functions
 (`acceptance_ratio`, `residual_distribution`, `accept_or_resample`) and Sampler (one prompt's
 seeded torch.Generator: its draws, the first token and a block's verdict). speculative.py and
-selector.py call it; batched.py stays greedy (T > 0 decodes with the reference decoder).
+selector.py (through the drafter kind's draws, model/kinds/) call it; batched.py stays greedy (T > 0 decodes with the reference decoder).
 
 The rule (docs/DFLASH.md, acceptance at T > 0): draft d_i ~ q_i; the target's p_i verifies it:
 accept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection commit a token drawn

@@ -27,6 +27,13 @@ def parse_name_list(value: Any) -> Any:
     return value
 
 
+def kind_description() -> str:
+    """DFLASH_DRAFTER__KIND's description: each kind's name, export architecture and summary."""
+    kinds = [f"{name} ({kind.architecture}: {kind.summary})" for name, kind in KINDS.items()]
+    listed = " or ".join(filter(None, [", ".join(kinds[:-1]), kinds[-1]]))  # a, b or c
+    return f"The drafter trained and exported: {listed}."
+
+
 # DFLASH_DRAFTER__KIND's values: the table's names (a Literal, so that a wrong one is refused
 # with the known names listed)
 KindName = Literal[tuple(KINDS)]
@@ -43,10 +50,8 @@ class _DrafterCommon(Section):
     """Warm start from an export (ours or z-lab's) or a training checkpoint folder: weights only,
     fresh optimizer and schedule; shapes must match (exit 2); empty = random init; ignored when
     the run resumes its own checkpoint."""
-    kind: KindName = DEFAULT_KIND
-    """The drafter trained and exported, one of model/kinds/'s table: DFlash (DFlashDraftModel) or
-    DFlash2 (DFlash2DraftModel: two grouped dynamic causal convolutions per layer and a candidate
-    selector, docs/DFLASH.md s.9)."""
+    # described from the table, so that the values listed are those accepted
+    kind: KindName = Field(DEFAULT_KIND, description=kind_description())
 
 
 class DrafterSettings(*(kind.drafter_fields for kind in reversed(KINDS.values())), _DrafterCommon):

@@ -1,7 +1,7 @@
 """Eval stage: tau of the drafter being trained, decoded on the target the run already holds.
 
 No second target load and no export to disk: at a step boundary the drafter's weights (DFlash or
-DFlash2, whose drafts are its selector's walk: eval/selector.py) are copied
+DFlash2, whose drafts are its selector's walk: eval/selector.py asks the kind) are copied
 (on the drafter's worker, one sync) into one evaluation copy on the target's device, kept for the
 whole run; then the decode jobs of eval/evaluation.py run on the target's DeviceWorker. That
 worker runs jobs in submission order, so decode steps (tens of ms each) interleave with the

@@ -80,6 +80,7 @@ KIND = DrafterKind(
     name="dflash",
     architecture="DFlashDraftModel",
     model_type="qwen3",
+    summary="docs/DFLASH.md s.1-8",
     drafter_fields=DFlashDrafterFields,
     train_fields=DFlashTrainFields,
     check_config=check_config,

@@ -27,6 +27,7 @@ class DrafterKind:
     name: str  # the table's key, DFLASH_DRAFTER__KIND
     architecture: str  # the export's config.json "architectures" (what z-lab and engines read)
     model_type: str  # the export's config.json "model_type"
+    summary: str  # what the drafter adds, for DFLASH_DRAFTER__KIND's description
     # DFLASH_DRAFTER__* of the kind, also DrafterConfig's and DrafterSpec's fields (its shape)
     drafter_fields: type[BaseModel]
     # DFLASH_TRAIN__* of the kind, also StepSpec's fields (its objective and kernels)

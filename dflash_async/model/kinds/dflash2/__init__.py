@@ -144,6 +144,10 @@ KIND = DrafterKind(
     name=NAME,
     architecture="DFlash2DraftModel",
     model_type="qwen3",
+    summary=(
+        "two grouped dynamic causal convolutions per layer and a candidate selector, "
+        "docs/DFLASH.md s.9"
+    ),
     drafter_fields=DFlash2DrafterFields,
     train_fields=DFlash2TrainFields,
     check_config=check_config,
