@@ -2,8 +2,9 @@
 
     python benchmarks/readme_architectures.py      # from the repository root
 
-The table is target/forward.architecture_table() (model/architectures.SUPPORTED with the forward
-each family takes); tests/targets/test_readme_architectures.py fails when the README's copy differs.
+The table is targets/forward.architecture_table() (targets/families.FAMILIES: each family's label
+and the forward it takes); tests/targets/test_readme_architectures.py fails when the README's
+copy differs.
 """
 
 from __future__ import annotations

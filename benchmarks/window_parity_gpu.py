@@ -30,9 +30,10 @@ def part1(device: str = "cuda") -> None:
     from test_target_packed_sliding import CASES, LAYER_IDS, _model
 
     from dflash_async.data.packing import layout_pack, pack_row_offsets
-    from dflash_async.targets.forward import _Packed
+    from dflash_async.targets.families import family_of
     from dflash_async.targets.loading import text_model
     from dflash_async.targets.packed_window import PackedWindowForward
+    from dflash_async.targets.paths import PackedCall
 
     for case, (kind, overrides) in CASES.items():
         model = _model(kind, **overrides)
@@ -69,12 +70,17 @@ def part1(device: str = "cuda") -> None:
             "hf_gpu_err": max(float((h - r).abs().max()) for h, r in zip(hf, ref, strict=True)),
         }
         for compile in (False, True) if device == "cuda" else (False,):
+            inner = text_model(gpu)
             forward = PackedWindowForward(
-                text_model(gpu), LAYER_IDS, attention="flex", compile=compile
+                inner,
+                LAYER_IDS,
+                family=family_of(inner.config).forward.layers,
+                attention="flex",
+                compile=compile,
             )
             layout = layout_pack(docs, 256).to(device)
             out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device=device)
-            _Packed(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+            PackedCall(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
             out = out.cpu().double()
             errs = [
                 float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max())
@@ -108,9 +114,11 @@ def part2() -> None:
     from dflash_async.bench.target_shapes import shape_configs
     from dflash_async.data.packing import layout_pack
     from dflash_async.model.flops import mfu
-    from dflash_async.targets.forward import HFPaddedForward, _Packed
+    from dflash_async.targets.families import family_of
+    from dflash_async.targets.forward import HFPaddedForward
     from dflash_async.targets.loading import text_model
     from dflash_async.targets.packed_window import PackedWindowForward
+    from dflash_async.targets.paths import PackedCall
 
     config, layer_ids = shape_configs()["gemma3-12b"]
     T = 16384
@@ -128,8 +136,14 @@ def part2() -> None:
     width = len(layer_ids) * config.hidden_size
     paths = {
         "hf": HFPaddedForward(model, layer_ids, max_batch_tokens=T),
-        "packed_window": _Packed(
-            PackedWindowForward(text_model(model), layer_ids, attention="flex", compile=True)
+        "packed_window": PackedCall(
+            PackedWindowForward(
+                text_model(model),
+                layer_ids,
+                family=family_of(text_model(model).config).forward.layers,
+                attention="flex",
+                compile=True,
+            )
         ),
     }
     for label, forward in paths.items():

@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM
 
 from dflash_async.bench.target_shapes import shape_configs
 from dflash_async.data.packing import layout_pack
-from dflash_async.model.architectures import experts_per_token
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
+from dflash_async.targets.config_readers import experts_per_token
 from dflash_async.targets.forward import HFPaddedForward, select_target_forward
 from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
 from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls

@@ -37,11 +37,14 @@ import numpy as np
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+# Named by the tokenizer that introduced them (GPT-2's, Qwen2's one digit per piece, Llama 3's up
+# to three digits per piece), not by any target model_type: many families share each one.
 KNOWN_PATTERNS = {  # regexes made of \p{L}, \p{N}, \s, \r\n and case-insensitive ASCII only
-    "gpt2": GPT2_PATTERN,
-    "qwen2": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    "gpt2_split": GPT2_PATTERN,
+    "qwen2_split": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama3": _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    "llama3_split": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 CHECKED_BELOW = 0x30000  # the code points the engine check covers: planes 0-2 (BMP, emoji, CJK)

@@ -3,7 +3,8 @@
 The drafter shares the target's hidden size (its features and token embeddings live in that space),
 vocabulary (it decodes with the target's lm_head) and rope_theta. Heads, head_dim and the MLP width
 are copied from the target by default (docs/DFLASH.md section 1), read from its text config by
-model/architectures.py (MoE widths, per-layer and MLA head dimensions).
+targets/config_readers.py with its family's options (targets/families.py): MoE widths, per-layer
+and MLA head dimensions.
 """
 
 from __future__ import annotations
@@ -12,15 +13,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from dflash_async.model.architectures import (
-    attention_head_dim,
-    dense_mlp_width,
-    layer_attribute,
-    text_config_of,
-)
 from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
 from dflash_async.model.kinds.interface import with_fields
 from dflash_async.model.layer_rules import AttentionRule, layer_rule_problem, layer_rules
+from dflash_async.targets.config_readers import layer_attribute, text_config_of
+from dflash_async.targets.families import attention_head_dim, dense_mlp_width
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
 QWEN3_MASK_TOKEN_ID = 151669

@@ -8,14 +8,10 @@ the fc over frozen features cost 2x (one of the two backward matmuls is not need
 
 from __future__ import annotations
 
-from dflash_async.model.architectures import (
-    attention_head_dim,
-    experts_per_token,
-    layer_attribute,
-    routed_expert_width,
-)
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
+from dflash_async.targets.config_readers import experts_per_token, layer_attribute
+from dflash_async.targets.families import attention_head_dim, routed_expert_width
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 

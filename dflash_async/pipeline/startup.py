@@ -34,7 +34,6 @@ from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_in
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.errors import SettingsError
 from dflash_async.log import get_logger
-from dflash_async.model.architectures import text_config_of, unsupported_reason
 from dflash_async.model.drafter_config import DrafterConfig, DrafterSpec, drafter_config_from_target
 from dflash_async.pipeline.distributed import (
     RankInfo,
@@ -52,6 +51,8 @@ from dflash_async.stages.evaluate import Evaluate, evaluation_off, open_run_eval
 from dflash_async.stages.produce import TargetRunner, load_runner
 from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
+from dflash_async.targets.config_readers import text_config_of
+from dflash_async.targets.families import unsupported_reason
 from dflash_async.targets.loading import TargetError, load_target_tokenizer
 from dflash_async.targets.mask_token import mask_token
 
@@ -181,7 +182,7 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
 
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
     """The drafter's shapes from the target's config.json and the drafter's own settings; an
-    architecture outside model/architectures.SUPPORTED is SettingsError (exit 2) naming it.
+    architecture outside targets/families.FAMILIES is SettingsError (exit 2) naming it.
     The mask token, unless set, is the target tokenizer's (targets/mask_token.py; the built-in
     target's `<|mask|>` by its first rule), logged with the rule that chose it."""
     if Path(target_path).is_dir() and not (Path(target_path) / "config.json").is_file():

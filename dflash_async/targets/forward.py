@@ -1,4 +1,5 @@
-"""Which target forward runs on a packed layout, and why: `select_target_forward`.
+"""Which target forward runs on a packed layout, and why: `select_target_forward`, which takes the
+packed path of the target's family from targets/families.py (the paths: targets/paths.py).
 
 Every path has one call shape, `forward(input_ids, position_ids, doc_ids, features, lengths)`:
 the pack's fixed layout on the target device in, its features [T, k*d] written in place (padding
@@ -30,10 +31,7 @@ extents on the host; the packed paths never look at it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,43 +39,11 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.errors import SettingsError
-from dflash_async.targets import packed_moe_window as pmw
+from dflash_async.targets.families import FAMILIES, family_of
 from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.targets.packed_dense import FLEX_TILE, PackedDenseForward
-from dflash_async.targets.packed_mla import GLM_MOE_TYPES, MLA_TYPES, PackedMLAForward
-from dflash_async.targets.packed_window import (
-    WINDOW_TYPES,
-    PackedWindowForward,
-    window_layout_problem,
-)
-
-DENSE_TYPES = frozenset({"llama", "qwen2", "qwen3"})
-MOE_TYPES = frozenset({"qwen3_moe"}) | GLM_MOE_TYPES
-QWEN35_TYPES = frozenset({"qwen3_5_text", "qwen3_5"})
-QWEN35_MOE_TYPES = frozenset({"qwen3_5_moe_text", "qwen3_5_moe"})
-HYBRID_MOE_TYPES = QWEN35_MOE_TYPES | {"qwen3_next"}
-PACKED_HYBRID_TYPES = QWEN35_TYPES | HYBRID_MOE_TYPES  # targets/packed_hybrid.py runs their layers
-HYBRID_TYPES = PACKED_HYBRID_TYPES
-_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
-_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-
-
-class FeatureForward(Protocol):
-    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor: ...
-
-
-@dataclass
-class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
-    `packed_moe_window`, `packed_hybrid`, `hf`) and why."""
-
-    forward: FeatureForward
-    name: str
-    reason: str
-    # A stage's call: (hidden [1,T,d] or None, input_ids, position_ids, doc_ids, features,
-    # lengths) -> its range's output hidden (targets/split.py); None: cannot be split (HF)
-    stage: Callable | None = None
+from dflash_async.targets.paths import NoPackedPath, TargetPath
 
 
 class HFPaddedForward:
@@ -110,79 +76,11 @@ class HFPaddedForward:
         return features
 
 
-class _Packed:
-    """Adapts a packed forward (no host lengths) to the FeatureForward call shape."""
-
-    def __init__(self, packed) -> None:
-        self.packed = packed
-
-    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
-        return self.packed(input_ids, position_ids, doc_ids, features)
-
-    def stage(self, hidden, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
-        return self.packed.stage(hidden, input_ids, position_ids, doc_ids, features)
-
-
-def _dense_layout_problem(model: nn.Module) -> str | None:
-    """None when every decoder layer has the plain pre-norm attention + MLP structure we run."""
-    inner, config = text_model(model), text_config(model)
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "layer_types other than full_attention (sliding windows)"
-    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
-    if rope not in _ROPE_TYPES:
-        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
-    for layer in inner.layers:
-        parts = {name for name, _ in layer.named_children()}
-        if parts != _LAYER_PARTS or getattr(layer.self_attn, "sliding_window", None):
-            return f"decoder layer {type(layer).__name__} with parts {sorted(parts)}"
-    return None
-
-
-def _hybrid_problem(model: nn.Module, device: torch.device) -> str | None:
-    """None when the packed hybrid forward can run: its layers, CUDA, fla installed."""
-    if text_config(model).model_type not in PACKED_HYBRID_TYPES:
-        return "only Qwen3.5, Qwen3.5-MoE and Qwen3-Next layers have a packed varlen forward here"
-    if device.type != "cuda":
-        return f"flash-linear-attention kernels need CUDA (device is {device.type})"
-    if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed (pip install '.[hybrid]')"
-    from dflash_async.targets.packed_hybrid import hybrid_layout_problem
-
-    return hybrid_layout_problem(text_model(model))
-
-
-def planned_path(model_type: str) -> str:
-    """The forward `select_target_forward` takes for a model_type whose layers have the usual
-    shape, in words (the README's table; the run logs the real choice as target_path_chosen)."""
-    if model_type in HYBRID_MOE_TYPES:
-        return (
-            "packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
-            "HF padded batches elsewhere"
-        )
-    if model_type in QWEN35_TYPES:
-        return "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
-    if model_type in MLA_TYPES:
-        return "packed MLA MoE (document-causal attention)"
-    if model_type in MOE_TYPES:
-        return "packed MoE (document-causal attention)"
-    if model_type in pmw.PACKED_TYPES:
-        return pmw.planned(model_type)
-    if model_type in DENSE_TYPES:
-        return "packed dense (document-causal attention)"
-    if model_type == "gemma4_text":
-        return "packed window (document-causal sliding window; HF padded batches with per-layer inputs, KV sharing or MoE blocks)"
-    if model_type in WINDOW_TYPES | {"gemma3"}:  # the wrapper runs its gemma3_text layers
-        return "packed window (document-causal sliding window)"
-    return "HF padded batches of whole documents (exact; no packed forward yet)"
-
-
 def architecture_table() -> str:
-    """The README's table of supported targets (SUPPORTED), one row per model_type."""
-    from dflash_async.model.architectures import SUPPORTED
-
-    rows = [f"| `{kind}` | {family} | {planned_path(kind)} |" for kind, family in SUPPORTED.items()]
+    """The README's table of supported targets (targets/families.py), one row per model_type."""
+    rows = [
+        f"| `{kind}` | {family.label} | {family.planned} |" for kind, family in FAMILIES.items()
+    ]
     return "\n".join(["| model_type | family | target forward |", "|---|---|---|", *rows])
 
 
@@ -264,81 +162,21 @@ def _layer_range(model: nn.Module, layers: range | None) -> nn.ModuleList:
 
 
 def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed_hybrid, layers):
-    """select_target_forward's choice (see there)."""
+    """select_target_forward's choice (see there): the packed path of the text config's family
+    (targets/families.py), or the HF fallback with the reason that path refuses."""
     device = _device(model, layers)
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
     attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"
     model_type = text_config(model).model_type
-    hf = lambda why: TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", why)  # noqa: E731
-    if is_hybrid(model) or model_type in HYBRID_TYPES:
-        off = "the packed varlen forward is turned off (DFLASH_TARGET__PACKED_HYBRID=false)"
-        problem = _hybrid_problem(model, device) if packed_hybrid else off
-        if problem:
-            return hf(f"hybrid {model_type}: {problem}")
-        from dflash_async.targets.packed_hybrid import PackedHybridForward, fla_kernels
-
-        kernels = fla_kernels()
-        forward = PackedHybridForward(
-            text_model(model),
-            layer_ids,
-            kernels=kernels,
-            attention=attention,
-            compile=compile,
-            layers=layers,
-        )
-        how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
-        return TargetPath(forward, "packed_hybrid", how, forward.stage)
-    if model_type in pmw.PACKED_TYPES:  # gpt-oss, MiniMax-M2 (targets/packed_moe_window.py)
-        if problem := pmw.layout_problem(text_model(model)):
-            return hf(f"{model_type}: {problem}")
-        packed = _Packed(
-            pmw.PackedWindowMoeForward(
-                text_model(model), layer_ids, attention=attention, compile=compile, layers=layers
-            )
-        )
-        how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
-        return TargetPath(packed, "packed_moe_window", how, packed.stage)
-    if model_type in WINDOW_TYPES:
-        return _select_window(
-            model, layer_ids, hf, attention=attention, compile=compile, layers=layers
-        )
-    if model_type not in DENSE_TYPES | MOE_TYPES | MLA_TYPES:
-        return hf(f"model_type {model_type!r} has no packed forward here")
-    problem = _dense_layout_problem(model)
-    if problem:
-        return hf(f"{model_type}: {problem}")
-    moe = model_type in MOE_TYPES
-    how = f"{model_type}: {attention} document-causal attention, compile={compile}"
-    if model_type in MLA_TYPES | GLM_MOE_TYPES:
-        packed = _Packed(
-            PackedMLAForward(
-                text_model(model), layer_ids, attention=attention, compile=compile, layers=layers
-            )
-        )
-        name = "packed_mla" if model_type in MLA_TYPES else "packed_moe"
-        return TargetPath(packed, name, how, packed.stage)
-    forward = PackedDenseForward(
-        text_model(model),
-        layer_ids,
-        attention=attention,
-        compile=compile,
-        moe_eager=moe,
-        layers=layers,
+    family = family_of(text_config(model))
+    path = family.forward if family else NoPackedPath()
+    if is_hybrid(model) and not (family and family.decoding.linear_state):
+        path = NoPackedPath(hybrid=True)  # linear-attention layers of a family without them
+    inner = text_model(model)
+    refusal = path.refusal(inner, device, model_type=model_type, packed_hybrid=packed_hybrid)
+    if refusal:
+        return TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", refusal)
+    return path.build(
+        inner, layer_ids, model_type=model_type, attention=attention, compile=compile, layers=layers
     )
-    packed = _Packed(forward)
-    return TargetPath(packed, "packed_moe" if moe else "packed_dense", how, packed.stage)
-
-
-def _select_window(model, layer_ids, hf, *, attention, compile, layers) -> TargetPath:
-    """Mistral, Gemma 3/4 text: the packed sliding-window forward, or HF saying why not."""
-    inner, model_type = text_model(model), text_config(model).model_type
-    problem = window_layout_problem(inner)
-    if problem:
-        return hf(f"{model_type}: {problem}")
-    forward = PackedWindowForward(
-        inner, layer_ids, attention=attention, compile=compile, layers=layers
-    )
-    how = f"{model_type}: {attention} document-causal sliding-window attention, compile={compile}"
-    packed = _Packed(forward)
-    return TargetPath(packed, "packed_window", how, packed.stage)

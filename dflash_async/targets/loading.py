@@ -35,7 +35,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_async.model.architectures import is_wrapper, quantization_problem, text_config_of
+from dflash_async.targets.config_readers import is_wrapper, text_config_of
+from dflash_async.targets.families import quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.quantized import (
     WeightFormat,

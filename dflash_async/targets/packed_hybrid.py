@@ -219,6 +219,7 @@ class PackedHybridForward:
         layer_ids: Sequence[int],
         *,
         kernels: HybridKernels,
+        mrope: bool,
         attention: str,
         compile: bool,
         layers: range | None = None,
@@ -228,9 +229,10 @@ class PackedHybridForward:
         self.kernels = kernels
         self.layers = layers or range(max(self.layer_ids) + 1)  # a stage's range (target/split)
         self._embed, self._rotary = text_model.embed_tokens, text_model.rotary_emb
-        # Qwen3.5's rotary is an mrope (one position row per grid axis t, h, w); transformers
-        # 5.17 wants those rows given, [3, 1, T] (all equal for text); Qwen3-Next's is 1-D
-        self._mrope = text_model.config.model_type != "qwen3_next"
+        # `mrope` (the family's, targets/families.py): Qwen3.5's rotary is an mrope (one position
+        # row per grid axis t, h, w) and transformers 5.17 wants those rows given, [3, 1, T] (all
+        # equal for text); Qwen3-Next's is 1-D
+        self._mrope = mrope
         self._layers = dict(
             zip(self.layers, text_model.layers[self.layers.start : self.layers.stop], strict=True)
         )

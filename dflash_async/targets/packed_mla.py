@@ -31,9 +31,6 @@ from torch import nn
 
 from dflash_async.targets.packed_dense import PackedDenseForward, _rope
 
-MLA_TYPES = frozenset({"deepseek_v3"})
-GLM_MOE_TYPES = frozenset({"glm4_moe"})
-
 
 def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3)... each rotated by one frequency,
@@ -136,21 +133,23 @@ def _layer(layer, hidden, cos, sin, mask, attend, *, attention: Callable) -> tor
 
 
 class PackedMLAForward(PackedDenseForward):
-    """PackedDenseForward for `deepseek_v3` (MLA) or `glm4_moe` (partial-rotary GQA) decoders,
-    with grouped-router MoE layers; same calls (`__call__`, `stage`), same layout contract."""
+    """PackedDenseForward for DeepSeek-V3 (MLA, `mla_attention_block`) or GLM-4.5 (partial-rotary
+    GQA, `partial_rotary_attention_block`) decoders, whose attention block the family's entry in
+    targets/families.py gives, with grouped-router MoE layers; same calls (`__call__`, `stage`),
+    same layout contract."""
 
     def __init__(
         self,
         text_model: nn.Module,
         layer_ids: Sequence[int],
         *,
+        attention_block: Callable,
         attention: str,
         compile: bool,
         layers: range | None = None,
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, compile=False, layers=layers)
-        model_type = text_model.config.model_type
-        block = mla_attention_block if model_type in MLA_TYPES else partial_rotary_attention_block
+        block = attention_block
         if compile:
             block = torch.compile(block, dynamic=False)
         self._layer_fn = partial(_layer, attention=block)

@@ -31,6 +31,7 @@ MoE layer) and its "eager" loop (`nonzero()` over the hit experts) each sync.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,7 +49,19 @@ try:
 except ImportError:  # pragma: no cover
     AuxRequest = BlockMask = flex_attention = None
 
-PACKED_TYPES = frozenset({"gpt_oss", "minimax_m2"})
+
+@dataclass(frozen=True)
+class MoeWindowLayers:
+    """A family's decoder layers as this forward runs them (its entry in targets/families.py).
+
+    qkv: (self_attn, normed x [1, T, d], cos, sin) -> q [1, H, T, hd], k/v [1, Hkv, T, hd].
+    route: (mlp, x [N, d]) -> (experts [N, k] int64, weights [N, k]).
+    layer_problem: decoder layer -> why this forward cannot run it (None: it can).
+    """
+
+    qkv: Callable
+    route: Callable
+    layer_problem: Callable[[nn.Module], str | None]
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -148,28 +161,27 @@ def moe_block(layer: nn.Module, hidden: torch.Tensor, route) -> torch.Tensor:
     return hidden + layer.mlp.experts(x, experts, weights)[None]
 
 
-def family(model_type: str) -> tuple[Callable, Callable]:
-    """model_type -> (its qkv, its router): the only per-family code of this forward."""
-    table = {"gpt_oss": (gpt_oss_qkv, gpt_oss_route), "minimax_m2": (minimax_qkv, minimax_route)}
-    return table[model_type]
+def gpt_oss_layer_problem(layer: nn.Module) -> str | None:
+    """gpt-oss: every layer has its attention sinks and a router."""
+    if getattr(layer.self_attn, "sinks", None) is None or not hasattr(
+        getattr(layer, "mlp", None), "router"
+    ):
+        return f"decoder layer {type(layer).__name__} without sinks or a router"
+    return None
 
 
-def planned(model_type: str) -> str:
-    """This forward in words, for the README's table (forward.planned_path)."""
-    if model_type == "gpt_oss":
-        return "packed MoE with sliding windows and attention sinks (document-causal attention)"
-    return "packed MoE, sigmoid router (document-causal attention)"
+def minimax_layer_problem(layer: nn.Module) -> str | None:
+    """MiniMax-M2: every layer's router is the corrected sigmoid one."""
+    if not hasattr(getattr(layer, "mlp", None), "e_score_correction_bias"):
+        return f"decoder layer {type(layer).__name__} without a corrected sigmoid router"
+    return None
 
 
-def layout_problem(text_model: nn.Module) -> str | None:
-    """None when every decoder layer has the shape of its family that this forward runs."""
-    gpt_oss = text_model.config.model_type == "gpt_oss"
+def layout_problem(text_model: nn.Module, *, family: MoeWindowLayers) -> str | None:
+    """None when every decoder layer has the shape of `family` that this forward runs."""
     for layer in text_model.layers:
-        attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
-        if gpt_oss and (getattr(attn, "sinks", None) is None or not hasattr(mlp, "router")):
-            return f"decoder layer {type(layer).__name__} without sinks or a router"
-        if not gpt_oss and not hasattr(mlp, "e_score_correction_bias"):
-            return f"decoder layer {type(layer).__name__} without a corrected sigmoid router"
+        if problem := family.layer_problem(layer):
+            return problem
     rope = getattr(text_model.rotary_emb, "rope_type", None)
     if rope not in ("default", "yarn"):
         return f"rope_type {rope!r} (only 'default' and 'yarn')"
@@ -177,15 +189,16 @@ def layout_problem(text_model: nn.Module) -> str | None:
 
 
 class PackedWindowMoeForward(PackedRange):
-    """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring); a PackedRange
-    (packed_dense.py: the call, the layer range, `attention`) whose `compile` wraps the
-    attention blocks (the MoE runs eagerly between them)."""
+    """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring), whose qkv and
+    router `family` gives; a PackedRange (packed_dense.py: the call, the layer range,
+    `attention`) whose `compile` wraps the attention blocks (the MoE runs eagerly between them)."""
 
     def __init__(
         self,
         text_model: nn.Module,
         layer_ids: Sequence[int],
         *,
+        family: MoeWindowLayers,
         attention: str,
         compile: bool,
         layers: range | None = None,
@@ -194,7 +207,7 @@ class PackedWindowMoeForward(PackedRange):
         self._windows = {
             i: getattr(layer.self_attn, "sliding_window", None) for i, layer in self._layers.items()
         }
-        self._qkv, self._route = family(text_model.config.model_type)
+        self._qkv, self._route = family.qkv, family.route
         self._attend = attend_flex_sinks if attention == "flex" else attend_dense_sinks
         self._attention_fn = (
             torch.compile(attention_block, dynamic=False) if compile else attention_block

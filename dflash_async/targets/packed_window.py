@@ -22,6 +22,7 @@ path that applied it (or silently did not) would not be checkably "HF's features
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,15 +39,30 @@ from dflash_async.targets.packed_dense import (
     mask_padding,
     mlp_block,
 )
-from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 
-WINDOW_TYPES = frozenset({"mistral", "gemma3_text", "gemma4_text"})
 SLIDING, FULL = "sliding_attention", "full_attention"
 _ROPE_TYPES = frozenset(
     {"default", "linear", "llama3", "yarn", "proportional"}
 )  # no length-dependent update
-_PRE_NORM_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_SANDWICH_PARTS = _PRE_NORM_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+PRE_NORM_PARTS = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+SANDWICH_PARTS = PRE_NORM_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class WindowLayers:
+    """A family's decoder layers as this forward runs them (its entry in targets/families.py).
+
+    layer: the layer function, (layer, hidden, cos, sin, mask, attend) -> hidden [1, T, d].
+    parts: the children every decoder layer must have (else the HF fallback runs it).
+    per_layer_kinds: the config's `layer_types` give each layer's kind (Gemma); False: one kind
+      on every layer, sliding iff `sliding_window` is set (Mistral, as HF's Mistral does).
+    problem: config -> the family's features this forward does not run (None: none refused).
+    """
+
+    layer: Callable
+    parts: frozenset[str]
+    per_layer_kinds: bool
+    problem: Callable[[object], str | None] | None = None
 
 
 def window_causal_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -63,11 +79,12 @@ def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLE
     return document_causal_block_mask(doc_ids, tile, window=window)
 
 
-def layer_kinds(config) -> tuple[str, ...]:
-    """Each decoder layer's attention kind: Gemma's `layer_types`; Mistral: all one kind (HF's
-    Mistral windows every layer when `sliding_window` is set, whatever `layer_types` says)."""
+def layer_kinds(config, *, per_layer: bool) -> tuple[str, ...]:
+    """Each decoder layer's attention kind: the config's `layer_types` when `per_layer` (Gemma);
+    else all one kind (HF's Mistral windows every layer when `sliding_window` is set, whatever
+    `layer_types` says)."""
     types = getattr(config, "layer_types", None)
-    if types and config.model_type != "mistral":
+    if types and per_layer:
         return tuple(types)
     kind = SLIDING if getattr(config, "sliding_window", None) else FULL
     return (kind,) * config.num_hidden_layers
@@ -78,25 +95,23 @@ def _rope_types(rotary: nn.Module) -> set:
     return set(rope.values()) if isinstance(rope, dict) else {rope}
 
 
-def window_layout_problem(inner: nn.Module) -> str | None:
-    """None when `inner` (the decoder stack) has the layers this forward runs exactly."""
+def window_layout_problem(inner: nn.Module, *, family: WindowLayers) -> str | None:
+    """None when `inner` (the decoder stack) has the layers of `family` this forward runs exactly."""
     config = inner.config
-    if config.model_type not in WINDOW_TYPES:
-        return f"model_type {config.model_type!r} is not one of {sorted(WINDOW_TYPES)}"
-    if set(layer_kinds(config)) - {SLIDING, FULL}:
-        return f"layer_types {sorted(set(layer_kinds(config)))}"
+    kinds = set(layer_kinds(config, per_layer=family.per_layer_kinds))
+    if kinds - {SLIDING, FULL}:
+        return f"layer_types {sorted(kinds)}"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention (not causal)"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attn_logit_softcapping is set, and HF's Gemma 3 attention ignores it (see module)"
     if not _rope_types(inner.rotary_emb) <= _ROPE_TYPES:
         return f"rope_type {_rope_types(inner.rotary_emb)} (only {sorted(_ROPE_TYPES)})"
-    if config.model_type == "gemma4_text" and (problem := gemma4_layout_problem(config)):
+    if family.problem is not None and (problem := family.problem(config)):
         return problem
-    parts = _PRE_NORM_PARTS if config.model_type == "mistral" else _SANDWICH_PARTS
     for layer in inner.layers:
-        if {name for name, _ in layer.named_children()} != parts:
-            return f"decoder layer {type(layer).__name__} without the parts {sorted(parts)}"
+        if {name for name, _ in layer.named_children()} != family.parts:
+            return f"decoder layer {type(layer).__name__} without the parts {sorted(family.parts)}"
     return None
 
 
@@ -124,15 +139,9 @@ def pre_norm_layer(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Te
     return mlp_block(layer, attention_block(layer, hidden, cos, sin, mask, attend))
 
 
-_LAYER_FNS: dict[str, Callable] = {
-    "mistral": pre_norm_layer,
-    "gemma3_text": sandwich_layer,
-    "gemma4_text": gemma4_layer,
-}
-
-
 class PackedWindowForward(PackedRange):
-    """Features of a packed layout for Mistral / Gemma 3 text (see the module docstring).
+    """Features of a packed layout for Mistral / Gemma 3 / Gemma 4 text (see the module
+    docstring): `family` says how its layers run (targets/families.py has each family's).
 
     A PackedRange (packed_dense.py: the call, the layer range, `attention`) whose `compile`
     wraps the layer function.
@@ -143,6 +152,7 @@ class PackedWindowForward(PackedRange):
         text_model: nn.Module,
         layer_ids: Sequence[int],
         *,
+        family: WindowLayers,
         attention: str,
         compile: bool,
         layers: range | None = None,
@@ -150,11 +160,11 @@ class PackedWindowForward(PackedRange):
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         config = text_model.config
         self.window: int | None = getattr(config, "sliding_window", None)
-        kinds = layer_kinds(config)
+        kinds = layer_kinds(config, per_layer=family.per_layer_kinds)
         self._kinds = {i: kinds[i] for i in self.layers}  # layer -> its attention kind
         self._per_kind_rope = isinstance(getattr(self._rotary, "rope_type", None), dict)
         self._attend = attend_flex if attention == "flex" else attend_sdpa
-        layer_fn = _LAYER_FNS[config.model_type]
+        layer_fn = family.layer
         self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
 
     def kind_window(self, kind: str) -> int | None:

@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.kernels.fp8_format import FP8_DTYPE, FP8_MAX  # a block's amax lands on 448
-from dflash_async.model.architectures import quant_method_of, text_config_of
+from dflash_async.targets.config_readers import quant_method_of, text_config_of
 from dflash_async.targets.resolve import TargetError
 
 FP8_BLOCK = (128, 128)  # the served checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8)

@@ -40,7 +40,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from dflash_async.model.architectures import text_config_of
+from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.resolve import TargetError
 
 HOST = torch.device("cpu")

@@ -64,7 +64,11 @@ def launch_ranks(
     base = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
     for rank in range(world_size):
-        rank_env = base | env | {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+        rank_env = (
+            base
+            | env
+            | {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+        )
         if world_size > 1:
             rank_env |= {
                 "RANK": str(rank),

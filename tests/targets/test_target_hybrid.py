@@ -127,7 +127,7 @@ def _per_document_errors(model, docs, packed) -> list[float]:
 def test_packed_rows_equal_each_document_alone_with_reference_kernels() -> None:
     model = random_target(tiny_qwen35(), seed=0)
     forward = PackedHybridForward(
-        text_model(model), LAYER_IDS, kernels=REFERENCE, attention="sdpa", compile=False
+        text_model(model), LAYER_IDS, kernels=REFERENCE, mrope=True, attention="sdpa", compile=False
     )
     docs = _documents(LENGTHS)
     errors = _per_document_errors(model, docs, _packed(forward, docs, TOKEN_BUDGET, 3 * 64))

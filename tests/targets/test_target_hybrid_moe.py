@@ -28,7 +28,8 @@ from transformers import Qwen3_5MoeTextConfig
 
 from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_hybrid_moe
-from dflash_async.targets.forward import planned_path, select_target_forward
+from dflash_async.targets.families import family_of, planned_path
+from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 from dflash_async.targets.packed_hybrid import (
     HybridKernels,
@@ -81,7 +82,12 @@ def _errors(model, kernels: HybridKernels = REFERENCE) -> list[float]:
     takes these layers (select_target_forward would, on CUDA with fla)."""
     assert hybrid_layout_problem(text_model(model)) is None
     forward = PackedHybridForward(
-        text_model(model), LAYER_IDS, kernels=kernels, attention="sdpa", compile=False
+        text_model(model),
+        LAYER_IDS,
+        kernels=kernels,
+        mrope=family_of(text_model(model).config).forward.mrope,  # Qwen3-Next's: 1-D
+        attention="sdpa",
+        compile=False,
     )
     docs = _documents(LENGTHS)
     return _per_document_errors(model, docs, _packed(forward, docs, TOKEN_BUDGET, WIDTH))
@@ -101,7 +107,7 @@ def test_packed_qwen35_moe_wrapper_rows_equal_each_document_alone() -> None:
         model = transformers.AutoModelForImageTextToText.from_config(config).eval()
     assert hybrid_layout_problem(text_model(model)) is None
     forward = PackedHybridForward(
-        text_model(model), (0, 1), kernels=REFERENCE, attention="sdpa", compile=False
+        text_model(model), (0, 1), kernels=REFERENCE, mrope=True, attention="sdpa", compile=False
     )
     docs = _documents(LENGTHS)
     packed = _packed(forward, docs, TOKEN_BUDGET, 2 * 64)
@@ -128,6 +134,7 @@ def test_qwen35_moe_splits_into_two_stages_that_write_the_unsplit_features_bit_f
         text_model(moe_model),
         LAYER_IDS,
         kernels=REFERENCE,
+        mrope=True,  # Qwen3.5 (targets/families.py)
         attention="sdpa",
         compile=False,
         layers=layers,

@@ -262,7 +262,7 @@ def test_a_cuda_graph_is_asked_for_but_never_taken_on_the_cpu() -> None:
         model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, cuda_graph=True
     )
     assert "not graphed (cpu, packed_dense)" in path.reason
-    assert type(path.forward).__name__ == "_Packed"
+    assert type(path.forward).__name__ == "PackedCall"
 
 
 def test_the_cuda_graph_setting_reaches_the_target_spec_and_is_off_by_default() -> None:

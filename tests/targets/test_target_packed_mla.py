@@ -25,7 +25,8 @@ from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_mla
-from dflash_async.targets.forward import planned_path, select_target_forward
+from dflash_async.targets.families import family_of, planned_path
+from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -134,8 +135,21 @@ def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) ->
     assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
 
 
+def _block(model, module=packed_mla):
+    """The family's attention block (targets/families.py: MLA or GLM-4.5's partial rotary),
+    looked up in `module` by name, so that a mutant module runs its own."""
+    block = family_of(text_model(model).config).forward.attention_block
+    return getattr(module, block.__name__)
+
+
 def _forward(model, module=packed_mla):
-    return module.PackedMLAForward(text_model(model), LAYER_IDS, attention="sdpa", compile=False)
+    return module.PackedMLAForward(
+        text_model(model),
+        LAYER_IDS,
+        attention_block=_block(model, module),
+        attention="sdpa",
+        compile=False,
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -183,7 +197,11 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     outs = []
     for attention in ("sdpa", "flex"):
         forward = packed_mla.PackedMLAForward(
-            text_model(model), LAYER_IDS, attention=attention, compile=False
+            text_model(model),
+            LAYER_IDS,
+            attention_block=_block(model),
+            attention=attention,
+            compile=False,
         )
         out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
         outs.append(forward(layout.input_ids, layout.position_ids, layout.doc_ids, out))
@@ -236,7 +254,11 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     q/k (24) and v (16) head dims differ for MLA. Same 1e-5 bound as the CPU."""
     model = _model(VARIANTS[kind]()).cuda()
     forward = packed_mla.PackedMLAForward(
-        text_model(model), LAYER_IDS, attention="flex", compile=compile
+        text_model(model),
+        LAYER_IDS,
+        attention_block=_block(model),
+        attention="flex",
+        compile=compile,
     )
     rng = np.random.default_rng(5)
     docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]

@@ -26,7 +26,8 @@ from target_kit import capture_features
 from transformers import AutoModelForImageTextToText
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
-from dflash_async.targets.forward import planned_path, select_target_forward
+from dflash_async.targets.families import family_of, planned_path
+from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 from dflash_async.targets.packed_dense import document_causal_mask
 from dflash_async.targets.packed_window import (
@@ -239,7 +240,9 @@ def test_flex_path_through_flex_attentions_cpu_reference_equals_each_document_al
     implementation on the CPU): T = 256, two flex tiles, documents across the tile edge."""
     kind, overrides = CASES[case]
     model = _model(kind, **overrides)
-    forward = PackedWindowForward(text_model(model), LAYER_IDS, attention="flex", compile=False)
+    inner = text_model(model)
+    window = family_of(inner.config).forward.layers
+    forward = PackedWindowForward(inner, LAYER_IDS, family=window, attention="flex", compile=False)
     rng = np.random.default_rng(5)
     docs = [
         (rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool))
@@ -268,7 +271,7 @@ def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
     The mutants of the module docstring move features by 0.03 to 7: over 100x above it. (Against
     HF fp32 directly, as the CPU tests do, the Gemma 4 rows differ by up to 3e-4, the two errors
     added, beyond the CPU tolerance; that is why this test has its own reference.)"""
-    from dflash_async.targets.forward import _Packed
+    from dflash_async.targets.paths import PackedCall
 
     kind, overrides = CASES[case]
     model = _model(kind, **overrides)
@@ -286,10 +289,14 @@ def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
         for ids, _ in docs
     ]
     gpu = model.float().cuda()
-    forward = PackedWindowForward(text_model(gpu), LAYER_IDS, attention="flex", compile=compile)
+    inner = text_model(gpu)
+    window = family_of(inner.config).forward.layers
+    forward = PackedWindowForward(
+        inner, LAYER_IDS, family=window, attention="flex", compile=compile
+    )
     layout = layout_pack(docs, 256).to("cuda")
     out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
-    _Packed(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    PackedCall(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
     out = out.cpu().double()
     ulp = torch.finfo(torch.float32).eps
     for j, (ids, _) in enumerate(docs):

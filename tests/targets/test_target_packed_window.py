@@ -17,6 +17,7 @@ the same parity and its router mutants to the same gap.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,7 +27,8 @@ from target_kit import capture_features
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_moe_window as pmw
-from dflash_async.targets.forward import planned_path, select_target_forward
+from dflash_async.targets.families import family_of, planned_path
+from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 from dflash_async.targets.packed_dense import document_causal_mask
 
@@ -74,9 +76,23 @@ def _max_deviation(packed: torch.Tensor, alone: list[torch.Tensor]) -> float:
     )
 
 
-def _forward(model, attention: str = "sdpa"):
+def _family(model) -> pmw.MoeWindowLayers:
+    """The family's qkv and router (targets/families.py), looked up in pmw by name, so that a
+    mutant patched into pmw is the one that runs."""
+    layers = family_of(text_model(model).config).forward.layers
+    return dataclasses.replace(
+        layers, qkv=getattr(pmw, layers.qkv.__name__), route=getattr(pmw, layers.route.__name__)
+    )
+
+
+def _forward(model, attention: str = "sdpa", layers: range | None = None):
     return pmw.PackedWindowMoeForward(
-        text_model(model), LAYER_IDS, attention=attention, compile=False
+        text_model(model),
+        LAYER_IDS,
+        family=_family(model),
+        attention=attention,
+        compile=False,
+        layers=layers,
     )
 
 
@@ -147,9 +163,7 @@ def test_two_stages_of_a_split_gpt_oss_write_what_the_whole_forward_writes(model
     out = torch.full_like(whole, float("nan"))
     hidden = None
     for layers in (range(0, 1), range(1, 2)):
-        stage = pmw.PackedWindowMoeForward(
-            text_model(model), LAYER_IDS, attention="sdpa", compile=False, layers=layers
-        )
+        stage = _forward(model, layers=layers)
         hidden = stage.stage(hidden, *args, out)
     assert torch.equal(out, whole)
 
@@ -241,7 +255,7 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(request, kind: str, comp
     model = copy.deepcopy(request.getfixturevalue("model" if kind == "gpt_oss" else "minimax"))
     model = model.cuda()  # a copy: the module-scoped fixture stays on the CPU
     forward = pmw.PackedWindowMoeForward(
-        text_model(model), LAYER_IDS, attention="flex", compile=compile
+        text_model(model), LAYER_IDS, family=_family(model), attention="flex", compile=compile
     )
     rng = np.random.default_rng(8)
     docs = [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]

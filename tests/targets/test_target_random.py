@@ -30,10 +30,10 @@ from tiny_run import tiny_env, write_pretokenized
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.log import get_logger
-from dflash_async.model.architectures import text_config_of
 from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline.specs import run_spec
 from dflash_async.settings.env import load_settings
+from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.fp8.fp8_linear import swap_fp8_matmuls
 from dflash_async.targets.loading import text_model
 from dflash_async.targets.random_weights import (

@@ -81,6 +81,7 @@ def _hybrid_stage(model, layers: range) -> TargetPath:
         text_model(model),
         LAYER_IDS,
         kernels=REFERENCE,
+        mrope=True,  # Qwen3.5 (targets/families.py)
         attention="sdpa",
         compile=False,
         layers=layers,
@@ -147,7 +148,12 @@ async def test_split_target_features_equal_the_unsplit_target_bit_for_bit(
     if kind == "qwen3_5":
         model = random_target(tiny_qwen35(), seed=0)
         whole = PackedHybridForward(
-            text_model(model), LAYER_IDS, kernels=REFERENCE, attention="sdpa", compile=False
+            text_model(model),
+            LAYER_IDS,
+            kernels=REFERENCE,
+            mrope=True,
+            attention="sdpa",
+            compile=False,
         )
         choose = _hybrid_stage
     else:
@@ -155,7 +161,7 @@ async def test_split_target_features_equal_the_unsplit_target_bit_for_bit(
         whole = select_target_forward(
             model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=TOKEN_BUDGET
         ).forward
-        assert whole.__class__.__name__ == "_Packed"
+        assert whole.__class__.__name__ == "PackedCall"
         choose = _dense_choose
     samples = Samples(300)
     expected = _unsplit(model, samples, whole)

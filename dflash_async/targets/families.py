@@ -1,0 +1,310 @@
+"""targets/families.py owns the target families: ONE table, model_type -> `Family`, holding all a
+family differs in. Start-up accepts exactly its model_types (anything else exits 2 naming it,
+`unsupported_reason`); the README's target table is generated from it (forward.py's
+`architecture_table`); `select_target_forward` takes the family's packed path from it.
+
+A Family carries its README label and planned forward, its options for the shared config
+readers (targets/config_readers.py), its packed path with the pieces that forward needs
+(targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
+block, the hybrid M-RoPE flag), what exact decoding must do with its cache (`Decoding`), and the
+quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
+on their language model alone (targets/loading.py): their entry names that model's model_type
+and repeats its forward, since the forward is chosen by the text config's model_type.
+
+Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
+pieces of its packed forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from dflash_async.targets.config_readers import (
+    SUPPORTED_QUANT_METHODS,
+    ConfigReader,
+    compressed_tensors_problem,
+    quant_dict,
+    quant_method_of,
+)
+from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
+from dflash_async.targets.packed_mla import (
+    mla_attention_block,
+    partial_rotary_attention_block,
+)
+from dflash_async.targets.packed_moe_window import (
+    MoeWindowLayers,
+    gpt_oss_layer_problem,
+    gpt_oss_qkv,
+    gpt_oss_route,
+    minimax_layer_problem,
+    minimax_qkv,
+    minimax_route,
+)
+from dflash_async.targets.packed_window import (
+    PRE_NORM_PARTS,
+    SANDWICH_PARTS,
+    WindowLayers,
+    pre_norm_layer,
+    sandwich_layer,
+)
+from dflash_async.targets.paths import (
+    HF_PLANNED,
+    DensePath,
+    HybridPath,
+    MLAPath,
+    MoeWindowPath,
+    NoPackedPath,
+    PackedPath,
+    WindowPath,
+)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What exact speculative decoding (eval/) must do with the family's KV/state cache.
+
+    linear_state: Gated DeltaNet layers, whose conv window and recurrent state every verified
+      token overwrites: snapshot before each verify, restore and re-advance by the accepted
+      tokens (eval/hybrid_state.py); the batched decoder cannot write that state per row.
+    sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
+      `decoding_cache` gives them plain growing layers (the mask still applies the window).
+    eval/ reads both from the cache's layers and `layer_types` (an exact per-config answer);
+    tests/targets/test_families.py checks each family's entry against that.
+    """
+
+    linear_state: bool = False
+    sliding_window: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    """All that is family-specific (see the module doc).
+
+    label: the README's family column. planned: the README's target-forward column, in words.
+    reader: the family's options for the config readers. forward: its packed path (paths.py),
+    refusing (HF fallback) where its layers or the device do not fit. decoding: its cache rules.
+    language_model: a wrapper's text model_type (None: the config is the text config).
+    quant_methods: quant_methods read for this family only (gpt-oss's MXFP4 experts).
+    """
+
+    label: str
+    planned: str
+    reader: ConfigReader
+    forward: PackedPath
+    decoding: Decoding
+    language_model: str | None = None
+    quant_methods: frozenset[str] = frozenset()
+
+    def wrapped(self, *, label: str, language_model: str) -> Family:
+        """This (text) family's multimodal wrapper: its forward is this family's."""
+        return dataclasses.replace(self, label=label, language_model=language_model)
+
+
+_DENSE_WORDS = "packed dense (document-causal attention)"
+_MOE_WORDS = "packed MoE (document-causal attention)"
+_WINDOW_WORDS = "packed window (document-causal sliding window)"
+_HYBRID_WORDS = "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
+_HYBRID_MOE_WORDS = (
+    "packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
+    "HF padded batches elsewhere"
+)
+
+
+def _dense(label: str) -> Family:
+    """A plain pre-norm dense decoder family (Llama, Qwen2, Qwen3)."""
+    return Family(
+        label=label,
+        planned=_DENSE_WORDS,
+        reader=ConfigReader(),
+        forward=DensePath(),
+        decoding=Decoding(),
+    )
+
+
+# gpt-oss and MiniMax-M2 have no dense MLP: `intermediate_size` is one routed expert's width
+_EXPERT_WIDTH_IS_INTERMEDIATE = ConfigReader(expert_width="intermediate_size")
+_QWEN35 = Family(
+    label="Qwen3.5 (hybrid)",
+    planned=_HYBRID_WORDS,
+    reader=ConfigReader(),
+    forward=HybridPath(mrope=True),
+    decoding=Decoding(linear_state=True),
+)
+_QWEN35_MOE = dataclasses.replace(_QWEN35, label="Qwen3.5-MoE (hybrid)", planned=_HYBRID_MOE_WORDS)
+_QWEN3_VL_TEXT = Family(
+    label="Qwen3-VL language model",
+    planned=HF_PLANNED,
+    reader=ConfigReader(),
+    forward=NoPackedPath(),
+    decoding=Decoding(),
+)
+_GEMMA3_TEXT = Family(
+    label="Gemma 3",
+    planned=_WINDOW_WORDS,
+    reader=ConfigReader(),
+    forward=WindowPath(WindowLayers(sandwich_layer, SANDWICH_PARTS, per_layer_kinds=True)),
+    decoding=Decoding(sliding_window=True),
+)
+
+# model_type (of config.json, wrappers included) -> its Family, in the README's order.
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {
+        "llama": _dense("Llama 2/3"),
+        "qwen2": _dense("Qwen2/2.5"),
+        "qwen3": _dense("Qwen3"),
+        "mistral": Family(
+            label="Mistral (sliding window)",
+            planned=_WINDOW_WORDS,
+            reader=ConfigReader(),
+            forward=WindowPath(WindowLayers(pre_norm_layer, PRE_NORM_PARTS, per_layer_kinds=False)),
+            decoding=Decoding(sliding_window=True),
+        ),
+        "qwen3_moe": Family(
+            label="Qwen3-MoE",
+            planned=_MOE_WORDS,
+            reader=ConfigReader(),
+            forward=DensePath(moe_eager=True),
+            decoding=Decoding(),
+        ),
+        "qwen3_next": Family(
+            label="Qwen3-Next (hybrid)",
+            planned=_HYBRID_MOE_WORDS,
+            reader=ConfigReader(),
+            forward=HybridPath(mrope=False),  # its rotary is 1-D
+            decoding=Decoding(linear_state=True),
+        ),
+        "qwen3_5_text": _QWEN35,
+        "qwen3_5": _QWEN35.wrapped(
+            label="Qwen3.5 multimodal wrapper", language_model="qwen3_5_text"
+        ),
+        "qwen3_5_moe_text": _QWEN35_MOE,
+        "qwen3_5_moe": _QWEN35_MOE.wrapped(
+            label="Qwen3.5-MoE multimodal wrapper", language_model="qwen3_5_moe_text"
+        ),
+        "qwen3_vl": _QWEN3_VL_TEXT.wrapped(
+            label="Qwen3-VL multimodal wrapper", language_model="qwen3_vl_text"
+        ),
+        "qwen3_vl_text": _QWEN3_VL_TEXT,
+        "glm4_moe": Family(
+            label="GLM-4.5",
+            planned=_MOE_WORDS,
+            reader=ConfigReader(),
+            forward=MLAPath(partial_rotary_attention_block, name="packed_moe"),
+            decoding=Decoding(),
+        ),
+        "gemma3_text": _GEMMA3_TEXT,
+        "gemma3": _GEMMA3_TEXT.wrapped(
+            label="Gemma 3 multimodal wrapper", language_model="gemma3_text"
+        ),
+        "gemma4_text": Family(
+            label="Gemma 4",
+            planned="packed window (document-causal sliding window; HF padded batches with "
+            "per-layer inputs, KV sharing or MoE blocks)",
+            reader=ConfigReader(),
+            forward=WindowPath(
+                WindowLayers(
+                    gemma4_layer,
+                    SANDWICH_PARTS,
+                    per_layer_kinds=True,
+                    problem=gemma4_layout_problem,
+                )
+            ),
+            decoding=Decoding(sliding_window=True),
+        ),
+        "gpt_oss": Family(
+            label="gpt-oss",
+            planned="packed MoE with sliding windows and attention sinks (document-causal attention)",
+            reader=_EXPERT_WIDTH_IS_INTERMEDIATE,
+            forward=MoeWindowPath(
+                MoeWindowLayers(gpt_oss_qkv, gpt_oss_route, gpt_oss_layer_problem)
+            ),
+            decoding=Decoding(sliding_window=True),
+            quant_methods=frozenset({"mxfp4"}),
+        ),
+        "minimax_m2": Family(
+            label="MiniMax-M2",
+            planned="packed MoE, sigmoid router (document-causal attention)",
+            reader=_EXPERT_WIDTH_IS_INTERMEDIATE,
+            forward=MoeWindowPath(
+                MoeWindowLayers(minimax_qkv, minimax_route, minimax_layer_problem)
+            ),
+            decoding=Decoding(),
+        ),
+        "deepseek_v3": Family(
+            label="DeepSeek-V3 (MLA)",
+            planned="packed MLA MoE (document-causal attention)",
+            reader=ConfigReader(latent_attention=True),
+            forward=MLAPath(mla_attention_block, name="packed_mla"),
+            decoding=Decoding(),
+        ),
+    }
+)
+
+
+def family_of(config: Any) -> Family | None:
+    """The Family of `config`'s model_type (a wrapper's own; pass the text config for its
+    language model's), None when it is not one of FAMILIES."""
+    return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def planned_path(model_type: str) -> str:
+    """The forward `select_target_forward` takes for a model_type whose layers have the usual
+    shape, in words (the README's table; the run logs the real choice as target_path_chosen)."""
+    family = FAMILIES.get(model_type)
+    return family.planned if family else HF_PLANNED
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """None for a supported target config, else one line naming its model_type, or its
+    quantization_config's quant_method, and what is supported."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILIES:
+        return quantization_problem(config)
+    return f"target model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+
+
+def quantization_problem(config: Any) -> str | None:
+    """None for an unquantized checkpoint or a supported `quant_method`, else one line naming it
+    and the supported ones (a weight format we cannot read must never load as random bf16)."""
+    method = quant_method_of(config)
+    if method is None:
+        return None
+    if method == "compressed-tensors":
+        return compressed_tensors_problem(quant_dict(config))
+    only = [kind for kind, family in FAMILIES.items() if method in family.quant_methods]
+    if only and getattr(config, "model_type", None) not in only:
+        return (
+            f"quant_method {method!r} is read for {' and '.join(only)} targets only, "
+            f"not {config.model_type!r}"
+        )
+    if method in SUPPORTED_QUANT_METHODS:
+        return None
+    return (
+        f"target quantization_config quant_method {method!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_QUANT_METHODS)}, or an unquantized checkpoint)"
+    )
+
+
+def _reader(cfg: Any) -> ConfigReader:
+    """The family's reader options; a config outside FAMILIES (tests, benches) gets the defaults."""
+    family = family_of(cfg)
+    return family.reader if family else ConfigReader()
+
+
+def attention_head_dim(cfg: Any) -> int:
+    """The head dimension the drafter copies from the text config `cfg` (ConfigReader.head_dim)."""
+    return _reader(cfg).head_dim(cfg)
+
+
+def routed_expert_width(cfg: Any) -> int:
+    """The FFN width of one routed expert of the text config `cfg` (MoE configs)."""
+    return _reader(cfg).routed_expert_width(cfg)
+
+
+def dense_mlp_width(cfg: Any) -> int:
+    """The drafter's dense MLP width for the text config `cfg` (ConfigReader.dense_mlp_width)."""
+    return _reader(cfg).dense_mlp_width(cfg)

@@ -1,0 +1,287 @@
+"""targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
+(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, none), each with the
+condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory (`build`),
+given the pieces of one family. targets/families.py gives every family one of these;
+targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
+
+A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
+config), never on a multimodal wrapper around it. The reasons and the `how` strings are the ones
+the run logs as target_path_chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dflash_async.targets.packed_dense import PackedDenseForward
+from dflash_async.targets.packed_mla import PackedMLAForward
+from dflash_async.targets.packed_moe_window import (
+    MoeWindowLayers,
+    PackedWindowMoeForward,
+    layout_problem,
+)
+from dflash_async.targets.packed_window import (
+    PackedWindowForward,
+    WindowLayers,
+    window_layout_problem,
+)
+
+_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+HF_PLANNED = "HF padded batches of whole documents (exact; no packed forward yet)"
+
+
+class FeatureForward(Protocol):
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor: ...
+
+
+@dataclass
+class TargetPath:
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
+    `packed_moe_window`, `packed_hybrid`, `hf`) and why."""
+
+    forward: FeatureForward
+    name: str
+    reason: str
+    # A stage's call: (hidden [1,T,d] or None, input_ids, position_ids, doc_ids, features,
+    # lengths) -> its range's output hidden (targets/split.py); None: cannot be split (HF)
+    stage: Callable | None = None
+
+
+class PackedCall:
+    """Adapts a packed forward (no host lengths) to the FeatureForward call shape."""
+
+    def __init__(self, packed) -> None:
+        self.packed = packed
+
+    def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        return self.packed(input_ids, position_ids, doc_ids, features)
+
+    def stage(self, hidden, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
+        return self.packed.stage(hidden, input_ids, position_ids, doc_ids, features)
+
+
+class PackedPath(Protocol):
+    """One kind of packed forward with a family's pieces (see the module doc).
+
+    name: the TargetPath name `build` gives; needs_cuda: it never runs on another device.
+    """
+
+    name: str
+    needs_cuda: bool
+
+    def refusal(
+        self, inner: nn.Module, device: torch.device, *, model_type: str, packed_hybrid: bool
+    ) -> str | None: ...
+
+    def build(
+        self,
+        inner: nn.Module,
+        layer_ids: Sequence[int],
+        *,
+        model_type: str,
+        attention: str,
+        compile: bool,
+        layers: range | None,
+    ) -> TargetPath: ...
+
+
+def dense_layout_problem(inner: nn.Module) -> str | None:
+    """None when every decoder layer has the plain pre-norm attention + MLP structure we run."""
+    config = inner.config
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "layer_types other than full_attention (sliding windows)"
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
+    if rope not in _ROPE_TYPES:
+        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    for layer in inner.layers:
+        parts = {name for name, _ in layer.named_children()}
+        if parts != _LAYER_PARTS or getattr(layer.self_attn, "sliding_window", None):
+            return f"decoder layer {type(layer).__name__} with parts {sorted(parts)}"
+    return None
+
+
+def _packed(forward, name: str, how: str) -> TargetPath:
+    call = PackedCall(forward)
+    return TargetPath(call, name, how, call.stage)
+
+
+@dataclass(frozen=True)
+class DensePath:
+    """packed_dense (Qwen3, Qwen2/2.5, Llama) or, with `moe_eager`, packed_moe (Qwen3-MoE: the HF
+    MoE block run eagerly between compiled attention blocks): targets/packed_dense.py."""
+
+    moe_eager: bool = False
+    needs_cuda = False
+
+    @property
+    def name(self) -> str:
+        return "packed_moe" if self.moe_eager else "packed_dense"
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = dense_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedDenseForward(
+            inner,
+            layer_ids,
+            attention=attention,
+            compile=compile,
+            moe_eager=self.moe_eager,
+            layers=layers,
+        )
+        how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class MLAPath:
+    """targets/packed_mla.py with the family's attention block (DeepSeek-V3's MLA, named
+    packed_mla; GLM-4.5's partial-rotary GQA, named packed_moe) and the grouped-router MoE."""
+
+    attention_block: Callable
+    name: str
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = dense_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedMLAForward(
+            inner,
+            layer_ids,
+            attention_block=self.attention_block,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class WindowPath:
+    """targets/packed_window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text)."""
+
+    layers: WindowLayers
+    name = "packed_window"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = window_layout_problem(inner, family=self.layers)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedWindowForward(
+            inner,
+            layer_ids,
+            family=self.layers,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = (
+            f"{model_type}: {attention} document-causal sliding-window attention, compile={compile}"
+        )
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class MoeWindowPath:
+    """targets/packed_moe_window.py with the family's qkv and router (gpt-oss, MiniMax-M2)."""
+
+    layers: MoeWindowLayers
+    name = "packed_moe_window"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = layout_problem(inner, family=self.layers)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedWindowMoeForward(
+            inner,
+            layer_ids,
+            family=self.layers,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
+        return _packed(forward, self.name, how)
+
+
+_HYBRID_OFF = "the packed varlen forward is turned off (DFLASH_TARGET__PACKED_HYBRID=false)"
+
+
+@dataclass(frozen=True)
+class HybridPath:
+    """targets/packed_hybrid.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on CUDA with
+    flash-linear-attention; `mrope`: the family's rotary takes one position row per grid axis."""
+
+    mrope: bool
+    name = "packed_hybrid"
+    needs_cuda = True
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = _HYBRID_OFF if not packed_hybrid else self._problem(inner, device)
+        return f"hybrid {model_type}: {problem}" if problem else None
+
+    @staticmethod
+    def _problem(inner: nn.Module, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"flash-linear-attention kernels need CUDA (device is {device.type})"
+        if importlib.util.find_spec("fla") is None:
+            return "flash-linear-attention is not installed (pip install '.[hybrid]')"
+        from dflash_async.targets.packed_hybrid import hybrid_layout_problem
+
+        return hybrid_layout_problem(inner)
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        from dflash_async.targets.packed_hybrid import PackedHybridForward, fla_kernels
+
+        kernels = fla_kernels()
+        forward = PackedHybridForward(
+            inner,
+            layer_ids,
+            kernels=kernels,
+            mrope=self.mrope,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
+        return TargetPath(forward, self.name, how, forward.stage)
+
+
+@dataclass(frozen=True)
+class NoPackedPath:
+    """No packed forward: the HF fallback runs the family (`hybrid`: its layers are linear-
+    attention ones no family here has a packed forward for)."""
+
+    hybrid: bool = False
+    name = "hf"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        if not self.hybrid:
+            return f"model_type {model_type!r} has no packed forward here"
+        problem = (
+            "only Qwen3.5, Qwen3.5-MoE and Qwen3-Next layers have a packed varlen forward here"
+            if packed_hybrid
+            else _HYBRID_OFF
+        )
+        return f"hybrid {model_type}: {problem}"
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        raise AssertionError(f"{model_type}: no packed forward to build (refusal says why)")
