@@ -272,21 +272,12 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
         return await stack.enter_async_context(open_device_worker(device, name, grad_enabled=grad))
 
     async def load(worker: DeviceWorker) -> TargetRunner:
-        t = spec.target
         return await worker.run(
             load_runner,
             inputs.target_path,
+            spec=spec.target,
             device=worker.device,
-            dtype=t.dtype_on(worker.device),
             layer_ids=cfg.target_layer_ids,
-            token_budget=t.token_budget,
-            max_batch_tokens=t.max_batch_tokens,
-            packed_hybrid=t.packed_hybrid,
-            quantize=t.quantize,
-            weights=t.weights,
-            seed=t.seed,
-            decode=t.decode,
-            cuda_graph=t.cuda_graph,
         )
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import torch
@@ -35,6 +35,7 @@ from dflash_async.errors import SettingsError
 CAPTURE_LOCK = threading.Lock()
 
 T = TypeVar("T")
+P = ParamSpec("P")  # a job's parameters: a type checker matches `run`'s arguments to `fn`'s
 
 
 def parse_device(value: str, *, setting: str = "device") -> torch.device:
@@ -128,7 +129,7 @@ class DeviceWorker:
         """Start the thread. Start-up errors (e.g. a bad device) are raised by every later job."""
         self._thread.start()
 
-    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn(*args, **kwargs)` on the worker thread; return its result or raise its error."""
         if self._closing:
             raise anyio.ClosedResourceError(f"device worker {self.name} is closed")

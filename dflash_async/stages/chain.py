@@ -36,10 +36,17 @@ from dflash_async.runtime.channels import ReceiveChannel, SendChannel, open_chan
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import RingProducer
-from dflash_async.stages.produce import TargetRunner, TargetSpec, load_logged_random
+from dflash_async.stages.produce import (
+    TargetRunner,
+    TargetSpec,
+    choose_forward,
+    load_target_weights,
+    log_path_chosen,
+)
 from dflash_async.stages.read import PlannedPack
-from dflash_async.targets.forward import TargetPath, select_target_forward
-from dflash_async.targets.loading import _checked_folder, load_target, text_config, text_model
+from dflash_async.targets.forward import TargetPath
+from dflash_async.targets.loading import _checked_folder, text_config, text_model
+from dflash_async.targets.quantized import WeightFormat
 from dflash_async.targets.random_weights import meta_target, random_config
 from dflash_async.targets.split import Split, layer_sizes, split_layers
 
@@ -114,46 +121,51 @@ async def load_chain(
     log,
 ) -> TargetChain:
     """Load the target once on the host (in the first stage's thread; the GPU part of issue 34
-    would load each stage's layers straight onto its device), then `build_chain`. A random
-    target (spec.weights) is drawn instead, each stage's layers straight onto its device
-    (`_random_chain_model`)."""
+    would load each stage's layers straight onto its device), by the unsplit target's loader
+    (`load_target_weights`: the same spec, so every DFLASH_TARGET__* setting holds, in the
+    stages' dtype), then `build_chain`. A random target (spec.weights) is drawn instead, each
+    stage's layers straight onto its device (`_random_chain_model`)."""
     host = torch.device("cpu")
     if spec.random_seed is not None:
-        model, split = await workers[0].run(
+        model, split, served = await workers[0].run(
             _random_chain_model, path, workers, spec=spec, last_layer=max(layer_ids), log=log
         )
         return await build_chain(
-            model, workers, spec=spec, layer_ids=layer_ids, log=log, split=split
+            model, workers, spec=spec, layer_ids=layer_ids, log=log, split=split, served=served
         )
-    model = await workers[0].run(load_target, path, device=host, dtype=spec.dtype_on(host))
-    return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log)
+    model, served = await workers[0].run(
+        load_target_weights,
+        path,
+        spec=spec,
+        device=host,
+        runs_on=workers[0].device,
+        last_layer=max(layer_ids),
+        log=log,
+    )
+    return await build_chain(model, workers, spec=spec, layer_ids=layer_ids, log=log, served=served)
 
 
 def _random_chain_model(
     path: str, workers: Sequence[DeviceWorker], *, spec: TargetSpec, last_layer: int, log
 ):
-    """(the random target, its split): the split from the meta-built model's bytes (as
-    `build_chain` would cut it), then every stage's layers drawn on that stage's device, the
-    embedding and rotary on the first; with spec.decode the layers past the last captured one
-    and the lm_head on the host (where a loaded split target keeps them)."""
+    """(the random target, its split, its WeightFormat): the split from the meta-built model's
+    bytes (as `build_chain` would cut it), then every stage's layers drawn on that stage's
+    device, the embedding and rotary on the first; with spec.decode the layers past the last
+    captured one and the lm_head on the host (where a loaded split target keeps them)."""
     devices = [w.device for w in workers]
-    dtype = spec.dtype_on(devices[0])
-    meta = meta_target(random_config(_checked_folder(path)), dtype=dtype)
+    meta = meta_target(random_config(_checked_folder(path)), dtype=spec.dtype_on(devices[0]))
     split = split_layers(layer_sizes(text_model(meta), last_layer=last_layer), stages=len(devices))
     stage_of = {i: s for s, r in enumerate(split.ranges) for i in r}
-    model, _ = load_logged_random(
+    model, served = load_target_weights(
         path,
+        spec=spec,
         device=devices[0],
-        dtype=dtype,
-        seed=spec.seed,
         last_layer=last_layer,
-        decode=spec.decode,
-        quantize=spec.quantize,
         log=log,
         layer_device=lambda i: devices[stage_of[i]],
         tail_device=torch.device("cpu"),
     )
-    return model, split
+    return model, split, served
 
 
 async def build_chain(
@@ -165,19 +177,21 @@ async def build_chain(
     log,
     choose: Chooser | None = None,
     split: Split | None = None,
+    served: WeightFormat | None = None,
 ) -> TargetChain:
     """Split the model's layers by bytes (unless `split` is given: a random target's, cut
     before its layers were drawn), move each stage's layers (and the embedding, to the first)
     onto its device in its thread, choose each stage's forward (`choose(model, layers)`, by
-    default select_target_forward: exit 2 for the HF fallback) and warm the chain up."""
+    default the unsplit target's `choose_forward`: exit 2 for the HF fallback), log it per
+    stage (`target_path_chosen`, with `served`: the weights' format) and warm the chain up."""
     if split is None:
         sizes = layer_sizes(text_model(model), last_layer=max(layer_ids))
         split = split_layers(sizes, stages=len(workers))
-    choose = choose or partial(_select, spec=spec, layer_ids=layer_ids)
+    choose = choose or partial(_choose_stage, spec=spec, layer_ids=layer_ids)
     d = text_config(model).hidden_size
     stages = []
-    for worker, layers in zip(workers, split.ranges, strict=True):  # one at a time: compile
-        runner = await worker.run(
+    for s, (worker, layers) in enumerate(zip(workers, split.ranges, strict=True)):
+        runner = await worker.run(  # one at a time: compile
             _stage_runner,
             model,
             layers,
@@ -185,6 +199,15 @@ async def build_chain(
             choose=choose,
             token_budget=spec.token_budget,
             width=len(layer_ids) * d,
+        )
+        log_path_chosen(
+            log,
+            runner.path,
+            device=worker.device,
+            dtype=runner.inputs.features.dtype,
+            served=served,
+            stage=s,
+            layers=[layers.start, layers.stop],
         )
         columns = tuple(j for j, i in enumerate(layer_ids) if i in layers)
         stages.append(ChainStage(worker, runner, layers, columns, d))
@@ -209,15 +232,8 @@ async def build_chain(
     return chain
 
 
-def _select(model, layers: range, *, spec: TargetSpec, layer_ids) -> TargetPath:
-    return select_target_forward(
-        model,
-        layer_ids,
-        token_budget=spec.token_budget,
-        max_batch_tokens=spec.max_batch_tokens,
-        packed_hybrid=spec.packed_hybrid,
-        layers=layers,
-    )
+def _choose_stage(model, layers: range, *, spec: TargetSpec, layer_ids) -> TargetPath:
+    return choose_forward(model, spec=spec, layer_ids=layer_ids, layers=layers)
 
 
 def _stage_runner(

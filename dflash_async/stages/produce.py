@@ -30,6 +30,7 @@ from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.targets.forward import TargetPath, select_target_forward
 from dflash_async.targets.loading import fast_kernel_preflight, load_served_target, text_config
+from dflash_async.targets.quantized import WeightFormat
 from dflash_async.targets.random_weights import load_random_target
 
 
@@ -86,80 +87,124 @@ class StagedPack:
 def load_runner(
     path: str,
     *,
+    spec: TargetSpec,
     device: torch.device,
-    dtype: torch.dtype | None,
     layer_ids: tuple[int, ...],
-    token_budget: int,
-    max_batch_tokens: int,
-    packed_hybrid: bool = True,
-    quantize: str = "none",
-    weights: str = "checkpoint",
-    seed: int = 0,
-    decode: bool = True,
-    cuda_graph: bool = False,
+    log=None,
 ) -> TargetRunner:
-    """Load the target on `device`, choose its forward and warm it up (the first call compiles).
+    """Load the target on `device` as `spec` says, choose its forward and warm it up (the first
+    call compiles).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
-    weights="random": drawn from the config under `seed` (targets/random_weights.py), up to the
-    last captured layer unless `decode`. cuda_graph: the forward replayed from one CUDA graph,
-    captured by the warm-up's forward (targets/graphed.py).
     """
-    log = get_logger(__name__)
-    random_seed = seed if weights == "random" else None
-    if random_seed is not None:
-        model, served = load_logged_random(
-            path,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            last_layer=max(layer_ids),
-            decode=decode,
-            quantize=quantize,
-            log=log,
-        )
-    else:
-        model, served = load_served_target(path, device=device, dtype=dtype, quantize=quantize)
-        log.info(
-            "target_weights_loaded",
-            weight_format=served.name,
-            quant_method=served.quant_method,
-            dequantized=served.dequantized,
-            device=str(device),
-        )
+    log = log or get_logger(__name__)
+    model, served = load_target_weights(
+        path, spec=spec, device=device, last_layer=max(layer_ids), log=log
+    )
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
-    chosen = select_target_forward(
-        model,
-        layer_ids,
-        token_budget=token_budget,
-        max_batch_tokens=max_batch_tokens,
-        packed_hybrid=packed_hybrid,
-        cuda_graph=cuda_graph,
-    )
+    chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
     param = next(model.parameters())
-    log.info(
-        "target_path_chosen",
-        target_path=chosen.name,
-        reason=chosen.reason,
-        device=str(device),
-        dtype=str(param.dtype).removeprefix("torch."),
-        weight_format=served.name,
-        kernel=served.kernel,
-        kernel_reason=served.kernel_reason,
-    )
+    log_path_chosen(log, chosen, device=device, dtype=param.dtype, served=served)
     width = len(layer_ids) * text_config(model).hidden_size
-    inputs = PackedBatch.empty(token_budget, width, device=device, feature_dtype=param.dtype)
-    runner = TargetRunner(model, chosen, inputs, random_seed=random_seed)
+    inputs = PackedBatch.empty(spec.token_budget, width, device=device, feature_dtype=param.dtype)
+    runner = TargetRunner(model, chosen, inputs, random_seed=spec.random_seed)
     started = time.perf_counter()
-    _warm_up(runner, token_budget, min(max_batch_tokens, token_budget))
+    _warm_up(runner, spec.token_budget, min(spec.max_batch_tokens, spec.token_budget))
     log.info(
         "target_warmed_up",
         target_path=chosen.name,
         warm_up_s=round(time.perf_counter() - started, 2),
     )
     return runner
+
+
+def load_target_weights(
+    path: str,
+    *,
+    spec: TargetSpec,
+    device: torch.device,
+    last_layer: int,
+    log,
+    runs_on: torch.device | None = None,
+    **placement,
+) -> tuple[torch.nn.Module, WeightFormat]:
+    """The target's weights as `spec` says (checkpoint or random under its seed, its dtype,
+    DFLASH_TARGET__QUANTIZE), loaded on `device` and logged (`target_weights_loaded`, with the
+    weight format): the one loader of the unsplit and the split target.
+
+    `runs_on`: the device the weights will run on when they load elsewhere (a split target
+    loads on the host, then each stage's layers move to its device): its dtype is the one
+    loaded. A random target is drawn up to `last_layer` unless spec.decode; `placement`
+    (layer_device, tail_device) draws each layer straight onto its stage's device.
+    """
+    dtype = spec.dtype_on(runs_on or device)
+    if spec.random_seed is not None:
+        return load_logged_random(
+            path,
+            device=device,
+            dtype=dtype,
+            seed=spec.seed,
+            last_layer=last_layer,
+            decode=spec.decode,
+            quantize=spec.quantize,
+            log=log,
+            **placement,
+        )
+    model, served = load_served_target(path, device=device, dtype=dtype, quantize=spec.quantize)
+    log.info(
+        "target_weights_loaded",
+        weight_format=served.name,
+        quant_method=served.quant_method,
+        dequantized=served.dequantized,
+        device=str(device),
+    )
+    return model, served
+
+
+def choose_forward(
+    model: torch.nn.Module,
+    *,
+    spec: TargetSpec,
+    layer_ids: tuple[int, ...],
+    layers: range | None = None,
+) -> TargetPath:
+    """The target's forward as `spec` allows (targets/forward.py), whole or one stage's
+    `layers` of a split target."""
+    return select_target_forward(
+        model,
+        layer_ids,
+        token_budget=spec.token_budget,
+        max_batch_tokens=spec.max_batch_tokens,
+        packed_hybrid=spec.packed_hybrid,
+        cuda_graph=spec.cuda_graph,
+        layers=layers,
+    )
+
+
+def log_path_chosen(
+    log,
+    chosen: TargetPath,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    served: WeightFormat | None,
+    **extra,
+) -> None:
+    """`target_path_chosen`: the forward, why, and the weights' dtype, format and matmul kernel
+    (served None: a model built by the caller, its format unknown here)."""
+    log.info(
+        "target_path_chosen",
+        target_path=chosen.name,
+        reason=chosen.reason,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        weight_format=served and served.name,
+        kernel=served and served.kernel,
+        kernel_reason=served and served.kernel_reason,
+        **extra,
+    )
 
 
 def load_logged_random(path: str, *, log, **options):

@@ -217,17 +217,21 @@ def _target_step(device: str, tmp_path) -> Callable[[], None]:
 
     from dflash_async.data.packing import PackCursor, PackedBatch
     from dflash_async.data.samples import TokenizedSamples
-    from dflash_async.stages.produce import fill_slot, load_runner, stage_inputs
+    from dflash_async.stages.produce import TargetSpec, fill_slot, load_runner, stage_inputs
     from dflash_async.stages.read import PlannedPack
     from dflash_async.targets.tiny import ensure_tiny_target
 
     runner = load_runner(
         str(ensure_tiny_target(tmp_path)),
+        spec=TargetSpec(
+            cuda_dtype=torch.bfloat16,
+            cpu_dtype=torch.float32,
+            token_budget=TARGET_BUDGET,
+            max_batch_tokens=TARGET_BUDGET,
+            packed_hybrid=True,
+        ),
         device=torch.device(device),
-        dtype=None,
         layer_ids=TARGET_LAYERS,
-        token_budget=TARGET_BUDGET,
-        max_batch_tokens=TARGET_BUDGET,
     )
     assert runner.path.name == "packed_dense", runner.path.reason
     lengths = np.array([70, 100, 3, 50])

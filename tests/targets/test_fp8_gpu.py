@@ -21,7 +21,7 @@ from target_kit import capture_features, save_random_target
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
-from dflash_async.stages.produce import load_runner
+from dflash_async.stages.produce import TargetSpec, load_runner
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.fp8 import fp8_experts, fp8_linear
 from dflash_async.targets.loading import random_target, text_model
@@ -127,12 +127,16 @@ def test_quantize_fp8_on_cuda_logs_the_fp8_kernel_and_keeps_no_bf16_decoder_matm
     with capture_logs() as events:
         runner = load_runner(
             str(folder),
+            spec=TargetSpec(
+                cuda_dtype=torch.bfloat16,
+                cpu_dtype=torch.float32,
+                token_budget=256,
+                max_batch_tokens=256,
+                packed_hybrid=True,
+                quantize="fp8",
+            ),
             device=torch.device("cuda"),
-            dtype=None,
             layer_ids=LAYERS,
-            token_budget=256,
-            max_batch_tokens=256,
-            quantize="fp8",
         )
     chosen = next(e for e in events if e["event"] == "target_path_chosen")
     assert chosen["kernel"] == fp8_linear.KERNEL, chosen

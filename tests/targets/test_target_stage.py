@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from dflash_async.stages.produce import load_runner
+from dflash_async.stages.produce import TargetSpec, load_runner
 from dflash_async.targets.loading import resolve_target_dtype
 from dflash_async.targets.tiny import ensure_tiny_target
 
@@ -30,11 +30,15 @@ def test_loading_a_runner_logs_its_path_and_warms_up_in_the_asked_dtype(tmp_path
     with capture_logs() as events:
         runner = load_runner(
             str(ensure_tiny_target(tmp_path)),
+            spec=TargetSpec(
+                cuda_dtype=torch.bfloat16,
+                cpu_dtype=torch.bfloat16,
+                token_budget=64,
+                max_batch_tokens=64,
+                packed_hybrid=True,
+            ),
             device=torch.device("cpu"),
-            dtype=torch.bfloat16,
             layer_ids=(1, 3),
-            token_budget=64,
-            max_batch_tokens=64,
         )
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
     assert (
