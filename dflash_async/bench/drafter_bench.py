@@ -286,7 +286,7 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     "flex_dq_in_dkv_loop": {"flex_kernel_options": {"WRITE_DQ": False}},
     "flex_tma": {"flex_kernel_options": {"USE_TMA": True}},
     # flex_attention's kernels: flash-attn-4's (CuTe DSL; where flash_attn.cute is importable,
-    # benchmarks/h200_flash_backend.sh carries it; `today` where it is) or torch's Triton ones
+    # installed with the `flash` extra; `today` where it is) or torch's Triton ones
     "flex_flash": {"flex_backend": "flash"},
     "flex_triton": {"flex_backend": "triton"},
     # phase B: torch's clip_grad_norm_ + fused AdamW, or model/update.py's compiled AdamW (the
@@ -305,7 +305,7 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
     # torch ops, compiled with the layers
     "conv_triton": {"conv_kernel": "triton"},
     "conv_compiled": {"conv_kernel": "compiled"},
-    # all of the above as they were before issue 20: the whole step's before/after in one run
+    # all of the above as they were before the fused update: the whole step's before/after in one run
     "previous_default": {
         "compiled_update": False,
         "ce_kernel": "compiled",

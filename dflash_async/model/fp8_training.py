@@ -1,4 +1,4 @@
-"""FP8 matmuls of the trainable drafter's linears (DFLASH_TRAIN__FP8_MATMULS, issue 31).
+"""FP8 matmuls of the trainable drafter's linears (DFLASH_TRAIN__FP8_MATMULS).
 
 Owns the training recipe of the drafter's FP8 linears and how it is installed: `Fp8Matmul`
 (y = x @ W^T as an autograd.Function), its three products (`forward_product`, `input_gradient`,

@@ -321,7 +321,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
         dtype=feature_dtype,
     )
     # Start-up leaves ~350k long-lived objects (torch, transformers, the target's modules); a
-    # full collection that walks them all took 180-200 ms on the loop (BENCHMARKS.md, issue 15).
+    # full collection that walks them all took 180-200 ms on the loop (BENCHMARKS.md).
     # Frozen, collections during training see only what training allocates. Process-wide:
     # undone when the run ends.
     gc.freeze()

@@ -120,8 +120,8 @@ async def load_chain(
     layer_ids: tuple[int, ...],
     log,
 ) -> TargetChain:
-    """Load the target once on the host (in the first stage's thread; the GPU part of issue 34
-    would load each stage's layers straight onto its device), by the unsplit target's loader
+    """Load the target once on the host (in the first stage's thread; loading each stage's layers
+    straight onto its device is not done yet), by the unsplit target's loader
     (`load_target_weights`: the same spec, so every DFLASH_TARGET__* setting holds, in the
     stages' dtype), then `build_chain`. A random target (spec.weights) is drawn instead, each
     stage's layers straight onto its device (`_random_chain_model`)."""

@@ -22,8 +22,9 @@ Sync point: none. The segment boundaries come from the host (the pack's document
 does fla's chunk table (`chunk_indices`: segment and chunk of each 64-token chunk); both are
 copied to the device from pinned memory without blocking. Left to itself, fla would build that
 table on the host from `cu_seqlens_cpu` and copy it from pageable memory, a blocking copy (a stream
-synchronisation) once per forward. fla's triton kernels autotune on their first call of each shape
-(see benchmarks/h200_hybrid.sh for what that costs and how its results are kept on disk).
+synchronisation) once per forward. fla's triton kernels autotune on their first call of each shape;
+benchmarks/fla_configs holds one fixed config per kernel (FLA_CONFIG_DIR, as benchmarks/gpu.sh
+sets it: 7 compiles per shape instead of autotuning 75 configs).
 """
 
 from __future__ import annotations

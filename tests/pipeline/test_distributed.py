@@ -1,4 +1,4 @@
-"""Two nodes on one machine: two `run` processes joined by gloo on 127.0.0.1 (issue 13).
+"""Two nodes on one machine: two `run` processes joined by gloo on 127.0.0.1.
 
 Each rank is this file run as a script (`python tests/test_distributed.py WEIGHTS_DIR`) with
 torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set by the test: the real CLI

@@ -1,5 +1,5 @@
 """The pieces of several-node runs that need no second process: who is who (launcher variables),
-each rank's share of the packs, the peer watchdog and the start-up agreement check (issue 13)."""
+each rank's share of the packs, the peer watchdog and the start-up agreement check."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`launch` (pipeline/launch.py): torch's launcher starting 2 gloo CPU ranks of the tiny run,
-with the node's exit kept to the command contract (issue 32, item 4), where plain torchrun ends
+with the node's exit kept to the command contract, where plain torchrun ends
 with its own tracebacks and exit 1. Plus the exit mapping itself, without processes.
 
 Each launch is `python -m dflash_async launch --standalone --nproc-per-node 2` in a subprocess;

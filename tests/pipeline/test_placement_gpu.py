@@ -2,7 +2,7 @@
 train with identical drafters; the gradient combine is ordered by events, not host syncs.
 
 The tiny target and test_pipeline's tiny run, with CUDA graphs on (compile off, SDPA attention:
-seconds, not minutes of compiling): the code paths of benchmarks/h200_placement.sh's 8B runs.
+seconds, not minutes of compiling): the code paths of `benchmarks/gpu.sh placement`'s 8B runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every supported target architecture trains and decodes losslessly on the CPU (issue 29, A).
+"""Every supported target architecture trains and decodes losslessly on the CPU.
 
 One tiny random target per model_type (tests/arch_targets.py: 2 layers, hidden 64, the built-in
 tiny tokenizer), each run in-process for a few steps with the tiny settings of tiny_run.py and

@@ -1,4 +1,4 @@
-"""Quantized targets (issue 31, CPU part): FP8 and MXFP4 checkpoints as published, QUANTIZE=fp8,
+"""Quantized targets on the CPU: FP8 and MXFP4 checkpoints as published, QUANTIZE=fp8,
 the reference FP8 linear, and the exit 2 of a format we cannot read.
 
 The checkpoints are tiny random targets quantized by tests/quant_kit.py (written apart from the

@@ -1,4 +1,4 @@
-"""The FP8 MoE experts of the target on a GPU (issue 31): `Fp8Experts`, HF's fused experts call
+"""The FP8 MoE experts of the target on a GPU: `Fp8Experts`, HF's fused experts call
 with e4m3 row-wise expert weights, in three ways (its docstring), and the grouped FP8 product
 (`grouped_kernel`) the sorted and split ways run.
 

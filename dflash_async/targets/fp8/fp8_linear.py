@@ -1,4 +1,4 @@
-"""FP8 linears of the target on a GPU (issue 31), and the swap of its decoder into FP8 modules.
+"""FP8 linears of the target on a GPU, and the swap of its decoder into FP8 modules.
 
 Owns the target's linears in the row-wise FP8 format (its quantizer, `quantize_rows`, is
 kernels/fp8_format.py's, shared with the drafter's FP8 training; the MoE experts' are

@@ -1,4 +1,4 @@
-"""The reference FP8 linear that a GPU FP8 kernel (issue 31's GPU part) will be compared against.
+"""The reference FP8 linear that a GPU FP8 kernel is compared against.
 
 Two pure-torch references of y = x @ W^T for a block-quantized weight (targets/quantized.py):
 - `linear_dequantized`: y = x @ dequant(W)^T, what the CPU target computes today;
