@@ -10,7 +10,7 @@ abs difference of the fast features from the reference, the reference's largest 
 relative (Frobenius) difference, and the weights' GPU bytes. `--quantize none,fp8` adds an FP8
 row per shape (targets/fp8/fp8_linear.py: the same model's decoder matmuls in e4m3, row-wise), its
 difference taken against the bf16 fast path and shown next to bf16's own (fast vs HF). Whether such a bf16 difference is noise is settled by the GPU
-tests (tests/test_target_gpu.py, test_target_hybrid.py): the fast path is no farther from the
+tests (tests/targets/test_target_gpu.py, test_target_hybrid.py): the fast path is no farther from the
 fp32 model than the HF path is.
 """
 

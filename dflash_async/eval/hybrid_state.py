@@ -14,7 +14,7 @@ and unlike attention KV nothing can be cropped afterwards. So, per verify step:
 
 The extra forward costs accepted+1 tokens; when every draft is accepted nothing is rolled back.
 A decoder that skipped the restore would continue from states that saw rejected drafts and stop
-matching greedy decoding (tests/test_evaluate_hybrid.py runs that mutant).
+matching greedy decoding (tests/eval/test_evaluate_hybrid.py runs that mutant).
 
 Sliding-window layers (Mistral, Gemma 3/4, gpt-oss) have the same problem in HF's cache: a
 DynamicSlidingWindowLayer keeps only the last window-1 positions, so after a block it no longer

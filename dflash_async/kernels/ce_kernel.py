@@ -13,7 +13,7 @@ in), as in the reference. Ties in the argmax go to the lowest index, as torch.ar
 For DFlash2 the same launch also writes the maxima of each row's fixed-width column groups
 (`ce_grad_and_group_max_triton`), the first step of its unary top-k (grouped_topk, model/kinds/), from the
 loads of pass 1: the kernel went 4.73 -> 5.87 ms per Qwen3-8B-shaped DFlash2 step (8 chunks) and
-the separate 7.48 ms amax went away (H200, BENCHMARKS.md). tests/test_gpu_ce_kernel.py
+the separate 7.48 ms amax went away (H200, BENCHMARKS.md). tests/kernels/test_ce_kernel_gpu.py
 compares both with the reference and with mutants on a GPU.
 """
 

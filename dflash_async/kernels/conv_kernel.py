@@ -14,7 +14,7 @@ convolution (its backward splits the group sums, the static taps' sums over the 
 input gradient). Measured on an H200 at the Qwen3-8B drafter's shape (BENCHMARKS.md):
 one convolution forward and backward takes 0.36 ms here against the compiled reference's 0.45
 (benchmarks/conv_launch_sweep.py), and the DFlash2 step 283.5 ms against 285.1 (-0.6%, 20
-convolutions a step, alternating runs). tests/test_gpu_conv_kernel.py compares both passes with
+convolutions a step, alternating runs). tests/kernels/test_conv_kernel_gpu.py compares both passes with
 the reference on a GPU, and the comparison with mutants.
 
 The kernels are torch.library.triton_op's, so that a torch.compile'd layer (fullgraph) calls

@@ -21,7 +21,7 @@ few ulp and, rarely, its e4m3 rounding by one step.
 `quantize_rows_kernel` is the same kernel without the gate: `quantize_rows(x)` of bf16 rows
 (what the routed experts, whose gate_up product applies the gate itself, quantize between their
 two products, and their tokens before the first).
-tests/test_gpu_fp8_gate_kernel.py compares both with the torch reference on a GPU (and the
+tests/kernels/test_fp8_gate_kernel_gpu.py compares both with the torch reference on a GPU (and the
 comparison with mutants); where the kernel does not run, the compiled torch function does.
 """
 

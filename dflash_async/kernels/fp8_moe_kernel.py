@@ -18,7 +18,7 @@ stored. Its ungated products equal `_scaled_grouped_mm`'s (fast accumulation) bi
 H200. A persistent variant (one program an SM, the tiles' reduction steps one loop) ran 2-10x
 slower under triton 3.6 and was dropped (BENCHMARKS.md, 2026-12-04).
 
-tests/test_gpu_fp8_moe_kernel.py compares it with fp8_routed.routed_reference on a GPU (and the
+tests/kernels/test_fp8_moe_kernel_gpu.py compares it with fp8_routed.routed_reference on a GPU (and the
 comparison with mutants). Syncs: none (the table and offsets stay on the device).
 """
 

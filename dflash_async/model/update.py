@@ -10,7 +10,7 @@ TB/s: 9.4 ms (`bench optimizer`, BENCHMARKS.md). In the step, whose backward wri
 instead of adding them, nothing is zeroed: 32 bytes; with step.py's working weights 30 (the norm
 and AdamW read 2-byte gradients; AdamW writes the 2-byte copy). The math is AdamW's (fused CUDA
 kernel's formula, bias corrections from the fp32 step count, decoupled weight decay) up to fp32
-rounding order; tests/test_update.py compares it with the reference path.
+rounding order; tests/model/test_update.py compares it with the reference path.
 
 `optimizer.state` keeps torch's layout (step, exp_avg, exp_avg_sq per parameter), so checkpoints,
 resume and `optimizer.state_dict()` do not change. Sync-free and capturable.

@@ -10,7 +10,7 @@ batching or on which device ran what.
 Every batch is one HF `model.generate` (its decode steps' attention: regen/cache_attention.py, which
 reads the cache without copying it per query head) with a `StaticCache` of `plan.batch` rows by
 `plan.cache_len` tokens (left padding, the attention mask; transformers derives the position ids
-from the mask, so a padded row equals the row alone: tests/test_regen_batched.py checks it token
+from the mask, so a padded row equals the row alone: tests/regen/test_regen_batched.py checks it token
 for token on the CPU). On a GPU, generate compiles the decode step (`CompileConfig`: inductor,
 CUDA graphs from torch 2.13 on); the cache and batch keep one shape, so it compiles once: the cache length is the
 longest prompt rounded up to `_LENGTH_BUCKET` plus `max_new_tokens`, and a last, short batch is

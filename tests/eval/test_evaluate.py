@@ -420,7 +420,7 @@ def test_gpu_speculative_decoding_is_lossless(target, dtype):
 def test_gpu_qwen3_8b_shaped_eval_reports_tokens_per_s():
     """The H200 figure for BENCHMARKS.md: random Qwen3-8B-shaped target (bf16), an untrained
     5-layer B=16 drafter, 4 prompts x 256 tokens; plus the all-accepted ceiling (oracle drafts).
-    Run: python -m pytest -q -s -m gpu tests/test_evaluate.py -k 8b"""
+    Run: python -m pytest -q -s -m gpu tests/eval/test_evaluate.py -k 8b"""
     device = torch.device("cuda")
     target_8b = _qwen3_8b_shaped_target(device)
     cfg = drafter_config_from_target(target_8b.config, mask_token_id=151669)

@@ -1,6 +1,6 @@
 """Our exports decoded by z-lab's own code (benchmarks/zlab_check.py), when a checkout is named.
 
-    DFLASH_ZLAB_DFLASH=/path/to/z-lab/dflash python -m pytest -q tests/test_zlab_reference.py
+    DFLASH_ZLAB_DFLASH=/path/to/z-lab/dflash python -m pytest -q tests/eval/test_zlab_reference.py
 
 Skipped without that variable: z-lab's code is never copied into this project. Checked against
 commit 07ebd93db9f472af339b644bb70221ad8428328a (the first with DFlash2DraftModel). Tiny random

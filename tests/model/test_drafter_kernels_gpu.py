@@ -25,7 +25,7 @@ T, A, STEPS = 4096, 256, 20
 # unit roundoff u = 2^-8 per element, from each of the 2 paths, in each of the 2 layers -> a
 # per-element relative gradient difference r <= 8u; cosine >= 1 - r^2/2. The loss is a weighted
 # mean of A x 15 CE terms with independent rounding signs, N_eff = 11 per anchor for
-# w = exp(-(k-1)/7): relative loss difference <= 8u / sqrt(A * 11) (as tests/test_gpu_drafter.py).
+# w = exp(-(k-1)/7): relative loss difference <= 8u / sqrt(A * 11) (as tests/model/test_drafter_gpu.py).
 # Over a trajectory each step adds at most one step's disagreement (earlier steps' weight
 # differences are of that order too, and the loss moves smoothly with the weights at lr 6e-5 to
 # 6e-4), so step k (from 0) is allowed (k + 1) times the one-step bound.

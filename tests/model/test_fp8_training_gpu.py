@@ -13,10 +13,10 @@
    in the strictest capture mode (any host sync fails), replayed: finite, every aligned linear on
    the kernel, its first gradient near the bf16 step's from the same weights, pack and anchors,
    and its losses near the bf16 step's (a smoke check: at this init the loss is ~log V and
-   hardly moves in 3 steps; convergence is benchmarks/fp8_drafter_curve.sh's).
+   hardly moves in 3 steps; convergence is benchmarks/fp8_drafter_curve.py's).
 
 Skipped without CUDA (conftest.py) and without FP8 tensor cores; run on an H200:
-    python -m pytest -q -s tests/test_fp8_training_gpu.py
+    python -m pytest -q -s tests/model/test_fp8_training_gpu.py
 """
 
 from __future__ import annotations

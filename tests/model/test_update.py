@@ -4,7 +4,7 @@ coefficient, AdamW as torch ops for torch.compile) gives the reference phase B's
 coefficient, a parameter left out or other betas are caught.
 
 On the CPU the ops run eagerly (compile=False): the same functions the GPU compiles, whose
-compiled kernels benchmarks/research/optimizer_bench.py and tests/test_gpu_drafter_kernels.py
+compiled kernels benchmarks/research/optimizer_bench.py and tests/model/test_drafter_kernels_gpu.py
 check on an H200."""
 
 from __future__ import annotations

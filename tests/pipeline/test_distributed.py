@@ -1,6 +1,6 @@
 """Two nodes on one machine: two `run` processes joined by gloo on 127.0.0.1.
 
-Each rank is this file run as a script (`python tests/test_distributed.py WEIGHTS_DIR`) with
+Each rank is this file run as a script (`python tests/pipeline/test_distributed.py WEIGHTS_DIR`) with
 torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set by the test: the real CLI
 entry, with one hook that saves the drafter's flat weights after every step. The reference is
 one process with two CPU drafters (`cpu,cpu`), which the pipeline already proves equal to one

@@ -4,7 +4,7 @@ gathered in the gate_up product, the down product's rows weighted and written at
 pairs, a contiguous sum over k) computes what the sorted way computes; the comparison catches a
 routing that forgets the division by k, a scatter that keeps expert order, and lost weights.
 The Triton kernel itself is compared with `routed_reference` on a GPU
-(tests/test_gpu_fp8_moe_kernel.py)."""
+(tests/kernels/test_fp8_moe_kernel_gpu.py)."""
 
 from __future__ import annotations
 

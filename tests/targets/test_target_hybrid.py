@@ -187,7 +187,7 @@ def test_gpu_bf16_packed_rows_at_the_qwen35_9b_width_are_as_close_to_fp32_as_hf_
     conv, SDPA) is some relative distance from the same model in fp32; the packed path does the
     same ops in the same precision on the same rows (kernel choices and summation order differ:
     fla's varlen and triton conv, flex attention, fused compiled norms), so its distance may be
-    at most 1.5x HF's, per document (the dense test's margin, tests/test_target_gpu.py)."""
+    at most 1.5x HF's, per document (the dense test's margin, tests/targets/test_target_gpu.py)."""
     import copy
 
     config = Qwen3_5TextConfig(

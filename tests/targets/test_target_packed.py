@@ -245,7 +245,7 @@ def test_the_packed_moe_router_comparison_catches_a_router_that_never_renormalis
 def test_the_packed_moe_forward_with_compiled_experts_adds_their_residual_as_hf_does() -> None:
     """The experts swapped into CompiledExperts (the CUDA default; here its parts eager) take the
     residual stream (`moe_residual`): the features equal the HF block's within the experts'
-    own difference from HF's (tests/test_grouped_experts.py: rtol 1e-5 in fp32)."""
+    own difference from HF's (tests/targets/test_grouped_experts.py: rtol 1e-5 in fp32)."""
     from dflash_async.targets.grouped_experts import CompiledExperts, swap_compiled_experts
 
     want = _moe_features(random_target(_family("qwen3_moe"), seed=1), routed=False)

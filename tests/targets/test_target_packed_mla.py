@@ -1,7 +1,7 @@
 """The packed MLA / grouped-router MoE forward (targets/packed_mla.py) equals each document run
 alone through HF, row for row, for DeepSeek-V3 (MLA) and GLM-4.5 (partial-rotary GQA) targets.
 
-Tolerance 1e-5 in fp32, as tests/test_target_packed.py derives it: both sides run the same
+Tolerance 1e-5 in fp32, as tests/targets/test_target_packed.py derives it: both sides run the same
 matmuls on the same rows and differ only in summation order (masked keys add exact zeros), a few
 fp32 ulps (1.2e-7) of values of order 1, measured below 4.1e-6 over the variants. The router is discrete, but a flip between two experts
 needs their scores within those ulps: with these seeds none does (a flip would show as an O(0.1)

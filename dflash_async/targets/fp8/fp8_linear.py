@@ -19,7 +19,7 @@ device, one weight at a time: dequantized in fp32 (W = W_q * s_block, exact but 
 is the cost of the format: per element |W_row - W| <= 2^-4 |W| + 2^-10 s_row (e4m3 keeps 3
 mantissa bits: half an ulp is 2^-4 relative for normal values; below 2^-6 the subnormal spacing
 is 2^-9 of the scale, half of it 2^-10), a fresh e4m3 rounding of the value, zero where the row
-scale is the block's scale times a power of two. `tests/test_fp8_linear.py` checks the bound.
+scale is the block's scale times a power of two. `tests/targets/test_fp8_linear.py` checks the bound.
 
 CPU-GPU syncs: none in the forwards (amax and scales stay on the device).
 """
