@@ -11,7 +11,8 @@
 # (benchmarks/gpu_lib.sh). One GPU is enough for every part but `pipeline`'s two-GPU run.
 #
 # Parts:
-#   tests        every GPU test: python -m pytest -m gpu -v tests
+#   tests        the GPU tests outside tests/targets (python -m pytest -m gpu -v tests ...)
+#   target-tests the GPU tests of tests/targets (the two halves each fit a 10-minute limit)
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,
 #                sliding-window layers, FP8 linears, flash-attn-4 against Triton, the small shape
@@ -34,7 +35,7 @@
 #   fp8curve     500-step demo loss curves, FP8 drafter linears against bf16
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests drafter kernels research memory target pipeline report placement eval regen resume distributed fp8curve"
+parts="tests target-tests drafter kernels research memory target pipeline report placement eval regen resume distributed fp8curve"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -48,10 +49,16 @@ for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
   case $which in
   tests)
-    part "every GPU test"
+    part "GPU tests outside tests/targets"
     timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu -v -p no:cacheprovider tests \
-      > "$out/gpu_tests.txt" 2>&1
+      --ignore=tests/targets > "$out/gpu_tests.txt" 2>&1
     echo "rc=$?: $(tail -1 "$out/gpu_tests.txt")"
+    ;;
+  target-tests)
+    part "GPU tests of tests/targets"
+    timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu -v -p no:cacheprovider \
+      tests/targets > "$out/gpu_target_tests.txt" 2>&1
+    echo "rc=$?: $(tail -1 "$out/gpu_target_tests.txt")"
     ;;
   drafter)
     drafter 300 --steps 10
