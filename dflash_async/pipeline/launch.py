@@ -4,7 +4,7 @@ LaunchConfig and elastic agent), with the node's outcome kept to the command con
 Plain torchrun breaks the contract at its own exit: a signal ends it with a SignalException
 traceback and exit 1, a rank's exit 2 becomes exit 1 with a ChildFailedError traceback. Here
 the same agent starts the ranks (each `python -m dflash_async run`), forwards SIGINT/SIGTERM to
-them (they stop at a step boundary and save; torchrun starts them in sessions of their own, so a
+them (they stop at a step boundary and save; torchrun starts each in its own process group (setsid), so a
 Ctrl-C reaches them once, through the agent) and waits; then the ranks' exits become one code:
 every rank 0 -> 0; a rank's exit 2 -> 2 with that rank's `error:` line once on stderr; a signal
 -> 130/143; otherwise 1 with one line naming the first failed rank. The ranks' stdout (their JSON

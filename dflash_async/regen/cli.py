@@ -345,21 +345,21 @@ def _drive(
 
 
 class _Meter:
-    """Records and tokens per second of this session, and the ETA of the rest."""
+    """Records and tokens per second of this invocation (records already in the shards are not counted), and the ETA of the rest."""
 
     def __init__(self, *, total: int, done: int, every_s: float, log: Any) -> None:
         self.total, self.done, self.every_s, self.log = total, done, every_s, log
-        self.session_records = self.new_tokens = 0
+        self.new_records = self.new_tokens = 0
         self.started = self.last = time.monotonic()
 
     def count(self, outcome: Any) -> None:
         self.done += 1
-        self.session_records += 1
+        self.new_records += 1
         self.new_tokens += outcome.new_tokens
 
     def rates(self) -> dict[str, float]:
         seconds = max(time.monotonic() - self.started, 1e-9)
-        per_s = self.session_records / seconds
+        per_s = self.new_records / seconds
         return {
             "seconds": round(seconds, 3),
             "new_tokens": self.new_tokens,
