@@ -345,7 +345,8 @@ def _drive(
 
 
 class _Meter:
-    """Records and tokens per second of this invocation (records already in the shards are not counted), and the ETA of the rest."""
+    """Records and tokens per second of this invocation (records already in the shards are not
+    counted), and the ETA of the rest."""
 
     def __init__(self, *, total: int, done: int, every_s: float, log: Any) -> None:
         self.total, self.done, self.every_s, self.log = total, done, every_s, log
