@@ -265,10 +265,13 @@ def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
 
     The reference is HF in fp64 on the CPU, each document alone; HF fp32 on the GPU, each document
     alone, sets the noise. Both fp32 paths compute the same sums in different orders, so their
-    errors are of one size: measured on an H200 (2026-12-01, BENCHMARKS.md) packed / HF = 0.79
-    (Mistral), 0.84 (Gemma 3), up to 1.44 (Gemma 4, its sharp softmax), hence the bound 2x HF's
-    error, with a floor of 4 fp32 ulps of the largest feature for a case where HF is nearly exact.
-    The mutants of the module docstring move features by 0.03 to 7: over 100x above it. (Against
+    errors are of one size, but one document's error is one draw of the rounding: measured per
+    document, packed / HF = 0.79 (Mistral), 0.84 (Gemma 3), up to 1.44 (Gemma 4, its sharp
+    softmax) on an H200 and up to 2.5 on an H100 (Gemma 4: 1.9e-4 against HF's 7.6e-5 on a
+    document where HF happened to land close). So the noise is the case's largest HF error over
+    its four documents, and the bound 3x that, with a floor of 4 fp32 ulps of the largest feature
+    for a case where HF is nearly exact. The mutants of the module docstring move features by 0.03
+    to 7: over 100x above it. (Against
     HF fp32 directly, as the CPU tests do, the Gemma 4 rows differ by up to 3e-4, the two errors
     added, beyond the CPU tolerance; that is why this test has its own reference.)"""
     from dflash_async.targets.paths import PackedCall
@@ -299,11 +302,13 @@ def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
     PackedCall(forward)(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
     out = out.cpu().double()
     ulp = torch.finfo(torch.float32).eps
+    hf_errs, packed_errs = [], []
     for j, (ids, _) in enumerate(docs):
         ids = torch.as_tensor(ids, device="cuda")[None]
         hf = capture_features(gpu, ids, torch.ones_like(ids), LAYER_IDS)[0].cpu().double()
-        hf_err = float((hf - ref[j]).abs().max())
-        packed_err = float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max())
-        floor = 4 * ulp * float(ref[j].abs().max())
-        assert packed_err <= 2 * max(hf_err, floor), (j, packed_err, hf_err)
+        hf_errs.append(float((hf - ref[j]).abs().max()))
+        packed_errs.append(float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max()))
+    floor = 4 * ulp * max(float(r.abs().max()) for r in ref)
+    bound = 3 * max(*hf_errs, floor)
+    assert max(packed_errs) <= bound, (packed_errs, hf_errs)
     assert torch.equal(out[offsets[-1] :], torch.zeros_like(out[offsets[-1] :]))
