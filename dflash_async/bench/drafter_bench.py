@@ -315,8 +315,16 @@ VARIANTS = {  # the slowest to build (autotune: minutes) last
 }
 
 
+def qwen3_4b_drafter_config() -> DrafterConfig:
+    """The drafter shape for Qwen3-4B (d 2560, 32/8 heads, head_dim 128, ffn 9728, 36 target
+    layers): the geometry SpecForge's TorchTitan engine publishes its step times at."""
+    return dataclasses.replace(qwen3_8b_drafter_config(), hidden_size=2560, intermediate_size=9728)
+
+
 SHAPES = {
     "qwen3-8b": qwen3_8b_drafter_config,
+    "qwen3-4b": qwen3_4b_drafter_config,
+    "qwen3-8b-specforge": qwen3_8b_drafter_config,
     "small": lambda: dataclasses.replace(
         qwen3_8b_drafter_config(num_layers=2),
         hidden_size=1024,
@@ -329,8 +337,29 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True)
+class StepGeometry:
+    """A shape's default pack: tokens per step, anchors per step, documents per pack."""
+
+    token_budget: int
+    num_anchors: int
+    num_docs: int
+
+
+# Each shape's pack unless --token-budget/--num-anchors/--num-docs say otherwise. qwen3-8b: this
+# project's 8B recipe. qwen3-4b: SpecForge's TorchTitan benchmark per H200 rank (2 samples of 4096
+# tokens, 512 anchors each). qwen3-8b-specforge: SpecForge's Qwen3-8B DFlash recipe (4 samples of
+# 3072 tokens, 512 anchors each).
+GEOMETRIES = {
+    "qwen3-8b": StepGeometry(token_budget=16384, num_anchors=1024, num_docs=4),
+    "qwen3-4b": StepGeometry(token_budget=8192, num_anchors=1024, num_docs=2),
+    "qwen3-8b-specforge": StepGeometry(token_budget=12288, num_anchors=2048, num_docs=4),
+    "small": StepGeometry(token_budget=16384, num_anchors=1024, num_docs=4),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """bench drafter [--shape qwen3-8b] [--token-budget 16384] ... : one JSON line per mode
+    """bench drafter [--shape qwen3-8b|qwen3-4b|...] [--token-budget N] ... : one JSON line per mode
     (per variant with --variants); --profile adds a table by part on stderr.
 
     GPU only: without CUDA, or with a CPU --device, a UsageError at once (exit 2). The step has no
@@ -338,9 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     parser = ArgumentParser(prog="python -m dflash_async bench drafter")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    parser.add_argument("--token-budget", type=int, default=16384)
-    parser.add_argument("--num-anchors", type=int, default=1024)
-    parser.add_argument("--num-docs", type=int, default=4)
+    parser.add_argument("--token-budget", type=int, help="the shape's own unless given")
+    parser.add_argument("--num-anchors", type=int, help="the shape's own unless given")
+    parser.add_argument("--num-docs", type=int, help="the shape's own unless given")
     parser.add_argument("--attention", choices=("flex", "sdpa"), default="flex")
     parser.add_argument("--modes", default="eager,graph")
     parser.add_argument("--steps", type=int, default=10)
@@ -374,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
         "counted as for bf16, against the bf16 peak",
     )
     args = parser.parse_args(argv)
+    for name, value in dataclasses.asdict(GEOMETRIES[args.shape]).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
