@@ -16,6 +16,9 @@
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,
 #                sliding-window layers, FP8 linears, flash-attn-4 against Triton, the small shape
+#   dspark       `bench drafter`: DSpark (block 7) beside DFlash at the Qwen3-8B shape (T 16384,
+#                1024 anchors) and at SpecForge's geometry (the Qwen3-4B shape: 5 layers,
+#                d 2560, ffn 9728, T 8192 as 2 documents x 4096, 1024 anchors)
 #   kernels      the kernels' launch sweeps alone: CE pass, DFlash2 convolutions, DFlash2's extra
 #                pieces, the FP8 experts' products; the step's clocks under the power limit
 #   research     benchmarks/research: attention tiles and backends, the optimizer phase, the
@@ -35,7 +38,7 @@
 #   fp8curve     500-step demo loss curves, FP8 drafter linears against bf16
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests target-tests drafter kernels research memory target pipeline report placement eval regen resume distributed fp8curve"
+parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -77,6 +80,15 @@ for which in "$@"; do
     part "bench drafter, small shape, eager against graph"
     limited 200 python3 -m dflash_async bench drafter --shape small --token-budget 8192 \
       --num-anchors 512 --modes eager,graph --steps 20 | tee -a "$out/bench_drafter.jsonl"
+    ;;
+  dspark)
+    for kind in dspark dflash; do
+      drafter 300 --steps 10 --kind $kind --block-size 7 --token-budget 16384 --num-anchors 1024
+      drafter 300 --steps 10 --kind $kind --block-size 7 --shape qwen3-4b --token-budget 8192 \
+        --num-docs 2 --num-anchors 1024
+    done
+    drafter 300 --steps 5 --kind dspark --block-size 7 --token-budget 16384 --num-anchors 1024 \
+      --profile  # the table by part goes to bench_drafter.err
     ;;
   kernels)
     part "CE pass launches"

@@ -175,7 +175,7 @@ def tiny_batch(
     mask += [False] * spec.num_pad
     docs += [-1] * spec.num_pad
     pos += [0] * spec.num_pad
-    width = config.num_features * config.hidden_size
+    width = config.feature_width  # the drafter's k layers (and a captured last layer)
     features = torch.randn(len(ids), width, generator=gen, dtype=torch.float64)
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),

@@ -30,10 +30,9 @@ from dflash_async.bench.step_profile import (
 )
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.build import StepSpec, build_drafter_step
-from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.drafter_config import DEFAULT_GAMMA, DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
-from dflash_async.model.kinds import DEFAULT_KIND, KINDS
-from dflash_async.model.objective import default_gamma
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda
@@ -68,7 +67,7 @@ def synthetic_pack(
     T, doc_len = token_budget, token_budget // num_docs
     rows = torch.arange(T)
     doc_ids = (rows // doc_len).clamp(max=num_docs - 1)
-    features = torch.randn(T, config.num_features * config.hidden_size, generator=g)
+    features = torch.randn(T, config.feature_width, generator=g)  # with a captured last layer
     batch = PackedBatch(
         input_ids=torch.randint(0, config.vocab_size, (T,), generator=g),
         loss_mask=torch.ones(T, dtype=torch.bool),
@@ -109,12 +108,16 @@ def build_step(
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=target_dtype)
     lm_head = torch.randn_like(embed) * 0.02
+    norm = 1 + 0.1 * torch.randn(config.hidden_size, device=device, dtype=target_dtype)
+    kind = kind_of(config.kind)
     if compiled_update is None:
         compiled_update = compile and device.type == "cuda"
     spec = StepSpec(
         token_budget=token_budget,
         num_anchors=num_anchors,
-        gamma=default_gamma(config.block_size),
+        # the kind's recipe, else DFlash's table (4 where it has none, e.g. block 7: the step's
+        # time does not depend on the decay)
+        gamma=kind.train_defaults.get("gamma") or DEFAULT_GAMMA.get(config.block_size, 4.0),
         lr=6e-4,
         warmup_frac=10 / BENCH_STEPS,
         weight_decay=0.0,
@@ -143,6 +146,7 @@ def build_step(
         rank=0,
         total_steps=BENCH_STEPS,
         flex_fn=flex_fn,
+        target_norm=norm,  # read by a kind that captures the target's last layer only
     )
 
 

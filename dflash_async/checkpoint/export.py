@@ -121,6 +121,7 @@ def export_config_json(
         "use_cache": True,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
+        **kind.top_level_fields(config),
         "dflash_config": dflash_config,
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
@@ -248,8 +249,12 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def drafter_config_from_json(
     cfg: Mapping[str, Any], *, where: str = "config.json"
 ) -> DrafterConfig:
-    """Build a DrafterConfig from a servable config.json's contents (see export_config_json)."""
+    """Build a DrafterConfig from a servable config.json's contents (see export_config_json).
+    A config without `dflash_config` that names mask_token_id and target_layer_ids at the top
+    level (DeepSpec's Qwen3DSparkModel convention) is read from there."""
     dflash = cfg.get("dflash_config") or {}
+    if "dflash_config" not in cfg and {"mask_token_id", "target_layer_ids"} <= cfg.keys():
+        dflash = cfg
     required = (
         "hidden_size",
         "num_hidden_layers",

@@ -208,7 +208,8 @@ class RowsBlockDrafter:
             block_embeds, block_positions, no_features, block_positions[:0], attend
         )
         assert next(layers, None) is None, "the drafter skipped a layer's attention"
-        return hidden.unflatten(0, (b, cfg.block_size))[:, 1:]  # [b, B-1, d]
+        first = cfg.block_size - cfg.drafts_per_block  # the first slot that drafts
+        return hidden.unflatten(0, (b, cfg.block_size))[:, first:]  # [b, drafts, d]
 
 
 class BatchedDecode:
@@ -231,7 +232,7 @@ class BatchedDecode:
         self.decoder, self.lm_head = text_model(target), target.get_output_embeddings()
         device = self.lm_head.weight.device
         self.device, self.max_new, self.eos_set = device, max_new_tokens, eos
-        self.block = 1 if draft is None else draft.config.block_size
+        self.block = 1 if draft is None else draft.config.drafts_per_block + 1
         b, longest = len(prompts), max(len(p) for p in prompts)
         self.capacity = cache_capacity(prompts, max_new_tokens, self.block)
         self.prompts = torch.zeros(b, longest, dtype=torch.long)

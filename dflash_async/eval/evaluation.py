@@ -134,7 +134,7 @@ def speculative_decoders(
 
     def make(batch: list[list[int]]) -> Decoder:
         if s.batched:
-            capacity = cache_capacity(batch, s.max_new_tokens, config.block_size)
+            capacity = cache_capacity(batch, s.max_new_tokens, config.drafts_per_block + 1)
             rows = RowsBlockDrafter(
                 drafter, config, embed, lm_head, batch=len(batch), capacity=capacity
             )

@@ -256,7 +256,7 @@ def evaluate(
                 sampled,
                 plain,
                 spec,
-                block_size=drafter_config.block_size,
+                block_size=drafter_config.drafts_per_block + 1,  # the verified block
                 plain_s=plain_s,
                 speculative_s=spec_s,
                 tie_tolerance=tolerance,

@@ -141,7 +141,7 @@ class DFlashBlockDrafter:
         attend, unused = self._cached_attend()
         hidden = self.drafter(block_embeds, positions, no_features, positions[:0], attend)
         assert next(unused, None) is None, "the drafter skipped a layer's attention"
-        return hidden[1:]
+        return hidden[cfg.block_size - cfg.drafts_per_block :]  # the slots that draft
 
     def block_logits(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
         """Unary logits [B-1, V] of block slots 1..B-1."""
@@ -383,7 +383,7 @@ def speculative_generate(
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (batch 1, KV caches): greedy, or
     sampled with `sampler` (T > 0)."""
-    max_context = len(prompt_ids) + max_new_tokens + drafter_config.block_size
+    max_context = len(prompt_ids) + max_new_tokens + drafter_config.drafts_per_block + 1
     block_drafter = DFlashBlockDrafter(
         drafter, drafter_config, embed_weight, lm_head_weight, max_context=max_context
     )

@@ -65,6 +65,7 @@ def build_drafter_step(
     rank: int,
     total_steps: int,
     flex_fn=None,
+    target_norm: torch.Tensor | None = None,
 ) -> DrafterStep:
     """One drafter's model, objective, optimizer, schedule and static inputs on `device`.
 
@@ -72,6 +73,8 @@ def build_drafter_step(
     tied). Every drafter is seeded alike, so all start from identical weights; each draws its own
     anchors (a generator seeded by the seed and `rank`, the drafter's index in the whole run).
     `flex_fn`: a compiled flex_attention to share between steps (tests); None: the objective's.
+    `target_norm`: the target's final norm weight [d] on `device`, for a kind that reads the
+    target's own distribution (model/kinds/ `captures_final_hidden`); others take none.
     Call in the device's worker thread: compiling happens at the first calls.
     """
     if spec.kind != config.kind:
@@ -99,6 +102,7 @@ def build_drafter_step(
         lm_head,
         spec=spec,
         flex_fn=flex_fn,
+        **({"target_norm": target_norm} if kind.captures_final_hidden else {}),
     )
     step = DrafterStep.build(
         objective,

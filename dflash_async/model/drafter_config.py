@@ -131,6 +131,25 @@ class _DrafterConfig:
             raise ValueError(f"block_size={self.block_size} must be at least 2")
 
     @property
+    def drafts_per_block(self) -> int:
+        """Tokens one block pass drafts: B-1 (slots 1..B-1), or B for an anchor-first kind
+        (model/kinds/ `first_draft_slot`); a verified block is the anchor and these."""
+        return self.block_size - kind_of(self.kind).first_draft_slot
+
+    @property
+    def captured_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose outputs the target captures for this drafter, in the
+        features' column order: target_layer_ids, then the last layer where the kind reads the
+        target's own distribution (model/kinds/ `captures_final_hidden`)."""
+        last = (self.num_target_layers - 1,) if kind_of(self.kind).captures_final_hidden else ()
+        return self.target_layer_ids + last
+
+    @property
+    def feature_width(self) -> int:
+        """Columns of the captured features: d per captured layer."""
+        return len(self.captured_layer_ids) * self.hidden_size
+
+    @property
     def num_features(self) -> int:
         """k: how many target layers feed the drafter."""
         return len(self.target_layer_ids)

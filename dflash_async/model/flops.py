@@ -34,14 +34,16 @@ def drafter_step_flops_by_part(
         + Q * H * hd * d  # o_proj
     )
     attention_forward = L * 2 * 2 * H * hd * visible_pairs  # QK^T and PV
+    kind = kind_of(config.kind)
+    drafts = config.block_size - kind.first_draft_slot  # the slots that draft (and train)
     return {
         "features": float(2 * 2 * T * config.num_features * d * d),  # fc over frozen features
         "attn_proj": float(3 * L * projections),
         "attn_fwd": float(attention_forward),
         "attn_bwd": float(2 * attention_forward),
         "mlp": float(3 * L * 2 * 3 * Q * d * f),  # gate, up, down
-        "lm_head_ce": float(2 * 2 * num_anchors * (config.block_size - 1) * d * config.vocab_size),
-        **kind_of(config.kind).flops(config, slots=Q),  # the kind's own matmul work
+        "lm_head_ce": float(2 * 2 * num_anchors * drafts * d * config.vocab_size),
+        **kind.flops(config, slots=Q),  # the kind's own matmul work
     }
 
 

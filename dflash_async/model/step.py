@@ -205,7 +205,7 @@ class DrafterStep:
         optimizer = build_optimizer(
             drafter.parameters(), lr_tensor=schedule.lr, weight_decay=weight_decay
         )
-        feature_dim = drafter.config.num_features * drafter.config.hidden_size
+        feature_dim = drafter.config.feature_width
         batch = PackedBatch.empty(
             token_budget, feature_dim, device=weight.device, feature_dtype=weight.dtype
         )

@@ -277,7 +277,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
             inputs.target_path,
             spec=spec.target,
             device=worker.device,
-            layer_ids=cfg.target_layer_ids,
+            layer_ids=cfg.captured_layer_ids,
         )
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples
@@ -317,7 +317,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
         roles,
         num_slots=place.num_slots,
         token_budget=spec.step.token_budget,
-        feature_dim=cfg.num_features * cfg.hidden_size,
+        feature_dim=cfg.feature_width,
         dtype=feature_dtype,
     )
     # Start-up leaves ~350k long-lived objects (torch, transformers, the target's modules); a
@@ -361,7 +361,7 @@ async def _start_chains(spec: RunSpec, inputs: RunInputs, open_worker, log):
     for r, (group, home) in enumerate(zip(groups, homes, strict=True)):
         workers = [await open_worker(d, f"target{r}.{s}", False) for s, d in enumerate(group)]
         chain = await load_chain(
-            inputs.target_path, workers, spec=t, layer_ids=cfg.target_layer_ids, log=log
+            inputs.target_path, workers, spec=t, layer_ids=cfg.captured_layer_ids, log=log
         )
         chain.home = home
         chains.append(chain)

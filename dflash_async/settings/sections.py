@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from dflash_async.data.formats import DEFAULT_ROLE_MAP, parse_role_map
+from dflash_async.model.kinds import DEFAULT_KIND, KINDS
 from dflash_async.settings.recipe import DrafterSettings, TrainSettings
 from dflash_async.settings.values import (
     Section,
@@ -237,6 +238,22 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Only explicit values: `load_settings` does the environment (see the module doc)."""
         return (init_settings,)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_recipe_defaults(cls, data: Any) -> Any:
+        """The drafter kind's recipe for the shared DFLASH_TRAIN__* fields the input leaves
+        unset (model/kinds/ `train_defaults`: DSpark's block 7 and decay 4)."""
+        if not isinstance(data, dict) or not isinstance(data.get("drafter", {}), dict):
+            return data
+        kind = (data.get("drafter") or {}).get("kind", DEFAULT_KIND)
+        if kind not in KINDS or not KINDS[kind].train_defaults:
+            return data  # an unknown kind: the drafter section reports it
+        train = data.get("train", {})
+        if not isinstance(train, dict):
+            return data
+        unset = {k: v for k, v in KINDS[kind].train_defaults.items() if train.get(k) in (None, "")}
+        return {**data, "train": {**train, **unset}}
 
     @field_validator("output_dir")
     @classmethod

@@ -195,7 +195,7 @@ class InRunEvaluator:
                 self.setup,
                 plain,
                 spec,
-                block_size=self.copy.config.block_size,
+                block_size=self.copy.config.drafts_per_block + 1,  # the verified block
                 plain_s=plain_s,
                 speculative_s=spec_s,
                 tie_tolerance=tie_tolerance_for(frozen_embeddings(self.setup.target)[0].dtype),

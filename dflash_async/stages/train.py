@@ -20,14 +20,15 @@ import torch
 from dflash_async.data.packing import PackCursor
 from dflash_async.model.build import StepSpec, build_drafter_step
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import kind_of
 from dflash_async.model.optim import all_reduce_sum
 from dflash_async.model.step import NUM_STATS, DrafterStep
 from dflash_async.runtime.channels import SendChannel
 from dflash_async.runtime.devices import DeviceWorker
 from dflash_async.runtime.meters import BusyMeter, timing_event
 from dflash_async.runtime.rings import RingSet
-from dflash_async.targets.embeddings import load_frozen_embeddings
-from dflash_async.targets.random_weights import random_embeddings
+from dflash_async.targets.embeddings import load_final_norm, load_frozen_embeddings
+from dflash_async.targets.random_weights import random_embeddings, random_final_norm
 
 # Host copy of one step's report vector: STATS, then lr (of this step), then grad_norm.
 REPORT_FIELDS = NUM_STATS + 2
@@ -90,12 +91,17 @@ def drafter_step_on(
     its files in the compute dtype (bf16 on a GPU), or redrawn exactly as a random target drew
     them (`random_seed`: targets/random_weights.py). Run in the device's worker."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    norm = None
     if random_seed is None:
         embed, lm_head = load_frozen_embeddings(target_path, device=device, dtype=dtype)
+        if kind_of(config.kind).captures_final_hidden:
+            norm = load_final_norm(target_path, device=device, dtype=dtype)
     else:
         embed, lm_head = random_embeddings(
             target_path, seed=random_seed, device=device, dtype=dtype
         )
+        if kind_of(config.kind).captures_final_hidden:
+            norm = random_final_norm(target_path, seed=random_seed, device=device, dtype=dtype)
     return build_drafter_step(
         spec,
         config,
@@ -104,6 +110,7 @@ def drafter_step_on(
         device=device,
         rank=rank,
         total_steps=total_steps,
+        target_norm=norm,
     )
 
 

@@ -24,6 +24,11 @@ EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
 )
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+FINAL_NORM_NAMES = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
@@ -58,3 +63,16 @@ def load_frozen_embeddings(
         raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
     lm_head = read(LM_HEAD_NAMES)
     return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor
+
+
+def load_final_norm(folder: str, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [d] of the target's final norm (the one before its lm_head): what a drafter
+    kind that reads the target's own next-token distribution puts its last layer through."""
+    files = _weight_files(Path(folder))
+    name = next((n for n in FINAL_NORM_NAMES if n in files), None)
+    if name is None:
+        raise TargetError(
+            f"target {folder!r} has no final norm tensor ({' or '.join(FINAL_NORM_NAMES)})"
+        )
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name).to(device=device, dtype=dtype)

@@ -41,6 +41,7 @@ from transformers import initialization as hf_init
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.targets.config_readers import text_config_of
+from dflash_async.targets.loading import text_model
 from dflash_async.targets.resolve import TargetError
 
 HOST = torch.device("cpu")
@@ -206,6 +207,17 @@ def random_embeddings(
         return embed.weight, embed.weight
     _on_host(model, head, names[id(head)], device=device, dtype=dtype, seed=seed)
     return embed.weight, head.weight
+
+
+def random_final_norm(
+    folder: str | Path, *, seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The final norm weight [d] of the random target of `folder` under `seed`, exactly the
+    target's (drawn on the host under its name, as random_embeddings draws its tensors)."""
+    model = meta_target(random_config(Path(folder)), dtype=dtype)
+    norm = text_model(model).norm
+    _on_host(model, norm, _names(model)[id(norm)], device=device, dtype=dtype, seed=seed)
+    return norm.weight
 
 
 def random_format(quantize: str, device: torch.device, *, fp8_matmuls: bool = True):

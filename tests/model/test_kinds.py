@@ -37,11 +37,17 @@ def test_every_kind_provides_every_part_of_the_interface(name: str) -> None:
     assert isinstance(kind, DrafterKind) and kind.name == name and kind_of(name) is kind
     for field in dataclasses.fields(DrafterKind):
         value = getattr(kind, field.name)
-        assert value is not None and value != "", field.name
+        assert value is not None and value != "", field.name  # {} and 0 are values
         if field.name in ("drafter_fields", "train_fields"):
             assert issubclass(value, BaseModel), field.name
         elif field.type == "str":  # name, architecture, model_type, summary
             assert isinstance(value, str), field.name
+        elif field.type == "int":  # first_draft_slot
+            assert value in (0, 1), field.name
+        elif field.type == "bool":  # captures_final_hidden
+            assert isinstance(value, bool), field.name
+        elif field.name == "train_defaults":
+            assert set(value) <= set(TrainSettings.model_fields), field.name
         else:
             assert callable(value), field.name
     assert len({k.architecture for k in KINDS.values()}) == len(KINDS)  # export tells them apart
@@ -66,13 +72,13 @@ def test_the_kinds_fields_are_composed_everywhere_without_a_clash() -> None:
 def test_an_unknown_kind_is_refused_naming_the_known_ones() -> None:
     known = ", ".join(KINDS)
     with pytest.raises(
-        ValueError, match=f"unknown drafter kind 'dspark'; the known kinds are {known}"
+        ValueError, match=f"unknown drafter kind 'eagle3'; the known kinds are {known}"
     ):
-        kind_of("dspark")
+        kind_of("eagle3")
     with pytest.raises(ValueError, match="the known kinds are"):
-        dataclasses.replace(tiny_config(TinySpec()), kind="dspark")
+        dataclasses.replace(tiny_config(TinySpec()), kind="eagle3")
     with pytest.raises(SettingsError, match="DFLASH_DRAFTER__KIND") as error:
-        load_settings(NO_FILE | {"DFLASH_DRAFTER__KIND": "dspark"})
+        load_settings(NO_FILE | {"DFLASH_DRAFTER__KIND": "eagle3"})
     assert all(repr(name) in str(error.value) for name in KINDS), str(error.value)
 
 
@@ -91,7 +97,7 @@ def test_each_kinds_drafter_has_exactly_the_tensors_its_export_declares(name: st
 
 def test_no_module_outside_the_kinds_names_a_kind() -> None:
     """Outside model/kinds/ a kind is asked for (`kind_of(config.kind)`), never named."""
-    spelled = re.compile(r'dflash2|"dflash"')
+    spelled = re.compile(r'dflash2|"dflash"|dspark')
     found = [
         str(path.relative_to(PACKAGE))
         for path in sorted(PACKAGE.rglob("*.py"))

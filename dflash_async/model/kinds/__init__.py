@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from dflash_async.model.kinds import dflash, dflash2
+from dflash_async.model.kinds import dflash, dflash2, dspark
 from dflash_async.model.kinds.interface import DrafterKind
 
-KINDS = MappingProxyType({kind.name: kind for kind in (dflash.KIND, dflash2.KIND)})
+KINDS = MappingProxyType({kind.name: kind for kind in (dflash.KIND, dflash2.KIND, dspark.KIND)})
 # DFLASH_DRAFTER__KIND's default, and the kind of an export that names no known architecture
 DEFAULT_KIND = dflash.KIND.name
 

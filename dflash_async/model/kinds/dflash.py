@@ -96,4 +96,8 @@ KIND = DrafterKind(
     flops=flops,
     draft_tokens=draft_tokens,
     sampled_draft_tokens=sampled_draft_tokens,
+    first_draft_slot=1,
+    captures_final_hidden=False,
+    train_defaults={},
+    top_level_fields=no_entries,
 )

@@ -53,6 +53,19 @@ class DrafterKind:
     draft_tokens: Callable[..., Any]
     # (drafter, hidden, unary, anchors, *, sampler) -> (drafts [b, n], q [b, n, V]) at T > 0
     sampled_draft_tokens: Callable[..., Any]
+    # The first block slot that drafts a token. 1: slot k of [x_a, MASK, ...] predicts x[a+k]
+    # (the anchor's slot predicts nothing; B-1 drafts per block); 0: anchor-first, slot k
+    # predicts x[a+k+1] (B drafts per block). Decoding, FLOPs and the export follow it.
+    first_draft_slot: int
+    # The objective reads the target's own next-token distribution: the target also captures
+    # the output of its last layer (features [T, (k+1)*d], the last d columns), which the
+    # objective puts through the target's final norm (make_objective's `target_norm`) and lm_head.
+    captures_final_hidden: bool
+    # defaults of DFLASH_TRAIN__* fields every kind shares that this kind's recipe changes
+    # (used where the settings leave them unset)
+    train_defaults: Mapping[str, Any]
+    # config -> its config.json entries at the top level (what its engines' loaders read there)
+    top_level_fields: Callable[[Any], dict[str, Any]]
 
 
 def with_fields(base: type, models: list[type[BaseModel]]) -> type:

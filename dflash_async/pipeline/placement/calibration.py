@@ -49,7 +49,7 @@ async def calibrate(
         return None
     planned = [PlannedPack(PackCursor(0, i), np.asarray(ix)) for i, ix in enumerate(plan[: k + 1])]
     tokens = float(np.mean([samples.lengths[p.indices].sum() for p in planned[1:]]))
-    width = config.num_features * config.hidden_size
+    width = config.feature_width
     slot = PackedBatch.empty(
         budget, width, device=target.device, feature_dtype=runner.inputs.features.dtype
     )

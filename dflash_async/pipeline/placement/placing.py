@@ -234,7 +234,7 @@ def links(config: DrafterConfig, devices: tuple[torch.device, ...]) -> placement
     )
     return placement.Links(
         grad_bytes=4 * drafter_params(config),
-        feature_bytes_per_token=config.num_features * config.hidden_size * 2,
+        feature_bytes_per_token=config.feature_width * 2,
         peer_access=peer,
     )
 
@@ -282,7 +282,7 @@ def memory_needs(
         token_budget=budget,
         batch_tokens=spec.target_batch_tokens,
     )
-    width = cfg.num_features * cfg.hidden_size
+    width = cfg.feature_width
     row = PackedBatch.empty(1, width, device=torch.device("meta"), feature_dtype=torch.bfloat16)
     ring = spec.num_slots * row.nbytes * budget
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -297,7 +297,7 @@ def flops_per_token(
     text = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config()
     target = target_forward_flops(
         text,
-        layers_run=max(cfg.target_layer_ids) + 1,
+        layers_run=max(cfg.captured_layer_ids) + 1,
         tokens=1,
         attention_pairs=(mean_doc_len + 1) / 2,
     )
@@ -314,7 +314,7 @@ def target_pack_flops(config: DrafterConfig, target_path: str):
     assume documents of equal length (n(n+1)/2 each); attention is ~1-2% of the FLOPs at
     700-token documents, so unequal lengths move the total by well under 1%."""
     text = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config()
-    layers = max(config.target_layer_ids) + 1
+    layers = max(config.captured_layer_ids) + 1
 
     def flops(tokens: int, documents: int) -> float:
         pairs = tokens * (tokens / max(documents, 1) + 1) / 2

@@ -50,7 +50,7 @@ def place_split(
     devices = spec.devices
     groups = replica_devices(devices, stages=stages)
     split = meta_split(
-        target_path, dtype=dtype, stages=stages, last_layer=max(config.target_layer_ids)
+        target_path, dtype=dtype, stages=stages, last_layer=max(config.captured_layer_ids)
     )
     memory = placing.memory_needs(spec, step, config, target_path, devices[0])
     needed = [

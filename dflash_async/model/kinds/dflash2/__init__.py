@@ -128,6 +128,11 @@ def flops(config: Any, *, slots: int) -> dict[str, float]:
     }
 
 
+def no_top_level_fields(_: Any) -> dict[str, Any]:
+    """Every DFlash2 field is in dflash_config."""
+    return {}
+
+
 def draft_tokens(drafter, hidden, unary, anchors):
     from dflash_async.model.kinds.dflash2 import decoding  # see the module doc
 
@@ -163,4 +168,8 @@ KIND = DrafterKind(
     flops=flops,
     draft_tokens=draft_tokens,
     sampled_draft_tokens=sampled_draft_tokens,
+    first_draft_slot=1,
+    captures_final_hidden=False,
+    train_defaults={},
+    top_level_fields=no_top_level_fields,
 )

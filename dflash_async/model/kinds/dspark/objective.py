@@ -1,0 +1,282 @@
+"""The DSpark training objective: CE + L1 between the draft's and the target's next-token
+distributions + the confidence head's BCE, on anchor-first blocks.
+
+For a batch in the fixed layout (packing.PackedBatch) and A anchors, block j is DFlash's
+`[x[a_j], MASK, ...]` at positions pos[a_j] + k, and (anchor-first) slot k = 0..B-1 predicts
+y = x[a_j + k + 1]:
+- draft logits z = lm_head(h) + W2 @ u (the Markov head, u from the GOLD previous token
+  x[a_j + k]: teacher forcing; drafter.py);
+- target distribution q = softmax(lm_head(final_norm(target layer L-1 at row a_j + k))), the
+  target's own next-token distribution after the same prefix (the features' last d columns);
+- p = softmax(z); L1 = ||p - q||_1 over the full vocabulary; a = clamp(1 - L1/2, 0, 1);
+- c = the confidence head's logit; BCE(c, a) with a DETACHED (the head learns to predict the
+  acceptance, it does not move the drafts towards its guess);
+- w[j,k] = exp(-k / gamma) while slots 0..k are all supervised (block valid, label inside the
+  document, loss_mask on): a contiguous prefix from the anchor, k = 0 included;
+- loss = sum(w * (ce_alpha * CE(z, y) + l1_alpha * L1 + confidence_alpha * BCE)) / sum(w), the
+  three terms over one normaliser, summed over the whole optimizer step like DFlash's
+  (the returned StepSums' ce_sum holds the weighted sum of the three).
+
+Neither [A*B, V] logits nor the [A*B, V] target distribution ever exist at once: both are made
+chunk by chunk (ce_chunk_size label rows), and each chunk's gradients (w.r.t. h, the Markov
+latent u, W2 and c) are made in the forward pass, as in chunked_ce.py. Fixed-shape and
+sync-free: gathers, selections and a static chunk loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_async.data.packing import PackedBatch
+from dflash_async.model.objective import Anchors, DFlashObjective, ObjectiveConfig, StepSums
+from dflash_async.model.step_ranges import step_range
+
+
+def position_decay(block_size: int, gamma: float, *, device) -> torch.Tensor:
+    """[B] weights exp(-k / gamma) of the anchor-first slots k = 0..B-1."""
+    decay = [math.exp(-k / gamma) for k in range(block_size)]
+    return torch.tensor(decay, dtype=torch.float64, device=device)
+
+
+def slot_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[A, B] rows a + k: the row whose token precedes slot k's label (the Markov head's gold
+    previous token) and whose target state predicts it; the label is at row a + k + 1."""
+    return anchors[:, None] + torch.arange(block_size, device=anchors.device)
+
+
+def markov_previous(input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[A, B] previous tokens of the slots: x[a + k] (the anchor for k = 0, then the gold
+    label of slot k - 1)."""
+    return input_ids[rows]
+
+
+def distribution_l1(z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[c] ||softmax(z) - q||_1 over the vocabulary (= 2 x the total variation distance)."""
+    return (z.softmax(-1) - q).abs().sum(-1)
+
+
+def acceptance_target(accept: torch.Tensor) -> torch.Tensor:
+    """The confidence head's BCE target: the acceptance, detached (no gradient reaches the
+    drafts through the head's target)."""
+    return accept.detach()
+
+
+def chunk_terms(
+    z: torch.Tensor,  # [c, V] draft logits (fp32)
+    q: torch.Tensor,  # [c, V] target probabilities (fp32, no gradient)
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+    confidence: torch.Tensor | None,  # [c] acceptance logits
+    alphas: tuple[float, float, float],  # ce, l1, confidence
+):
+    """(differentiable sum of w * the three terms, (ce sum, l1 sum, bce sum, argmax == label
+    [c], acceptance a [c])) of one chunk. Untrained rows (w == 0) are excluded by selection,
+    never by multiplying by 0."""
+    ce_alpha, l1_alpha, confidence_alpha = alphas
+    trained = weights > 0
+    w = torch.where(trained, weights, 0.0).to(z.dtype)
+    logp = z.log_softmax(-1)
+    ce = -logp.gather(1, labels[:, None]).squeeze(1)
+    l1 = distribution_l1(z, q)
+    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+    per_row = ce_alpha * ce + l1_alpha * l1
+    bce = torch.zeros_like(ce)
+    if confidence is not None:
+        bce = F.binary_cross_entropy_with_logits(
+            confidence.to(z.dtype), acceptance_target(accept), reduction="none"
+        )
+        per_row = per_row + confidence_alpha * bce
+    total = torch.where(trained, w * per_row, 0.0).sum()
+    with torch.no_grad():
+        sums = tuple(torch.where(trained, w * t, 0.0).sum() for t in (ce, l1, bce))
+        hit = z.argmax(-1) == labels
+    return total, (*sums, hit, accept.detach())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's final RMSNorm (Qwen3's: fp32 normalise, scale)."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (tests)
+    return weight.to(x32.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class _DSparkChunkedLoss(torch.autograd.Function):
+    """sum over rows of w * (CE + L1 + BCE) made chunk by chunk; gradients made in forward."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,  # [N, d]
+        latent,  # [N, r] or None: the Markov head's u
+        markov_w2,  # [V, r] or None
+        confidence,  # [N] or None
+        lm_head_weight,  # [V, d] frozen
+        target_state,  # [N, d] the target's final-normed state (no gradient)
+        labels,  # [N]
+        weights,  # [N]
+        chunk_size: int,
+        terms,
+        alphas,
+    ):
+        weight = lm_head_weight.to(hidden.dtype)
+        inputs = (hidden, latent, markov_w2, confidence)
+        needs = [t is not None and t.requires_grad for t in inputs]
+        grads = [[] for _ in inputs]
+        w2_grad = None
+        totals, ce, l1, bce, hits, accepts = [], [], [], [], [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            with torch.no_grad():
+                target_logits = target_state[start:end].to(weight.dtype) @ weight.T
+                q = target_logits.to(torch.promote_types(weight.dtype, torch.float32)).softmax(-1)
+            with torch.enable_grad():
+                h = hidden[start:end].detach().requires_grad_(needs[0])
+                leaves = [h]
+                z = h @ weight.T
+                if latent is not None:
+                    u = latent[start:end].detach().requires_grad_(needs[1])
+                    w2 = markov_w2.detach().requires_grad_(needs[2])
+                    z = z + u @ w2.to(u.dtype).T
+                    leaves += [u, w2]
+                c = None
+                if confidence is not None:
+                    c = confidence[start:end].detach().requires_grad_(needs[3])
+                    leaves.append(c)
+                total, (s_ce, s_l1, s_bce, hit, accept) = terms(
+                    z.to(q.dtype), q, labels[start:end], weights[start:end], c, alphas
+                )
+                wanted = [leaf for leaf in leaves if leaf.requires_grad]
+                made = iter(torch.autograd.grad(total, wanted) if wanted else ())
+            for i, leaf in zip(
+                (0, 1, 2, 3) if latent is not None else (0, 3), leaves, strict=False
+            ):
+                if not leaf.requires_grad:
+                    continue
+                g = next(made)
+                if i == 2:  # W2's gradient: a sum over every chunk, in >= fp32
+                    g = g.to(torch.promote_types(g.dtype, torch.float32))
+                    w2_grad = g if w2_grad is None else w2_grad + g
+                else:
+                    grads[i].append(g)
+            totals.append(total.detach())
+            ce.append(s_ce)
+            l1.append(s_l1)
+            bce.append(s_bce)
+            hits.append(hit)
+            accepts.append(accept)
+        saved = [torch.cat(g) if g else None for g in grads]
+        saved[2] = w2_grad
+        ctx.has = [g is not None for g in saved]
+        ctx.save_for_backward(*[g for g in saved if g is not None])
+        hit, accept = torch.cat(hits), torch.cat(accepts)
+        stats = torch.stack([torch.stack(x).sum() for x in (ce, l1, bce)])
+        ctx.mark_non_differentiable(hit, accept, stats)
+        return torch.stack(totals).sum(), hit, accept, stats
+
+    @staticmethod
+    def backward(ctx, grad_total, _hit, _accept, _stats):
+        saved = iter(ctx.saved_tensors)
+        out = [next(saved) if has else None for has in ctx.has]
+        scaled = [None if g is None else g * grad_total.to(g.dtype) for g in out]
+        return (*scaled, None, None, None, None, None, None, None)
+
+
+class DSparkObjective(DFlashObjective):
+    """DSpark's loss on a DSpark drafter (see the module doc); returns StepSums whose ce_sum is
+    the weighted sum of the three terms."""
+
+    def __init__(
+        self,
+        config: ObjectiveConfig,
+        drafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        *,
+        target_norm: torch.Tensor,  # [d] the target's final norm weight (frozen)
+        alphas: tuple[float, float, float] = (0.1, 0.9, 1.0),
+        flex_fn=None,
+    ) -> None:
+        super().__init__(config, drafter, embed_weight, lm_head_weight, flex_fn=flex_fn)
+        self.target_norm = target_norm.detach()
+        self.alphas = tuple(float(a) for a in alphas)
+        self.decay = position_decay(
+            config.block_size, config.gamma, device=self.lm_head_weight.device
+        )
+        self.terms = chunk_terms
+        if config.compile:
+            self.terms = torch.compile(chunk_terms, dynamic=False)
+
+    def _dspark_blocks(self, batch: PackedBatch, anchors: Anchors):
+        """Block tokens, positions, labels, weights, previous tokens and target rows, [A, B]."""
+        B, T = self.config.block_size, batch.num_tokens
+        a, valid = anchors.positions, anchors.valid
+        rows = slot_rows(a, B).clamp(max=T - 1)
+        label_rows = slot_rows(a, B) + 1
+        inside = label_rows < T
+        label_rows = label_rows.clamp(max=T - 1)
+        same_doc = inside & (batch.doc_ids[label_rows] == batch.doc_ids[a][:, None])
+        supervised = valid[:, None] & same_doc & batch.loss_mask[label_rows]
+        prefix = supervised.long().cumprod(dim=1).bool()  # contiguous from the anchor
+        weights = prefix * self.decay
+        slot = torch.arange(B, device=a.device)
+        tokens = torch.where(slot == 0, batch.input_ids[a][:, None], self.config.mask_token_id)
+        positions = batch.position_ids[a][:, None] + slot
+        previous = markov_previous(batch.input_ids, rows)
+        return tokens, positions, batch.input_ids[label_rows], weights, previous, rows
+
+    def target_states(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[N, d] final-normed target states at `rows` (the features' last d columns)."""
+        cfg = self.drafter.config
+        d = cfg.hidden_size
+        last = batch.features[rows.flatten(), cfg.num_features * d : (cfg.num_features + 1) * d]
+        return rms_norm(last, self.target_norm, cfg.rms_norm_eps).to(last.dtype)
+
+    def forward(self, batch: PackedBatch, anchors: Anchors) -> StepSums:
+        tokens, positions, labels, weights, previous, rows = self._dspark_blocks(batch, anchors)
+        hidden = self._hidden(batch, anchors, tokens, positions)  # [A, B, d]
+        h = hidden.flatten(0, 1)  # [N, d], N = A*B
+        w = weights.flatten()
+        prev = previous.flatten()
+        markov = self.drafter.markov_head
+        with step_range("lm_head_ce"):
+            latent = markov.latent(h, prev) if markov is not None else None
+            confidence = self.drafter.confidence_logits(h, prev)
+            with torch.no_grad():
+                target = self.target_states(batch, rows)
+            total, correct_pred, _accept, _stats = _DSparkChunkedLoss.apply(
+                h,
+                latent,
+                markov.markov_w2.weight if markov is not None else None,
+                confidence,
+                self.lm_head_weight.detach(),
+                target,
+                labels.flatten(),
+                w,
+                self.config.ce_chunk_size,
+                self.terms,
+                self.alphas,
+            )
+        trained = w > 0
+        hit = (correct_pred & trained).view(-1, self.config.block_size)  # [A, B]
+        none = torch.zeros((), dtype=torch.long, device=w.device)  # no selector in DSpark
+        return StepSums(
+            ce_sum=total,
+            weight_sum=w.sum(),
+            correct=hit.sum(),
+            supervised=trained.sum(),
+            accepted=hit.long().cumprod(dim=1).sum(),
+            blocks=anchors.valid.sum(),
+            topk_hits=none,
+            selector_correct=none,
+        )
+
+    @torch.no_grad()
+    def block_logits(self, batch: PackedBatch, anchors: Anchors) -> torch.Tensor:
+        """Full draft logits [A, B, V] with the gold previous tokens (tests, small shapes)."""
+        tokens, positions, _, _, previous, _ = self._dspark_blocks(batch, anchors)
+        hidden = self._hidden(batch, anchors, tokens, positions)
+        h = hidden.flatten(0, 1)
+        logits = self.drafter.draft_logits(h, previous.flatten(), self.lm_head_weight)
+        return logits.view(*tokens.shape, -1)
