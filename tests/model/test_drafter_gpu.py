@@ -16,11 +16,13 @@ pytestmark = [
 
 
 def _small_config(variant: str = "dflash"):
-    """The small bench shape as DFlash, DFlash2, or a variant with sliding layers (W 512 in
-    4096-token packs of 4 documents, so the window cuts every document) and soft-capping."""
+    """The small bench shape as DFlash, DFlash2, DSpark, or a variant with sliding layers (W 512
+    in 4096-token packs of 4 documents, so the window cuts every document) and soft-capping."""
     import dataclasses
 
     config = SHAPES["small"]()
+    if variant == "dspark":  # its recipe's block 7: 7 predicted slots from the anchor on
+        return dataclasses.replace(config, kind="dspark", block_size=7)
     if variant in ("dflash2", "dflash2_sliding"):
         config = dataclasses.replace(config, kind="dflash2")
     if variant in ("sliding", "dflash2_sliding"):
@@ -33,7 +35,7 @@ def _small_config(variant: str = "dflash"):
     return config
 
 
-VARIANTS = ["dflash", "dflash2", "sliding", "dflash2_sliding"]
+VARIANTS = ["dflash", "dflash2", "sliding", "dflash2_sliding", "dspark"]
 
 
 def _loss_and_grads(step, anchors):
@@ -48,9 +50,10 @@ def _loss_and_grads(step, anchors):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_flex_path_matches_sdpa_reference_in_bf16(variant: str):
-    """Also for DFlash2 (its convolutions and selector term in the loss) and sliding layers
-    (the flex mask's window against the dense SDPA mask): the same derivation holds, as the
-    attention rounding is the only difference between the paths."""
+    """Also for DFlash2 (its convolutions and selector term in the loss), DSpark (its Markov and
+    confidence heads, the L1 term against the captured last layer) and sliding layers (the flex
+    mask's window against the dense SDPA mask): the same derivation holds, as the attention
+    rounding is the only difference between the paths."""
     device = torch.device("cuda", 0)
     config = _small_config(variant)
     flex_fn = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
@@ -79,7 +82,8 @@ def test_flex_path_matches_sdpa_reference_in_bf16(variant: str):
     # it moves by ~r / sqrt(N_eff) relative, N_eff = (sum w)^2 / sum w^2 = 11 terms per anchor
     # for w = exp(-(k-1)/7), so <= 8u / sqrt(256 * 11) = 5.9e-4. Measured on H200: loss 6.6e-7,
     # cosine 1 - 7e-6 (BENCHMARKS.md); a mask off by one row moves both by far more.
-    u, n_terms = 2.0**-8, 256 * 11
+    # DSpark: 7 slots weighted exp(-k/4), k = 0..6: N_eff = 3.74^2 / 2.47 = 5.7, so 5 per anchor
+    u, n_terms = 2.0**-8, 256 * (5 if variant == "dspark" else 11)
     assert rel < 8 * u / n_terms**0.5, rel
     assert cosine > 1 - (8 * u) ** 2 / 2, cosine
 
