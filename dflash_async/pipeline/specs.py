@@ -63,12 +63,13 @@ class RunSpec:
     tensorboard_dir: str  # "" = off
 
 
-def run_spec(settings: Settings) -> RunSpec:
+def run_spec(settings: Settings, *, visible_gpus: int | None = None) -> RunSpec:
     """The run's specs; SettingsError (exit 2) for devices this machine lacks, roles that do not
-    work together, or a kernel the drafters' devices cannot run."""
+    work together, or a kernel the drafters' devices cannot run. `visible_gpus`: the GPUs that
+    empty DEVICES stand for (this machine's unless given)."""
     train, pipe = settings.train, settings.pipeline
     budget = train.token_budget  # T, the one read: every spec below gets it from here
-    devices = candidate_devices(pipe.devices)
+    devices = candidate_devices(pipe.devices, visible_gpus=visible_gpus)
     given = given_roles(pipe.target_devices, pipe.drafter_devices, default=devices)
     placement = PlacementSpec(
         layout=pipe.layout,

@@ -340,12 +340,15 @@ def test_settings_prints_a_preset_whose_paths_are_absent_here_and_warns(
     assert printed["env_file"] == str(repo_root() / "settings" / "qwen3_8b_8xh200.env")
     assert printed["target"]["path"] == "/models/Qwen3-8B"
     assert printed["pipeline"]["devices"] == [f"cuda:{i}" for i in range(8)]  # layout auto
-    warnings = err.strip().splitlines()
-    assert [w.split(":")[0:2] for w in warnings] == [
+    warnings = [line for line in err.strip().splitlines() if line.startswith("warning: ")]
+    assert [w.split(":")[0:2] for w in warnings[:2]] == [
         ["warning", " DFLASH_TARGET__PATH"],
         ["warning", " DFLASH_DATA__PATH"],
     ]
     assert "/models/Qwen3-8B" in warnings[0] and "/data/qwen3_8b_regenerated" in warnings[1]
+    # where the values came from, the devices, and GPUs named on a machine without them
+    assert f"from {repo_root() / 'settings' / 'qwen3_8b_8xh200.env'}: DFLASH_OUTPUT_DIR" in err
+    assert "\ndevices: cuda:0,cuda:1," in err
 
 
 # ---- subprocesses: the real stdout, environment and Hugging Face cache ----------------------
