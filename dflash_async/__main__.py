@@ -209,16 +209,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def settings_epilog(width: int = 100) -> str:
+    """`run --help` and `settings --help`: every DFLASH_* variable with the first sentence of its
+    description (docs/training.md has them in full)."""
+    from dflash_async.settings.env import setting_descriptions
+
+    lines = [
+        "settings: DFLASH_* environment variables, optionally from a preset file",
+        "(DFLASH_ENV_FILE=settings/x.env); `python -m dflash_async settings` prints the",
+        "effective values and where they came from; docs/training.md describes them.",
+        "",
+    ]
+    for name, description in setting_descriptions().items():
+        first = " ".join(description.split()).split(". ")[0].rstrip(".")
+        room = width - len(name) - 2
+        lines.append(f"{name}  {first if len(first) <= room else first[: room - 3] + '...'}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m dflash_async", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dflash_async {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
+    settings_help = {"epilog": settings_epilog(), "formatter_class": argparse.RawTextHelpFormatter}
+    sub.add_parser("run", help=cmd_run.__doc__, description=cmd_run.__doc__, **settings_help)
+    sub.choices["run"].set_defaults(fn=cmd_run)
     # every option (even -h) goes to torchrun's parser (pipeline/launch.py)
     launch = sub.add_parser("launch", help=cmd_launch.__doc__, prefix_chars="+", add_help=False)
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="torchrun's options (launch --help)")
     launch.set_defaults(fn=cmd_launch)
-    sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
+    sub.add_parser(
+        "settings", help=cmd_settings.__doc__, description=cmd_settings.__doc__, **settings_help
+    ).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
     bench.add_argument("what", type=bench_name, choices=BENCHES)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -115,6 +116,20 @@ async def prepare_node(
 
 
 async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
+    """Phase 1 (see prepare_node). A run refused here (bad data, a resume point or warm start
+    that does not fit) leaves nothing in OUTPUT_DIR: the run's own tokenized-data cache
+    (OUTPUT_DIR/cache, the default), when this run created it, goes with the refusal."""
+    run_cache = spec.data.cache_dir == str(spec.output_dir / "cache")
+    created = run_cache and rank.is_writer and not Path(spec.data.cache_dir).exists()
+    try:
+        return await _prepare_inputs(spec, rank, log)
+    except BaseException:
+        if created:
+            shutil.rmtree(spec.data.cache_dir, ignore_errors=True)
+        raise
+
+
+async def _prepare_inputs(spec: RunSpec, rank: RankInfo, log) -> Prepared:
     inputs = await writer_first(  # CPU only: files
         rank, lambda: resolve_inputs(spec, log), timeout_s=spec.nodes.timeout_s
     )

@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--retries", type=int, default=5, help="server: retries of a failed request")
     add("--max-new-tokens", type=positive_int, default=512)
     add("--sample", action="store_true", help="sample instead of greedy")
-    add("--temperature", type=float, default=1.0)
+    add("--temperature", type=float, default=1.0, help="with --sample (greedy is temperature 0)")
     add("--seed", type=int, default=0, help="sampling seed (the server gets seed + record number)")
     add(
         "--enable-thinking",
@@ -237,7 +237,9 @@ def _identity(
         "model": model_name if args.server else str(args.target),
         "max_new_tokens": sampling.max_new_tokens,
         "greedy": sampling.greedy,
-        "temperature": sampling.temperature,
+        # what the answers were generated at: greedy is temperature 0 (as sent to a server),
+        # whatever --temperature says without --sample
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "seed": sampling.seed,
         "turns": sampling.turns,
         "template_kwargs": dict(sampling.template_kwargs),

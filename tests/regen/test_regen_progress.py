@@ -88,3 +88,21 @@ def test_answers_that_may_run_past_the_context_are_warned_about(tiny: tuple) -> 
     (warning,) = engine.take_warnings()
     assert (warning["prompts"], warning["of_prompts"], warning["context"]) == (2, 2, 30)
     assert "--max-new-tokens" in warning["hint"] and engine.take_warnings() == []
+
+
+def test_a_greedy_regenerations_identity_records_temperature_0() -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from dflash_async.regen.cli import _identity, _sampling, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--target", "t", "--input", "in.jsonl", "--output", "out"]
+    corpus = SimpleNamespace(role_map={})
+    for argv, temperature in ((base, 0.0), ([*base, "--sample", "--temperature", "0.7"], 0.7)):
+        args = parser.parse_args(argv)
+        identity = _identity(
+            args, corpus, _sampling(args), total=1, fingerprint="f", model_name=None
+        )
+        assert (identity["temperature"], identity["greedy"]) == (temperature, temperature == 0)
