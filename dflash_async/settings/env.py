@@ -133,7 +133,11 @@ def load_with_sources(
             )
     recipe = _recipe(env_vars[TARGET_PATH_VAR]) if real_run else None
     recipe_vars = recipe.values if recipe else {}
-    origins = {name: str(env_file) for name in file_vars} | {name: "" for name in env_vars}
+    origins = (  # where a bad value came from, for its error line
+        {name: recipe.origin.removeprefix("auto: ") for name in recipe_vars}  # type: ignore[union-attr]
+        | {name: str(env_file) for name in file_vars}
+        | {name: "" for name in env_vars}
+    )
     sources = (
         {name: recipe.origin for name in recipe_vars}  # type: ignore[union-attr]
         | {name: str(env_file) for name in file_vars}
