@@ -4,9 +4,9 @@ Used when a target is named and no preset file is (settings/env.py): the target'
 count, estimated from its config.json alone (plain JSON: no torch, no transformers, no weights),
 picks a row of `RECIPES`. Depths follow docs/DFLASH.md s.1: 5 drafter layers for 4B/8B targets,
 8 for Qwen3.5-35B-A3B. The step shape is the one-GPU presets' (settings/qwen3_8b_1xh200.env):
-T = 16384 rows, 1024 anchors of 16, whose co-located Qwen3-8B run peaked at 70.3 GiB
-(BENCHMARKS.md), so that one 80 GB card holds target and drafter; several GPUs take the same
-shape per drafter.
+T = 16384 rows, 1024 anchors of 16 and rings of 2 slots, whose co-located Qwen3-8B run peaked at
+70.3 GiB (BENCHMARKS.md), so that one 80 GB card holds target and drafter; several GPUs take the
+same shape per drafter.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The step shape every size gets (see the module doc).
+# The step shape every size gets, and the one-GPU presets' two slots a ring (see the module doc).
 STEP_SHAPE = {
     "DFLASH_TRAIN__TOKEN_BUDGET": "16384",
     "DFLASH_TRAIN__NUM_ANCHORS": "1024",
     "DFLASH_TRAIN__BLOCK_SIZE": "16",
+    "DFLASH_PIPELINE__NUM_SLOTS": "2",
 }
 # (largest parameter count, drafter layers): 4B/8B targets 5 layers, a 35B target 8; the border
 # at 16 B lies between the sizes the depths were chosen for.

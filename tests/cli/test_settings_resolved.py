@@ -74,7 +74,9 @@ def test_target_data_and_output_alone_train_on_every_visible_gpu_with_the_recipe
     assert resolution.sources[auto[0]] == [
         "DFLASH_TRAIN__TOKEN_BUDGET",
         "DFLASH_TRAIN__NUM_ANCHORS",
+        "DFLASH_PIPELINE__NUM_SLOTS",
     ]
+    assert spec.placement.num_slots == 2
     assert "DFLASH_TARGET__PATH" in resolution.sources["environment"]
 
 
