@@ -25,7 +25,7 @@ from dflash_async import __version__
 from dflash_async.errors import SettingsError
 from dflash_async.pipeline.shutdown import Shutdown  # light (anyio): handlers before imports
 from dflash_async.settings import Settings
-from dflash_async.settings.env import load_settings
+from dflash_async.settings.env import Sources, load_with_sources
 from dflash_async.usage import (
     ArgumentParser,
     UsageError,
@@ -50,11 +50,11 @@ def _configure_logging(fmt: str = "auto", level: str = "info") -> None:
     configure_logging(fmt, level)  # type: ignore[arg-type]
 
 
-def _settings_and_logging() -> Settings:
-    settings = load_settings()
+def _settings_and_logging() -> tuple[Settings, Sources]:
+    settings, sources = load_with_sources()
     check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")
     _configure_logging(settings.log.format, settings.log.level)
-    return settings
+    return settings, sources
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -69,9 +69,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from dflash_async.pipeline.distributed import rank_info_from_env
         from dflash_async.pipeline.run import run
         from dflash_async.runlog.record import RunRecord, open_run_record
+        from dflash_async.settings.resolved import resolve, visible_gpu_count
 
-        settings = _settings_and_logging()
+        settings, sources = _settings_and_logging()
         log = get_logger("dflash_async")
+        resolution = resolve(settings, sources, visible_gpus=visible_gpu_count())
         options = {"use_uvloop": True} if sys.platform != "win32" else {}
         with contextlib.ExitStack() as stack:
             record = stack.enter_context(  # several nodes: rank 0 alone keeps the run's record
@@ -91,6 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             shutdown.before_exit = close_record
             log.info("settings_loaded", **settings.public_dict())
+            (log.warning if resolution.warnings else log.info)(
+                "settings_resolved", **resolution.event_fields()
+            )
             main = functools.partial(
                 run, settings, log, shutdown=shutdown, on_accepted=record.accept
             )  # record.accept: the folder is written once the resume point is checked
@@ -112,12 +117,21 @@ def cmd_settings(args: argparse.Namespace) -> int:
     """Print the effective settings as JSON; paths absent on this machine are warned about on
     stderr, not fatal (any preset can be inspected anywhere)."""
     from dflash_async.settings.env import missing_paths
+    from dflash_async.settings.resolved import resolve, visible_gpu_count
 
-    settings = load_settings(check_paths=False)  # a cached model id: its snapshot folder
+    settings, sources = load_with_sources(check_paths=False)  # a model id: its snapshot folder
     missing = missing_paths(settings.target, settings.data, settings.eval, drafter=settings.drafter)
     print(json.dumps(settings.public_dict(), indent=2, default=str))
     for name, problem in missing.items():
         print(f"warning: {name}: {problem}", file=sys.stderr)
+    resolution = resolve(settings, sources, visible_gpus=visible_gpu_count())
+    for origin, names in resolution.sources.items():
+        print(f"from {origin}: {', '.join(names)}", file=sys.stderr)
+    print(f"devices: {resolution.devices}", file=sys.stderr)
+    for note in resolution.notes:
+        print(f"note: {note}", file=sys.stderr)
+    for warning in resolution.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -195,16 +209,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def settings_epilog(width: int = 100) -> str:
+    """`run --help` and `settings --help`: every DFLASH_* variable with the first sentence of its
+    description (docs/training.md has them in full)."""
+    from dflash_async.settings.env import setting_descriptions
+
+    lines = [
+        "settings: DFLASH_* environment variables, optionally from a preset file",
+        "(DFLASH_ENV_FILE=settings/x.env); `python -m dflash_async settings` prints the",
+        "effective values and where they came from; docs/training.md describes them.",
+        "",
+    ]
+    for name, description in setting_descriptions().items():
+        first = " ".join(description.split()).split(". ")[0].rstrip(".")
+        room = width - len(name) - 2
+        lines.append(f"{name}  {first if len(first) <= room else first[: room - 3] + '...'}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m dflash_async", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dflash_async {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help=cmd_run.__doc__).set_defaults(fn=cmd_run)
+    settings_help = {"epilog": settings_epilog(), "formatter_class": argparse.RawTextHelpFormatter}
+    sub.add_parser("run", help=cmd_run.__doc__, description=cmd_run.__doc__, **settings_help)
+    sub.choices["run"].set_defaults(fn=cmd_run)
     # every option (even -h) goes to torchrun's parser (pipeline/launch.py)
     launch = sub.add_parser("launch", help=cmd_launch.__doc__, prefix_chars="+", add_help=False)
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="torchrun's options (launch --help)")
     launch.set_defaults(fn=cmd_launch)
-    sub.add_parser("settings", help=cmd_settings.__doc__).set_defaults(fn=cmd_settings)
+    sub.add_parser(
+        "settings", help=cmd_settings.__doc__, description=cmd_settings.__doc__, **settings_help
+    ).set_defaults(fn=cmd_settings)
     bench = sub.add_parser("bench", help=cmd_bench.__doc__)
     bench.add_argument("what", type=bench_name, choices=BENCHES)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")

@@ -19,6 +19,7 @@ events logged by a job carry the submitter's fields.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -200,7 +201,7 @@ def _renderer(fmt: Literal["json", "console"], stream: TextIO) -> list[Processor
         isatty = getattr(stream, "isatty", None)
         colors = isatty is not None and isatty()
         console = structlog.dev.ConsoleRenderer(
-            colors=colors, exception_formatter=structlog.dev.plain_traceback
+            colors=colors, exception_formatter=structlog.dev.plain_traceback, sort_keys=False
         )
         return [_StepLines(console)]
     no_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
@@ -244,16 +245,67 @@ def _log_warning(
     get_logger("py.warnings").warning("warning_issued", message=str(message), **fields)
 
 
+# On the console these fields come first (a reader looks for them), the rest in the event's order.
+CONSOLE_FIRST = (
+    "tau",
+    "eval_tau",
+    "warnings",
+    "notes",
+    "hint",
+    "error",
+    "reason",
+    "path",
+    "output",
+)
+# A list or mapping whose JSON is longer than this is shown by size and first keys on the console
+# (the JSON log keeps it whole): a line stays readable on a terminal.
+CONSOLE_VALUE_CHARS = 80
+
+
 class _StepLines:
-    """Console renderer: a `step` event as one compact line, every other event as `console`."""
+    """Console renderer: a `step` event as one compact line, every other event as `console`
+    with `console_fields` (the key fields first, long lists and mappings shortened)."""
 
     def __init__(self, console: Processor) -> None:
         self.console = console
 
     def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> str:
         if event_dict.get("event") != "step":
-            return self.console(logger, method, event_dict)  # type: ignore[return-value]
+            return self.console(logger, method, console_fields(event_dict))  # type: ignore[return-value]
         return step_line(event_dict)
+
+
+def console_fields(event_dict: EventDict) -> EventDict:
+    """The event for a terminal: CONSOLE_FIRST fields first, and each list or mapping longer
+    than CONSOLE_VALUE_CHARS as JSON replaced by `<N keys: a, b, ...>` / `<N items: ...>` (the
+    settings event of a run is ~2,000 characters as JSON; an `eval_completed` ~750, its tau past
+    character 700 in key order)."""
+    if event_dict.get("event") == "settings_loaded":  # every value: OUTPUT_DIR/settings.json
+        sections = [k for k, v in event_dict.items() if isinstance(v, dict)]
+        event_dict = {k: v for k, v in event_dict.items() if k not in sections}
+        event_dict["sections"] = f"{', '.join(sections)} (every value: OUTPUT_DIR/settings.json)"
+    first = {k: event_dict[k] for k in ("event", *CONSOLE_FIRST) if k in event_dict}
+    ordered = first | {k: v for k, v in event_dict.items() if k not in first}
+    whole = ("warnings", "notes")  # what a user must read in full, however long
+    return {k: v if k.startswith("_") or k in whole else _short(v) for k, v in ordered.items()}
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, float):  # 4 significant digits on a terminal; the JSON keeps them all
+        return float(f"{value:.4g}")
+    if not isinstance(value, dict | list | tuple):
+        return value
+    text = json.dumps(value, default=str)
+    if len(text) <= CONSOLE_VALUE_CHARS:
+        return value
+    if isinstance(value, dict):
+        shown = f"<{len(value)} keys: {', '.join(map(str, value))}"
+    else:
+        items = (json.dumps(_short(v), default=str) for v in value)
+        shown = f"<{len(value)} items: {', '.join(items)}"
+    return shown[: CONSOLE_VALUE_CHARS - 2] + (
+        "...>" if len(shown) > CONSOLE_VALUE_CHARS - 2 else ">"
+    )
 
 
 def step_line(e: dict[str, Any]) -> str:

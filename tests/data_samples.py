@@ -26,6 +26,9 @@ class EventLog:
     def info(self, event: str, **fields) -> None:
         self.events.append({"event": event, **fields})
 
+    def warning(self, event: str, **fields) -> None:
+        self.events.append({"event": event, "level": "warning", **fields})
+
     def of(self, event: str) -> dict:
         """The first recorded event named `event`."""
         return next(e for e in self.events if e["event"] == event)

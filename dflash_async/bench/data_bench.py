@@ -59,6 +59,9 @@ class _Quiet:
         self.encoder = ""
         self.loaded: dict = {}
 
+    def warning(self, event: str, **fields: Any) -> None:
+        """The data's warnings (synthetic data: none that matter to a benchmark)."""
+
     def info(self, event: str, **fields: Any) -> None:
         if event == "tokenizer_chosen":
             self.encoder = fields["encoder"]

@@ -157,10 +157,22 @@ def _json_array_items(file: Path) -> Iterator[tuple[str, dict | Any]]:
                     eof, block = not more, 2 * block
                     text, pos = text[pos:] + more, 0
                     continue
-                raise DataError(f"{file}:{line}: malformed JSON array: {exc.msg}") from exc
+                raise DataError(f"{file}:{line}: {_array_error(text, pos, line, exc)}") from exc
             yield f"{file}:{line}", item
             line += text.count("\n", pos, end)
             pos, block = end, JSON_BLOCK_CHARS
+
+
+def _array_error(text: str, pos: int, line: int, exc: json.JSONDecodeError) -> str:
+    """A whole sentence for an element that does not decode (json's own `msg` alone stops
+    mid-phrase: "Unterminated string starting at"): where, and whether the file was cut off."""
+    at_line = line + text.count("\n", pos, exc.pos)
+    newline = text.rfind("\n", pos, exc.pos)  # the text may start mid-line: columns from there
+    column = f", column {exc.pos - newline}" if newline >= 0 else ""
+    where = f"{exc.msg.removesuffix(' at')} at line {at_line}{column}"
+    if not text[pos:].rstrip().endswith("]"):
+        return f"malformed JSON array: {where}; the file ends before the array's ']' (cut off?)"
+    return f"malformed JSON array: {where}"
 
 
 def _skip_separators(text: str, pos: int, line: int) -> tuple[int, int, str]:

@@ -149,6 +149,7 @@ def load_samples(
                 entry = cache.open_arrays(final), built.summary
         samples = TokenizedSamples(**entry[0], summary=entry[1])
     load_s = round(time.perf_counter() - started, 3)
+    warn_about(samples, tokenizer, options=options, block_size=block_size, log=log)
     log.info(
         "data_loaded",
         path=path,
@@ -201,3 +202,55 @@ def _tokenize_into(
             raise DataError(f"{path}: no usable samples after filtering ({counted})")
         writer.finish(summary)
     return TokenizedSamples(**cache.open_arrays(folder), summary=summary)
+
+
+# Above this share of unknown tokens the tokenizer does not cover the data: a byte-level BPE
+# tokenizer (Qwen, Llama 3) has no unknown token at all, and a word-level one fitted to its
+# corpus (the built-in tiny target's) meets only rare words there.
+UNKNOWN_WARN_FRACTION = 0.05
+
+
+def warn_about(
+    samples: TokenizedSamples, tokenizer: Any, *, options: DataOptions, block_size: int, log: Any
+) -> None:
+    """Warnings a user must see before training on the samples: a corpus the tokenizer mostly
+    cannot read (`data_unknown_tokens`, with the fraction), and records lost to MAX_LEN
+    (`data_too_long`, with the counts and what to change)."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    total = int(samples.lengths.sum())
+    if unknown is not None and total:
+        count = int(np.count_nonzero(samples.tokens == unknown))
+        if count > UNKNOWN_WARN_FRACTION * total:
+            log.warning(
+                "data_unknown_tokens",
+                unknown_fraction=round(count / total, 4),
+                unknown_tokens=count,
+                tokens=total,
+                token=str(getattr(tokenizer, "unk_token", unknown)),
+                hint="the target's tokenizer does not cover this data: the drafter would learn "
+                "to predict the unknown token; train with the tokenizer of the target that "
+                "wrote the data (the built-in tiny target knows only its demo corpus' words)",
+            )
+    summary = samples.summary
+    records = summary.get("records", 0)
+    dropped, truncated = summary.get("too_long_dropped", 0), summary.get("too_long_truncated", 0)
+    if records and (dropped or truncated):
+        log.warning(
+            "data_too_long",
+            records=records,
+            too_long_dropped=dropped,
+            too_long_truncated=truncated,
+            too_few_supervised=summary.get("too_few_supervised", 0),
+            max_len=options.max_len,
+            hint=f"{dropped + truncated} of {records} records "
+            f"({(dropped + truncated) / records:.1%}) are longer than DFLASH_DATA__MAX_LEN="
+            f"{options.max_len} tokens and were "
+            + ("dropped" if options.too_long == "drop" else "truncated")
+            + "; raise DFLASH_DATA__MAX_LEN (at most DFLASH_TRAIN__TOKEN_BUDGET)"
+            + (
+                ", or set DFLASH_DATA__TOO_LONG=truncate to keep their first tokens"
+                if options.too_long == "drop"
+                else f"; a truncated record with fewer than {2 * block_size} supervised tokens "
+                "left is counted in too_few_supervised"
+            ),
+        )

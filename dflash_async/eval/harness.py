@@ -112,7 +112,10 @@ def check_drafter_fits_target(config: DrafterConfig, target: PreTrainedModel) ->
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a jsonl file: {"messages": [...]} (OpenAI) or {"prompt": str} per line.
+    """Records of a jsonl file (or any file `run` reads: .json, .parquet, ...), one prompt each:
+    {"messages": [...]} (OpenAI), {"conversations": [{"from", "value"}]} (ShareGPT, as `run`
+    and `regenerate` read it; returned as "messages" with ShareGPT's roles mapped) or
+    {"prompt": str}. Trailing assistant turns are dropped when the prompt is built.
 
     DataError (a ValueError) naming the file (and line) of a missing or empty file or a bad record.
     """
@@ -122,10 +125,14 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     for where, raw in iter_raw_records(source):
         try:
             record = parse_record(raw)
+            if not isinstance(record.get("prompt"), str):
+                if record.get("messages") is None and record.get("conversations") is None:
+                    raise BadRecord(
+                        "expected {'messages': [...]}, {'conversations': [...]} or {'prompt': str}"
+                    )
+                record = {**record, "messages": chat_messages(record)}  # roles checked here
         except BadRecord as e:
             raise DataError(f"{where}: {e}") from e
-        if not (isinstance(record.get("prompt"), str) or record.get("messages") is not None):
-            raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str}}")
         records.append(record)
     if not records:  # caught here, before the target loads, not by evaluate() after it
         raise DataError(f"prompts file {str(source)!r} holds no prompt records")
@@ -358,7 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default="", help="local HF model folder; empty = tiny demo")
     parser.add_argument("--drafter", required=True, help="drafter export folder")
     parser.add_argument(
-        "--prompts", default="", help="jsonl of {messages} or {prompt}; empty = demo held-out"
+        "--prompts",
+        default="",
+        help="one prompt a record: {messages} (OpenAI), {conversations} (ShareGPT) or {prompt}, "
+        "as jsonl, json or parquet (docs/evaluation.md); empty = the demo's held-out prompts",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = EvalSettings()  # the in-run evaluation's defaults (DFLASH_EVAL__*)

@@ -126,6 +126,9 @@ def build_drafter_step(
             flex_autotune=spec.flex_autotune,
             ce_chunk_size=spec.ce_chunk_size,
             ce_kernel=objective.ce_kernel,
+            anchors=spec.num_anchors,  # sampled; the slots padded to the tile (pad_anchors)
+            anchor_slots=-(-spec.num_anchors // objective.anchor_multiple)
+            * objective.anchor_multiple,
             **kind.kernels_chosen(objective),
             update="compiled" if step.adamw is not None else "reference",
             working_weights=any(w is not None for w in step.working),

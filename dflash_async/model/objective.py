@@ -97,6 +97,23 @@ class StepSums(NamedTuple):
     selector_correct: torch.Tensor  # of those, the selector's teacher-forced argmax is right
 
 
+def anchor_multiple(block_size: int, tile: int) -> int:
+    """The anchor counts the flex mask takes are the multiples of this: Q = A * B rows must fill
+    whole tiles of `tile` rows (B = 16, tile 128: multiples of 8; B = 10: of 64)."""
+    return tile // math.gcd(tile, block_size)
+
+
+def pad_anchors(anchors: Anchors, multiple: int) -> Anchors:
+    """`anchors` with invalid slots appended up to a multiple of `multiple` (position 0, not
+    valid: no loss, no block keys, empty attention rows, not counted as blocks), so that any
+    anchor count trains on flex; unchanged when it already is one. Fixed shapes: capturable."""
+    missing = -anchors.positions.shape[0] % multiple
+    if not missing:
+        return anchors
+    pad = anchors.positions.new_zeros(missing)
+    return Anchors(torch.cat([anchors.positions, pad]), torch.cat([anchors.valid, pad.bool()]))
+
+
 def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[T] bool: p and p+1 both supervised and in the same document (padding never qualifies)."""
     cand = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -196,6 +213,14 @@ class DFlashObjective(nn.Module):
         decay = [0.0] + [math.exp(-(k - 1) / config.gamma) for k in range(1, B)]
         # [B], on the step's device from the start (no host->device copy inside a captured step)
         self.decay = torch.tensor(decay, dtype=torch.float64, device=self.lm_head_weight.device)
+
+    @property
+    def anchor_multiple(self) -> int:
+        """Anchor counts must be multiples of this (flex's tiles; 1 for sdpa): DrafterStep pads
+        the sampled anchors up to one with invalid slots (pad_anchors)."""
+        if self.config.attention != "flex":
+            return 1
+        return anchor_multiple(self.config.block_size, self.config.flex_tile)
 
     def ce_pass(self, *, reference: Callable, triton: str, **options) -> Callable:
         """The CE chunk's elementwise pass for the resolved `self.ce_kernel`: ce_kernel.py's

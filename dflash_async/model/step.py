@@ -38,7 +38,13 @@ from torch import nn
 from dflash_async.data.packing import PackedBatch, document_starts
 from dflash_async.model.attention_rule import FULL_RULE
 from dflash_async.model.layer_rules import AttentionRule
-from dflash_async.model.objective import Anchors, DFlashObjective, StepSums, sample_anchors
+from dflash_async.model.objective import (
+    Anchors,
+    DFlashObjective,
+    StepSums,
+    pad_anchors,
+    sample_anchors,
+)
 from dflash_async.model.optim import LrSchedule, build_optimizer, flat_buffer, flat_grad_buffer
 from dflash_async.model.step_ranges import step_range
 from dflash_async.model.update import WEIGHT_SUM_FLOOR, folded_adamw, folded_clip_coefficient
@@ -249,12 +255,15 @@ class DrafterStep:
         return nullcontext()
 
     def _anchors(self) -> Anchors:
-        """This step's anchors: the injected sampler's, else drawn from the noise buffer."""
+        """This step's anchors: the injected sampler's, else drawn from the noise buffer; padded
+        with invalid slots to the count the attention takes (flex: whole tiles of A * B rows)."""
         if self.anchor_sampler is not None:
-            return self.anchor_sampler(self.batch)
-        return sample_anchors(
-            self.batch.loss_mask, self.batch.doc_ids, self.num_anchors, noise=self.noise
-        )
+            anchors = self.anchor_sampler(self.batch)
+        else:
+            anchors = sample_anchors(
+                self.batch.loss_mask, self.batch.doc_ids, self.num_anchors, noise=self.noise
+            )
+        return pad_anchors(anchors, self.objective.anchor_multiple)
 
     def _gradient_writer(self, index: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
         """The hook that writes a leaf's new gradient into its view. Backward writes each

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -27,7 +28,12 @@ from typing import Any, NoReturn
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
+from torch.distributed.run import (
+    config_from_args,
+    determine_local_world_size,
+    get_args_parser,
+    parse_min_max_nnodes,
+)
 
 from dflash_async.usage import UsageError
 
@@ -103,8 +109,8 @@ def _signal_name(signum: int) -> str:
 
 def launch(argv: Sequence[str], *, log: Any) -> int:
     """Parse torchrun's options, run the node's ranks, print the outcome's line; its code."""
-    config, entrypoint, entry_args, specs = launch_config(argv)
     _route_agent_logs()
+    config, entrypoint, entry_args, specs = launch_config(argv, log=log)
     try:
         elastic_launch(config, entrypoint)(*entry_args)
         failures: list[RankExit] = []
@@ -130,9 +136,10 @@ def _route_agent_logs() -> None:
     """The agent's warnings (a rank failed, closing signals sent) as our log events on stdout:
     torch._logging gives `torch.distributed` a stderr handler of its own that does not
     propagate, and the contract keeps stderr for the one outcome line."""
-    agent = logging.getLogger("torch.distributed.elastic")
-    agent.handlers = list(logging.getLogger().handlers)  # ours (log.configure_logging)
-    agent.propagate = False
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        agent = logging.getLogger(name)
+        agent.handlers = list(logging.getLogger().handlers)  # ours (log.configure_logging)
+        agent.propagate = False
 
 
 def rank_exits(failures: Mapping[int, Any], stderrs: Mapping[int, str]) -> list[RankExit]:
@@ -144,10 +151,27 @@ def rank_exits(failures: Mapping[int, Any], stderrs: Mapping[int, str]) -> list[
     return exits
 
 
-def launch_config(argv: Sequence[str]) -> tuple[LaunchConfig, str, list[str], StderrFiles]:
+def launch_config(
+    argv: Sequence[str], *, log: Any = None
+) -> tuple[LaunchConfig, str, list[str], StderrFiles]:
     """torchrun's own parsing and LaunchConfig, for `python -m dflash_async run` on every rank,
-    with the ranks' stderr in the log files (read back for the `error:` line)."""
+    with the ranks' stderr in the log files (read back for the `error:` line).
+
+    torchrun sets OMP_NUM_THREADS=1 for several ranks a node when it is unset, announcing it
+    with a multi-line banner of asterisks; the same default is set here first (the ranks inherit
+    this process's environment), as one `launch_omp_threads` event."""
     args = parse_launch_args(argv)
+    ranks = determine_local_world_size(args.nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ and ranks > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if log is not None:
+            log.info(
+                "launch_omp_threads",
+                omp_num_threads=1,
+                ranks_per_node=ranks,
+                reason="torchrun's default for several ranks a node; set OMP_NUM_THREADS to "
+                "choose another",
+            )
     _rendezvous_defaults(args)
     config, entrypoint, entry_args = config_from_args(args)
     specs = StderrFiles(

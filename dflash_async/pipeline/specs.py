@@ -34,6 +34,7 @@ from dflash_async.kernels.fp8_format import rowwise_kernel_problem
 from dflash_async.model.build import StepSpec
 from dflash_async.model.drafter_config import DrafterSpec, kinds_drafter_fields
 from dflash_async.model.kinds import DEFAULT_KIND, kind_of
+from dflash_async.model.objective import ObjectiveConfig
 from dflash_async.pipeline.distributed import NodesSpec, pick_backend
 from dflash_async.pipeline.placement.placing import PlacementSpec, candidate_devices, given_roles
 from dflash_async.settings import DataSettings, EvalSettings, Settings, TargetSettings
@@ -63,12 +64,13 @@ class RunSpec:
     tensorboard_dir: str  # "" = off
 
 
-def run_spec(settings: Settings) -> RunSpec:
+def run_spec(settings: Settings, *, visible_gpus: int | None = None) -> RunSpec:
     """The run's specs; SettingsError (exit 2) for devices this machine lacks, roles that do not
-    work together, or a kernel the drafters' devices cannot run."""
+    work together, or a kernel the drafters' devices cannot run. `visible_gpus`: the GPUs that
+    empty DEVICES stand for (this machine's unless given)."""
     train, pipe = settings.train, settings.pipeline
     budget = train.token_budget  # T, the one read: every spec below gets it from here
-    devices = candidate_devices(pipe.devices)
+    devices = candidate_devices(pipe.devices, visible_gpus=visible_gpus)
     given = given_roles(pipe.target_devices, pipe.drafter_devices, default=devices)
     placement = PlacementSpec(
         layout=pipe.layout,
@@ -153,6 +155,14 @@ def _step_spec(
         raise SettingsError(
             "DFLASH_TRAIN__ATTENTION=flex needs GPU drafters (flex_attention has no backward on "
             "a CPU); use sdpa or auto"
+        )
+    tile = ObjectiveConfig.flex_tile  # any anchor count fits: the step pads them (pad_anchors)
+    if attention == "flex" and token_budget % tile:
+        below, above = token_budget // tile * tile, (token_budget // tile + 1) * tile
+        raise SettingsError(
+            f"DFLASH_TRAIN__TOKEN_BUDGET={token_budget}: flex attention on GPU drafters takes "
+            f"packs of whole {tile}-row tiles; use a multiple of {tile}"
+            + (f" ({below} or {above})" if below else f" ({above})")
         )
     return StepSpec(
         token_budget=token_budget,

@@ -1,7 +1,8 @@
 """Start-up: one node's run from its specs to one typed record, `Node`, before the first step.
 
 Two phases, each interruptible by a signal (run.py):
-1. `prepare_node` (CPU and files only): the target folder and corpus (the built-in tiny target
+1. `prepare_node` (CPU and files only): the checks of the target that need no model (its
+   config.json's family, first of all), the target folder and corpus (the built-in tiny target
    and demo corpus when the paths are empty; built by rank 0 first), the drafter config derived
    from the target's, the tokenized samples, where the run resumes, and the warm start's weights
    (DFLASH_DRAFTER__INIT, read and checked unless the run resumes).
@@ -16,11 +17,14 @@ Every thread and task is entered into the caller's AsyncExitStack, so leaving it
 from __future__ import annotations
 
 import gc
+import json
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import torch
@@ -112,6 +116,20 @@ async def prepare_node(
 
 
 async def _prepare(spec: RunSpec, rank: RankInfo, log) -> Prepared:
+    """Phase 1 (see prepare_node). A run refused here (bad data, a resume point or warm start
+    that does not fit) leaves nothing in OUTPUT_DIR: the run's own tokenized-data cache
+    (OUTPUT_DIR/cache, the default), when this run created it, goes with the refusal."""
+    run_cache = spec.data.cache_dir == str(spec.output_dir / "cache")
+    created = run_cache and rank.is_writer and not Path(spec.data.cache_dir).exists()
+    try:
+        return await _prepare_inputs(spec, rank, log)
+    except BaseException:
+        if created:
+            shutil.rmtree(spec.data.cache_dir, ignore_errors=True)
+        raise
+
+
+async def _prepare_inputs(spec: RunSpec, rank: RankInfo, log) -> Prepared:
     inputs = await writer_first(  # CPU only: files
         rank, lambda: resolve_inputs(spec, log), timeout_s=spec.nodes.timeout_s
     )
@@ -171,13 +189,36 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
     from dflash_async.targets.tiny import builtin_cache_dir, ensure_tiny_target
 
     builtin = not spec.target_path
+    if not builtin:
+        check_target_config(spec.target_path)
     target_path = str(ensure_tiny_target(builtin_cache_dir())) if builtin else spec.target_path
+    # the drafter's shape, the mask token and the family need the config and the tokenizer
+    # only: checked before the demo corpus is regenerated with the target (minutes)
+    config = drafter_config_for(spec.drafter, target_path, builtin)
     data_path = spec.data_path
     if not data_path:
         data_path = str(demo_corpus(builtin_cache_dir(), target_path, n_train=512))
         log.info("demo_corpus_ready", path=data_path, target=target_path)
-    config = drafter_config_for(spec.drafter, target_path, builtin)
     return RunInputs(target_path, data_path, builtin, config)
+
+
+def check_target_config(target_path: str) -> None:
+    """The target checks that need neither a model nor transformers, from config.json as JSON:
+    it exists and parses, and its model_type and quantization are in targets/families.py's
+    table (a model_type transformers does not know is named as unsupported, not as an unreadable
+    config). TargetError or SettingsError (exit 2)."""
+    config_file = Path(target_path) / "config.json"
+    if not config_file.is_file():
+        raise TargetError(f"target folder {target_path!r} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise TargetError(f"{config_file} is not a JSON object")
+    unsupported = unsupported_reason(SimpleNamespace(**raw))
+    if unsupported:
+        raise SettingsError(f"{unsupported}; DFLASH_TARGET__PATH={target_path!r}")
 
 
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:

@@ -135,6 +135,19 @@ class _Stop(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), device=input_ids.device)
 
 
+class _Count(StoppingCriteria):
+    """Adds a batch's real rows to the pool's decoded tokens at every decode step (host
+    arithmetic only: no sync), so that progress shows work before a batch ends."""
+
+    def __init__(self, pool: GenerationPool, rows: int) -> None:
+        self.pool, self.rows = pool, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        with self.pool._count_lock:
+            self.pool.tokens_decoded += self.rows
+        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+
 @contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Seed this device's RNG for one batch and put its state back afterwards."""
@@ -214,6 +227,10 @@ class GenerationPool:
         else:
             self.config.disable_compile = True
         self.batch_size, self.seed, self.tick_s = batch_size, seed, tick_s
+        # rows x decode steps of every batch so far, running ones included (a row that ended
+        # early counts until its batch ends): the work progress can show mid-batch
+        self.tokens_decoded = 0
+        self._count_lock = threading.Lock()
         self.plan: Plan | None = None
         self.batches = 0  # submitted so far: a sampled batch's seed is seed + its number
         self._budgets = [
@@ -315,12 +332,12 @@ class GenerationPool:
     def _work(self, replica: _Replica, jobs: SimpleQueue[_Job | None]) -> None:
         if replica.device.type == "cuda":
             torch.cuda.set_device(replica.device)
-        stopping = StoppingCriteriaList([_Stop(self._stop)])
         sampled = bool(self.config.do_sample)
         while (job := jobs.get()) is not None:
             rows, real, plan, seed, future = job
             if not future.set_running_or_notify_cancel():
                 continue
+            stopping = StoppingCriteriaList([_Stop(self._stop), _Count(self, real)])
             try:
                 with _seeded(seed, replica.device) if sampled else nullcontext():
                     new_ids = replica.run(rows, plan, self.config, stopping_criteria=stopping)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--retries", type=int, default=5, help="server: retries of a failed request")
     add("--max-new-tokens", type=positive_int, default=512)
     add("--sample", action="store_true", help="sample instead of greedy")
-    add("--temperature", type=float, default=1.0)
+    add("--temperature", type=float, default=1.0, help="with --sample (greedy is temperature 0)")
     add("--seed", type=int, default=0, help="sampling seed (the server gets seed + record number)")
     add(
         "--enable-thinking",
@@ -236,7 +237,9 @@ def _identity(
         "model": model_name if args.server else str(args.target),
         "max_new_tokens": sampling.max_new_tokens,
         "greedy": sampling.greedy,
-        "temperature": sampling.temperature,
+        # what the answers were generated at: greedy is temperature 0 (as sent to a server),
+        # whatever --temperature says without --sample
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "seed": sampling.seed,
         "turns": sampling.turns,
         "template_kwargs": dict(sampling.template_kwargs),
@@ -288,7 +291,15 @@ def _drive(
     writer = ShardWriter(
         output, identity=identity, records_per_shard=args.records_per_shard, progress=progress
     )
-    meter = _Meter(total=total, done=writer.done, every_s=args.progress_every, log=log)
+    meter = _Meter(
+        total=total,
+        done=writer.done,
+        every_s=args.progress_every,
+        log=log,
+        probe=getattr(engine, "progress", None),  # the in-process engine's work mid-batch
+        max_new_tokens=args.max_new_tokens,
+    )
+    take_warnings = getattr(engine, "take_warnings", list)
     log.info(
         "regenerate_started",
         output=str(output),
@@ -322,6 +333,8 @@ def _drive(
             if time.monotonic() - last_flush > _FLUSH_EVERY_S:
                 writer.flush()
                 last_flush = time.monotonic()
+            for warning in take_warnings():
+                log.warning("regenerate_context_exceeded", **warning)
             meter.maybe_log()
         writer.finish()
         if len(progress.shards) > shards:
@@ -346,12 +359,25 @@ def _drive(
 
 class _Meter:
     """Records and tokens per second of this invocation (records already in the shards are not
-    counted), and the ETA of the rest."""
+    counted), and the ETA of the rest. `probe` (the in-process engine's `progress`) gives the
+    tokens decoded so far, batches in flight included: a window's records all come out at its
+    end, so until then the tokens are the work shown, and the ETA is bounded by
+    --max-new-tokens per record (`eta_basis`)."""
 
-    def __init__(self, *, total: int, done: int, every_s: float, log: Any) -> None:
+    def __init__(
+        self,
+        *,
+        total: int,
+        done: int,
+        every_s: float,
+        log: Any,
+        probe: Callable[[], dict[str, int]] | None = None,
+        max_new_tokens: int = 0,
+    ) -> None:
         self.total, self.done, self.every_s, self.log = total, done, every_s, log
         self.new_records = self.new_tokens = 0
         self.started = self.last = time.monotonic()
+        self.probe, self.max_new_tokens = probe, max_new_tokens
 
     def count(self, outcome: Any) -> None:
         self.done += 1
@@ -374,11 +400,23 @@ class _Meter:
         self.last = time.monotonic()
         rates = self.rates()
         left = self.total - self.done
-        eta = round(left / rates["records_per_s"], 1) if rates["records_per_s"] else None
+        work: dict[str, Any] = {}
+        eta, basis = None, None
+        if rates["records_per_s"]:
+            eta, basis = round(left / rates["records_per_s"], 1), "records"
+        if self.probe is not None:
+            decoded = self.probe()["tokens_decoded"]
+            per_s = decoded / max(time.monotonic() - self.started, 1e-9)
+            work = {"tokens_decoded": decoded, "decoded_tokens_per_s": round(per_s, 1)}
+            if eta is None and per_s > 0 and self.max_new_tokens:
+                eta = round(left * self.max_new_tokens / per_s, 1)
+                basis = "at most --max-new-tokens per record"
         self.log.info(
             "regenerate_progress",
             records_done=self.done,
             records_total=self.total,
+            **work,
             eta_s=eta,
+            eta_basis=basis,
             **rates,
         )

@@ -119,9 +119,43 @@ class InProcessEngine:
             tick_s=tick_s,
         )
         self.window_batches = window_batches
+        # the positions the model was trained for: answers past them are warned about
+        text = getattr(models[0].config, "text_config", None) or models[0].config
+        self.context: int | None = getattr(text, "max_position_embeddings", None)
+        self._warnings: list[dict[str, Any]] = []
         # on the CPU one intra-op thread decodes several times faster (cpu_threads says why)
         on_cpu = any(r.device.type == "cpu" for r in self.pool.replicas)
         self.threads = 1 if on_cpu else None
+
+    def progress(self) -> dict[str, int]:
+        """Work done so far, for the progress line: tokens decoded (mid-batch included)."""
+        return {"tokens_decoded": self.pool.tokens_decoded}
+
+    def take_warnings(self) -> list[dict[str, Any]]:
+        """The warnings found since the last call (prompts whose answers may run past the
+        model's context), each the fields of one log event."""
+        found, self._warnings = self._warnings, []
+        return found
+
+    def _check_context(self, rows: list[list[int]]) -> None:
+        max_new = self.sampling.max_new_tokens
+        if self.context is None:
+            return
+        over = [len(row) for row in rows if len(row) + max_new > self.context]
+        if over:
+            self._warnings.append(
+                {
+                    "prompts": len(over),
+                    "of_prompts": len(rows),
+                    "longest_prompt": max(over),
+                    "max_new_tokens": max_new,
+                    "context": self.context,
+                    "hint": f"prompt + --max-new-tokens {max_new} exceeds the model's "
+                    f"{self.context}-token context (max_position_embeddings): an answer that "
+                    "long runs past the positions the model was trained on; lower "
+                    "--max-new-tokens",
+                }
+            )
 
     def _window_size(self) -> int:
         plan = self.pool.plan  # none before the first window: a guess of what fits
@@ -147,6 +181,7 @@ class InProcessEngine:
             ]
             # no special tokens added: the template has them
             rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+            self._check_context(rows)
             new_ids = yield from self.pool.generate(rows)
             for (n, index), (text, _, count) in zip(
                 jobs, answers(new_ids, tokenizer, self.pool.config), strict=True

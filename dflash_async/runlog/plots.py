@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator, PercentFormatter
@@ -222,6 +223,9 @@ def _busy_series(run: RunLog) -> dict[str, tuple[list[int], list[float]]]:
                 (name if len(dict_fields) == 1 else f"{field}: {name}"): value
                 for field in dict_fields
                 for name, value in (e.get(field) or {}).items()
+                # a CPU "device" is the workers' summed host time capped at 100%: not a device's
+                # busy time (the workers' own lines show it)
+                if not (field == "gpu_busy" and not str(name).startswith("cuda"))
             }
         else:
             values = {k: e[k] for k in ("target_busy", "drafter_busy") if k in e}
@@ -299,21 +303,37 @@ def step_time_figure(runs: list[RunLog]) -> Figure:
     return fig
 
 
+STARTUP_LEGEND_COLUMNS = 4
+
+
+def _phase_base(phase: str) -> str:
+    return phase.split(" cuda")[0].split(" cpu")[0]
+
+
 def startup_figure(runs: list[RunLog]) -> Figure:
+    """One bar per run; one colour and one legend entry per phase (devices merged), the colours
+    distinct up to 20 phases (tab20), the legend in columns below the bars with rows of its
+    own in the figure's height, so that no entry is cut off."""
+    segments = [startup_segments(run) for run in runs]
+    phases = list(dict.fromkeys(_phase_base(p) for segs in segments for p, _ in segs))
+    legend_rows = -(-len(phases) // STARTUP_LEGEND_COLUMNS)
     fig, axes = _figure(
-        1, 1, "Start-up breakdown (until startup_completed)", height=1.6 + 1.2 * len(runs)
+        1,
+        1,
+        "Start-up breakdown (until startup_completed)",
+        height=1.6 + 1.2 * len(runs) + 0.3 * legend_rows,
     )
     ax = axes[0, 0]
-    phases: list[str] = []  # one colour and one legend entry per phase, devices merged
-    segments = [startup_segments(run) for run in runs]
+    palette = colormaps["tab20"].colors
     longest = max((sum(s for _, s in segs) for segs in segments), default=0.0)
+    labelled: set[str] = set()
     for row, run_segments in enumerate(segments):
         left = 0.0
         for phase, seconds in run_segments:
-            base = phase.split(" cuda")[0].split(" cpu")[0]
-            label = None if base in phases else base
-            phases += [base] if label else []
-            color = COLORS[phases.index(base) % 10]
+            base = _phase_base(phase)
+            label = None if base in labelled else base
+            labelled.add(base)
+            color = palette[phases.index(base) % len(palette)]
             ax.barh(row, seconds, left=left, color=color, edgecolor="white", label=label)
             if seconds > 0.06 * longest:  # wide enough to hold its duration
                 ax.text(
@@ -322,7 +342,7 @@ def startup_figure(runs: list[RunLog]) -> Figure:
                     f"{seconds:.3g} s",
                     ha="center",
                     va="center",
-                    color="white",
+                    color="black" if sum(color[:3]) > 2.0 else "white",  # light tab20 shades
                     fontsize=10,
                     fontweight="bold",
                 )
@@ -331,7 +351,7 @@ def startup_figure(runs: list[RunLog]) -> Figure:
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first log line")
     if phases:
-        fig.legend(loc="outside right upper", fontsize=9)
+        fig.legend(loc="outside lower center", fontsize=9, ncols=STARTUP_LEGEND_COLUMNS)
     return fig
 
 

@@ -9,7 +9,10 @@ actually lost whether those stages block the loop or overlap it:
   gap of step lines with nothing between them;
 - before the first step line and after the last one (evaluation at start and end, the final save):
   from the previous of (startup_completed, step line, eval, save) to the event's own timestamp.
-A gap holding both kinds counts as evaluation.
+A gap holding both kinds counts as evaluation. A gap across a restart (a resumed run appends to
+the same log: a new `settings_loaded`, `run_started` or `startup_completed` lies in it) is no
+step's: the saves and evaluations before the restart count as before a run's end, each since
+the previous event, and the restart itself (the process down, then starting) counts as neither.
 
 Several nodes: a step line's `tokens_per_s` is its node's, and log.jsonl holds rank 0's lines
 alone (no other rank's counts), so the all-node rate is rank 0's times the world size: exact up
@@ -33,6 +36,8 @@ MFU_PEAK = f"{H200_BF16_PEAK_FLOPS / 1e12:.0f} TFLOP/s H200 bf16 peak"
 EVAL_EVENTS = frozenset({"eval"})
 SAVE_EVENTS = frozenset({"checkpoint_written", "export_written"})  # stages/save.py
 STEADY_SKIP_FRAC = 0.1
+# a run (re)starting: in a resumed run's log, what separates its stretches
+RESTART_EVENTS = ("settings_loaded", "run_started", "startup_completed")
 
 
 def steady_steps(run: RunLog) -> list[dict[str, Any]]:
@@ -76,7 +81,7 @@ def lost_seconds(run: RunLog) -> dict[str, float]:
     timeline = [
         (t, e)
         for e in run.events
-        if (e["event"] in ("step", "startup_completed") or _kind(e))
+        if (e["event"] in ("step", *RESTART_EVENTS) or _kind(e))
         and (t := timestamp_s(e)) is not None
     ]
     step_idx = [i for i, (_, e) in enumerate(timeline) if e["event"] == "step"]
@@ -88,6 +93,13 @@ def lost_seconds(run: RunLog) -> dict[str, float]:
     _add_outside(timeline[last:], lost)
     gaps = []  # (gap seconds, kind of the events between, or None)
     for a, b in itertools.pairwise(step_idx):
+        restart = next(
+            (i for i in range(a + 1, b) if timeline[i][1]["event"] in RESTART_EVENTS), None
+        )
+        if restart is not None:  # the end of one run, then the next one's start
+            _add_outside(timeline[a:restart], lost)
+            _add_outside(timeline[restart:b], lost)
+            continue
         kinds = {_kind(e) for _, e in timeline[a + 1 : b]} - {None}
         kind = "eval" if "eval" in kinds else ("save" if kinds else None)
         gaps.append((timeline[b][0] - timeline[a][0], kind))

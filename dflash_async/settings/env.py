@@ -2,8 +2,13 @@
 
 Owns `load_settings` and the name table (`setting_names`, `setting_descriptions`); the sections and
 their value checks are settings/sections.py's. `DFLASH_ENV_FILE=settings/x.env` loads a preset; real
-environment variables override it. Unset, the demo preset `settings/demo.env` of this repository
-is the default; `DFLASH_ENV_FILE=none` loads no file and leaves the recipe defaults.
+environment variables override it. Unset, a run that names a target (`DFLASH_TARGET__PATH`) is a
+real run: no preset, the recipe for the target's size (settings/sizing.py) under the environment,
+every visible GPU, placement auto; a run that names none is the demo, whose preset is
+`settings/demo.env` of this repository. `DFLASH_ENV_FILE=none` loads no file and leaves the field
+defaults. `DFLASH_PIPELINE__DEVICES` in the environment replaces a preset's roles
+(`TARGET_DEVICES`/`DRAFTER_DEVICES`) unless the environment gives roles too. Where each value came
+from is `load_with_sources`'s second result (settings/resolved.py reports it).
 
 Names are case-sensitive and upper case, as printed by `--help` and `settings`: a variable whose
 name is a `DFLASH_*` name in another case (`dflash_train__max_steps`) is an error naming the
@@ -21,6 +26,7 @@ import difflib
 import glob
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,7 @@ from dflash_async.settings import (
     TargetSettings,
 )
 from dflash_async.settings.recipe import DrafterSettings
+from dflash_async.settings.sizing import Recipe, recipe_for
 
 TARGET_PATH_VAR = f"{PREFIX}TARGET{NESTING}PATH"
 
@@ -72,11 +79,35 @@ def setting_descriptions() -> dict[str, str]:
     return descriptions
 
 
+ENVIRONMENT = "environment"
+ROLE_VARS = (
+    f"{PREFIX}PIPELINE{NESTING}TARGET_DEVICES",
+    f"{PREFIX}PIPELINE{NESTING}DRAFTER_DEVICES",
+)
+DEVICES_VAR = f"{PREFIX}PIPELINE{NESTING}DEVICES"
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the set values came from: variable name -> its preset file, `environment` or
+    `auto: ...` (the recipe for the target's size); `notes`: what was set aside and why."""
+
+    by_name: dict[str, str]
+    notes: tuple[str, ...] = ()
+
+
 def load_settings(
     environ: Mapping[str, str] | None = None, *, check_paths: bool = True
 ) -> Settings:
-    """Settings from `environ` (default: os.environ) and the preset it names. Pure given `environ`
-    and the file system.
+    """The settings of `load_with_sources`."""
+    return load_with_sources(environ, check_paths=check_paths)[0]
+
+
+def load_with_sources(
+    environ: Mapping[str, str] | None = None, *, check_paths: bool = True
+) -> tuple[Settings, Sources]:
+    """Settings from `environ` (default: os.environ) and the preset it names, and where each
+    value came from. Pure given `environ` and the file system.
 
     Raises SettingsError (one line naming the variable, value or file) for an unknown `DFLASH_*`
     name, a value that does not parse or validate, or a missing env file. With `check_paths`, also
@@ -87,10 +118,32 @@ def load_settings(
     if environ is None:
         environ = os.environ
     env_vars = {key: value for key, value in environ.items() if _is_ours(key, environ)}
-    env_file = _resolve_env_file(env_vars.get(ENV_FILE_VAR))
+    real_run = ENV_FILE_VAR not in env_vars and bool(env_vars.get(TARGET_PATH_VAR, "").strip())
+    env_file = None if real_run else _resolve_env_file(env_vars.get(ENV_FILE_VAR))
     file_vars = _read_env_file(env_file) if env_file else {}
-    origins = {name: str(env_file) for name in file_vars} | {name: "" for name in env_vars}
-    merged = file_vars | env_vars
+    notes = []
+    if DEVICES_VAR in env_vars and not any(name in env_vars for name in ROLE_VARS):
+        dropped = [name for name in ROLE_VARS if name in file_vars]
+        for name in dropped:  # the environment's devices win over the preset's roles
+            del file_vars[name]
+        if dropped:
+            notes.append(
+                f"{' and '.join(dropped)} of {env_file} set aside: {DEVICES_VAR} is set in "
+                "the environment"
+            )
+    recipe = _recipe(env_vars[TARGET_PATH_VAR]) if real_run else None
+    recipe_vars = recipe.values if recipe else {}
+    origins = (  # where a bad value came from, for its error line
+        {name: recipe.origin.removeprefix("auto: ") for name in recipe_vars}  # type: ignore[union-attr]
+        | {name: str(env_file) for name in file_vars}
+        | {name: "" for name in env_vars}
+    )
+    sources = (
+        {name: recipe.origin for name in recipe_vars}  # type: ignore[union-attr]
+        | {name: str(env_file) for name in file_vars}
+        | {name: ENVIRONMENT for name in env_vars if name != ENV_FILE_VAR}
+    )
+    merged = recipe_vars | file_vars | env_vars
     _reject_unknown_names(merged, origins)
     merged[ENV_FILE_VAR] = str(env_file) if env_file else NO_ENV_FILE
     settings = _validated(merged, origins)
@@ -105,7 +158,18 @@ def load_settings(
         folder = str(resolve_target(settings.target.path))  # a cached model id: its snapshot
         if folder != settings.target.path:
             settings = _validated(merged | {TARGET_PATH_VAR: folder}, origins)
-    return settings
+    return settings, Sources(sources, tuple(notes))
+
+
+def _recipe(target: str) -> Recipe | None:
+    """The recipe for the named target's size; None when it is not found here (the path check
+    names it) or its config cannot be read (start-up names that)."""
+    from dflash_async.targets.resolve import TargetError, resolve_target
+
+    try:
+        return recipe_for(resolve_target(target))
+    except TargetError:
+        return None
 
 
 def _validated(merged: Mapping[str, str], origins: Mapping[str, str]) -> Settings:
@@ -162,7 +226,8 @@ def _is_ours(name: str, environ: Mapping[str, str]) -> bool:
 
 
 def _resolve_env_file(value: str | None) -> Path | None:
-    """None (unset) -> the demo preset; "none"/"" -> no file; a relative path: cwd, then the repo."""
+    """None (unset, no target named) -> the demo preset; "none"/"" -> no file; a relative path:
+    cwd, then the repo."""
     if value is None:
         demo = repo_root() / "settings" / "demo.env"
         if not demo.is_file():

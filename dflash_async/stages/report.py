@@ -88,7 +88,7 @@ class Throughput:
         ring = self.ring.statistics()
         target_busy = self.busy_fractions(self.target_workers, span)
         drafter_busy = self.busy_fractions(self.drafter_workers, span)
-        return {
+        fields = {
             "tokens": tokens,
             "tokens_per_s": self.tokens.rate(now),
             "padding_frac": 1 - tokens / (packs * self.token_budget),
@@ -108,6 +108,9 @@ class Throughput:
             "mem_gib": _peak_memory_gib(self.drafter_workers),
             "loop_lag_ms": self.loop_lag_ms(),
         }
+        if record.ready is None:  # a CPU step (no completion event): MFU against a GPU's peak
+            del fields["mfu"], fields["node_mfu"]  # would be a meaningless 1e-05
+        return fields
 
     def node_mfu(self, record: StepRecord, visible_pairs: float, span: float) -> float:
         """Target and drafter FLOPs of the step over its wall time and every device of the node."""

@@ -142,3 +142,19 @@ def test_an_unclosed_json_array_is_an_error(tokenizer, tmp_path):
     path.write_text(json.dumps(chat_records())[:-1])
     with pytest.raises(DataError, match=r"not closed"):
         load(path, tokenizer)
+
+
+def test_a_cut_off_json_array_is_named_in_a_whole_sentence(tmp_path):
+    """json's own message stops mid-phrase ("Unterminated string starting at"): the error says
+    where and that the file ends before the array closes."""
+    from dflash_async.data.formats import iter_raw_records
+
+    path = tmp_path / "cut.json"
+    path.write_text(
+        '[{"messages": [{"role": "user", "content": "hi"}]},\n {"messages": [{"role": "us'
+    )
+    with pytest.raises(DataError) as error:
+        list(iter_raw_records(path))
+    message = str(error.value)
+    assert message.startswith(f"{path}:2: malformed JSON array: Unterminated string starting at")
+    assert "at line 2" in message and "ends before the array's ']'" in message

@@ -119,3 +119,22 @@ def test_whole_step_captures_with_strict_capture_mode_and_replays_finite(
     torch.cuda.synchronize()
     assert torch.isfinite(step.stats).all()
     assert step.schedule.step.item() == 3  # capture undoes its warm-up steps
+
+
+def test_an_anchor_count_off_the_flex_tile_trains_in_the_captured_step():
+    """250 anchors of 16 (Q = 4000 rows, not whole 128-row tiles): the step pads them to 256
+    with invalid slots inside the graph and trains; the blocks counted are the 250 drawn."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    config = _small_config()
+    flex_fn = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
+    step = build_step(
+        config, token_budget=4096, num_anchors=250, device=device, attention="flex", flex_fn=flex_fn
+    )
+    step.batch.copy_(synthetic_pack(config, token_budget=4096, num_docs=4, device=device))
+    step.capture(warmup_steps=2, error_mode="global")
+    step.phase_a()
+    step.phase_b()
+    torch.cuda.synchronize()
+    assert torch.isfinite(step.stats).all()
+    assert step._anchors().positions.shape == (256,)

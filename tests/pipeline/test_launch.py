@@ -10,6 +10,7 @@ DFLASH_* variable in rank 0 alone (on several nodes: a node whose environment di
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -173,3 +174,25 @@ def test_rank_exits_map_to_one_exit_code_of_the_contract(
     failures: list[RankExit], expected: Outcome
 ) -> None:
     assert outcome(failures) == expected
+
+
+def test_launch_sets_torchruns_omp_default_as_one_event_without_its_banner(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from data_samples import EventLog
+
+    from dflash_async.pipeline.launch import launch_config
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "restored after the test")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    log = EventLog()
+    with caplog.at_level(logging.WARNING, logger="torch.distributed.run"):
+        launch_config(["--standalone", "--nproc-per-node", "2", "--", "run"], log=log)
+    assert os.environ["OMP_NUM_THREADS"] == "1"  # what the ranks inherit, as torchrun sets it
+    (event,) = log.events
+    assert (event["event"], event["omp_num_threads"], event["ranks_per_node"]) == (
+        "launch_omp_threads",
+        1,
+        2,
+    )
+    assert "*****" not in caplog.text  # torchrun's banner never printed

@@ -52,7 +52,6 @@ STEP_FIELDS = (  # docs/DESIGN.md "Settings, logs and errors": every `step` even
     "tokens",
     "tokens_per_s",
     "padding_frac",
-    "mfu",
     "target_busy",
     "drafter_busy",
     "slot_queue",
@@ -288,6 +287,7 @@ async def test_short_run_exports_a_servable_drafter_and_logs_every_step_field(
         missing = [f for f in STEP_FIELDS if f not in event]
         assert missing == [], f"step {event.get('step')} lacks {missing}"
         assert all(math.isfinite(event[f]) for f in STEP_FIELDS)
+        assert "mfu" not in event and "node_mfu" not in event  # a CPU run: no GPU peak to share
         assert event["loss"] > 0 and event["lr"] > 0 and 0 < event["tokens"] <= 256
     export = tmp_path / "out" / "drafter"
     (saved,) = [e for e in events if e["event"] == "export_written"]

@@ -62,7 +62,7 @@ async def test_colocated_pairs_end_every_step_with_identical_drafters(
     steps = [e for e in events if e["event"] == "step"]
     assert all(e["tokens"] > 256 for e in steps)  # several packs' tokens per step
     assert all(len(e["slot_queues"]) == pairs for e in steps)
-    assert all(set(e["gpu_busy"]) == {"cpu"} and e["node_mfu"] > 0 for e in steps)
+    assert all(set(e["gpu_busy"]) == {"cpu"} and "node_mfu" not in e for e in steps)  # CPU
 
 
 @pytest.mark.anyio

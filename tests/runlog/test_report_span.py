@@ -37,3 +37,11 @@ def test_step_ms_is_the_device_time_between_step_ends_not_the_host_arrival_gap()
     fields = tp.fields(record(1, DoneEvent(500.0)), 10.0, now=100.000001)
     assert abs(fields["step_ms"] - 500.0) < 1e-9
     assert abs(fields["mfu"] - 1e12 / 0.5 / 780e12) < 1e-12
+
+
+def test_a_cpu_step_has_no_mfu() -> None:
+    """A CPU step has no completion event: its FLOPs against a GPU's peak would be a meaningless
+    1e-05 on every line."""
+    tp = Throughput(FakeRing(), [], [], 1024, step_flops=lambda pairs: 1e12, loop_lag_ms=lambda: 0)
+    fields = tp.fields(record(0, None), 10.0, now=100.0)
+    assert "mfu" not in fields and "node_mfu" not in fields and fields["step_ms"] > 0

@@ -362,3 +362,56 @@ def test_report_of_a_file_holding_no_run_log_exits_2_naming_it(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
     assert not (tmp_path / "report").exists()
+
+
+def test_a_resumes_restart_gap_is_not_time_lost_to_saves(tmp_path: Path) -> None:
+    """Steps every 1 s; SIGINT after step 3 saves in 0.1 s; the resumed run starts 8.8 s later
+    and trains on: 0.1 s lost to saving, not the restart (the gap of 8.8 s + start-up)."""
+    events = [_event("startup_completed", 0.0)]
+    events += [_event("step", float(i), step=i, loss=1.0) for i in (1, 2, 3)]
+    events += [_event("checkpoint_written", 3.1, step=3)]
+    events += [_event("settings_loaded", 11.9), _event("run_started", 12.0)]
+    events += [_event("resumed", 14.0, step=3), _event("startup_completed", 15.0)]
+    events += [_event("step", 15.0 + i, step=3 + i, loss=1.0) for i in (1, 2, 3)]
+    lost = lost_seconds(read_run(write_log(tmp_path / "log.jsonl", events)))
+    assert lost["eval"] == 0.0
+    assert abs(lost["save"] - 0.1) < 1e-3  # microsecond timestamps: sums agree to ~1e-5 s
+
+
+def test_busy_figure_draws_no_cpu_device_line(tmp_path: Path) -> None:
+    """A CPU run's `gpu_busy` {"cpu": ...} is its workers' host time capped at 100%, not a
+    device's: the figure shows the workers, not a flat 100% "gpu_busy: cpu"."""
+    events = [_event("startup_completed", 0.0)]
+    events += [
+        _event(
+            "step",
+            float(i),
+            step=i,
+            gpu_busy={"cpu": 1.0},
+            worker_busy={"target0": 0.4, "drafter0": 0.9},
+        )
+        for i in range(1, 6)
+    ]
+    run = read_run(write_log(tmp_path / "log.jsonl", events))
+    labels = {line.get_label() for line in busy_figure([run]).axes[0].lines}
+    assert {"worker_busy: target0", "worker_busy: drafter0"} <= labels
+    assert not any("cpu" in label for label in labels)
+
+
+def test_startup_legend_has_a_colour_per_phase_and_fits_the_figure(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dflash_async.runlog.plots import startup_figure
+
+    events = [_event("settings_loaded", 0.0)]
+    events += [_event(f"phase_{i:02d}_of_a_long_start_up", 1.0 + i) for i in range(14)]
+    events += [_event("startup_completed", 20.0)]
+    run = read_run(write_log(tmp_path / "log.jsonl", events))
+    fig = startup_figure([run])
+    FigureCanvasAgg(fig).draw()
+    (legend,) = fig.legends
+    colours = [tuple(h.get_facecolor()) for h in legend.legend_handles]
+    assert len(colours) == 15 and len(set(colours)) == 15  # 14 phases + startup_completed's
+    inside = fig.bbox
+    box = legend.get_window_extent()
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 <= box.y1

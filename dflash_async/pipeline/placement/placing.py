@@ -69,13 +69,17 @@ class PlacementSpec:
         return self.given.drafters if self.given else self.devices
 
 
-def candidate_devices(devices: Sequence[str]) -> tuple[torch.device, ...]:
-    """DFLASH_PIPELINE__DEVICES, else every visible GPU, else one cpu (SettingsError, exit 2,
-    for a device this machine does not have)."""
+def candidate_devices(
+    devices: Sequence[str], *, visible_gpus: int | None = None
+) -> tuple[torch.device, ...]:
+    """DFLASH_PIPELINE__DEVICES, else every visible GPU (`visible_gpus`: this machine's count
+    unless given), else one cpu (SettingsError, exit 2, for a device this machine does not have)."""
     if devices:
         return parse_devices(devices, setting="DFLASH_PIPELINE__DEVICES")
-    if torch.cuda.is_available():
-        return tuple(torch.device("cuda", i) for i in range(torch.cuda.device_count()))
+    if visible_gpus is None:
+        visible_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible_gpus:
+        return tuple(torch.device("cuda", i) for i in range(visible_gpus))
     return (torch.device("cpu"),)
 
 
