@@ -136,3 +136,10 @@ def test_every_chunk_mask_is_linear_in_the_pack_length() -> None:
     doc_ids = torch.zeros(98304, dtype=torch.long)
     window = packed_dense.document_causal_spans(doc_ids, 2048, rows=1024)
     assert max(part.shape[1] for _, _, _, part in window.pieces()) == 1024 + 2047
+
+
+def test_the_mlp_over_row_chunks_gives_the_features_of_one_call(dense_model, monkeypatch) -> None:
+    """A pack longer than MLP_ROWS runs its MLPs in row chunks (row-wise: the same values)."""
+    whole = _run(_dense(dense_model))
+    monkeypatch.setattr(packed_dense, "MLP_ROWS", 100)  # 8 chunks of the 800-row pack
+    torch.testing.assert_close(_run(_dense(dense_model)), whole, atol=ATOL, rtol=0)
