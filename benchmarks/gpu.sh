@@ -243,7 +243,7 @@ PY
     case $which in
       long-32k) spec=32768:20:1024:2:170 ;;
       long-64k) spec=65536:14:1024:2:240 ;;
-      long-128k) spec=131072:6:512:1:250 ;;
+      long-128k) spec=131072:5:512:1:260 ;;
     esac
     IFS=: read -r length steps anchors slots limit <<< "$spec"
     [ -d "$work/qwen3-8b-config" ] ||
