@@ -33,9 +33,11 @@ from dflash_async.model.attention_rule import (
     SDPA_QUERY_ROWS,
     FlexBackend,
     chunked_rule_attend,
+    dense_rule_mask,
     flex_attend,
     flex_block_mask,
     resolve_flex_backend,
+    sdpa_attend,
 )
 from dflash_async.model.chunked_ce import (  # re-exported: the objectives' CE
     ce_and_grad_from_logits,
@@ -225,6 +227,8 @@ class DFlashObjective(nn.Module):
         if self.config.attention == "flex":
             mask = flex_block_mask(*args, B, self.config.flex_tile, rule=rule)
             return flex_attend(mask, self.flex_fn, self._flex_options_for_this_call())
+        if batch.doc_ids.is_cuda:  # the GPU reference: sync-free, so a CUDA graph may capture it
+            return sdpa_attend(dense_rule_mask(*args, B, rule=rule))
         return chunked_rule_attend(*args, B, rule=rule, query_rows=self.config.sdpa_query_rows)
 
     def _flex_options_for_this_call(self) -> dict:

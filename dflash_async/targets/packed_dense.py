@@ -15,7 +15,7 @@ or MoE block): only the attention core is ours, in two implementations of one ru
 - `document_causal_spans` for SDPA on the CPU (the demo, long documents): the same rule as each
   row's first visible key, attended in chunks of query rows against only the keys the chunk may
   see, so no [T, T] tensor exists and memory grows linearly with T (one chunk's mask is
-  SDPA_QUERY_ROWS x its keys);
+  SDPA_QUERY_ROWS x its keys); `sdpa_mask` picks it on the CPU, the dense mask on CUDA;
 - `document_causal_block_mask` for flex_attention on CUDA, built from doc_ids with fixed-shape
   tensor ops (no host sync), with each layer run through one torch.compile'd function: the layer
   module is an argument, so its weights are graph inputs and one compilation serves every layer.
@@ -81,6 +81,22 @@ def document_causal_spans(
 ) -> KeySpans:
     """The rule of `document_causal_mask` (with a `window`: q - k < window too) as KeySpans."""
     return KeySpans(first_visible_key(doc_ids, window), rows)
+
+
+def sdpa_mask(
+    doc_ids: torch.Tensor, window: int | None = None, rows: int = SDPA_QUERY_ROWS
+) -> KeySpans | torch.Tensor:
+    """The document-causal rule (with a `window`) for `attend_sdpa`: KeySpans on the CPU
+    (memory linear in T, one host sync); on CUDA the dense [T, T] mask, sync-free, so that a
+    CUDA graph may capture the forward (CUDA packs of a multiple of FLEX_TILE rows, every long
+    one, take flex instead)."""
+    if not doc_ids.is_cuda:
+        return document_causal_spans(doc_ids, window, rows)
+    mask = document_causal_mask(doc_ids)
+    if window is not None:
+        index = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+        mask &= index[:, None] - index[None, :] < window
+    return mask
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +342,7 @@ class PackedDenseForward(PackedRange):
         """The attention mask this forward uses for `doc_ids` [T] (built on its device)."""
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
-        return document_causal_spans(doc_ids, rows=self.query_rows)
+        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:

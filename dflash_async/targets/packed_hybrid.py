@@ -42,7 +42,7 @@ from dflash_async.targets.packed_dense import (
     attend_flex,
     attend_sdpa,
     document_causal_block_mask,
-    document_causal_spans,
+    document_causal_mask,
     mask_padding,
     mlp_block,
     rotate_half,
@@ -302,10 +302,7 @@ class PackedHybridForward:
         stage (nor a document: the segments are rebuilt from `lengths` by every stage)."""
         d, T = self.hidden_size, input_ids.shape[0]
         segments = self._segments(np.asarray(lengths), T, input_ids.device)
-        if self._flex:
-            mask = document_causal_block_mask(doc_ids)
-        else:
-            mask = document_causal_spans(doc_ids)
+        mask = document_causal_block_mask(doc_ids) if self._flex else document_causal_mask(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
         cos, sin = self._rotary(hidden, self._rope_positions(position_ids))  # [1, T, r]

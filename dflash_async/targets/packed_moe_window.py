@@ -44,7 +44,7 @@ from dflash_async.targets.packed_dense import (
     mask_padding,
     rotate_half,
 )
-from dflash_async.targets.packed_dense import document_causal_spans as window_spans
+from dflash_async.targets.packed_dense import sdpa_mask as window_spans
 from dflash_async.targets.packed_window import window_block_mask
 
 try:

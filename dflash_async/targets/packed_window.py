@@ -8,7 +8,7 @@ q - k < window (HF's `sliding_window_overlay`: kv_idx > q_idx - window), so each
 [lo(q), q] with lo(q) = max(start of its document, q - window + 1); full-attention layers use
 lo(q) = start. Two implementations of that one interval rule, as in packed_dense:
 - `window_causal_mask` [T, T] for SDPA (the reference), and the same rule as
-  `packed_dense.document_causal_spans(doc_ids, window)` (query chunks, CPU, any T);
+  `packed_dense.sdpa_mask(doc_ids, window)` (query chunks on the CPU, any T);
 - `window_block_mask` for flex_attention on CUDA (tile counts from fixed-shape tensor ops, no
   host sync; its mask_mod reads lo[q]).
 
@@ -38,9 +38,9 @@ from dflash_async.targets.packed_dense import (
     attention_block,
     document_causal_block_mask,
     document_causal_mask,
-    document_causal_spans,
     mask_padding,
     mlp_block,
+    sdpa_mask,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -179,7 +179,7 @@ class PackedWindowForward(PackedRange):
         if self.attention == "flex":
             build = window_block_mask
         else:
-            build = functools.partial(document_causal_spans, rows=self.query_rows)
+            build = functools.partial(sdpa_mask, rows=self.query_rows)
         return {kind: build(doc_ids, self.kind_window(kind)) for kind in set(self._kinds.values())}
 
     def rotary_tables(self, hidden, position_ids) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

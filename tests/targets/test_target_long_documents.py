@@ -122,7 +122,7 @@ def test_parity_catches_a_window_one_key_too_wide(window_model, monkeypatch) -> 
     def wide(doc_ids, window, rows):
         return packed_dense.document_causal_spans(doc_ids, window + 1, rows)
 
-    monkeypatch.setattr(packed_window, "document_causal_spans", wide)
+    monkeypatch.setattr(packed_window, "sdpa_mask", wide)
     assert (_run(_window(window_model)) - expected).abs().max() > MUTANT_GAP
 
 
