@@ -36,9 +36,15 @@
 #   resume       checkpoint cost and resume parity at the Qwen3-8B shape
 #   distributed  two torchrun ranks of one run on one GPU (gloo): equal weights every step
 #   fp8curve     500-step demo loss curves, FP8 drafter linears against bf16
+#   long-32k     long context (settings/long-context.env), co-located on GPU 0, random Qwen3-8B
+#                drawn in the run: the 16k recipe, then 32768-token documents with full-attention
+#                and with sliding-window (W 2048) drafter layers; one JSON line per run in
+#                long_context.jsonl (tokens/s, peak reserved memory)
+#   long-64k     the same at 65536-token documents
+#   long-128k    the same at 131072-token documents (512 anchors, one slot: one 80 GB card)
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve"
+parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -242,6 +248,41 @@ PY
     part "500-step demo curves: bf16 and FP8 drafter linears, seeds 42 and 43"
     limited 1200 python3 benchmarks/fp8_drafter_curve.py --runs bf16:42,bf16:43,fp8:42,fp8:43 \
       --out "$out/fp8_curve" | tail -40
+    ;;
+  long-32k | long-64k | long-128k)
+    # length:steps:anchors:slots:seconds per run; the steps and limits keep each part under 9
+    # minutes (a run's start-up, weights drawn on the GPU and compiles, is about 100 s)
+    case $which in
+      long-32k) spec=32768:20:1024:2:170 ;;
+      long-64k) spec=65536:14:1024:2:240 ;;
+      long-128k) spec=131072:5:512:1:260 ;;
+    esac
+    IFS=: read -r length steps anchors slots limit <<< "$spec"
+    [ -d "$work/qwen3-8b-config" ] ||
+      python3 benchmarks/make_random_target.py "$work" --shape qwen3-8b --config-only
+    python3 benchmarks/long_context.py data "$work" --length "$length" --documents $((steps + 2))
+    long=(DFLASH_TARGET__PATH="$work/qwen3-8b-config" DFLASH_TARGET__WEIGHTS=random)
+    if [ "$which" = long-32k ]; then
+      part "the 16k recipe (settings/qwen3_8b_1xh200.env), 40 steps"
+      RUN_TIMEOUT=150 pipeline_run long_16k_recipe "${long[@]}" DFLASH_TRAIN__MAX_STEPS=40
+      python3 benchmarks/long_context.py summary "$work/long_16k_recipe" --case 16k_recipe \
+        | tee -a "$out/long_context.jsonl"
+    fi
+    sliding=sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention
+    for layers in full sliding; do
+      name=long_${length}_$layers
+      part "$length-token documents, $layers-attention drafter layers, $steps steps"
+      extra=()
+      [ "$layers" = sliding ] &&
+        extra=(DFLASH_DRAFTER__LAYER_TYPES=$sliding DFLASH_DRAFTER__SLIDING_WINDOW=2048)
+      RUN_TIMEOUT=$limit pipeline_run "$name" DFLASH_ENV_FILE=settings/long-context.env \
+        "${long[@]}" DFLASH_DATA__PATH="$work/long_$length.jsonl" DFLASH_DATA__MAX_LEN="$length" \
+        DFLASH_TRAIN__TOKEN_BUDGET="$length" DFLASH_TRAIN__NUM_ANCHORS="$anchors" \
+        DFLASH_PIPELINE__NUM_SLOTS="$slots" DFLASH_PIPELINE__TARGET_BATCH_TOKENS="$length" \
+        DFLASH_TRAIN__MAX_STEPS="$steps" "${extra[@]}"
+      python3 benchmarks/long_context.py summary "$work/$name" --case "${length}_$layers" \
+        | tee -a "$out/long_context.jsonl"
+    done
     ;;
   esac
 done

@@ -14,7 +14,10 @@ k see slots 0..k of its block only. The default rule is the one above, and build
 mask.
 
 `dense_rule_mask` spells the rule literally as a [Q, T+Q] boolean mask for SDPA: the reference,
-usable on CPU with autograd. `flex_block_mask` builds a flex_attention BlockMask for the same rule
+usable on CPU with autograd. `chunked_rule_attend` is the CPU training path: the same rule for
+SDPA one chunk of whole blocks at a time, each chunk against only the context keys its rows may
+see (one interval, documents being contiguous) and its own blocks' keys, recomputed in backward
+(activation checkpointing), so no [Q, T] tensor exists and memory grows linearly with T. `flex_block_mask` builds a flex_attention BlockMask for the same rule
 directly from fixed-shape tensors (no compile, no host sync, so it can live inside a CUDA graph):
 since documents are contiguous, the visible context of slot k of block j is the interval
 [max(start(d_j), a_j + k - (W - 1)), a_j), and its visible block slots one interval too.
@@ -31,6 +34,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dflash_async.data.packing import document_starts
 from dflash_async.model.drafter import Attend
@@ -77,6 +81,72 @@ def sdpa_attend(mask: torch.Tensor) -> Attend:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+# Block rows per SDPA call of chunked_rule_attend (whole blocks): its mask is 1024 x (keys it
+# sees) bools, 100 MB against a 98304-token document; torch's CPU flash kernel takes the boolean
+# mask and never forms the [H, rows, keys] scores.
+SDPA_QUERY_ROWS = 1024
+
+
+def chunk_key_ranges(
+    lo: torch.Tensor, hi: torch.Tensor, *, rows: int, num_context: int
+) -> list[tuple[int, int, int, int]]:
+    """(s, e, first, last) per chunk of query rows [s, e): the context keys [first, last) that
+    hold every row's visible interval [lo, hi) (empty rows ignored). One host sync."""
+    Q, T = lo.shape[0], num_context
+    seen = lo < hi
+    pad = -Q % rows
+    first = F.pad(torch.where(seen, lo, T), (0, pad), value=T).view(-1, rows).amin(1)
+    last = F.pad(torch.where(seen, hi, 0), (0, pad), value=0).view(-1, rows).amax(1)
+    return [
+        (s, min(s + rows, Q), f, max(f, h))
+        for s, f, h in zip(range(0, Q, rows), first.tolist(), last.tolist(), strict=True)
+    ]
+
+
+def chunked_rule_attend(
+    doc_ids: torch.Tensor,  # [T]
+    anchors: torch.Tensor,  # [A]
+    valid: torch.Tensor,  # [A] bool
+    block_size: int,
+    *,
+    rule: AttentionRule = FULL_RULE,
+    query_rows: int = SDPA_QUERY_ROWS,
+) -> Attend:
+    """SDPA under the rule of `dense_rule_mask`, in chunks of max(1, query_rows // B) blocks.
+
+    A chunk's rows see context keys inside [first, last) (the smallest lo and largest hi of its
+    rows: anchors are sorted, so with a window this is about the anchors' spread plus W) and
+    block keys of its own blocks only; each chunk's mask, keys and attention are rebuilt in
+    backward from q, k and v (checkpointed), so what stays alive per chunk is its output. One
+    host sync where Q > query_rows: the chunks' key ranges (the CPU path)."""
+    T, B = doc_ids.shape[0], block_size
+    Q = anchors.shape[0] * B
+    lo, hi, block_lo, block_hi = _visible_intervals(doc_ids, anchors, valid, B, rule)
+    rows = max(1, query_rows // B) * B
+    # Q <= rows: one call over every key, [Q, T + Q] mask, no host sync and no shapes read from
+    # the data (so a compiled layer keeps one graph whatever the anchors)
+    spans = [(0, Q, 0, T)] if rows >= Q else chunk_key_ranges(lo, hi, rows=rows, num_context=T)
+
+    def chunk(q, k, v, s: int, e: int, f: int, h: int) -> torch.Tensor:
+        keys = torch.cat([torch.arange(f, h), torch.arange(T + s, T + e)]).to(doc_ids.device)
+        within = lambda a, b: (keys >= a[s:e, None]) & (keys < b[s:e, None])  # noqa: E731
+        mask = within(lo, hi) | within(block_lo, block_hi)  # [e - s, h - f + e - s]
+        k = torch.cat([k[:, :, f:h], k[:, :, T + s : T + e]], dim=2)
+        v = torch.cat([v[:, :, f:h], v[:, :, T + s : T + e]], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if rows >= Q:  # one chunk: nothing to free between chunks, no recomputation
+            return chunk(q, k, v, *spans[0])
+        parts = [
+            checkpoint(chunk, q[:, :, s:e], k, v, s, e, f, h, use_reentrant=False)
+            for s, e, f, h in spans
+        ]
+        return torch.cat(parts, dim=2)
 
     return attend
 

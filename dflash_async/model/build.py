@@ -50,6 +50,7 @@ class _StepSpec:
     working_weights: bool = True  # bf16 working copies where the compiled update runs
     kind: str = DEFAULT_KIND  # the drafter's (DrafterConfig.kind)
     fp8_matmuls: bool = False  # the drafter's linears as FP8 matmuls (model/fp8_training.py)
+    sdpa_query_rows: int = 1024  # sdpa: block rows per attention call (model/attention_rule.py)
 
 
 StepSpec = with_fields(_StepSpec, [kind.train_fields for kind in KINDS.values()])
@@ -96,6 +97,7 @@ def build_drafter_step(
             flex_backend=spec.flex_backend,
             flex_autotune=spec.flex_autotune,
             ce_kernel=spec.ce_kernel,
+            sdpa_query_rows=spec.sdpa_query_rows,
         ),
         drafter,
         embed,

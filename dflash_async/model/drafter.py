@@ -9,8 +9,9 @@ The drafter owns no embedding and no lm_head: the caller embeds with the target'
 `embed_tokens` and decodes with the target's frozen `lm_head`. Parameter names are exactly the
 servable checkpoint's (docs/DFLASH.md section 7), so export is a dtype cast and nothing else.
 
-Attention is injected as a callable `attend(q, k, v) -> out` (see attention.py): the dense-mask
-SDPA rule (CPU, reference) and the flex_attention BlockMask rule (GPU) share this module. A
+Attention is injected as a callable `attend(q, k, v) -> out` (see attention_rule.py): the SDPA
+rule (CPU: in chunks of blocks; the dense mask is the reference) and the flex_attention BlockMask
+rule (GPU) share this module. A
 drafter whose layers follow different rules (sliding-window layers, docs/DFLASH.md s.10) is given
 one callable per layer; `input_embedding_scale` (s.10) scales the block stream on the way in.
 """

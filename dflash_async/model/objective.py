@@ -30,7 +30,9 @@ from torch import nn
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.attention_rule import (
     FLASH_DTYPES,
+    SDPA_QUERY_ROWS,
     FlexBackend,
+    chunked_rule_attend,
     dense_rule_mask,
     flex_attend,
     flex_block_mask,
@@ -64,6 +66,8 @@ class ObjectiveConfig:
     gamma: float
     ce_chunk_size: int = 2048  # trained slots per CE chunk: chunk x vocab fp32 logits alive at once
     attention: Literal["sdpa", "flex"] = "sdpa"
+    # sdpa: block rows per attention call (attention_rule.chunked_rule_attend), whole blocks
+    sdpa_query_rows: int = SDPA_QUERY_ROWS
     flex_tile: int = 128  # flex BlockMask tile; T and A*B must be multiples of it
     compile: bool = False  # torch.compile the CE elementwise work and the drafter layers (GPU)
     # flex_attention kernel_options (torch's FlexKernelOptions: tiles, USE_TMA, WRITE_DQ, ...),
@@ -248,7 +252,9 @@ class DFlashObjective(nn.Module):
         if self.config.attention == "flex":
             mask = flex_block_mask(*args, B, self.config.flex_tile, rule=rule)
             return flex_attend(mask, self.flex_fn, self._flex_options_for_this_call())
-        return sdpa_attend(dense_rule_mask(*args, B, rule=rule))
+        if batch.doc_ids.is_cuda:  # the GPU reference: sync-free, so a CUDA graph may capture it
+            return sdpa_attend(dense_rule_mask(*args, B, rule=rule))
+        return chunked_rule_attend(*args, B, rule=rule, query_rows=self.config.sdpa_query_rows)
 
     def _flex_options_for_this_call(self) -> dict:
         """flex_attention's kernel options: BACKEND=FLASH where flash was resolved, except that

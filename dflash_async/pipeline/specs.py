@@ -185,6 +185,7 @@ def _step_spec(
         working_weights=train.working_weights,
         kind=kind,
         fp8_matmuls=train.fp8_matmuls,
+        sdpa_query_rows=train.sdpa_query_rows,
         **kind_of(kind).step_values(train, cuda=cuda),  # the kind's own objective and kernels
     )
 

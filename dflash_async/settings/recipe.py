@@ -140,7 +140,12 @@ class _TrainCommon(Section):
     compile: bool = True
     """torch.compile the drafter's layers (norms, RoPE, SwiGLU) and the CE math (GPU only)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """Drafter attention: flex on GPU, sdpa (dense mask reference) on CPU when auto."""
+    """Drafter attention: flex on GPU, sdpa (the same rule in chunks of block rows, each against
+    only the keys it may see) on CPU when auto."""
+    sdpa_query_rows: int = Field(1024, ge=1)
+    """sdpa: block rows per attention call (whole blocks); each call's mask is this many rows x
+    the context keys they see, so memory grows linearly with TOKEN_BUDGET (100 MB at 1024 rows
+    against a 98304-token document). Fewer anchors x block size than this: one call."""
     ce_chunk_size: int = Field(2048, ge=1)
     """Block positions per cross-entropy chunk (bounds the logits held at once)."""
     flex_backend: Literal["auto", "triton", "flash"] = "auto"

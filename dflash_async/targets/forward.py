@@ -7,7 +7,7 @@ rows zero). `lengths` (host numpy) is read only by the HF fallback, which needs 
 extents on the host; the packed paths never look at it.
 
 - `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x (`targets/packed_dense.py`); flex + compile on CUDA,
-  the SDPA dense-mask reference on the CPU.
+  SDPA in chunks of query rows on the CPU (no [T, T] mask).
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed_mla.py`
   (partial-rotary attention, grouped top-k router with shared experts).

@@ -11,7 +11,11 @@ document, doc_ids [T] (-1 for padding, padding last). One forward over the whole
 
 The layers are the HF modules (norms, q/k/v/o projections with their biases and q/k norms, the MLP
 or MoE block): only the attention core is ours, in two implementations of one rule:
-- `document_causal_mask` [T, T] for SDPA: the simple reference, used on the CPU (tests, demo);
+- `document_causal_mask` [T, T] for SDPA: the simple reference (tests);
+- `document_causal_spans` for SDPA on the CPU (the demo, long documents): the same rule as each
+  row's first visible key, attended in chunks of query rows against only the keys the chunk may
+  see, so no [T, T] tensor exists and memory grows linearly with T (one chunk's mask is
+  SDPA_QUERY_ROWS x its keys); `sdpa_mask` picks it on the CPU, the dense mask on CUDA;
 - `document_causal_block_mask` for flex_attention on CUDA, built from doc_ids with fixed-shape
   tensor ops (no host sync), with each layer run through one torch.compile'd function: the layer
   module is an argument, so its weights are graph inputs and one compilation serves every layer.
@@ -19,7 +23,8 @@ or MoE block): only the attention core is ours, in two implementations of one ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +41,62 @@ except ImportError:  # pragma: no cover
     flex_attention = None
 
 FLEX_TILE = 128  # flex_attention's block size: T must be a multiple of it on the flex path
+# Query rows per SDPA call on the chunked path: its mask is 1024 x (keys seen) bools, 100 MB for
+# a 98304-token document (torch's CPU flash kernel takes the mask and never forms the scores).
+SDPA_QUERY_ROWS = 1024
+# Rows per MLP call of a long pack: Qwen3-8B's gate, up and product at 131072 rows are 9.7 GB
+# of bf16 at once, at 16384 rows 1.2 GB.
+MLP_ROWS = 16384
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[T] -> [T, T] bool, True where query row q may see key row k (same document, k <= q)."""
     rows = torch.arange(doc_ids.shape[0], device=doc_ids.device)
     return (doc_ids[:, None] == doc_ids[None, :]) & (rows[None, :] <= rows[:, None])
+
+
+@dataclass(frozen=True)
+class KeySpans:
+    """A causal rule whose row q sees exactly the keys [lo[q], q] (lo nondecreasing: documents
+    are contiguous), attended `rows` query rows at a time (`attend_sdpa`)."""
+
+    lo: torch.Tensor  # [T] first visible key of each row
+    rows: int = SDPA_QUERY_ROWS
+
+    def pieces(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(s, e, first, mask [e - s, e - first] bool) per chunk of query rows [s, e): the chunk
+        sees keys [first, e) only, first the smallest lo of its rows. One host sync (the firsts)."""
+        T, n = self.lo.shape[0], self.rows
+        padded = F.pad(self.lo, (0, -T % n), value=T)  # [ceil(T/n) * n]
+        firsts = padded.view(-1, n).amin(1).tolist()
+        for s, first in zip(range(0, T, n), firsts, strict=True):
+            e = min(s + n, T)
+            rows = torch.arange(s, e, device=self.lo.device)
+            keys = torch.arange(first, e, device=self.lo.device)
+            yield s, e, first, (keys >= self.lo[s:e, None]) & (keys <= rows[:, None])
+
+
+def document_causal_spans(
+    doc_ids: torch.Tensor, window: int | None = None, rows: int = SDPA_QUERY_ROWS
+) -> KeySpans:
+    """The rule of `document_causal_mask` (with a `window`: q - k < window too) as KeySpans."""
+    return KeySpans(first_visible_key(doc_ids, window), rows)
+
+
+def sdpa_mask(
+    doc_ids: torch.Tensor, window: int | None = None, rows: int = SDPA_QUERY_ROWS
+) -> KeySpans | torch.Tensor:
+    """The document-causal rule (with a `window`) for `attend_sdpa`: KeySpans on the CPU
+    (memory linear in T, one host sync); on CUDA the dense [T, T] mask, sync-free, so that a
+    CUDA graph may capture the forward (CUDA packs of a multiple of FLEX_TILE rows, every long
+    one, take flex instead)."""
+    if not doc_ids.is_cuda:
+        return document_causal_spans(doc_ids, window, rows)
+    mask = document_causal_mask(doc_ids)
+    if window is not None:
+        index = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+        mask &= index[:, None] - index[None, :] < window
+    return mask
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +162,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def attend_sdpa(q, k, v, mask, scale):
+    """SDPA under a dense [T, T] mask, or under KeySpans one chunk of query rows at a time (each
+    against the keys [first, e) it may see: the same softmax, the unseen keys left out)."""
+    if isinstance(mask, KeySpans):
+        return torch.cat(
+            [
+                attend_sdpa(q[:, :, s:e], k[:, :, first:e], v[:, :, first:e], part, scale)
+                for s, e, first, part in mask.pieces()
+            ],
+            dim=2,
+        )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -144,8 +209,17 @@ def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.T
 
 
 def mlp_block(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [1, T, d] + the HF layer's MLP (or MoE block) on its post-attention norm."""
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    """hidden [1, T, d] + the HF layer's MLP (or MoE block) on its post-attention norm, over
+    MLP_ROWS rows at a time: the MLP is row-wise, so its [rows, 3 ffn] intermediates stay those
+    of MLP_ROWS rows however long the pack (below MLP_ROWS: one call, as before)."""
+    T = hidden.shape[1]
+    if T <= MLP_ROWS:
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    parts = [
+        layer.mlp(layer.post_attention_layernorm(hidden[:, s : s + MLP_ROWS]))
+        for s in range(0, T, MLP_ROWS)
+    ]
+    return hidden + torch.cat(parts, dim=1)
 
 
 def _whole_layer(layer, hidden, cos, sin, mask, attend):
@@ -185,8 +259,8 @@ def moe_residual(experts: nn.Module, hidden, x, weights, indices, tokens=None) -
 
 
 class PackedRange:
-    """What every packed forward of a layer range shares: the attention argument ("sdpa": dense
-    masks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
+    """What every packed forward of a layer range shares: the attention argument ("sdpa": key
+    spans in query chunks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
     (`layers`: a split target's stage, targets/split.py; default up to the last captured
     layer) and its modules, the embedding and rotary modules, the column block of each
     captured layer in the range, `__call__` as the whole range's `stage`, and the copy of a
@@ -212,6 +286,7 @@ class PackedRange:
         )
         self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
         self.attention = attention
+        self.query_rows = SDPA_QUERY_ROWS  # query rows per SDPA call on the "sdpa" path
 
     @torch.no_grad()
     def __call__(
@@ -235,7 +310,7 @@ class PackedRange:
 class PackedDenseForward(PackedRange):
     """Features of a packed layout for a dense or MoE HF decoder (see the module docstring).
 
-    `attention` is "sdpa" (dense mask: CPU reference, any T) or "flex" (CUDA, T % 128 == 0).
+    `attention` is "sdpa" (query chunks under key spans: CPU, any T) or "flex" (CUDA, T % 128 == 0).
     `compile` wraps each layer in torch.compile (CUDA only; compile once, on one thread, before
     the workers start: the first call compiles). `moe_eager` keeps the MLP (an MoE block with
     data-dependent routing) out of the compiled region and runs it as HF does; for the blocks
@@ -267,7 +342,7 @@ class PackedDenseForward(PackedRange):
         """The attention mask this forward uses for `doc_ids` [T] (built on its device)."""
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
-        return document_causal_mask(doc_ids)
+        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:

@@ -7,8 +7,9 @@ last), and so is the rule that nothing crosses a document. What gpt-oss adds, an
 - sliding windows: a layer whose `self_attn.sliding_window` is W lets query row q see key row k
   iff same document, k <= q and q - k < W (HF's `sliding_window_overlay`: kv > q - W). Documents
   are contiguous, so q sees exactly the interval [lo(q), q], lo(q) = max(start(q), q - W + 1):
-  `window_mask` (dense, SDPA-style reference on the CPU) and `window_block_mask` (flex, CUDA;
-  its mask_mod is tested on the CPU on index tensors);
+  `packed_window.window_causal_mask` (dense, SDPA-style reference), `window_spans` (the same rule in chunks of query
+  rows: the CPU path, memory linear in T) and `window_block_mask` (flex, CUDA; its mask_mod is
+  tested on the CPU on index tensors);
 - sinks: one learned logit s_h per head in the softmax denominator and no value. With the
   log-sum-exp of the visible logits L (per head and row), softmax-with-sink = softmax * Z/(Z+e^s),
   so out_sink = out * sigmoid(L - s_h) (`with_sinks`), on the dense path and on flex
@@ -30,6 +31,7 @@ MoE layer) and its "eager" loop (`nonzero()` over the hit experts) each sync.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,12 +39,13 @@ import torch
 from torch import nn
 
 from dflash_async.targets.packed_dense import (
+    KeySpans,
     PackedRange,
     mask_padding,
     rotate_half,
 )
+from dflash_async.targets.packed_dense import sdpa_mask as window_spans
 from dflash_async.targets.packed_window import window_block_mask
-from dflash_async.targets.packed_window import window_causal_mask as window_mask
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -75,8 +78,18 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None)
 
 
 def attend_dense_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [1, H, T, hd], k/v [1, Hkv, T, hd], mask [T, T] bool -> [1, H, T, hd] (CPU reference:
-    explicit logits, so the log-sum-exp is at hand; every row sees at least itself)."""
+    """q [1, H, T, hd], k/v [1, Hkv, T, hd], mask [T, T] bool or KeySpans -> [1, H, T, hd] (CPU
+    reference: explicit logits, so the log-sum-exp is at hand; every row sees at least itself).
+    KeySpans: one chunk of query rows at a time against the keys it may see, so the logits are
+    [H, rows, keys seen], never [H, T, T]."""
+    if isinstance(mask, KeySpans):
+        return torch.cat(
+            [
+                attend_dense_sinks(q[:, :, s:e], k[:, :, a:e], v[:, :, a:e], part, scale, sinks)
+                for s, e, a, part in mask.pieces()
+            ],
+            dim=2,
+        )
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # HF's repeat_kv
     logits = (q @ k.transpose(-1, -2)) * scale  # [1, H, T, T]
@@ -215,7 +228,10 @@ class PackedWindowMoeForward(PackedRange):
 
     def masks(self, doc_ids: torch.Tensor) -> dict[int | None, object]:
         """window (None: full attention) -> the mask of that window, for this range's layers."""
-        build = window_block_mask if self.attention == "flex" else window_mask
+        if self.attention == "flex":
+            build = window_block_mask
+        else:
+            build = functools.partial(window_spans, rows=self.query_rows)
         return {w: build(doc_ids, w) for w in set(self._windows.values())}
 
     @torch.no_grad()

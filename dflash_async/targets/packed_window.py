@@ -7,7 +7,8 @@ The window is part of the document-causal rule: row q sees key k iff doc(k) == d
 q - k < window (HF's `sliding_window_overlay`: kv_idx > q_idx - window), so each row sees the keys
 [lo(q), q] with lo(q) = max(start of its document, q - window + 1); full-attention layers use
 lo(q) = start. Two implementations of that one interval rule, as in packed_dense:
-- `window_causal_mask` [T, T] for SDPA (the CPU reference, any T);
+- `window_causal_mask` [T, T] for SDPA (the reference), and the same rule as
+  `packed_dense.sdpa_mask(doc_ids, window)` (query chunks on the CPU, any T);
 - `window_block_mask` for flex_attention on CUDA (tile counts from fixed-shape tensor ops, no
   host sync; its mask_mod reads lo[q]).
 
@@ -21,6 +22,7 @@ path that applied it (or silently did not) would not be checkably "HF's features
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ from dflash_async.targets.packed_dense import (
     document_causal_mask,
     mask_padding,
     mlp_block,
+    sdpa_mask,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -173,7 +176,10 @@ class PackedWindowForward(PackedRange):
 
     def masks(self, doc_ids: torch.Tensor) -> dict[str, object]:
         """kind -> the attention mask of that layer kind for `doc_ids` [T] (on its device)."""
-        build = window_block_mask if self.attention == "flex" else window_causal_mask
+        if self.attention == "flex":
+            build = window_block_mask
+        else:
+            build = functools.partial(sdpa_mask, rows=self.query_rows)
         return {kind: build(doc_ids, self.kind_window(kind)) for kind in set(self._kinds.values())}
 
     def rotary_tables(self, hidden, position_ids) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -182,3 +182,25 @@ def test_bench_packing_meets_the_issue_targets_on_a_small_run(capsys):
     assert figures["target_padding_frac"] <= 0.10
     assert figures["samples_per_s"] > 50_000
     assert "| drafter_fill |" in capsys.readouterr().err  # stdout: JSON only
+
+
+def test_long_documents_get_a_pack_each_topped_up_with_the_shortest_documents():
+    """Four 900-token documents and twenty of 20 tokens, budget 1000: each long document's pack
+    carries five short ones (100 tokens of room), so four packs and no padding-only room left;
+    cut in ascending order the short ones would fill a fifth pack and leave 100 rows of padding
+    beside each long document."""
+    lengths = np.array([20] * 10 + [900] * 4 + [20] * 10)
+    packs = plan_epoch(lengths, 1000, seed=0, epoch=0)
+    assert len(packs) == 4
+    assert sorted(np.concatenate(packs).tolist()) == list(range(24))
+    assert all(lengths[p].sum() == 1000 and lengths[p[-1]] == 900 for p in packs)
+    assert all(np.all(np.diff(lengths[p]) >= 0) for p in packs)  # ascending inside a pack
+
+
+def test_the_longest_document_is_topped_up_first_and_the_rest_cut_as_before():
+    """700 (room 300) takes 100 and 120, 130 would overflow; 600 (room 400) takes 130 and 250;
+    the 300 left is cut in ascending order like any short document."""
+    lengths = np.array([300, 600, 250, 700, 100, 120, 130])
+    packs = plan_epoch(lengths, 1000, seed=0, epoch=0)
+    assert sorted(np.concatenate(packs).tolist()) == list(range(7))
+    assert {tuple(lengths[p]) for p in packs} == {(100, 120, 700), (130, 250, 600), (300,)}

@@ -174,11 +174,32 @@ def _causal_swapped(*args, rule=attention.FULL_RULE):
     return ORIGINAL_DENSE(*args, rule=replace(rule, causal=not rule.causal))
 
 
+def _attend_with(dense_mask):
+    """The objective's SDPA attend built from a (mutated) dense mask instead of its chunks."""
+
+    def chunked_rule_attend(*args, rule=attention.FULL_RULE, query_rows=0):
+        return attention.sdpa_attend(dense_mask(*args, rule=rule))
+
+    return chunked_rule_attend
+
+
 ORIGINAL_DENSE = attention.dense_rule_mask
 MUTANTS = {
-    "sliding_window_off_by_one": (objective, "dense_rule_mask", _window_plus_one),
-    "window_from_the_anchor": (objective, "dense_rule_mask", _window_from_the_anchor),
-    "causal_and_bidirectional_swapped": (objective, "dense_rule_mask", _causal_swapped),
+    "sliding_window_off_by_one": (
+        objective,
+        "chunked_rule_attend",
+        _attend_with(_window_plus_one),
+    ),
+    "window_from_the_anchor": (
+        objective,
+        "chunked_rule_attend",
+        _attend_with(_window_from_the_anchor),
+    ),
+    "causal_and_bidirectional_swapped": (
+        objective,
+        "chunked_rule_attend",
+        _attend_with(_causal_swapped),
+    ),
     "softcap_only_at_export": (
         objective,
         "logit_transform_of",

@@ -30,7 +30,8 @@ from dflash_async.targets import packed_moe_window as pmw
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import document_causal_mask
+from dflash_async.targets.packed_dense import KeySpans, first_visible_key
+from dflash_async.targets.packed_window import window_causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -109,10 +110,9 @@ def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) ->
     assert _max_deviation(packed, _alone(model, docs)) < ATOL
 
 
-def _window_off_by_one(doc_ids, window):
-    rows = torch.arange(doc_ids.shape[0])
-    mask = document_causal_mask(doc_ids)
-    return mask if window is None else mask & (rows[:, None] - rows[None, :] <= window)
+def _window_off_by_one(doc_ids, window, rows):
+    """The CPU path's spans with q - k <= window (one key too many at the window's edge)."""
+    return KeySpans(first_visible_key(doc_ids, None if window is None else window + 1), rows)
 
 
 def _route_softmax_before_topk(moe, x):
@@ -123,7 +123,7 @@ def _route_softmax_before_topk(moe, x):
 
 
 MUTANTS = {
-    "window_off_by_one": ("window_mask", _window_off_by_one),
+    "window_off_by_one": ("window_spans", _window_off_by_one),
     "sinks_missing": ("with_sinks", lambda out, lse, sinks: out),
     "router_softmax_over_all_experts_before_topk": ("gpt_oss_route", _route_softmax_before_topk),
 }
@@ -143,7 +143,7 @@ def test_flex_window_mask_mod_spells_the_dense_window_rule() -> None:
     doc_ids = torch.cat(
         [torch.full((n,), j) for j, n in enumerate(lengths)] + [torch.full((3,), -1)]
     )
-    dense = pmw.window_mask(doc_ids, window)
+    dense = window_causal_mask(doc_ids, window)
     mask = pmw.window_block_mask(doc_ids, window, tile=tile)
     tiles = mask.to_dense()[0, 0].bool()
     n = 24 // tile

@@ -71,10 +71,15 @@ class MemoryNeeds:
     drafter_activations: float
     ring: float  # one ring of slots at the token budget
     device_bytes: float | None
+    token_budget: int = 0  # T, the pack length the needs were made for (0: not said)
+    length_bytes: float = 0.0  # of the needs, the bytes that grow with T (rows x bytes per row)
+    # of target_activations, the target's own pack of features: a target on the drafter's
+    # device writes into the ring's slot in place (stages/chain.py), so co-located it is none
+    target_staging: float = 0.0
 
     @property
     def colocated(self) -> float:
-        return self.target_side + self.drafter_side
+        return self.target_side + self.drafter_side - self.target_staging
 
     @property
     def target_side(self) -> float:
@@ -94,10 +99,24 @@ class MemoryNeeds:
             scale(self.drafter_activations),
             scale(self.ring),
             self.device_bytes,
+            self.token_budget,
+            scale(self.length_bytes),
+            scale(self.target_staging),
         )
 
     def fits(self, need: float, headroom: float = HEADROOM) -> bool:
         return self.device_bytes is None or need <= headroom * self.device_bytes
+
+    def length_advice(self) -> str:
+        """What the pack length costs and the setting that sets it ('' when not known)."""
+        if not self.token_budget:
+            return ""
+        return (
+            f"; DFLASH_TRAIN__TOKEN_BUDGET={self.token_budget} accounts for "
+            f"{self.length_bytes / GIB:.1f} GiB of it (the ring's slots, the drafter's context, "
+            "the target's activations grow with the pack length): lower it (with "
+            "DFLASH_DATA__MAX_LEN) or DFLASH_PIPELINE__NUM_SLOTS, or use more GPUs"
+        )
 
 
 def combine_seconds(num_drafters: int, links: Links) -> float:
@@ -230,17 +249,19 @@ def decide(
         f"target {memory.target_side / GIB:.1f} GiB + drafter {memory.drafter_side / GIB:.1f} GiB"
         f" vs {room}"
     )
+    advice = memory.length_advice()
 
     def split(reason: str) -> Placement:
         if gpus < 2:
-            raise PlacementError(f"{reason}; split needs at least 2 devices, {gpus} given")
+            why = "" if fits_together else advice
+            raise PlacementError(f"{reason}; split needs at least 2 devices, {gpus} given{why}")
         if not fits_apart:
-            raise PlacementError(f"neither layout fits: {need}")
+            raise PlacementError(f"neither layout fits: {need}{advice}")
         return Placement("split", split_targets, gpus - split_targets, reason, gpus, predicted)
 
     def colocated(reason: str) -> Placement:
         if not fits_together:
-            raise PlacementError(f"colocated does not fit: {need}")
+            raise PlacementError(f"colocated does not fit: {need}{advice}")
         return Placement("colocated", gpus, gpus, reason, gpus, predicted)
 
     if requested == "colocated":
@@ -292,12 +313,17 @@ def drafter_bytes(
     num_anchors: int,
     block_size: int,
     ce_chunk: int,
+    kv_width: int = 0,
 ) -> tuple[float, float]:
-    """(training state, activations) of one drafter step in bytes."""
+    """(training state, activations) of one drafter step in bytes. kv_width: the key (and
+    value) width of a layer, num_key_value_heads * head_dim, for its context keys and values."""
     state = 16 * params + 2 * frozen_params  # fp32 param, grad, AdamW m and v; bf16 frozen
     rows = num_anchors * block_size
     saved = layers * rows * (10 * hidden + 3 * ffn) * 2
     context = token_budget * (num_features + 1) * hidden * 2 * 2  # static features + fc out
+    # per layer and context row, bf16: k before its norm (the norm's backward reads it) and the
+    # [context; block] copies of k and v that attention saves
+    context += layers * token_budget * 3 * kv_width * 2
     ce = 2 * min(ce_chunk, rows) * vocab * 4
     return state, saved + context + ce
 
@@ -307,12 +333,15 @@ def target_bytes(
     weight_bytes: float,
     hidden: int,
     ffn: int,
-    num_features: int,
+    feature_width: int,
     token_budget: int,
     batch_tokens: int,
+    mlp_rows: int = 16384,
 ) -> tuple[float, float]:
     """(weights, activations) of the frozen target's forward in bytes: one layer's transient
-    tensors at `batch_tokens` (no backward, no lm_head: early exit) and the staging pack."""
-    transient = batch_tokens * (4 * hidden + 3 * ffn) * 2
-    staging = token_budget * num_features * hidden * 2
+    tensors at `batch_tokens` (no backward, no lm_head: early exit) and the staging pack. A
+    packed forward runs the whole pack at once: its batch_tokens is the token budget; its MLP
+    runs `mlp_rows` rows at a time (targets/packed_dense.MLP_ROWS)."""
+    transient = batch_tokens * 4 * hidden * 2 + min(batch_tokens, mlp_rows) * 3 * ffn * 2
+    staging = token_budget * feature_width * 2  # bf16 features, a captured last layer included
     return weight_bytes, transient + staging

@@ -259,11 +259,30 @@ def memory_needs(
     weight_bytes: int | None = None,
 ) -> placement.MemoryNeeds:
     """placement.MemoryNeeds of this run on `device` (its total memory; unbounded on cpu).
-    The target's weight bytes are its files' unless given (a random target: what it holds)."""
-    cfg, budget = config, step.token_budget
+    The target's weight bytes are its files' unless given (a random target: what it holds).
+    Its `length_bytes`: the needs at this token budget less the needs at none, what the pack
+    length costs (named in the error when nothing fits)."""
     files = [*Path(target_path).glob("*.safetensors"), *Path(target_path).glob("*.bin")]
     if weight_bytes is None:
         weight_bytes = sum(f.stat().st_size for f in files)
+    needs = _needs_at(spec, step, config, weight_bytes, step.token_budget)
+    none = _needs_at(spec, step, config, weight_bytes, 0)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    staging = step.token_budget * config.feature_width * 2
+    return placement.MemoryNeeds(
+        *needs,
+        device_bytes=total,
+        token_budget=step.token_budget,
+        length_bytes=sum(needs) - sum(none) - staging,
+        target_staging=staging,
+    )
+
+
+def _needs_at(
+    spec: PlacementSpec, step: StepSpec, cfg: DrafterConfig, weight_bytes: int, budget: int
+) -> tuple[float, float, float, float, float]:
+    """(target weights, target activations, drafter state, drafter activations, ring) in bytes
+    at a pack length of `budget` rows."""
     frozen = cfg.vocab_size * cfg.hidden_size * 2  # embed + lm_head (tied ones counted twice)
     state, saved = placement.drafter_bytes(
         params=drafter_params(cfg),
@@ -277,20 +296,21 @@ def memory_needs(
         num_anchors=step.num_anchors,
         block_size=cfg.block_size,
         ce_chunk=step.ce_chunk_size,
+        kv_width=cfg.num_key_value_heads * cfg.head_dim,
     )
     weights, transient = placement.target_bytes(
         weight_bytes=weight_bytes,
         hidden=cfg.hidden_size,
         ffn=cfg.intermediate_size,
-        num_features=cfg.num_features,
+        feature_width=cfg.feature_width,
         token_budget=budget,
-        batch_tokens=spec.target_batch_tokens,
+        # the packed forwards run the pack whole; the HF fallback in target batches
+        batch_tokens=max(spec.target_batch_tokens, budget),
     )
     width = cfg.feature_width
     row = PackedBatch.empty(1, width, device=torch.device("meta"), feature_dtype=torch.bfloat16)
     ring = spec.num_slots * row.nbytes * budget
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return placement.MemoryNeeds(weights, transient, state, saved, ring, total)
+    return weights, transient, state, saved, ring
 
 
 def flops_per_token(
