@@ -1,4 +1,4 @@
-"""The DSpark kind (docs/training.md, "DSpark"): the DFlash backbone with anchor-first slots, a
+"""The DSpark kind (docs/DFLASH.md s.11): the DFlash backbone with anchor-first slots, a
 Markov head on the logits and a confidence head, trained against the target's next-token
 distribution.
 
@@ -178,7 +178,7 @@ KIND = DrafterKind(
     model_type="qwen3",
     summary=(
         "anchor-first slots, a Markov head and a confidence head, trained against the target's "
-        "next-token distribution, docs/training.md"
+        "next-token distribution, docs/DFLASH.md s.11"
     ),
     drafter_fields=DSparkDrafterFields,
     train_fields=DSparkTrainFields,
