@@ -18,6 +18,7 @@ from conftest import TinySpec, randomize_, tiny_config, tiny_target_weights
 from tiny_decoding import VOCAB, tiny_qwen3_target
 
 from dflash_async.eval.batched_decoding import BatchedDecode, RowsBlockDrafter
+from dflash_async.eval.evaluation import confidence_by_slot, confidence_sums
 from dflash_async.eval.lossless import check_lossless
 from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import DFlashBlockDrafter, greedy_generate, speculative_decode
@@ -103,6 +104,19 @@ def test_each_chain_mutant_breaks_the_agreement(name, mutant, monkeypatch):
     assert decoder_drafts(one, rows) != expected
 
 
+def test_calibration_counts_each_slot_over_the_steps_that_reached_it():
+    # 3 drafts per step; steps accepting 0, 2 and 3 drafts (accepted lengths 1, 3, 4)
+    predicted = [[0.9, 0.5, 0.1], [0.8, 0.6, 0.2], [0.7, 0.4, 0.3]]
+    sums = confidence_sums(predicted, [1, 3, 4])
+    assert sums == [
+        [3, pytest.approx(2.4), 2],  # slot 1: reached 3 times, accepted by the 2nd and 3rd
+        [2, pytest.approx(1.0), 2],  # slot 2: reached by steps 2 and 3, both accepted it
+        [2, pytest.approx(0.5), 1],  # slot 3: accepted by step 3 only
+    ]
+    rows = confidence_by_slot([{"confidence_sums": sums}, {"confidence_sums": sums}])
+    assert rows[0] == {"slot": 1, "steps": 6, "predicted": pytest.approx(0.8), "measured": 2 / 3}
+
+
 def test_a_sampled_first_slot_is_drawn_from_the_contracts_softmax():
     drafter, one, _, lm_head = tiny_block_drafters()
     sampler = Sampler.for_prompt(SamplingOptions(0.7), 0, torch.device("cpu"))
@@ -160,5 +174,9 @@ def test_batched_dspark_decoding_equals_the_reference_and_both_are_lossless():
     assert [r.tokens for r in batched] == [r.tokens for r in reference]
     assert [r.accepted_lengths for r in batched] == [r.accepted_lengths for r in reference]
     assert max(max(r.accepted_lengths) for r in reference) <= config.block_size + 1
+    # the confidence head's predictions of every step's drafts, the same in both decoders
+    for r, b in zip(reference, batched, strict=True):
+        assert len(r.confidence) == len(r.accepted_lengths)
+        torch.testing.assert_close(torch.tensor(b.confidence), torch.tensor(r.confidence))
     for i, (p, spec) in enumerate(zip(prompts, reference, strict=True)):
         assert check_lossless(i, greedy_generate(target, p, MAX_NEW, None), spec, 0.0) is None

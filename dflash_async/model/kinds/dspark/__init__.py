@@ -172,6 +172,12 @@ def sampled_draft_tokens(drafter, hidden, unary, anchors, *, sampler):
     return decoding.sampled_draft_tokens(drafter, hidden, unary, anchors, sampler=sampler)
 
 
+def draft_confidence(drafter, hidden, drafts, anchors):
+    from dflash_async.model.kinds.dspark import decoding  # see the module doc
+
+    return decoding.confidence(drafter, hidden, drafts, anchors)
+
+
 KIND = DrafterKind(
     name=NAME,
     architecture="Qwen3DSparkModel",
@@ -199,4 +205,5 @@ KIND = DrafterKind(
     captures_final_hidden=True,
     train_defaults=TRAIN_DEFAULTS,
     top_level_fields=top_level_fields,
+    draft_confidence=draft_confidence,
 )
