@@ -170,6 +170,8 @@ class DFlashBlockDrafter:
         drafts, q = sampled_draft_tokens(
             self.drafter, hidden, self.lm_head_weight, anchor, sampler=sampler
         )
+        confidence = draft_confidence(self.drafter, hidden, drafts, anchor)
+        self.confidence = None if confidence is None else confidence[0]  # as in draft()
         return drafts[0], q[0]
 
 
@@ -349,16 +351,16 @@ def speculative_decode(
         first = _suppressed(logits[-1], suppress)
         tokens = [sampler.first_token(first) if sampler else int(first.argmax())]
         accepted_lengths: list[int] = []
-        confidence: list[list[float]] = []  # a confidence head's, per greedy step
+        confidence: list[list[float]] = []  # a confidence head's predictions, per step
         while len(tokens) < max_new_tokens and not eos.intersection(tokens):
             if sampler is None:
                 drafts, sampled = drafter.draft(tokens[-1], position).to(device), None  # [B-1]
-                predicted = getattr(drafter, "confidence", None)
-                if predicted is not None:
-                    confidence.append(predicted.float().tolist())
             else:
                 drafts, q = drafter.draft_sampled(tokens[-1], position, sampler)  # type: ignore[attr-defined]
                 drafts, sampled = drafts.to(device), (sampler, q)
+            predicted = getattr(drafter, "confidence", None)
+            if predicted is not None:
+                confidence.append(predicted.float().tolist())
             block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]  # [1, B]
             snapshot = hybrid_state.snapshot_linear_states(cache) if hybrid else None
             accepted, committed, features = _verify(
