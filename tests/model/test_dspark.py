@@ -1,5 +1,6 @@
 """DSpark's objective equals the DSpark paper's loss (as DeepSpec's compute_dspark_loss defines
-it) written here from scratch, on the same drafter states; loss and gradients.
+it, and SpecForge's OnlineDSparkModel, whose token-pooled loss has the same labels, mask, weights
+and single normaliser) written here from scratch, on the same drafter states; loss and gradients.
 
 The reference works per block on unpacked tensors, the way DeepSpec's forward and loss do: slot
 k of the block at anchor a predicts x[a+k+1]; a slot counts while every slot up to it has its
