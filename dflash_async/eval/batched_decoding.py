@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 
 from dflash_async.eval.block_masks import layer_masks
 from dflash_async.eval.lossless import GreedyResult, SpecResult, cut_at_stop
-from dflash_async.eval.selector import draft_tokens
+from dflash_async.eval.selector import draft_confidence, draft_tokens
 from dflash_async.eval.speculative import cache_kwarg, captured_layers
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
@@ -165,7 +165,10 @@ class RowsBlockDrafter:
         """Drafts [b, B-1] for blocks [anchor, MASK x (B-1)] at anchor positions [b]: the unary
         argmax, or a DFlash2 drafter's selector walk (selector.py)."""
         hidden = self.block_hidden(anchors, positions)
-        return draft_tokens(self.drafter, hidden, self.lm_head_weight, anchors)
+        drafts = draft_tokens(self.drafter, hidden, self.lm_head_weight, anchors)
+        # [b, n] predicted acceptances of these drafts, or None (the kind has no confidence head)
+        self.confidence = draft_confidence(self.drafter, hidden, drafts, anchors)
+        return drafts
 
     def block_logits(self, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Unary logits [b, B-1, V] of block slots 1..B-1."""
@@ -257,6 +260,7 @@ class BatchedDecode:
         self.anchor = torch.zeros(b, dtype=torch.long, device=device)  # newest, not yet cached
         self.done = torch.zeros(b, dtype=torch.bool, device=device)
         self.accepted_log: list[torch.Tensor] = []  # [b] per step: accepted+1, 0 = finished row
+        self.confidence_log: list[torch.Tensor] = []  # [b, n] per step: predicted acceptances
 
     def _forward(self, ids: torch.Tensor, rows: slice, start: torch.Tensor):
         """Target forward of ids [r, n] at positions start[r]+j -> (hidden [r, n, d] after the
@@ -319,6 +323,9 @@ class BatchedDecode:
             block = self.anchor[:, None]  # [b, 1]
         else:
             drafts = self.draft.draft(self.anchor, self.length).to(self.device)  # [b, B-1]
+            confidence = getattr(self.draft, "confidence", None)  # a confidence head's
+            if confidence is not None:
+                self.confidence_log.append(confidence.float())
             block = torch.cat([self.anchor[:, None], drafts], dim=1)  # [b, B]
         hidden, features = self._forward(block, every, self.length)
         verified, alternatives, gaps = self._choose(hidden)  # [b, B], [b, B, K], [b, B, K]
@@ -363,10 +370,14 @@ class BatchedDecode:
     def _spec_results(self) -> list[SpecResult]:
         tokens, _ = self._rows_on_host()
         log = torch.stack(self.accepted_log, dim=1).tolist() if self.accepted_log else None
+        confidence = None
+        if self.confidence_log and len(self.confidence_log) == len(self.accepted_log):
+            confidence = torch.stack(self.confidence_log, dim=1).tolist()  # [b, steps, n]
         return [
             SpecResult(
                 cut_at_stop(row, self.max_new, self.eos_set),
                 [n for n in log[i] if n] if log else [],
+                [c for c, n in zip(confidence[i], log[i], strict=True) if n] if confidence else [],
             )
             for i, row in enumerate(tokens)
         ]

@@ -239,8 +239,9 @@ def sample_report(
     check: bool = True,
 ) -> dict[str, Any]:
     """One prompt's JSON-ready result; with `check` (greedy), LosslessError if spec is not plain
-    (ties aside)."""
-    return {
+    (ties aside). A drafter with a confidence head adds its calibration sums
+    (confidence_sums)."""
+    report = {
         "index": index,
         "prompt_tokens": len(prompt),
         "new_tokens": len(spec.tokens),
@@ -251,6 +252,46 @@ def sample_report(
         "numerical_tie_at": check_lossless(index, plain, spec, tie_tolerance) if check else None,
         "tokens": spec.tokens,
     }
+    if spec.confidence:
+        report["confidence_sums"] = confidence_sums(spec.confidence, spec.accepted_lengths)
+    return report
+
+
+def confidence_sums(confidence: list[list[float]], accepted_lengths: list[int]) -> list[list]:
+    """Per draft slot k: [steps that reached it (drafts before it all accepted), the sum of
+    its predicted acceptance over those steps, how many of them accepted it]."""
+    slots = len(confidence[0])
+    sums = [[0, 0.0, 0] for _ in range(slots)]
+    for predicted, length in zip(confidence, accepted_lengths, strict=True):
+        accepted = length - 1
+        for k in range(min(accepted + 1, slots)):  # slot k reached: drafts 0..k-1 accepted
+            sums[k][0] += 1
+            sums[k][1] += predicted[k]
+            sums[k][2] += int(accepted > k)
+    return sums
+
+
+def confidence_by_slot(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The confidence head's calibration per draft slot over every sample: its mean predicted
+    acceptance and the measured acceptance rate over the steps that reached the slot (None
+    without a confidence head)."""
+    every = [s["confidence_sums"] for s in samples if s.get("confidence_sums")]
+    if not every:
+        return None
+    rows = []
+    for k, per_sample in enumerate(zip(*every, strict=True)):
+        steps = sum(p[0] for p in per_sample)
+        predicted = sum(p[1] for p in per_sample)
+        accepted = sum(p[2] for p in per_sample)
+        rows.append(
+            {
+                "slot": k + 1,
+                "steps": steps,
+                "predicted": predicted / steps if steps else None,
+                "measured": accepted / steps if steps else None,
+            }
+        )
+    return rows
 
 
 def summarize(
@@ -306,6 +347,9 @@ def report(
         for i, (p, g, s) in enumerate(zip(setup.prompts, plain, spec, strict=True))
     ]
     summary = summarize(samples, block_size, plain_s=plain_s, speculative_s=speculative_s)
+    calibration = confidence_by_slot(samples)
+    if calibration is not None:  # a drafter with a confidence head (DSpark)
+        summary["confidence_by_slot"] = calibration
     batched = setup.batched and setup.sampling is None
     options = setup.sampling or SamplingOptions()
     decoding = {

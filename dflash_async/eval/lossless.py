@@ -13,7 +13,7 @@ counts ties (`numerical_ties`), since the rest of that sample legitimately diffe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class LosslessError(RuntimeError):
 class SpecResult:
     tokens: list[int]  # new tokens (prompt excluded), cut after eos / max_new_tokens
     accepted_lengths: list[int]  # accepted drafts + 1 per verify step, each in 1..B
+    # per verify step, the predicted acceptance of each draft (a confidence head's); [] for none
+    confidence: list[list[float]] = field(default_factory=list)
 
     @property
     def tau(self) -> float | None:

@@ -44,6 +44,17 @@ def draft_tokens(
     return kind_of(drafter.config.kind).draft_tokens(drafter, hidden, unary, anchors)
 
 
+def draft_confidence(
+    drafter: torch.nn.Module,
+    hidden: torch.Tensor,  # [b, n, d]
+    drafts: torch.Tensor,  # [b, n]
+    anchors: torch.Tensor,  # [b]
+) -> torch.Tensor | None:
+    """The predicted acceptance probability [b, n] of each draft (the kind's confidence head),
+    None for a kind without one."""
+    return kind_of(drafter.config.kind).draft_confidence(drafter, hidden, drafts, anchors)
+
+
 def sampled_draft_tokens(
     drafter: torch.nn.Module,
     hidden: torch.Tensor,  # [b, n, d]

@@ -49,7 +49,7 @@ from dflash_async.eval.lossless import (
     first_difference,
 )
 from dflash_async.eval.sampling import Sampler
-from dflash_async.eval.selector import draft_tokens, sampled_draft_tokens
+from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.targets.loading import decoder_layers
@@ -154,7 +154,11 @@ class DFlashBlockDrafter:
         """Drafts [B-1]: the unary argmax, or a DFlash2 drafter's selector walk (selector.py)."""
         hidden = self.block_hidden(anchor_token, anchor_position)[None]  # [1, B-1, d]
         anchor = torch.tensor([anchor_token], device=self.lm_head_weight.device)
-        return draft_tokens(self.drafter, hidden, self.lm_head_weight, anchor)[0]
+        drafts = draft_tokens(self.drafter, hidden, self.lm_head_weight, anchor)
+        confidence = draft_confidence(self.drafter, hidden, drafts, anchor)
+        # [n] predicted acceptances of these drafts, or None (the kind has no confidence head)
+        self.confidence = None if confidence is None else confidence[0]
+        return drafts[0]
 
     @torch.no_grad()
     def draft_sampled(
@@ -166,6 +170,8 @@ class DFlashBlockDrafter:
         drafts, q = sampled_draft_tokens(
             self.drafter, hidden, self.lm_head_weight, anchor, sampler=sampler
         )
+        confidence = draft_confidence(self.drafter, hidden, drafts, anchor)
+        self.confidence = None if confidence is None else confidence[0]  # as in draft()
         return drafts[0], q[0]
 
 
@@ -345,12 +351,16 @@ def speculative_decode(
         first = _suppressed(logits[-1], suppress)
         tokens = [sampler.first_token(first) if sampler else int(first.argmax())]
         accepted_lengths: list[int] = []
+        confidence: list[list[float]] = []  # a confidence head's predictions, per step
         while len(tokens) < max_new_tokens and not eos.intersection(tokens):
             if sampler is None:
                 drafts, sampled = drafter.draft(tokens[-1], position).to(device), None  # [B-1]
             else:
                 drafts, q = drafter.draft_sampled(tokens[-1], position, sampler)  # type: ignore[attr-defined]
                 drafts, sampled = drafts.to(device), (sampler, q)
+            predicted = getattr(drafter, "confidence", None)
+            if predicted is not None:
+                confidence.append(predicted.float().tolist())
             block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts])[None]  # [1, B]
             snapshot = hybrid_state.snapshot_linear_states(cache) if hybrid else None
             accepted, committed, features = _verify(
@@ -365,7 +375,7 @@ def speculative_decode(
             hybrid_state.crop_attention(cache, position + accepted + 1)
             drafter.extend_context(features[: accepted + 1], new_positions)
             position += accepted + 1
-    return SpecResult(cut_at_stop(tokens, max_new_tokens, eos), accepted_lengths)
+    return SpecResult(cut_at_stop(tokens, max_new_tokens, eos), accepted_lengths, confidence)
 
 
 def speculative_generate(

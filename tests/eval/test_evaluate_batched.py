@@ -72,7 +72,8 @@ class RowsOracle:
 
     def __init__(self, oracles: list[OneOracle]) -> None:
         self.oracles = oracles
-        self.config = type("Config", (), {"block_size": oracles[0].block_size})()
+        block = oracles[0].block_size  # B-1 drafts per block, as a DFlash drafter's
+        self.config = type("Config", (), {"block_size": block, "drafts_per_block": block - 1})()
 
     def extend_context(self, features, positions, rows=slice(None)) -> None:
         pass

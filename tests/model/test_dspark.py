@@ -1,5 +1,6 @@
 """DSpark's objective equals the DSpark paper's loss (as DeepSpec's compute_dspark_loss defines
-it) written here from scratch, on the same drafter states; loss and gradients.
+it, and SpecForge's OnlineDSparkModel, whose token-pooled loss has the same labels, mask, weights
+and single normaliser) written here from scratch, on the same drafter states; loss and gradients.
 
 The reference works per block on unpacked tensors, the way DeepSpec's forward and loss do: slot
 k of the block at anchor a predicts x[a+k+1]; a slot counts while every slot up to it has its
@@ -218,3 +219,114 @@ def test_a_dspark_export_names_deepspecs_fields_and_tensors() -> None:
         "confidence_head.proj.bias",
     } <= names
     assert names == {n for n, _ in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize("path_name", ["packed_dense", "hf"])
+def test_the_captured_last_layer_gives_the_targets_own_next_token_distribution(path_name) -> None:
+    """A dspark drafter's captured layers end with the target's last one; through the target's
+    final norm (the objective's rms_norm) and lm_head, those columns give the target's own
+    logits at every row of a packed layout, on the packed path and the HF fallback."""
+    import numpy as np
+    from tiny_decoding import tiny_qwen3_target
+
+    from dflash_async.data.packing import layout_pack
+    from dflash_async.model.drafter_config import drafter_config_from_target
+    from dflash_async.targets.forward import HFPaddedForward, select_target_forward
+
+    target = tiny_qwen3_target()
+    config = drafter_config_from_target(
+        target.config,
+        num_hidden_layers=1,
+        num_features=2,
+        block_size=4,
+        mask_token_id=0,
+        kind="dspark",
+    )
+    layers = config.captured_layer_ids
+    assert layers == (*config.target_layer_ids, target.config.num_hidden_layers - 1)
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 90, (n,), generator=gen).tolist() for n in (9, 14)]
+    budget = 32
+    layout = layout_pack([(np.array(doc), np.ones(len(doc), dtype=bool)) for doc in docs], budget)
+    if path_name == "hf":
+        forward = HFPaddedForward(target, layers, max_batch_tokens=32)
+    else:
+        path = select_target_forward(target, layers, token_budget=budget, max_batch_tokens=32)
+        assert path.name == path_name
+        forward = path.forward
+    out = torch.zeros(budget, config.feature_width)
+    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array([9, 14]))
+    d, k = config.hidden_size, config.num_features
+    norm = target.model.norm
+    logits = dspark_objective.rms_norm(out[:, k * d :], norm.weight, norm.variance_epsilon)
+    logits = logits @ target.lm_head.weight.T
+    start = 0
+    for doc in docs:
+        with torch.no_grad():
+            expected = target(input_ids=torch.tensor([doc])).logits[0]
+        # fp32 target, same ops in another order (packed attention): 1e-4 absolute is fp32
+        # rounding of logits of size ~10
+        torch.testing.assert_close(logits[start : start + len(doc)], expected, rtol=1e-4, atol=1e-4)
+        start += len(doc)
+
+
+def test_a_dspark_run_takes_the_papers_block_and_decay_unless_they_are_set() -> None:
+    from dflash_async.settings.env import load_settings
+
+    none = {"DFLASH_ENV_FILE": "none"}
+    dspark = load_settings(none | {"DFLASH_DRAFTER__KIND": "dspark"}).train
+    assert (dspark.block_size, dspark.gamma) == (7, 4.0)
+    assert (dspark.ce_alpha, dspark.l1_alpha, dspark.confidence_alpha) == (0.1, 0.9, 1.0)
+    chosen = load_settings(
+        none
+        | {
+            "DFLASH_DRAFTER__KIND": "dspark",
+            "DFLASH_TRAIN__BLOCK_SIZE": "16",
+            "DFLASH_TRAIN__GAMMA": "5",
+        }
+    ).train
+    assert (chosen.block_size, chosen.gamma) == (16, 5.0)
+    dflash = load_settings(none).train
+    assert (dflash.block_size, dflash.gamma) == (16, 7.0)  # the other kinds' defaults unchanged
+
+
+def test_dspark_flops_count_every_slot_the_target_lm_head_and_the_markov_head() -> None:
+    from dflash_async.model.flops import drafter_step_flops_by_part
+
+    config, *_ = dspark_setup()
+    A, B, d, V, r = 8, SPEC.block_size, config.hidden_size, config.vocab_size, 8
+    parts = drafter_step_flops_by_part(config, token_budget=64, num_anchors=A, visible_pairs=0)
+    assert parts["lm_head_ce"] == 2 * 2 * A * B * d * V  # anchor-first: B slots, not B-1
+    assert parts["target_lm_head"] == 2 * A * B * d * V  # the L1 term's distribution, forward
+    assert parts["markov"] == 3 * 2 * A * B * r * V
+    dflash = dataclasses.replace(config, kind="dflash")
+    base = drafter_step_flops_by_part(dflash, token_budget=64, num_anchors=A, visible_pairs=0)
+    assert base["lm_head_ce"] == 2 * 2 * A * (B - 1) * d * V and "markov" not in base
+
+
+def test_the_dspark_step_reads_no_device_data_on_the_host() -> None:
+    """Anchors, the objective's forward (blocks, heads, the chunked loss and its in-forward
+    gradients) and backward: no op that reads device data on the host (capturable)."""
+    from test_no_host_sync import ForbidHostSync
+
+    from dflash_async.model.objective import sample_anchors
+
+    config, drafter, objective, batch, *_ = dspark_setup(head_type="gated")
+    drafter.float()
+    objective = DSparkObjective(
+        dataclasses.replace(objective.config),
+        drafter,
+        objective.embed_weight.float(),
+        objective.lm_head_weight.float(),
+        target_norm=objective.target_norm.float(),
+    )
+    batch = tiny_batch(SPEC, config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        anchors = sample_anchors(batch.loss_mask, batch.doc_ids, NUM_ANCHORS, generator=gen)
+        objective(batch, anchors).ce_sum.backward()
+
+    step()  # warm-up outside the guard, like the warm-up steps before a graph capture
+    with ForbidHostSync():
+        step()

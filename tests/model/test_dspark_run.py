@@ -64,6 +64,12 @@ async def test_a_dspark_run_trains_exports_and_its_export_decodes_and_warm_start
     assert [e["step"] for e in evals] == [0, 16] and all(e["tau"] >= 1.0 for e in evals), evals
     # anchor-first: a block of 8 inputs drafts 8 tokens, a verified block holds 9
     assert all(len(e["accepted_length_histogram"]) == 9 for e in evals)
+    # the confidence head's calibration per draft slot: slot 1 is reached at every step
+    for e in evals:
+        slots = e["confidence_by_slot"]
+        assert [s["slot"] for s in slots] == list(range(1, 9))
+        assert slots[0]["steps"] == sum(e["accepted_length_histogram"].values())
+        assert 0 <= slots[0]["predicted"] <= 1 and 0 <= slots[0]["measured"] <= 1
     assert not [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
     export = tmp_path / "out" / "drafter"
     cfg = json.loads((export / "config.json").read_text())

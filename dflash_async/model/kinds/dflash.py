@@ -65,6 +65,11 @@ def flops(_config: Any, *, slots: int) -> dict[str, float]:
     return {}
 
 
+def no_confidence(drafter, hidden, drafts, anchors) -> None:
+    """No confidence head: no predicted acceptance."""
+    return None
+
+
 def draft_tokens(drafter, hidden, unary: torch.Tensor, anchors) -> torch.Tensor:
     """The unary argmax per slot [b, n]."""
     return unary.argmax(-1)
@@ -100,4 +105,5 @@ KIND = DrafterKind(
     captures_final_hidden=False,
     train_defaults={},
     top_level_fields=no_entries,
+    draft_confidence=no_confidence,
 )

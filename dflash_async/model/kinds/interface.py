@@ -66,6 +66,9 @@ class DrafterKind:
     train_defaults: Mapping[str, Any]
     # config -> its config.json entries at the top level (what its engines' loaders read there)
     top_level_fields: Callable[[Any], dict[str, Any]]
+    # (drafter, hidden [b, n, d], drafts [b, n], anchors [b]) -> the predicted acceptance
+    # probability of each draft [b, n] (a confidence head's), or None for a kind without one
+    draft_confidence: Callable[..., Any]
 
 
 def with_fields(base: type, models: list[type[BaseModel]]) -> type:

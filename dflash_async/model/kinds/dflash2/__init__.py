@@ -133,6 +133,11 @@ def no_top_level_fields(_: Any) -> dict[str, Any]:
     return {}
 
 
+def no_confidence(drafter, hidden, drafts, anchors) -> None:
+    """No confidence head: no predicted acceptance."""
+    return None
+
+
 def draft_tokens(drafter, hidden, unary, anchors):
     from dflash_async.model.kinds.dflash2 import decoding  # see the module doc
 
@@ -172,4 +177,5 @@ KIND = DrafterKind(
     captures_final_hidden=False,
     train_defaults={},
     top_level_fields=no_top_level_fields,
+    draft_confidence=no_confidence,
 )

@@ -1,4 +1,4 @@
-"""The DSpark kind (docs/training.md, "DSpark"): the DFlash backbone with anchor-first slots, a
+"""The DSpark kind (docs/DFLASH.md s.11): the DFlash backbone with anchor-first slots, a
 Markov head on the logits and a confidence head, trained against the target's next-token
 distribution.
 
@@ -172,13 +172,19 @@ def sampled_draft_tokens(drafter, hidden, unary, anchors, *, sampler):
     return decoding.sampled_draft_tokens(drafter, hidden, unary, anchors, sampler=sampler)
 
 
+def draft_confidence(drafter, hidden, drafts, anchors):
+    from dflash_async.model.kinds.dspark import decoding  # see the module doc
+
+    return decoding.confidence(drafter, hidden, drafts, anchors)
+
+
 KIND = DrafterKind(
     name=NAME,
     architecture="Qwen3DSparkModel",
     model_type="qwen3",
     summary=(
         "anchor-first slots, a Markov head and a confidence head, trained against the target's "
-        "next-token distribution, docs/training.md"
+        "next-token distribution, docs/DFLASH.md s.11"
     ),
     drafter_fields=DSparkDrafterFields,
     train_fields=DSparkTrainFields,
@@ -199,4 +205,5 @@ KIND = DrafterKind(
     captures_final_hidden=True,
     train_defaults=TRAIN_DEFAULTS,
     top_level_fields=top_level_fields,
+    draft_confidence=draft_confidence,
 )

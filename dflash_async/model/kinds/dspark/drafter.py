@@ -1,5 +1,5 @@
 """The DSpark drafter: the DFlash backbone with anchor-first slots, a Markov head and a
-confidence head (docs/training.md, "DSpark").
+confidence head (docs/DFLASH.md s.11).
 
 This module owns the model half of DSpark; its objective is model/kinds/dspark/objective.py and
 its chain drafting model/kinds/dspark/decoding.py. The backbone is DFlashDrafter unchanged (the

@@ -1,7 +1,7 @@
 """DSpark's settings fields: DFLASH_DRAFTER__* (its shape) and DFLASH_TRAIN__* (its objective).
 
 This module owns their names, defaults, checks and descriptions; the defaults are the DSpark
-paper's Qwen3-8B recipe (docs/training.md, "DSpark"). settings/recipe.py composes them into the
+paper's Qwen3-8B recipe (docs/DFLASH.md s.11). settings/recipe.py composes them into the
 `drafter` and `train` sections, model/drafter_config.py into DrafterConfig and DrafterSpec, and
 model/build.py into StepSpec. Pydantic only: the settings read it without torch.
 """

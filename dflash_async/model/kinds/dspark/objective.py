@@ -205,6 +205,9 @@ class DSparkObjective(DFlashObjective):
             config.block_size, config.gamma, device=self.lm_head_weight.device
         )
         self.terms = chunk_terms
+        # the chunk pass is chunk_terms' torch ops (compiled where the step compiles), never
+        # ce_kernel.py's Triton CE: the drafter_kernels_chosen line says so
+        self.ce_kernel = "compiled"
         if config.compile:
             self.terms = torch.compile(chunk_terms, dynamic=False)
 
