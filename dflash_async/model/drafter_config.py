@@ -211,8 +211,9 @@ def drafter_config_from_target(
         rope = getattr(cfg, "rope_parameters", None) or {}
         # Gemma 3/4 keep one per layer type: the drafter attends over the whole context, as
         # the full-attention layers do
-        rope = rope.get("full_attention", rope)
-        rope_theta = rope.get("rope_theta", 10000.0)
+        rope = rope.get("full_attention") or rope
+        # a model without rotary positions (GPT-2, Mamba: the generic family) has none at all
+        rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     if mask_token_id is None:
         mask_token_id = QWEN35_MASK_TOKEN_ID if cfg.vocab_size > 200_000 else QWEN3_MASK_TOKEN_ID
     config = DrafterConfig(

@@ -138,8 +138,10 @@ class ConfigReader:
         return head_dim if isinstance(head_dim, int) and head_dim > 0 else cfg.hidden_size // heads
 
     def routed_expert_width(self, cfg: Any) -> int:
-        """The FFN width of one routed expert (MoE configs)."""
-        return getattr(cfg, self.expert_width)
+        """The FFN width of one routed expert (MoE configs); a config without the field (Mixtral,
+        OLMoE: the generic family) names it `intermediate_size`."""
+        width = getattr(cfg, self.expert_width, None) or layer_attribute(cfg, "intermediate_size")
+        return width if isinstance(width, int) and width > 0 else 4 * cfg.hidden_size
 
     def dense_mlp_width(self, cfg: Any) -> int:
         """The drafter's dense MLP width (its layers are dense Qwen3-style, as z-lab's released

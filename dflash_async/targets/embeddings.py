@@ -54,13 +54,12 @@ def load_frozen_embeddings(
         with safe_open(files[name], framework="pt") as f:
             return f.get_tensor(name).to(device=device, dtype=dtype)
 
-    embed_names, head_names = EMBED_NAMES, LM_HEAD_NAMES
     if not any(n in files for n in EMBED_NAMES):  # a generic target's own names
-        from dflash_async.targets.generic import embedding_tensor_names
+        from dflash_async.targets.generic import embedding_weights
 
-        embed_names, head_names = embedding_tensor_names(folder)
-    embed = read(embed_names)
+        return embedding_weights(folder, files, device=device, dtype=dtype)
+    embed = read(EMBED_NAMES)
     if embed is None:
-        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(embed_names)})")
-    lm_head = read(head_names)
+        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
+    lm_head = read(LM_HEAD_NAMES)
     return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor

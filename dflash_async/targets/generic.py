@@ -59,8 +59,8 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _layer_output(output: Any) -> Any:
-    """A layer's hidden states: the output, or the first item of a tuple or ModelOutput."""
-    if isinstance(output, tuple):
+    """A layer's hidden states: the output, or the first item of a tuple, list or ModelOutput."""
+    if isinstance(output, tuple | list):
         return output[0]
     if isinstance(output, dict):
         return next(iter(output.values()))
@@ -212,18 +212,39 @@ def _equal_length_groups(lengths: np.ndarray, max_batch_tokens: int) -> list[lis
     return [run for runs in groups.values() for run in runs]
 
 
-def embedding_tensor_names(folder: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The checkpoint names of a generic target's input embedding and lm_head weights (every
-    name the model gives each, tied ones included), from its model built on the meta device
-    (no weights read): targets/embeddings.py reads them when the usual names are absent."""
+def embedding_weights(
+    folder: str, files: Any, *, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A generic target's input embedding and lm_head weights [V, d] (one tensor when tied).
+
+    Read by the names its model gives them (the model built on the meta device) where the
+    checkpoint holds those names; a checkpoint saved under other names (transformers converts
+    some families' names on save) loads the model on the host and takes them from it.
+    """
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        meta = AutoModelForCausalLM.from_config(config)
     names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in meta.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    return tuple(names[id(embed)]), tuple(names[id(head.weight)]) if head is not None else ()
+    head = meta.get_output_embeddings()
+    embed_names = names[id(meta.get_input_embeddings().weight)]
+    head_names = names[id(head.weight)] if head is not None else []
+
+    def read(wanted: list[str]) -> torch.Tensor | None:
+        name = next((n for n in wanted if n in files), None)
+        if name is None:
+            return None
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = read(embed_names)
+    if embed is not None:
+        lm_head = read(head_names)
+        return embed, embed if lm_head is None else lm_head
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    weights = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+    return tuple(w.detach().to(device) for w in weights)  # type: ignore[return-value]
