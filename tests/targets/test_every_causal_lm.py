@@ -8,7 +8,8 @@ is saved as a random target folder with the built-in tiny tokenizer and trained 
 line; a type in the zoo's exclusion table is skipped with its reason. README's count and lists
 are generated from the same table (benchmarks/readme_causal_lms.py) and checked here.
 
-slow: about 190 runs of ~1 s each on two CPU cores (3-4 minutes in all).
+slow: 175 runs of 1-10 s (a wrapper or a state-space model the longest): 362 s in all, measured
+on two CPU cores shared with other jobs (2026-12-06).
 """
 
 from __future__ import annotations

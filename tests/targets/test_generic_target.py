@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from causal_lm_zoo import tiny_config
+from causal_lm_zoo import VOCAB, tiny_config
 from test_evaluate_batched import OneOracle
 from transformers import AutoModelForCausalLM, BertConfig
 
@@ -176,3 +176,33 @@ def test_generic_targets_decode_losslessly_by_recomputation(model_type: str) -> 
             model, oracle, prompt, layer_ids=LAYER_IDS, max_new_tokens=new, eos_token_id=None
         )
         assert spec.tokens == greedy
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_generic_state_space_target_trains_and_its_run_evaluates_losslessly(
+    tmp_path: Path,
+) -> None:
+    """Mamba through the whole run: 3 steps, then the in-run evaluation (reference decoder,
+    recomputation), lossless-checked against greedy decoding; no eval_failed."""
+    from target_kit import save_random_target
+    from test_architectures import arch_env, run_logged
+    from tiny_run import write_pretokenized
+
+    from dflash_async.targets.tiny import tiny_tokenizer
+
+    config = tiny_config("mamba")
+    config.vocab_size = len(tiny_tokenizer())  # the prompts' chat template uses all of it
+    target = save_random_target(tmp_path / "mamba", config, 0)
+    tiny_tokenizer().save_pretrained(target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 plus 3?"}\n{"prompt": "Name a color."}\n')
+    data = write_pretokenized(tmp_path / "data.jsonl", records=12, vocab=VOCAB)
+    env = arch_env({"data": str(data), "prompts": str(prompts)}, target, tmp_path / "out")
+    code, events = await run_logged(env | {"DFLASH_DRAFTER__MASK_TOKEN_ID": "5"})
+    failed = [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
+    assert code == 0 and not failed, failed
+    assert len([e for e in events if e["event"] == "step"]) == 3
+    (final,) = [e for e in events if e["event"] == "eval"]
+    assert final["num_samples"] == 2 and final["tau"] >= 1
