@@ -103,9 +103,6 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "axk1": _MLA,
     "axk2": _MLA,
     "bamba": _MAMBA2,
-    "deepseek_v2": _MLA,
-    "deepseek_v3": _MLA,
-    "deepseek_v32": _MLA,
     "blt": Excluded(
         "a byte-level model: its patcher and local encoder/decoder have their own "
         "hash-embedding configs, not a tiny text config"
@@ -113,21 +110,45 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "cohere_compass_text": dict(
         rope_parameters={t: dict(rope_type="default", rope_theta=1e4) for t in _ATTENTION}
     ),
+    "cpmant": Excluded(
+        "its forward prepends learned prompt positions to every input: its layers see more rows than tokens"
+    ),
+    "dbrx": Excluded(
+        "its tiny checkpoint does not load back (transformers reports mismatched expert shapes)"
+    ),
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
+    "deepseek_v32": _MLA,
+    "deepseek_v4": Excluded(_HYPER.format(n=4)),
     "dots3_note": Excluded(
         "its default config's per-layer settings name layers 25-41, which a 2-layer copy "
         "lacks (its language model, dots3_note_text, trains)"
     ),
     "dots3_note_text": dict(num_key_value_heads=4),
+    "electra": dict(embedding_size=32),  # the drafter shares embeddings of hidden width
+    "emu3": Excluded(_TEXT_ONLY_SAVE.format(t="emu3_text_model")),
+    "falcon_h1": Excluded(_SLOW.format(what="its Mamba2 layers", s=50)),
+    "gemma3n": Excluded("its vision tower needs timm, which is not installed"),
+    "gemma3n_text": Excluded(
+        "AltUp: its layers return 4 predictions per token, which the generic path refuses at load"
+    ),
     "gemma4": dict(
         text_config=dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
     ),
     "gemma4_assistant": Excluded(_ASSISTANT),
     "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
-    "gemma3n": Excluded("its vision tower needs timm, which is not installed"),
+    "gemma4_unified_assistant": Excluded(_ASSISTANT),
     "glm4_moe_lite": _MLA,
     "glm_moe_dsa": _MLA,
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "granitemoehybrid": _MAMBA2,
+    "hrm_text": Excluded(
+        "a hierarchical recurrent model: two layer stacks run in loops, no list of num_hidden_layers layers"
+    ),
+    "hy_v4": Excluded(_HYPER.format(n=4)),
+    "inkling2_loop_text": Excluded(_INKLING),
+    "inkling2_text": Excluded(_INKLING),
+    "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
     "kolibri1_1": dict(head_dim=16, index_num_heads=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": Excluded(
@@ -136,45 +157,24 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     ),
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),
     "minicpm3": _MLA,
+    "mllama": Excluded(_TEXT_ONLY_SAVE.format(t="mllama_text_model")),
     "musicgen": Excluded("a text-to-audio model: its decoder reads several codebooks per step"),
     "musicgen_melody": Excluded(
         "a text-to-audio model: its decoder reads several codebooks per step"
     ),
-    "sarvam_mla": _MLA,
-    "rembert": dict(input_embedding_size=32, output_embedding_size=32),  # drafter: hidden-wide
-    "xlnet": Excluded(
-        "a permutation LM: its layers run sequence-first and attend both ways (refused at load)"
-    ),
-    "xmod": Excluded("its forward needs a language adapter chosen first (set_default_language)"),
-    "youtu": _MLA,
-    "gemma4_unified_assistant": Excluded(_ASSISTANT),
-    "cpmant": Excluded(
-        "its forward prepends learned prompt positions to every input: its layers see more rows than tokens"
-    ),
-    "dbrx": Excluded(
-        "its tiny checkpoint does not load back (transformers reports mismatched expert shapes)"
-    ),
-    "deepseek_v4": Excluded(_HYPER.format(n=4)),
-    "emu3": Excluded(_TEXT_ONLY_SAVE.format(t="emu3_text_model")),
-    "falcon_h1": Excluded(_SLOW.format(what="its Mamba2 layers", s=50)),
-    "gemma3n_text": Excluded(
-        "AltUp: its layers return 4 predictions per token, which the generic path refuses at load"
-    ),
-    "hrm_text": Excluded(
-        "a hierarchical recurrent model: two layer stacks run in loops, no list of num_hidden_layers layers"
-    ),
-    "hy_v4": Excluded(_HYPER.format(n=4)),
-    "inkling2_loop_text": Excluded(_INKLING),
-    "inkling2_text": Excluded(_INKLING),
-    "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
-    "mllama": Excluded(_TEXT_ONLY_SAVE.format(t="mllama_text_model")),
     "qwen4_exp": Excluded(_WIDER),
     "qwen4_exp_text": Excluded(_WIDER),
     "reformer": Excluded(
         "LSH and axial-position attention: inputs must be padded to its chunk length, so a layer sees the padding"
     ),
+    "rembert": dict(input_embedding_size=32, output_embedding_size=32),  # as electra
+    "sarvam_mla": _MLA,
     "xlm": dict(causal=True),
-    "electra": dict(embedding_size=32),  # the drafter shares embeddings of hidden width
+    "xlnet": Excluded(
+        "a permutation LM: its layers run sequence-first and attend both ways (refused at load)"
+    ),
+    "xmod": Excluded("its forward needs a language adapter chosen first (set_default_language)"),
+    "youtu": _MLA,
     "zamba": dict(layers_block_type=["mamba", "hybrid"]),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     "zaya": dict(num_experts_per_tok=1),
