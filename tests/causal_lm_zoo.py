@@ -259,15 +259,26 @@ def readme_section() -> str:
 
     table = zoo_table()
     trains = [t for t, (status, _) in table.items() if status == "trains"]
-    refused = [t for t, (status, _) in table.items() if status == "refused"]
+    refused: dict[str, list[str]] = {}  # start-up's line without the model_type -> the types
+    for t, (status, why) in table.items():
+        if status == "refused":
+            refused.setdefault(
+                why.split(";")[0].replace(f"target model_type '{t}' ", ""), []
+            ).append(t)
     excluded = [(t, why) for t, (status, why) in table.items() if status == "excluded"]
     lines = [
         f"With transformers {transformers.__version__}, {len(trains)} of its {len(table)} "
         "causal-LM `model_type`s train 3 steps on the CPU from a tiny random config "
-        "(tests/targets/test_every_causal_lm.py). "
-        f"Refused at start-up as encoder-decoders ({len(refused)}): "
-        + ", ".join(f"`{t}`" for t in refused)
-        + f". Not trained by the test ({len(excluded)}):",
+        "(tests/targets/test_every_causal_lm.py).",
+        "",
+        *[
+            f"Refused at start-up ({len(types)}), each {why}: "
+            + ", ".join(f"`{t}`" for t in types)
+            + "."
+            for why, types in refused.items()
+        ],
+        "",
+        f"Not trained by the test ({len(excluded)}):",
         "",
         *[f"- `{t}`: {why}" for t, why in excluded],
     ]
