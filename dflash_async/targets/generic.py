@@ -222,11 +222,14 @@ def embedding_weights(
     some families' names on save) loads the model on the host and takes them from it.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from dflash_async.targets.generic_config import causal_lm_auto_class
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    auto = causal_lm_auto_class(config)
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+        meta = auto.from_config(config)
     names: dict[int, list[str]] = {}
     for name, param in meta.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -245,6 +248,6 @@ def embedding_weights(
     if embed is not None:
         lm_head = read(head_names)
         return embed, embed if lm_head is None else lm_head
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    model = auto.from_pretrained(folder, local_files_only=True, dtype=dtype)
     weights = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
     return tuple(w.detach().to(device) for w in weights)  # type: ignore[return-value]

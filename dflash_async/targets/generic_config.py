@@ -3,8 +3,8 @@ generic family, targets/generic.py): what cannot work is refused with one line b
 loads, everything else transformers builds as a decoder LM is accepted.
 
 Refused: a model_type the installed transformers does not know (its config cannot even be read),
-an encoder-decoder, and a config no causal-LM class takes (neither AutoModelForCausalLM nor,
-for a multimodal wrapper, its language model or AutoModelForImageTextToText). A model whose
+an encoder-decoder, and a config no causal-LM class takes (neither AutoModelForCausalLM nor
+AutoModelForImageTextToText, which holds the multimodal wrappers and Mistral 4's text model). A model whose
 layers give no hidden states, or that is not causal, is found by the probe at load
 (targets/generic.py) and refused there.
 """
@@ -50,10 +50,24 @@ def generic_problem(config: Any) -> str | None:
     kinds = {model_type, getattr(text, "model_type", None)}
     if kinds & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         return None
-    if text is not None and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:  # a wrapper, or Mistral 4
         return None
     return (
         f"target model_type {model_type!r} has no causal-LM class in transformers "
         f"{transformers.__version__} (neither AutoModelForCausalLM nor a multimodal wrapper's "
         "language model loads it)"
     )
+
+
+def causal_lm_auto_class(config: Any) -> type:
+    """The auto class that builds `config`'s whole causal LM: AutoModelForCausalLM, or for a
+    model_type transformers registers only as an image-text-to-text model (Mistral 4's text
+    model, Mistral4ForCausalLM) AutoModelForImageTextToText."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText

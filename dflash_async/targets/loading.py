@@ -39,6 +39,7 @@ from dflash_async.targets.config_readers import is_wrapper, text_config_of
 from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.generic import find_decoder_layers
+from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.quantized import (
     WeightFormat,
     fp8_sources,
@@ -162,7 +163,7 @@ def _load_model(
         return load_dequantized(folder, config, dtype=dtype, wrapper_keys=_WRAPPER_KEYS)
     if is_wrapper(config):
         return _load_language_model(folder, config, device=device, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(
+    return causal_lm_auto_class(config).from_pretrained(
         folder, local_files_only=True, dtype=dtype, **_device_map(device)
     )
 

@@ -206,3 +206,37 @@ async def test_a_generic_state_space_target_trains_and_its_run_evaluates_lossles
     assert len([e for e in events if e["event"] == "step"]) == 3
     (final,) = [e for e in events if e["event"] == "eval"]
     assert final["num_samples"] == 2 and final["tau"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_text_model_registered_only_as_image_text_to_text_trains(tmp_path: Path) -> None:
+    """Mistral 4's text model (Mistral4ForCausalLM) is in transformers' image-text-to-text
+    mapping only: start-up accepts it and loading builds it through that auto class."""
+    from test_architectures import arch_env, run_logged
+    from tiny_run import write_pretokenized
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+
+    from dflash_async.targets.tiny import tiny_tokenizer
+
+    config = CONFIG_MAPPING["mistral4"](**_mistral4_shape())
+    assert unsupported_reason(config) is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(tmp_path / "mistral4")
+    tiny_tokenizer().save_pretrained(tmp_path / "mistral4")
+    data = write_pretokenized(tmp_path / "data.jsonl", records=12, vocab=VOCAB)
+    env = arch_env({"data": str(data), "prompts": ""}, tmp_path / "mistral4", tmp_path / "out")
+    env |= {"DFLASH_DRAFTER__MASK_TOKEN_ID": "5", "DFLASH_EVAL__AT_END": "false"}
+    code, events = await run_logged(env)
+    assert code == 0 and len([e for e in events if e["event"] == "step"]) == 3
+
+
+def _mistral4_shape() -> dict:
+    """tiny_config's shape for a type outside the causal-LM mapping (the zoo covers that one)."""
+    from causal_lm_zoo import COMMON, _shaped
+    from transformers import CONFIG_MAPPING
+
+    return _shaped(CONFIG_MAPPING["mistral4"], COMMON, {"num_key_value_heads": 4})
