@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from dflash_async.eval.block_masks import layer_masks
 from dflash_async.eval.lossless import GreedyResult, SpecResult, cut_at_stop
+from dflash_async.eval.recompute import decodes_by_recompute
 from dflash_async.eval.selector import draft_confidence, draft_tokens
 from dflash_async.eval.speculative import cache_kwarg, captured_layers
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
@@ -48,6 +49,8 @@ ALTERNATIVES = 3  # the target's next choices kept per greedy token (numerical-t
 
 def batched_unsupported_reason(target: PreTrainedModel) -> str | None:
     """Why `target` cannot use the batched decoder (None: it can)."""
+    if decodes_by_recompute(target):
+        return "its family decodes by recomputation (no cache rule: eval/recompute.py)"
     if is_hybrid(target):
         return "linear-attention layers (their state cannot be written per row)"
     implementation = text_config(target)._attn_implementation

@@ -33,6 +33,7 @@ from dflash_async.eval.batched_decoding import (
     cache_capacity,
 )
 from dflash_async.eval.lossless import GreedyResult, SpecResult, check_lossless
+from dflash_async.eval.recompute import decodes_by_recompute
 from dflash_async.eval.sampling import Sampler, SamplingOptions
 from dflash_async.eval.speculative import greedy_generate, speculative_generate
 from dflash_async.log import get_logger
@@ -47,6 +48,8 @@ _LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
 
 def evaluation_unsupported_reason(target: PreTrainedModel) -> str | None:
     """Why speculative decoding cannot verify `target` exactly; None when it can."""
+    if decodes_by_recompute(target):  # any causal architecture (eval/recompute.py)
+        return None
     config = getattr(target.config, "text_config", None) or target.config
     unknown = set(getattr(config, "layer_types", None) or ()) - _LAYER_TYPES
     return f"layer types {sorted(unknown)} have no exact verification" if unknown else None

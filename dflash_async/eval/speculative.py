@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from dflash_async.eval import hybrid_state
+from dflash_async.eval import hybrid_state, recompute
 from dflash_async.eval.block_masks import layer_masks
 from dflash_async.eval.lossless import (
     GreedyResult,
@@ -233,7 +233,7 @@ def _decode_start(
     device = next(target.parameters()).device
     prompt = _prompt_tensor(prompt_ids, device)
     suppress = _suppress_tensor(suppress_token_ids, device)
-    return prompt, eos_set(eos_token_id), suppress, hybrid_state.decoding_cache(target.config)
+    return prompt, eos_set(eos_token_id), suppress, recompute.decoding_state(target)
 
 
 @torch.no_grad()
@@ -252,8 +252,8 @@ def greedy_generate(
     cache_kw = cache_kwarg(target)
     ids, tokens, runner_up, margins = prompt, [], [], []
     while len(tokens) < max_new_tokens and not eos.intersection(tokens[-1:]):
-        out = target(input_ids=ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=1)
-        logits = _suppressed(out.logits[0, -1].float(), suppress)  # [V]
+        out = recompute.target_forward(target, ids, cache, logits_to_keep=1, cache_kw=cache_kw)
+        logits = _suppressed(out[0, -1].float(), suppress)  # [V]
         token = logits.argmax()
         second = logits.index_fill(0, token[None], float("-inf")).argmax()
         # Sync point: the next input token is needed on the host (one per generated token).
@@ -276,14 +276,12 @@ def _target_step(
     logits_to_keep: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached target forward -> (logits [m, V], features [n, k*d] of the n input tokens)."""
-    out = target(
-        input_ids=ids,
-        **{cache_kwarg(target): cache},
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
+    logits = recompute.target_forward(
+        target, ids, cache, logits_to_keep=logits_to_keep, cache_kw=cache_kwarg(target)
     )
-    features = torch.cat([outputs[i][0] for i in layer_ids], dim=-1)  # [n, k*d]
-    return out.logits[0].float(), features
+    # the last n rows: all of them after a cached forward, the new ones after a recomputation
+    features = torch.cat([outputs[i][0, -ids.shape[1] :] for i in layer_ids], dim=-1)  # [n, k*d]
+    return logits[0].float(), features
 
 
 def _verify(
@@ -322,7 +320,9 @@ def _roll_back(
     """Linear-attention states as if the target had seen only `committed` after `position`."""
     hybrid_state.restore_linear_states(snapshot)
     hybrid_state.crop_attention(cache, position)
-    target(input_ids=committed, **{cache_kwarg(target): cache}, use_cache=True, logits_to_keep=1)
+    recompute.target_forward(
+        target, committed, cache, logits_to_keep=1, cache_kw=cache_kwarg(target)
+    )
 
 
 @torch.no_grad()
@@ -372,7 +372,7 @@ def speculative_decode(
             if snapshot is not None and accepted + 1 < block.shape[1]:
                 _roll_back(target, cache, snapshot, position, block[:, : accepted + 1])
             # keeps the anchor and the accepted drafts
-            hybrid_state.crop_attention(cache, position + accepted + 1)
+            recompute.crop(cache, position + accepted + 1)
             drafter.extend_context(features[: accepted + 1], new_positions)
             position += accepted + 1
     return SpecResult(cut_at_stop(tokens, max_new_tokens, eos), accepted_lengths, confidence)

@@ -16,8 +16,14 @@ from typing import Any
 from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
 from dflash_async.model.kinds.interface import with_fields
 from dflash_async.model.layer_rules import AttentionRule, layer_rule_problem, layer_rules
-from dflash_async.targets.config_readers import layer_attribute, text_config_of
-from dflash_async.targets.families import attention_head_dim, dense_mlp_width
+from dflash_async.targets.config_readers import text_config_of
+from dflash_async.targets.families import (
+    attention_head_dim,
+    attention_heads,
+    dense_mlp_width,
+    key_value_heads,
+    norm_eps,
+)
 
 # DFlash mask tokens: an existing, otherwise unused token id of the target's vocabulary.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -218,24 +224,25 @@ def drafter_config_from_target(
     """Derive a drafter config from a target's HF config; `overrides` replace any field."""
     cfg = text_config_of(target_config)  # multimodal wrappers: the language model's
     num_target_layers = cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
+    heads = attention_heads(cfg)
     rope_theta = getattr(cfg, "rope_theta", None)
     if rope_theta is None:  # transformers 5 keeps it in rope_parameters
         rope = getattr(cfg, "rope_parameters", None) or {}
         # Gemma 3/4 keep one per layer type: the drafter attends over the whole context, as
         # the full-attention layers do
-        rope = rope.get("full_attention", rope)
-        rope_theta = rope.get("rope_theta", 10000.0)
+        rope = rope.get("full_attention") or rope
+        # a model without rotary positions (GPT-2, Mamba: the generic family) has none at all
+        rope_theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     if mask_token_id is None:
         mask_token_id = QWEN35_MASK_TOKEN_ID if cfg.vocab_size > 200_000 else QWEN3_MASK_TOKEN_ID
     config = DrafterConfig(
         hidden_size=cfg.hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=heads,
-        num_key_value_heads=layer_attribute(cfg, "num_key_value_heads") or heads,
+        num_key_value_heads=key_value_heads(cfg),
         head_dim=attention_head_dim(cfg),
         intermediate_size=dense_mlp_width(cfg),
-        rms_norm_eps=cfg.rms_norm_eps,
+        rms_norm_eps=norm_eps(cfg),
         rope_theta=float(rope_theta),
         vocab_size=cfg.vocab_size,
         num_target_layers=num_target_layers,

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
-from dflash_async.targets.config_readers import experts_per_token, layer_attribute
-from dflash_async.targets.families import attention_head_dim, routed_expert_width
+from dflash_async.targets.config_readers import experts_per_token
+from dflash_async.targets.families import (
+    attention_head_dim,
+    attention_heads,
+    dense_mlp_width,
+    key_value_heads,
+    routed_expert_width,
+)
 
 H200_BF16_PEAK_FLOPS = 780e12  # measured dense bf16 matmul peak (docs/GPU.md)
 
@@ -66,19 +72,20 @@ def target_forward_flops(
     projections and the MLP (2 FLOPs per weight; MoE: the routed experts a token uses plus a
     shared expert when the config has one); attention: QK^T and PV over `attention_pairs` visible
     (query, key) pairs summed over the pack (document-causal: n(n+1)/2 per document). Embedding
-    lookups, norms and the lm_head (never run: early exit) are not counted. Linear-attention
+    lookups, norms and the lm_head (never run: early exit) are not counted. A generic-family
+    config is counted as if its layers were attention + MLP ones of its shape (an estimate). Linear-attention
     layers of hybrid targets are counted as full attention (an over-count of their
     attention term, which is ~1% of the total at 700-token documents).
     """
-    d, heads = config.hidden_size, config.num_attention_heads
-    kv_heads = layer_attribute(config, "num_key_value_heads") or heads
+    d, heads = config.hidden_size, attention_heads(config)
+    kv_heads = key_value_heads(config)
     head_dim = attention_head_dim(config)
     experts = experts_per_token(config)
     if experts:
         ffn = experts * routed_expert_width(config)
         ffn += getattr(config, "shared_expert_intermediate_size", 0) or 0
-    else:
-        ffn = config.intermediate_size
+    else:  # a dense intermediate_size (4x hidden for a generic config without one)
+        ffn = dense_mlp_width(config)
     weights = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + 3 * d * ffn
     attention = 2 * 2 * heads * head_dim * attention_pairs
     return float(layers_run * (2 * weights * tokens + attention))

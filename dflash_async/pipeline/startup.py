@@ -57,6 +57,7 @@ from dflash_async.stages.read import Plan, first_epoch, plan_run
 from dflash_async.stages.train import DrafterRunner, drafter_step_on
 from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.families import unsupported_reason
+from dflash_async.targets.generic_config import unknown_model_type
 from dflash_async.targets.loading import TargetError, load_target_tokenizer
 from dflash_async.targets.mask_token import mask_token
 
@@ -203,10 +204,10 @@ def resolve_inputs(spec: RunSpec, log) -> RunInputs:
 
 
 def check_target_config(target_path: str) -> None:
-    """The target checks that need neither a model nor transformers, from config.json as JSON:
-    it exists and parses, and its model_type and quantization are in targets/families.py's
-    table (a model_type transformers does not know is named as unsupported, not as an unreadable
-    config). TargetError or SettingsError (exit 2)."""
+    """The target checks that need no model, from config.json as JSON: it exists and parses,
+    transformers knows its model_type (else the line names the installed version), and
+    targets/families.py's table or the generic path can run it with its quantization.
+    TargetError or SettingsError (exit 2)."""
     config_file = Path(target_path) / "config.json"
     if not config_file.is_file():
         raise TargetError(f"target folder {target_path!r} has no config.json")
@@ -216,18 +217,25 @@ def check_target_config(target_path: str) -> None:
         raise TargetError(f"cannot read {config_file}: {e}") from e
     if not isinstance(raw, dict):
         raise TargetError(f"{config_file} is not a JSON object")
+    unknown = unknown_model_type(target_path)
+    if unknown:
+        raise SettingsError(f"{unknown}; DFLASH_TARGET__PATH={target_path!r}")
     unsupported = unsupported_reason(SimpleNamespace(**raw))
     if unsupported:
         raise SettingsError(f"{unsupported}; DFLASH_TARGET__PATH={target_path!r}")
 
 
 def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> DrafterConfig:
-    """The drafter's shapes from the target's config.json and the drafter's own settings; an
-    architecture outside targets/families.FAMILIES is SettingsError (exit 2) naming it.
+    """The drafter's shapes from the target's config.json and the drafter's own settings; a
+    target no family or the generic path can run (targets/families.unsupported_reason), or
+    whose model_type transformers does not know, is SettingsError (exit 2) naming it.
     The mask token, unless set, is the target tokenizer's (targets/mask_token.py; the built-in
     target's `<|mask|>` by its first rule), logged with the rule that chose it."""
     if Path(target_path).is_dir() and not (Path(target_path) / "config.json").is_file():
         raise TargetError(f"target folder {target_path!r} has no config.json")
+    unknown = unknown_model_type(target_path) if Path(target_path).is_dir() else None
+    if unknown:
+        raise SettingsError(f"{unknown}; DFLASH_TARGET__PATH={target_path!r}")
     try:
         target_config = AutoConfig.from_pretrained(target_path, local_files_only=True)
     except (OSError, ValueError) as e:

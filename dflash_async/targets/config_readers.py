@@ -10,6 +10,7 @@ name no family. Per-layer attributes (Gemma 4's head_dim) and MoE configs withou
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,9 @@ def layer_attribute(cfg: Any, name: str, default: Any = None) -> Any:
     return Counter(values).most_common(1)[0][0]
 
 
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+
+
 def experts_per_token(cfg: Any) -> int:
     """Routed experts a token runs through (0 for a dense target)."""
     return getattr(cfg, "num_experts_per_tok", None) or 0
@@ -93,6 +97,29 @@ class ConfigReader:
     expert_width: str = "moe_intermediate_size"
     latent_attention: bool = False
 
+    def attention_heads(self, cfg: Any) -> int:
+        """The drafter's attention heads: the target's, or for a config without any (Mamba,
+        RWKV: the generic family) heads of gcd(hidden, 128) dims, the common 128 where hidden
+        allows it."""
+        heads = layer_attribute(cfg, "num_attention_heads")
+        if isinstance(heads, int) and heads > 0:
+            return heads
+        return cfg.hidden_size // math.gcd(cfg.hidden_size, 128)
+
+    def key_value_heads(self, cfg: Any) -> int:
+        """The drafter's KV heads: the target's where they divide its heads, else its heads."""
+        heads, kv = self.attention_heads(cfg), layer_attribute(cfg, "num_key_value_heads")
+        return kv if isinstance(kv, int) and kv > 0 and heads % kv == 0 else heads
+
+    def norm_eps(self, cfg: Any) -> float:
+        """The drafter's RMSNorm epsilon: the target's norm epsilon, whatever the field's name
+        (GPT-2's layer_norm_epsilon, BERT's layer_norm_eps...), else 1e-6."""
+        for name in _EPS_FIELDS:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                return float(value)
+        return 1e-6
+
     def head_dim(self, cfg: Any) -> int:
         """The head dimension the drafter's (GQA) attention copies from the target.
 
@@ -101,17 +128,20 @@ class ConfigReader:
         for DeepSeek-V3): q_proj stays d -> d as in the targets z-lab drafts for, where 192 x 128
         heads would make every projection 3.4x wider than the hidden size for no measured gain.
         """
-        heads = cfg.num_attention_heads
+        heads = self.attention_heads(cfg)
         latent = getattr(cfg, "qk_rope_head_dim", None) is not None and getattr(
             cfg, "kv_lora_rank", None
         )
         if self.latent_attention and latent:
             return cfg.hidden_size // heads
-        return layer_attribute(cfg, "head_dim") or cfg.hidden_size // heads
+        head_dim = layer_attribute(cfg, "head_dim")
+        return head_dim if isinstance(head_dim, int) and head_dim > 0 else cfg.hidden_size // heads
 
     def routed_expert_width(self, cfg: Any) -> int:
-        """The FFN width of one routed expert (MoE configs)."""
-        return getattr(cfg, self.expert_width)
+        """The FFN width of one routed expert (MoE configs); a config without the field (Mixtral,
+        OLMoE: the generic family) names it `intermediate_size`."""
+        width = getattr(cfg, self.expert_width, None) or layer_attribute(cfg, "intermediate_size")
+        return width if isinstance(width, int) and width > 0 else 4 * cfg.hidden_size
 
     def dense_mlp_width(self, cfg: Any) -> int:
         """The drafter's dense MLP width (its layers are dense Qwen3-style, as z-lab's released
@@ -124,10 +154,12 @@ class ConfigReader:
         hidden 2880): the drafter then spends per token what the target's MLP does, and stays
         near the usual 2-4x of the hidden size, which a per-expert width (often < hidden) would
         not.
+        A config with neither (GPT-2's n_inner None, Mamba: the generic family) gets 4x hidden.
         """
         dense_field_is_expert = self.expert_width == "intermediate_size"
         dense = None if dense_field_is_expert else layer_attribute(cfg, "intermediate_size")
-        if dense:
-            return int(dense)
+        if isinstance(dense, int) and dense > 0:
+            return dense
         shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-        return experts_per_token(cfg) * self.routed_expert_width(cfg) + shared
+        routed = experts_per_token(cfg) * (getattr(cfg, self.expert_width, None) or 0) + shared
+        return int(routed) if routed > 0 else 4 * cfg.hidden_size

@@ -3,6 +3,7 @@
 A drafter reuses the target's `embed_tokens` and `lm_head` as frozen tensors. Its worker reads
 just those two tensors from the checkpoint files (a sharded checkpoint's index names the file of
 each), so a drafter on a GPU without a target worker never holds a second copy of the target.
+A generic target's tensor names are its model's own (targets/generic.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def load_frozen_embeddings(
         with safe_open(files[name], framework="pt") as f:
             return f.get_tensor(name).to(device=device, dtype=dtype)
 
+    if not any(n in files for n in EMBED_NAMES):  # a generic target's own names
+        from dflash_async.targets.generic import embedding_weights
+
+        return embedding_weights(folder, files, device=device, dtype=dtype)
     embed = read(EMBED_NAMES)
     if embed is None:
         raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")

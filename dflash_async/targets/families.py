@@ -1,5 +1,7 @@
 """targets/families.py owns the target families: ONE table, model_type -> `Family`, holding all a
-family differs in. Start-up accepts exactly its model_types (anything else exits 2 naming it,
+family differs in, and `GENERIC`, the family of every other model_type transformers builds as a
+decoder LM (its own HF forward per document: targets/generic.py). Start-up accepts the table's
+model_types and every other one the generic path can run (anything else exits 2 naming why,
 `unsupported_reason`); the README's target table is generated from it (forward.py's
 `architecture_table`); `select_target_forward` takes the family's packed path from it.
 
@@ -30,6 +32,7 @@ from dflash_async.targets.config_readers import (
     quant_dict,
     quant_method_of,
 )
+from dflash_async.targets.generic_config import generic_problem
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
     mla_attention_block,
@@ -72,12 +75,16 @@ class Decoding:
       tokens (eval/hybrid_state.py); the batched decoder cannot write that state per row.
     sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
-    eval/ reads both from the cache's layers and `layer_types` (an exact per-config answer);
+    recompute: no cache at all: every target forward of the decoder runs the whole sequence
+      (any architecture is exact that way; quadratic in the length: eval/recompute.py). The
+      generic family's, whose caches may be anything (Mamba states, RWKV states, ...).
+    eval/ reads linear_state and sliding_window from the cache's layers and `layer_types` (an exact per-config answer);
     tests/targets/test_families.py checks each family's entry against that.
     """
 
     linear_state: bool = False
     sliding_window: bool = False
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ class Family:
     refusing (HF fallback) where its layers or the device do not fit. decoding: its cache rules.
     language_model: a wrapper's text model_type (None: the config is the text config).
     quant_methods: quant_methods read for this family only (gpt-oss's MXFP4 experts).
+    documents_alone: the HF fallback runs each document alone, unpadded (targets/generic.py),
+      not in right-padded batches (the generic family: padding is exact only where the
+      attention mask is known to hide it).
     """
 
     label: str
@@ -98,6 +108,7 @@ class Family:
     decoding: Decoding
     language_model: str | None = None
     quant_methods: frozenset[str] = frozenset()
+    documents_alone: bool = False
 
     def wrapped(self, *, label: str, language_model: str) -> Family:
         """This (text) family's multimodal wrapper: its forward is this family's."""
@@ -245,26 +256,42 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
 )
 
 
-def family_of(config: Any) -> Family | None:
+# Every other model_type transformers builds as a decoder LM: its own HF forward, one document
+# at a time (targets/generic.py), decoded by recomputation; refused only where that cannot work
+# (targets/generic_config.py). The README's last row.
+GENERIC = Family(
+    label="any other decoder LM transformers loads",
+    planned="HF forward per document (exact, generic; no packed forward)",
+    reader=ConfigReader(),
+    forward=NoPackedPath(),
+    decoding=Decoding(recompute=True),
+    documents_alone=True,
+)
+GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
+
+
+def family_of(config: Any) -> Family:
     """The Family of `config`'s model_type (a wrapper's own; pass the text config for its
-    language model's), None when it is not one of FAMILIES."""
-    return FAMILIES.get(getattr(config, "model_type", None))
+    language model's): its entry in FAMILIES, else GENERIC."""
+    return FAMILIES.get(getattr(config, "model_type", None), GENERIC)
 
 
 def planned_path(model_type: str) -> str:
     """The forward `select_target_forward` takes for a model_type whose layers have the usual
     shape, in words (the README's table; the run logs the real choice as target_path_chosen)."""
-    family = FAMILIES.get(model_type)
-    return family.planned if family else HF_PLANNED
+    return FAMILIES.get(model_type, GENERIC).planned
 
 
 def unsupported_reason(config: Any) -> str | None:
-    """None for a supported target config, else one line naming its model_type, or its
-    quantization_config's quant_method, and what is supported."""
+    """None for a supported target config, else one line naming its model_type (what cannot
+    work on the generic path: targets/generic_config.py), or its quantization_config's
+    quant_method, and what is supported."""
     model_type = getattr(config, "model_type", None)
-    if model_type in FAMILIES:
-        return quantization_problem(config)
-    return f"target model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+    if model_type not in FAMILIES:
+        problem = generic_problem(config)
+        if problem:
+            return problem
+    return quantization_problem(config)
 
 
 def quantization_problem(config: Any) -> str | None:
@@ -290,9 +317,23 @@ def quantization_problem(config: Any) -> str | None:
 
 
 def _reader(cfg: Any) -> ConfigReader:
-    """The family's reader options; a config outside FAMILIES (tests, benches) gets the defaults."""
-    family = family_of(cfg)
-    return family.reader if family else ConfigReader()
+    """The family's reader options (GENERIC's, the defaults, outside FAMILIES)."""
+    return family_of(cfg).reader
+
+
+def attention_heads(cfg: Any) -> int:
+    """The drafter's attention heads for the text config `cfg` (ConfigReader.attention_heads)."""
+    return _reader(cfg).attention_heads(cfg)
+
+
+def key_value_heads(cfg: Any) -> int:
+    """The drafter's KV heads for the text config `cfg` (ConfigReader.key_value_heads)."""
+    return _reader(cfg).key_value_heads(cfg)
+
+
+def norm_eps(cfg: Any) -> float:
+    """The drafter's RMSNorm epsilon for the text config `cfg` (ConfigReader.norm_eps)."""
+    return _reader(cfg).norm_eps(cfg)
 
 
 def attention_head_dim(cfg: Any) -> int:

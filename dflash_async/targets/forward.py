@@ -23,6 +23,8 @@ extents on the host; the packed paths never look at it.
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
   1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);
   `experts="hf"` keeps HF's call (bench target's reference row).
+- `hf` for the generic family (any model_type outside the table, targets/generic.py): the
+  model's own HF forward on each document alone, unpadded, hooks on its decoder layers.
 - `hf`: anything else (hybrids on the CPU or without fla too): the HF forward on
   right-padded 2-D batches of whole documents, each document alone in its row, so it is exact for
   every architecture (no recurrent or convolution state crosses a document).
@@ -39,7 +41,8 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.errors import SettingsError
-from dflash_async.targets.families import FAMILIES, family_of
+from dflash_async.targets.families import FAMILIES, GENERIC, GENERIC_ROW, family_of
+from dflash_async.targets.generic import GenericForward
 from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.targets.packed_dense import FLEX_TILE, PackedDenseForward
@@ -76,11 +79,16 @@ class HFPaddedForward:
         return features
 
 
+GENERIC_HOW = "no family here; the generic HF forward, each document alone and unpadded"
+
+
 def architecture_table() -> str:
-    """The README's table of supported targets (targets/families.py), one row per model_type."""
+    """The README's table of supported targets (targets/families.py), one row per model_type
+    and the generic family's last."""
     rows = [
         f"| `{kind}` | {family.label} | {family.planned} |" for kind, family in FAMILIES.items()
     ]
+    rows.append(f"| `{GENERIC_ROW}` | {GENERIC.label} | {GENERIC.planned} |")
     return "\n".join(["| model_type | family | target forward |", "|---|---|---|", *rows])
 
 
@@ -170,9 +178,12 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
     attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"
     model_type = text_config(model).model_type
     family = family_of(text_config(model))
-    path = family.forward if family else NoPackedPath()
-    if is_hybrid(model) and not (family and family.decoding.linear_state):
+    path = family.forward
+    if is_hybrid(model) and not family.decoding.linear_state:
         path = NoPackedPath(hybrid=True)  # linear-attention layers of a family without them
+    if family.documents_alone:  # the generic family: no packed path, any decoder layout
+        forward = GenericForward(model, layer_ids, max_batch_tokens)
+        return TargetPath(forward, "hf", f"model_type {model_type!r}: {GENERIC_HOW}")
     inner = text_model(model)
     refusal = path.refusal(inner, device, model_type=model_type, packed_hybrid=packed_hybrid)
     if refusal:

@@ -36,8 +36,10 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.targets.config_readers import is_wrapper, text_config_of
-from dflash_async.targets.families import quantization_problem
+from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
+from dflash_async.targets.generic import find_decoder_layers
+from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.quantized import (
     WeightFormat,
     fp8_sources,
@@ -161,7 +163,7 @@ def _load_model(
         return load_dequantized(folder, config, dtype=dtype, wrapper_keys=_WRAPPER_KEYS)
     if is_wrapper(config):
         return _load_language_model(folder, config, device=device, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(
+    return causal_lm_auto_class(config).from_pretrained(
         folder, local_files_only=True, dtype=dtype, **_device_map(device)
     )
 
@@ -237,7 +239,13 @@ def text_model(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The target's decoder layers, in order (Qwen3, Qwen3-MoE, Llama, Qwen3-Next, Qwen3.5)."""
+    """The target's decoder layers, in order (Qwen3, Qwen3-MoE, Llama, Qwen3-Next, Qwen3.5); for
+    the generic family the ones its forward hooks (targets/generic.py), whatever their name."""
+    if family_of(text_config(model)).documents_alone:
+        layers = find_decoder_layers(model)
+        if layers is None:
+            raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
+        return layers
     return text_model(model).layers
 
 

@@ -163,7 +163,7 @@ def test_the_mask_token_comes_from_the_targets_tokenizer() -> None:
     assert found.id == plain.convert_tokens_to_ids("<|reserved_1|>")
 
 
-def test_a_mask_token_outside_the_vocabulary_or_an_unknown_architecture_is_exit_2(
+def test_a_mask_token_outside_the_vocabulary_or_a_target_that_cannot_work_is_exit_2(
     tmp_path: Path,
 ) -> None:
     """Both refused at start-up with SettingsError (exit 2), naming what to change."""
@@ -183,6 +183,9 @@ def test_a_mask_token_outside_the_vocabulary_or_an_unknown_architecture_is_exit_
             spec.__class__(**{**spec.__dict__, "mask_token_id": 151669}), str(folder), False
         )
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
-    with pytest.raises(SettingsError, match=r"'gpt2' is not supported \(supported: llama"):
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "t5"}))
+    with pytest.raises(SettingsError, match=r"'t5' is an encoder-decoder"):
+        drafter_config_for(spec, str(folder), False)
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "brand_new_lm"}))
+    with pytest.raises(SettingsError, match=r"'brand_new_lm' is not known to the installed"):
         drafter_config_for(spec, str(folder), False)

@@ -20,7 +20,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.eval.hybrid_state import has_linear_layers
 from dflash_async.targets.config_readers import text_config_of
-from dflash_async.targets.families import FAMILIES, family_of, quantization_problem
+from dflash_async.targets.families import (
+    FAMILIES,
+    GENERIC,
+    GENERIC_ROW,
+    family_of,
+    quantization_problem,
+)
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target
 
@@ -82,7 +88,17 @@ def test_the_readme_table_rows_are_the_families() -> None:
     assert block is not None
     rows = [line.strip("|").split(" | ") for line in block[1].splitlines()[2:]]
     want = [[f" `{kind}`", family.label, f"{family.planned} "] for kind, family in FAMILIES.items()]
+    want.append([f" `{GENERIC_ROW}`", GENERIC.label, f"{GENERIC.planned} "])
     assert rows == want
+
+
+def test_any_other_model_type_is_the_generic_family_and_takes_the_generic_forward() -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64)
+    assert family_of(config) is GENERIC and GENERIC.decoding.recompute
+    path = select_target_forward(
+        random_target(config, seed=0), (0,), token_budget=64, max_batch_tokens=64
+    )
+    assert path.name == "hf" and "generic" in path.reason
 
 
 def test_every_text_family_has_a_tiny_config_here() -> None:

@@ -1,0 +1,68 @@
+"""Decoding without a cache, for targets whose family says so (the generic family:
+targets/families.py `Decoding.recompute`): every target forward runs the whole sequence so far.
+
+A generic target's cache may be anything (attention KV, Mamba or RWKV states, a model's own
+cache class) and only some can be cut back after a rejected draft. Recomputing needs none of
+that: `RecomputeCache` keeps the committed token ids, `target_forward` runs the model on them
+plus the new tokens with use_cache=False and returns the new tokens' logits, and `crop` drops
+ids. Exact for any causal architecture; the cost is quadratic in the sequence length (one full
+forward per verify step), the price of correctness where no cache rule is known.
+
+The decoders (speculative.py, the baseline) call `target_forward` and `crop` for every target:
+with an HF cache they are the cached forward and hybrid_state.crop_attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from dflash_async.eval import hybrid_state
+from dflash_async.targets.families import family_of
+from dflash_async.targets.loading import text_config
+
+
+class RecomputeCache:
+    """The committed token ids [1, n] of one sequence (no layer holds state)."""
+
+    layers: tuple = ()  # hybrid_state.has_linear_layers: nothing to snapshot
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+
+
+def decodes_by_recompute(target: PreTrainedModel) -> bool:
+    """The target's family decodes without a cache (Decoding.recompute)."""
+    return family_of(text_config(target)).decoding.recompute
+
+
+def decoding_state(target: PreTrainedModel):
+    """An empty decoding cache for `target`: RecomputeCache, or HF's (hybrid_state)."""
+    if decodes_by_recompute(target):
+        return RecomputeCache()
+    return hybrid_state.decoding_cache(target.config)
+
+
+def target_forward(
+    target: PreTrainedModel, ids: torch.Tensor, cache, *, logits_to_keep: int, cache_kw: str
+) -> torch.Tensor:
+    """Logits [1, m, V] of the last m (logits_to_keep; 0: all) of the new tokens `ids` [1, n],
+    the cache advanced by them."""
+    if not isinstance(cache, RecomputeCache):
+        out = target(
+            input_ids=ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=logits_to_keep
+        )
+        return out.logits
+    whole = ids if cache.ids is None else torch.cat([cache.ids, ids], dim=1)
+    logits = target(input_ids=whole, use_cache=False).logits  # [1, P+n, V]
+    cache.ids = whole
+    return logits[:, -(logits_to_keep or ids.shape[1]) :]
+
+
+def crop(cache, length: int) -> None:
+    """Drop committed positions >= length (attention KV; a RecomputeCache's ids)."""
+    if isinstance(cache, RecomputeCache):
+        if cache.ids is not None:
+            cache.ids = cache.ids[:, :length]
+        return
+    hybrid_state.crop_attention(cache, length)
