@@ -17,7 +17,18 @@ from dflash_async.targets.resolve import TargetError
 
 pytestmark = pytest.mark.timeout(60)
 # a family transformers may not know either: the refusal must name it from config.json alone
-UNKNOWN = {"model_type": "deepseek_v4", "hidden_size": 64, "num_hidden_layers": 2}
+# Configs no path can run, each refused from config.json alone: a model_type transformers does not
+# know, and an encoder-decoder (the generic path takes every decoder LM transformers builds).
+REFUSED = {
+    "unknown_model_type": (
+        {"model_type": "not_a_model_type", "hidden_size": 64, "num_hidden_layers": 2},
+        "model_type 'not_a_model_type' is not known to the installed transformers",
+    ),
+    "encoder_decoder": (
+        {"model_type": "t5", "is_encoder_decoder": True, "d_model": 64, "num_layers": 2},
+        "encoder-decoder",
+    ),
+}
 
 
 def spec_for(target: Path, tmp_path: Path):
@@ -31,18 +42,20 @@ def spec_for(target: Path, tmp_path: Path):
     return run_spec(settings, visible_gpus=0)
 
 
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_an_unsupported_target_is_refused_before_the_demo_corpus_is_regenerated(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    config, message = REFUSED[case]
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps(UNKNOWN))
+    (target / "config.json").write_text(json.dumps(config))
     regenerated = []
     monkeypatch.setattr(
         "dflash_async.eval.regenerate.demo_corpus", lambda *a, **k: regenerated.append(a)
     )
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    with pytest.raises(SettingsError, match="model_type 'deepseek_v4' is not supported"):
+    with pytest.raises(SettingsError, match=message):
         resolve_inputs(spec_for(target, tmp_path), get_logger("test"))
     assert regenerated == []
     assert not (tmp_path / "cache").exists()  # nothing built
