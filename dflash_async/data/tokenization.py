@@ -83,6 +83,15 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
 
 
+def raw_text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of raw text (no chat template) as the tokenizer encodes it by default: with its
+    special tokens, so a Llama or sentencepiece tokenizer puts its BOS first, the input its model
+    was trained on (a base Llama continuing text without it drafts and decodes off its training
+    distribution). Chat renderings are encoded without them instead: the template writes its
+    own."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) -> tuple:
     """One raw record -> ("chat", text, char_mask) | ("ok", ids, mask) | (count name, why)."""
     try:

@@ -32,6 +32,7 @@ from dflash_async.data.formats import (
     iter_raw_records,
     parse_record,
 )
+from dflash_async.data.tokenization import raw_text_ids
 from dflash_async.eval.baseline import baseline_key, load_baseline, save_baseline
 from dflash_async.eval.evaluation import (
     DecodeSetup,
@@ -48,6 +49,7 @@ from dflash_async.eval.sampling import (
     sampling_options,
     temperatures,
 )
+from dflash_async.eval.teacher_forced import heldout_estimate
 from dflash_async.log import get_logger, progress
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
@@ -143,10 +145,11 @@ def prompt_token_ids(tokenizer: Any, record: dict[str, Any], *, enable_thinking:
     """The chat-templated prompt (add_generation_prompt=True) of a record, as token ids.
 
     Trailing assistant turns are dropped (they are what the target is asked to generate). A plain
-    prompt becomes one user message; without a chat template it is used as raw text.
+    prompt becomes one user message; without a chat template it is raw text, encoded as the
+    tokenizer does by default (its BOS first where it has one: data.tokenization.raw_text_ids).
     """
     if isinstance(record.get("prompt"), str) and not getattr(tokenizer, "chat_template", None):
-        return tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        return raw_text_ids(tokenizer, record["prompt"])
     if isinstance(record.get("prompt"), str):
         messages = [{"role": "user", "content": record["prompt"]}]
     else:
@@ -270,7 +273,8 @@ def evaluate(
             )
         )
     several = {"by_temperature": [_summary(r) for r in results]} if results[1:] else {}
-    return results[0] | several | {"baseline_cached": cached}
+    estimate = heldout_estimate(target, drafter, prompts, plain)
+    return results[0] | several | estimate | {"baseline_cached": cached}
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:

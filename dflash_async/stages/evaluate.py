@@ -50,6 +50,7 @@ from dflash_async.eval.evaluation import (
 from dflash_async.eval.lossless import LosslessError, tie_tolerance_for
 from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.eval.sampling import SamplingOptions, sampled_or_none
+from dflash_async.eval.teacher_forced import heldout_estimate
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.kinds import kind_of
 from dflash_async.runtime.devices import DeviceWorker
@@ -179,6 +180,9 @@ class InRunEvaluator:
             plain, plain_s, cached = await self._plain()
             factories = speculative_decoders(self.setup, self.copy, self.copy.config)
             spec, spec_s = await self._jobs(factories)
+            estimate = await self.target_worker.run(
+                heldout_estimate, self.setup.target, self.copy, self.setup.prompts, plain
+            )
         finally:
             self.running.set()
             self.running = None
@@ -206,7 +210,7 @@ class InRunEvaluator:
             )
             return {}
         write_jsonl(result.pop("samples"), self.folder / f"step-{step}.jsonl")
-        summary = result | timing
+        summary = result | estimate | timing
         self.log.info("eval", step=step, num_prompts=len(self.setup.prompts), **summary)
         return summary
 
