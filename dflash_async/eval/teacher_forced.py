@@ -58,7 +58,7 @@ def anchor_drafts(
     *,
     anchors_per_pass: int = 64,
 ) -> torch.Tensor:
-    """Drafts [n, B-1] of the blocks [x_p, MASK x (B-1)] at every anchor p in
+    """Drafts [n, drafts_per_block] of the blocks [x_p, MASK x (B-1)] at every anchor p in
     [first_anchor, len(sequence) - 1), each block seeing the target's features of x_{<p} only
     (the training layout, DFLASH.md s.2, and what decoding sees at p); the drafter kind's drafts
     (the unary argmax, or DFlash2's selector walk), as decoding drafts them."""
@@ -73,7 +73,8 @@ def anchor_drafts(
     positions = torch.arange(L, device=device)
     doc_ids = torch.zeros(L, dtype=torch.long, device=device)  # one document
     slot = torch.arange(B, device=device)
-    drafts = [lm_head_weight.new_zeros(0, B - 1, dtype=torch.long)]
+    first = B - cfg.drafts_per_block  # the first slot that drafts (the kind's; DSpark's is 0)
+    drafts = [lm_head_weight.new_zeros(0, cfg.drafts_per_block, dtype=torch.long)]
     for start in range(first_anchor, L - 1, anchors_per_pass):
         anchors = torch.arange(start, min(start + anchors_per_pass, L - 1), device=device)  # [A]
         valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -86,7 +87,7 @@ def anchor_drafts(
         hidden = drafter(
             embed_weight[tokens.flatten()], block_positions, features, positions, attends
         ).view(anchors.shape[0], B, -1)
-        drafts.append(draft_tokens(drafter, hidden[:, 1:], lm_head_weight, ids[anchors]))
+        drafts.append(draft_tokens(drafter, hidden[:, first:], lm_head_weight, ids[anchors]))
     return torch.cat(drafts)
 
 
