@@ -18,6 +18,7 @@ most) and the logit transforms inside each CE chunk, as at inference (logit_tran
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -226,16 +227,19 @@ class DFlashObjective(nn.Module):
             return 1
         return anchor_multiple(self.config.block_size, self.config.flex_tile)
 
-    def ce_pass(self, *, reference: Callable, triton: str, **options) -> Callable:
-        """The CE chunk's elementwise pass for the resolved `self.ce_kernel`: ce_kernel.py's
-        function named `triton` (imported only then: it needs triton), else `reference`,
-        torch.compile'd where the config compiles; `options` are bound to either (both take the
-        same keywords). One place for the choice, so that a subclass asking for a pass with more
-        outputs (DFlash2's group maxima) chooses it exactly as DFlash's is chosen."""
+    def ce_pass(
+        self, *, reference: Callable, triton: str, kernel_module: str = "ce_kernel", **options
+    ) -> Callable:
+        """The CE chunk's elementwise pass for the resolved `self.ce_kernel`: the function named
+        `triton` of kernels/`kernel_module`.py (imported only then: it needs triton), else
+        `reference`, torch.compile'd where the config compiles; `options` are bound to either
+        (both take the same keywords). One place for the choice, so that a subclass asking for a
+        pass with more outputs (DFlash2's group maxima) or another loss (DSpark's) chooses it
+        exactly as DFlash's is chosen."""
         if self.ce_kernel == "triton":
-            from dflash_async.kernels import ce_kernel  # lazy: needs triton
-
-            return functools.partial(getattr(ce_kernel, triton), **options)
+            # lazy: a kernel module needs triton
+            kernels = importlib.import_module(f"dflash_async.kernels.{kernel_module}")
+            return functools.partial(getattr(kernels, triton), **options)
         fn = functools.partial(reference, **options)
         return torch.compile(fn, dynamic=False) if self.config.compile else fn
 

@@ -175,8 +175,9 @@ def _decay_from_slot_one(block_size, gamma, *, device):
     return torch.tensor(decay, dtype=torch.float64, device=device)
 
 
-def _target_not_detached(accept):
-    return accept
+def _sign_of_q_minus_p(p, q):
+    s = torch.sign(q - p)
+    return p * (s - (s * p).sum(-1, keepdim=True))
 
 
 @pytest.mark.parametrize(
@@ -186,7 +187,7 @@ def _target_not_detached(accept):
         ("markov_previous", _markov_from_label),
         ("distribution_l1", _l1_on_logits),
         ("position_decay", _decay_from_slot_one),
-        ("acceptance_target", _target_not_detached),
+        ("l1_logit_grad", _sign_of_q_minus_p),
     ],
 )
 def test_each_wrong_variant_is_caught(monkeypatch, name, mutant) -> None:

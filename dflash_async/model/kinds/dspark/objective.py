@@ -19,13 +19,18 @@ y = x[a_j + k + 1]:
 
 Neither [A*B, V] logits nor the [A*B, V] target distribution ever exist at once: both are made
 chunk by chunk (ce_chunk_size label rows), and each chunk's gradients (w.r.t. h, the Markov
-latent u, W2 and c) are made in the forward pass, as in chunked_ce.py. Fixed-shape and
-sync-free: gathers, selections and a static chunk loop.
+latent u, W2 and c) are made in the forward pass, as in chunked_ce.py, in closed form: per row
+dL/dz = w (ce_alpha (p - onehot(y)) + l1_alpha p (s - <s, p>)) with s = sign(p - q), and
+dL/dc = w confidence_alpha (sigmoid(c) - a); the vocabulary-wide part is one elementwise pass
+over each chunk's draft and target logits (ce_l1_and_grad_from_logits, or kernels/ce_l1_kernel.py's
+Triton kernel as ce_kernel chooses), the rest matmuls. Fixed-shape and sync-free: gathers,
+selections and a static chunk loop.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,47 +58,90 @@ def markov_previous(input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor
     return input_ids[rows]
 
 
-def distribution_l1(z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[c] ||softmax(z) - q||_1 over the vocabulary (= 2 x the total variation distance)."""
-    return (z.softmax(-1) - q).abs().sum(-1)
+def distribution_l1(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[c] ||p - q||_1 over the vocabulary (= 2 x the total variation distance)."""
+    return (p - q).abs().sum(-1)
 
 
-def acceptance_target(accept: torch.Tensor) -> torch.Tensor:
-    """The confidence head's BCE target: the acceptance, detached (no gradient reaches the
-    drafts through the head's target)."""
-    return accept.detach()
+def l1_logit_grad(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[c, V] d ||p - q||_1 / dz for p = softmax(z) and q fixed: p * (s - <s, p>) with
+    s = sign(p - q) (sign(0) = 0, the subgradient torch's abs takes at 0)."""
+    s = torch.sign(p - q)
+    return p * (s - (s * p).sum(-1, keepdim=True))
 
 
-def chunk_terms(
-    z: torch.Tensor,  # [c, V] draft logits (fp32)
-    q: torch.Tensor,  # [c, V] target probabilities (fp32, no gradient)
+def ce_l1_and_grad_from_logits(
+    z: torch.Tensor,  # [c, V] draft logits
+    t: torch.Tensor,  # [c, V] target logits (no gradient)
+    labels: torch.Tensor,  # [c]
+    weights: torch.Tensor,  # [c]
+    *,
+    ce_alpha: float,
+    l1_alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk's elementwise pass in closed form: (w * CE [c], w * L1 [c] (in >= fp32, exactly
+    0 on untrained rows), argmax(z) == label [c], the acceptance a = clamp(1 - L1/2, 0, 1) [c] of
+    every row, and dz = d sum(w * (ce_alpha CE + l1_alpha L1)) / dz [c, V] in z's dtype):
+    dz = w * (ce_alpha (p - onehot(label)) + l1_alpha p (s - <s, p>)), p = softmax(z),
+    q = softmax(t), s = sign(p - q). Untrained rows (w == 0) are selected out, never multiplied
+    by 0: a non-finite logit there must not leak in. Ties in the argmax go to the lowest index.
+
+    What torch.compile fuses where the step compiles (3 reads of z and t, one write of dz);
+    kernels/ce_l1_kernel.py's ce_l1_and_grad_triton is the same contract in one Triton launch. p
+    and q come from one formula, so that p == q exactly (s = 0) where z == t."""
+    acc = torch.promote_types(z.dtype, torch.float32)  # fp64 stays fp64 (tests)
+    x, y = z.to(acc), t.to(acc)
+    lse = x.logsumexp(-1)
+    p = (x - lse[:, None]).exp()
+    q = (y - y.logsumexp(-1, keepdim=True)).exp()
+    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    l1 = distribution_l1(p, q)
+    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+    trained = weights > 0
+    w = torch.where(trained, weights, 0.0).to(acc)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    grad = ce_alpha * (p - onehot.to(acc)) + l1_alpha * l1_logit_grad(p, q)
+    grad = torch.where(trained[:, None], w[:, None] * grad, 0.0)
+    hit = x.argmax(-1) == labels
+    ce = torch.where(trained, w * ce, 0.0)
+    l1 = torch.where(trained, w * l1, 0.0)
+    return ce, l1, hit, accept, grad.to(z.dtype)
+
+
+def confidence_terms(
+    confidence: torch.Tensor,  # [c] acceptance logits
+    accept: torch.Tensor,  # [c] the acceptance a of the chunk's rows
+    weights: torch.Tensor,  # [c]
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w * BCE(c, a) [c], d alpha * sum(w * BCE) / dc [c] in c's dtype), a the target as a
+    constant: the head learns to predict the acceptance, no gradient moves the drafts towards
+    its guess (dz has no term through a). Untrained rows selected out, as above."""
+    acc = torch.promote_types(confidence.dtype, accept.dtype)
+    c, a = confidence.to(acc), accept.to(acc)
+    trained = weights > 0
+    w = torch.where(trained, weights, 0.0).to(acc)
+    bce = F.binary_cross_entropy_with_logits(c, a, reduction="none")
+    grad = torch.where(trained, w * alpha * (torch.sigmoid(c) - a), 0.0)
+    return torch.where(trained, w * bce, 0.0), grad.to(confidence.dtype)
+
+
+def chunk_terms_and_grads(
+    rows: Callable,  # ce_l1_and_grad_from_logits or the Triton pass, its alphas bound
+    z: torch.Tensor,  # [c, V] draft logits
+    t: torch.Tensor,  # [c, V] target logits
     labels: torch.Tensor,  # [c]
     weights: torch.Tensor,  # [c]
     confidence: torch.Tensor | None,  # [c] acceptance logits
-    alphas: tuple[float, float, float],  # ce, l1, confidence
+    confidence_alpha: float,
 ):
-    """(differentiable sum of w * the three terms, (ce sum, l1 sum, bce sum, argmax == label
-    [c], acceptance a [c])) of one chunk. Untrained rows (w == 0) are excluded by selection,
-    never by multiplying by 0."""
-    ce_alpha, l1_alpha, confidence_alpha = alphas
-    trained = weights > 0
-    w = torch.where(trained, weights, 0.0).to(z.dtype)
-    logp = z.log_softmax(-1)
-    ce = -logp.gather(1, labels[:, None]).squeeze(1)
-    l1 = distribution_l1(z, q)
-    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-    per_row = ce_alpha * ce + l1_alpha * l1
-    bce = torch.zeros_like(ce)
+    """One chunk's (ce, l1, bce) weighted sums [3], argmax == label [c], the acceptance [c],
+    dz [c, V] and dc [c] (None without a confidence head): the terms and their gradients."""
+    ce, l1, hit, accept, dz = rows(z, t, labels, weights)
+    bce, dc = torch.zeros_like(ce), None
     if confidence is not None:
-        bce = F.binary_cross_entropy_with_logits(
-            confidence.to(z.dtype), acceptance_target(accept), reduction="none"
-        )
-        per_row = per_row + confidence_alpha * bce
-    total = torch.where(trained, w * per_row, 0.0).sum()
-    with torch.no_grad():
-        sums = tuple(torch.where(trained, w * t, 0.0).sum() for t in (ce, l1, bce))
-        hit = z.argmax(-1) == labels
-    return total, (*sums, hit, accept.detach())
+        bce, dc = confidence_terms(confidence, accept, weights, confidence_alpha)
+    return torch.stack([ce.sum(), l1.sum(), bce.sum()]), hit, accept, dz, dc
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,7 +151,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _DSparkChunkedLoss(torch.autograd.Function):
-    """sum over rows of w * (CE + L1 + BCE) made chunk by chunk; gradients made in forward."""
+    """sum over rows of w * (CE + L1 + BCE) made chunk by chunk; gradients made in forward, in
+    closed form (chunk_terms_and_grads): dh = dz W, du = dz W2, dW2 = sum over chunks of dz^T u
+    (in >= fp32), dc from the confidence terms."""
 
     @staticmethod
     def forward(
@@ -117,53 +167,41 @@ class _DSparkChunkedLoss(torch.autograd.Function):
         labels,  # [N]
         weights,  # [N]
         chunk_size: int,
-        terms,
-        alphas,
+        rows,
+        alphas: tuple[float, float, float],  # ce, l1, confidence (rows has the first two)
     ):
+        ce_alpha, l1_alpha, confidence_alpha = alphas
         weight = lm_head_weight.to(hidden.dtype)
+        w2 = markov_w2.to(latent.dtype) if latent is not None else None
         inputs = (hidden, latent, markov_w2, confidence)
         needs = [t is not None and t.requires_grad for t in inputs]
         grads = [[] for _ in inputs]
         w2_grad = None
-        totals, ce, l1, bce, hits, accepts = [], [], [], [], [], []
+        sums, hits, accepts = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            with torch.no_grad():
-                target_logits = target_state[start:end].to(weight.dtype) @ weight.T
-                q = target_logits.to(torch.promote_types(weight.dtype, torch.float32)).softmax(-1)
-            with torch.enable_grad():
-                h = hidden[start:end].detach().requires_grad_(needs[0])
-                leaves = [h]
-                z = h @ weight.T
-                if latent is not None:
-                    u = latent[start:end].detach().requires_grad_(needs[1])
-                    w2 = markov_w2.detach().requires_grad_(needs[2])
-                    z = z + u @ w2.to(u.dtype).T
-                    leaves += [u, w2]
-                c = None
-                if confidence is not None:
-                    c = confidence[start:end].detach().requires_grad_(needs[3])
-                    leaves.append(c)
-                total, (s_ce, s_l1, s_bce, hit, accept) = terms(
-                    z.to(q.dtype), q, labels[start:end], weights[start:end], c, alphas
-                )
-                wanted = [leaf for leaf in leaves if leaf.requires_grad]
-                made = iter(torch.autograd.grad(total, wanted) if wanted else ())
-            for i, leaf in zip(
-                (0, 1, 2, 3) if latent is not None else (0, 3), leaves, strict=False
-            ):
-                if not leaf.requires_grad:
-                    continue
-                g = next(made)
-                if i == 2:  # W2's gradient: a sum over every chunk, in >= fp32
-                    g = g.to(torch.promote_types(g.dtype, torch.float32))
-                    w2_grad = g if w2_grad is None else w2_grad + g
-                else:
-                    grads[i].append(g)
-            totals.append(total.detach())
-            ce.append(s_ce)
-            l1.append(s_l1)
-            bce.append(s_bce)
+            target_logits = target_state[start:end].to(weight.dtype) @ weight.T
+            z = hidden[start:end] @ weight.T
+            u = None
+            if latent is not None:
+                u = latent[start:end]
+                z = torch.addmm(z, u, w2.T)  # the Markov bias added in the matmul
+            c = confidence[start:end] if confidence is not None else None
+            chunk_sums, hit, accept, dz, dc = chunk_terms_and_grads(
+                rows, z, target_logits, labels[start:end], weights[start:end], c, confidence_alpha
+            )
+            del z, target_logits
+            if needs[0]:
+                grads[0].append((dz @ weight).to(hidden.dtype))
+            if needs[1]:
+                grads[1].append((dz @ w2).to(latent.dtype))
+            if needs[2]:  # W2's gradient: a sum over every chunk, in >= fp32
+                g = dz.T @ u
+                g = g.to(torch.promote_types(markov_w2.dtype, torch.float32))
+                w2_grad = g if w2_grad is None else w2_grad + g
+            if needs[3]:
+                grads[3].append(dc)
+            sums.append(chunk_sums)
             hits.append(hit)
             accepts.append(accept)
         saved = [torch.cat(g) if g else None for g in grads]
@@ -171,9 +209,10 @@ class _DSparkChunkedLoss(torch.autograd.Function):
         ctx.has = [g is not None for g in saved]
         ctx.save_for_backward(*[g for g in saved if g is not None])
         hit, accept = torch.cat(hits), torch.cat(accepts)
-        stats = torch.stack([torch.stack(x).sum() for x in (ce, l1, bce)])
+        stats = torch.stack(sums).sum(0)  # [3]: the weighted ce, l1 and bce sums
+        total = ce_alpha * stats[0] + l1_alpha * stats[1] + confidence_alpha * stats[2]
         ctx.mark_non_differentiable(hit, accept, stats)
-        return torch.stack(totals).sum(), hit, accept, stats
+        return total, hit, accept, stats
 
     @staticmethod
     def backward(ctx, grad_total, _hit, _accept, _stats):
@@ -204,12 +243,16 @@ class DSparkObjective(DFlashObjective):
         self.decay = position_decay(
             config.block_size, config.gamma, device=self.lm_head_weight.device
         )
-        self.terms = chunk_terms
-        # the chunk pass is chunk_terms' torch ops (compiled where the step compiles), never
+        # the chunk pass is the closed form's torch ops (compiled where the step compiles), never
         # ce_kernel.py's Triton CE: the drafter_kernels_chosen line says so
         self.ce_kernel = "compiled"
-        if config.compile:
-            self.terms = torch.compile(chunk_terms, dynamic=False)
+        self.rows = self.ce_pass(
+            reference=ce_l1_and_grad_from_logits,
+            triton="ce_l1_and_grad_triton",
+            kernel_module="ce_l1_kernel",
+            ce_alpha=self.alphas[0],
+            l1_alpha=self.alphas[1],
+        )
 
     def _dspark_blocks(self, batch: PackedBatch, anchors: Anchors):
         """Block tokens, positions, labels, weights, previous tokens and target rows, [A, B]."""
@@ -258,7 +301,7 @@ class DSparkObjective(DFlashObjective):
                 labels.flatten(),
                 w,
                 self.config.ce_chunk_size,
-                self.terms,
+                self.rows,
                 self.alphas,
             )
         trained = w > 0
