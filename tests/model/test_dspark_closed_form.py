@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import pytest
 import torch
@@ -188,6 +189,7 @@ def test_the_objective_takes_the_closed_form_on_the_cpu_and_refuses_triton_there
     )
     assert objective.ce_kernel == "compiled"
     assert objective.rows.func is ce_l1_and_grad_from_logits
+    assert "dflash_async.kernels.ce_l1_kernel" not in sys.modules  # it needs triton
     with pytest.raises(ValueError, match="CUDA"):
         DSparkObjective(
             dataclasses.replace(objective_config, ce_kernel="triton"),

@@ -243,9 +243,9 @@ class DSparkObjective(DFlashObjective):
         self.decay = position_decay(
             config.block_size, config.gamma, device=self.lm_head_weight.device
         )
-        # the chunk pass is the closed form's torch ops (compiled where the step compiles), never
-        # ce_kernel.py's Triton CE: the drafter_kernels_chosen line says so
-        self.ce_kernel = "compiled"
+        # the chunk pass as the ce_kernel setting resolved it (DFlashObjective: auto is Triton on
+        # a GPU): kernels/ce_l1_kernel.py's, else the closed form (compiled where the step is);
+        # the drafter_kernels_chosen line logs which
         self.rows = self.ce_pass(
             reference=ce_l1_and_grad_from_logits,
             triton="ce_l1_and_grad_triton",
