@@ -86,7 +86,7 @@ def ce_l1_and_grad_from_logits(
     q = softmax(t), s = sign(p - q). Untrained rows (w == 0) are selected out, never multiplied
     by 0: a non-finite logit there must not leak in. Ties in the argmax go to the lowest index.
 
-    What torch.compile fuses where the step compiles (3 reads of z and t, one write of dz);
+    What torch.compile fuses where the step compiles (ce_kernel 'compiled');
     kernels/ce_l1_kernel.py's ce_l1_and_grad_triton is the same contract in one Triton launch. p
     and q come from one formula, so that p == q exactly (s = 0) where z == t."""
     acc = torch.promote_types(z.dtype, torch.float32)  # fp64 stays fp64 (tests)
