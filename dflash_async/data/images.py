@@ -1,0 +1,320 @@
+"""Image+text records -> per-sample token ids, assistant-only loss masks and vision inputs.
+
+A record is an OpenAI conversation whose message content is a list of parts:
+  {"type": "text", "text": ...}
+  {"type": "image_url", "image_url": {"url": U}}  or  {"type": "image", "image": U}
+where U is a path (relative to the data file's folder, or absolute), a `file://` URL or a base64
+`data:image/...;base64,` URL; or a ShareGPT/LLaVA conversation whose values hold `<image>`
+placeholders, with the record's `image` (one) or `images` (a list) naming the files in order.
+
+The target's own processor (transformers' `AutoProcessor` of the target: Qwen3-VL's, Gemma 3's)
+does the rest: its chat template renders each image part as the model's placeholder, and its
+call expands every placeholder into the image's tokens and computes the pixel inputs. The loss
+mask is the text path's (data/chat.py: assistant-generated characters), carried through the
+expansion by the processor's replacement offsets: an image token is never supervised, nor is
+anything a user or system turn holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_async.data.chat import assistant_char_mask, supervised_turns, token_mask
+from dflash_async.data.formats import (
+    DEFAULT_ROLE_MAP,
+    EXTRA_MESSAGE_KEYS,
+    ROLES,
+    BadRecord,
+    DataError,
+    iter_raw_records,
+    parse_record,
+    resolve_files,
+)
+
+SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
+# The processor's outputs that are not vision inputs of the model's forward.
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
+
+
+@dataclass(frozen=True, eq=False)
+class ImageTextSample:
+    """One conversation with its images, as the target reads it.
+
+    input_ids [L] int32 with every image placeholder expanded to the image's tokens; loss_mask
+    [L] bool (assistant text only); vision: the processor's other outputs for this document
+    alone, batch dimension dropped where it has one (Qwen3-VL: pixel_values [patches, dim],
+    image_grid_thw [images, 3], mm_token_type_ids [L]; Gemma 3: pixel_values [images, 3, H, W],
+    token_type_ids [L]), passed to the wrapper's forward as they are.
+    """
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_images: int = 0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def model_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The vision inputs for a batch of this one document on `device` (floats in `dtype`)."""
+        out = {}
+        for name, value in self.vision.items():
+            value = value.to(device, dtype) if value.is_floating_point() else value.to(device)
+            out[name] = value[None] if _per_token(name) else value
+        return out
+
+
+def _per_token(name: str) -> bool:
+    """Outputs with one entry per token, batched as [1, L]; the rest are per image or patch."""
+    return name.endswith("token_type_ids")
+
+
+def has_images(record: Mapping) -> bool:
+    """Whether a parsed record holds an image part or names images (ShareGPT)."""
+    if record.get("image") is not None or record.get("images"):
+        return True
+    turns = record.get("messages") or []
+    return any(
+        isinstance(turn, dict)
+        and isinstance(turn.get("content"), list)
+        and any(
+            isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in turn["content"]
+        )
+        for turn in turns
+    )
+
+
+def load_image(ref: Any, root: Path | None) -> Any:
+    """A PIL RGB image from a path (relative to `root`), a file:// URL or a base64 data URL;
+    BadRecord naming it if it is missing or unreadable."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(ref, str) or not ref:
+        raise BadRecord(f"an image must be a path or URL string, got {type(ref).__name__}")
+    if ref.startswith("data:"):
+        head, _, payload = ref.partition(",")
+        if not head.endswith(";base64"):
+            raise BadRecord(f"image data URL {head[:40]!r} is not base64")
+        try:
+            source: Any = io.BytesIO(base64.b64decode(payload, validate=True))
+        except ValueError as exc:
+            raise BadRecord(f"image data URL is not valid base64: {exc}") from exc
+        name = "data URL"
+    else:
+        if re.match(r"^[a-z]+://", ref) and not ref.startswith("file://"):
+            raise BadRecord(f"image {ref!r}: only local paths, file:// and data: URLs are read")
+        path = Path(ref.removeprefix("file://"))
+        if not path.is_absolute() and root is not None:
+            path = root / path
+        if not path.is_file():
+            raise BadRecord(f"image file {str(path)!r} does not exist")
+        source, name = path, str(path)
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise BadRecord(f"image {name!r} is not a readable image: {exc}") from exc
+
+
+def image_conversation(
+    record: Mapping, *, root: Path | None, role_map: Mapping[str, str] = DEFAULT_ROLE_MAP
+) -> tuple[list[dict], list[Any]]:
+    """(messages, images) of an image+text record: messages in the chat templates' convention
+    (a content with images is a list of {"type": "image"} and {"type": "text", "text"} parts;
+    one without stays a string), images loaded in the order their parts appear."""
+    if record.get("messages") is not None:
+        turns, role_key, content_key, named = record["messages"], "role", "content", None
+    elif record.get("conversations") is not None:
+        turns, role_key, content_key = record["conversations"], "from", "value"
+        named = record.get("images", record.get("image"))
+        named = [named] if isinstance(named, str) else list(named or [])
+    else:
+        raise BadRecord("an image record needs 'messages' or 'conversations'")
+    if not isinstance(turns, list):
+        raise BadRecord(f"{role_key!r} turns must be a list, got {type(turns).__name__}")
+    messages, refs = [], []
+    for n, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"message {n} must be an object, got {type(turn).__name__}")
+        name = turn.get(role_key)
+        role = (name if name in ROLES else role_map.get(name)) if isinstance(name, str) else None
+        if role is None:
+            raise BadRecord(f"message {n} has unknown role {role_key}={name!r}")
+        message = {k: turn[k] for k in EXTRA_MESSAGE_KEYS if turn.get(k) is not None}
+        message["role"] = role
+        parts = _parts(turn.get(content_key), n, refs, sharegpt=named is not None)
+        if parts is not None:
+            if any(p["type"] == "image" for p in parts):
+                if role == "assistant":
+                    raise BadRecord(f"message {n}: images in assistant turns are not supported")
+                message["content"] = parts
+            else:
+                message["content"] = "".join(p["text"] for p in parts)
+        messages.append(message)
+    if named is not None:
+        if len(named) != len(refs):
+            raise BadRecord(
+                f"{len(refs)} {SHAREGPT_IMAGE} placeholders but {len(named)} images named"
+            )
+        refs = named
+    return messages, [load_image(ref, root) for ref in refs]
+
+
+def _parts(content: Any, n: int, refs: list, *, sharegpt: bool) -> list[dict] | None:
+    """A turn's content as template parts; image references appended to `refs`."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        if not sharegpt:
+            return [{"type": "text", "text": content}]
+        pieces = content.split(SHAREGPT_IMAGE)
+        parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            refs.append(None)  # the record's images name them, in order
+            parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        return parts
+    if not isinstance(content, list):
+        raise BadRecord(f"message {n} content must be text or parts, got {type(content).__name__}")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url")
+            refs.append(url.get("url") if isinstance(url, dict) else url)
+            parts.append({"type": "image"})
+        elif kind == "image":
+            refs.append(part.get("image", part.get("url", part.get("path"))))
+            parts.append({"type": "image"})
+        else:
+            raise BadRecord(f"message {n} has a content part of unknown type {kind!r}")
+    return parts
+
+
+def processor_template(processor: Any) -> str:
+    """The processor's chat template (the one that renders image parts), else its tokenizer's."""
+    template = getattr(processor, "chat_template", None) or getattr(
+        processor.tokenizer, "chat_template", None
+    )
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str) or not template:
+        raise DataError("the target's processor has no chat template; image data needs one")
+    return template
+
+
+def encode_image_chat(
+    processor: Any,
+    messages: Sequence[dict],
+    images: Sequence[Any],
+    *,
+    enable_thinking: bool,
+    loss_turns: str = "all",
+) -> ImageTextSample:
+    """The conversation's expanded token ids, loss mask and vision inputs (see the module doc)."""
+    text, char_mask = assistant_char_mask(
+        processor_template(processor),
+        messages,
+        enable_thinking=enable_thinking,
+        loss_turns=loss_turns,
+    )
+    out = processor(
+        text=[text],
+        images=list(images) or None,
+        return_text_replacement_offsets=True,
+        return_offsets_mapping=True,
+        add_special_tokens=False,
+    )
+    replacements = out["text_replacement_offsets"][0] if images else []
+    if len(replacements) != len(images):
+        raise BadRecord(
+            f"{len(images)} images but the chat template rendered {len(replacements)} "
+            "image placeholders"
+        )
+    expanded = _expanded_mask(char_mask, replacements)
+    ids = np.asarray(out["input_ids"][0], dtype=np.int32)
+    mask = token_mask(expanded, out["offset_mapping"][0])
+    vision = {}
+    for name, value in out.items():
+        if name in TEXT_OUTPUTS:
+            continue
+        value = torch.as_tensor(np.asarray(value))
+        vision[name] = value[0] if _per_token(name) else value
+    return ImageTextSample(ids, mask, vision, num_images=len(images))
+
+
+def _expanded_mask(char_mask: np.ndarray, replacements: Sequence[Mapping]) -> np.ndarray:
+    """The character mask of the expanded text: each replaced placeholder span becomes its
+    expansion, unsupervised; the text around it keeps its mask."""
+    pieces, at = [], 0
+    for item in sorted(replacements, key=lambda r: r["span"][0]):
+        start, end = item["span"]
+        new_start, new_end = item["new_span"]
+        pieces.append(char_mask[at:start])
+        pieces.append(np.zeros(new_end - new_start, dtype=bool))
+        at = end
+    pieces.append(char_mask[at:])
+    return np.concatenate(pieces) if pieces else char_mask
+
+
+def read_image_samples(
+    path: str,
+    processor: Any,
+    *,
+    max_len: int,
+    block_size: int,
+    enable_thinking: bool = True,
+    loss_turns: str = "all",
+    on_bad_record: str = "error",
+    role_map: Mapping[str, str] = DEFAULT_ROLE_MAP,
+) -> tuple[list[ImageTextSample], Counter]:
+    """Every usable image+text sample of the data at `path`, in file order, and the counts.
+
+    Filters as the text path does (no assistant turn, fewer than 2 x block_size supervised
+    tokens); a sample longer than max_len is dropped (truncating one would cut an image's
+    tokens off its pixels). A bad record (a missing or unreadable image among them) is a
+    DataError naming its file and line, or with on_bad_record="skip" a counted skip.
+    """
+    samples, counts = [], Counter()
+    for file in resolve_files(path):
+        for where, raw in iter_raw_records(file):
+            counts["records"] += 1
+            try:
+                record = parse_record(raw)
+                messages, images = image_conversation(record, root=file.parent, role_map=role_map)
+                if not supervised_turns(messages, loss_turns):
+                    counts["no_assistant_turn"] += 1
+                    continue
+                sample = encode_image_chat(
+                    processor,
+                    messages,
+                    images,
+                    enable_thinking=enable_thinking,
+                    loss_turns=loss_turns,
+                )
+            except (BadRecord, ValueError) as exc:
+                if on_bad_record == "error":
+                    raise DataError(f"{where}: {exc}") from exc
+                counts["bad_record"] += 1
+                continue
+            if len(sample) > max_len:
+                counts["too_long_dropped"] += 1
+            elif int(sample.loss_mask.sum()) < 2 * block_size:
+                counts["too_few_supervised"] += 1
+            else:
+                samples.append(sample)
+                counts["images"] += sample.num_images
+    return samples, counts
