@@ -40,6 +40,7 @@ from dflash_async.data.formats import (
     parse_record,
     resolve_files,
 )
+from dflash_async.data.rendering import render_chat
 
 SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
 # The processor's outputs that are not vision inputs of the model's forward.
@@ -77,6 +78,18 @@ class ImageTextSample:
 def _per_token(name: str) -> bool:
     """Outputs with one entry per token, batched as [1, L]; the rest are per image or patch."""
     return name.endswith("token_type_ids")
+
+
+def extended_inputs(inputs: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A document's model inputs (ImageTextSample.model_inputs) for the document continued by
+    text to `length` tokens: per-token entries padded with 0 (a text token's type); the rest,
+    per image or patch, as they are."""
+    out = dict(inputs)
+    for name, value in inputs.items():
+        if _per_token(name) and value.shape[-1] < length:
+            pad = value.new_zeros(*value.shape[:-1], length - value.shape[-1])
+            out[name] = torch.cat([value, pad], dim=-1)
+    return out
 
 
 def has_images(record: Mapping) -> bool:
@@ -247,13 +260,35 @@ def encode_image_chat(
     expanded = _expanded_mask(char_mask, replacements)
     ids = np.asarray(out["input_ids"][0], dtype=np.int32)
     mask = token_mask(expanded, out["offset_mapping"][0])
-    vision = {}
-    for name, value in out.items():
-        if name in TEXT_OUTPUTS:
-            continue
-        value = torch.as_tensor(np.asarray(value))
-        vision[name] = value[0] if _per_token(name) else value
+    vision = {
+        name: _unbatched(name, value) for name, value in out.items() if name not in TEXT_OUTPUTS
+    }
     return ImageTextSample(ids, mask, vision, num_images=len(images))
+
+
+def encode_image_prompt(
+    processor: Any, messages: Sequence[dict], images: Sequence[Any], *, enable_thinking: bool
+) -> ImageTextSample:
+    """A prompt (the conversation so far, rendered with the generation prompt) with its images:
+    expanded token ids, an all-False loss mask and the vision inputs (what decoding starts
+    from)."""
+    text = render_chat(
+        processor_template(processor),
+        messages,
+        add_generation_prompt=True,
+        enable_thinking=enable_thinking,
+    )
+    out = processor(text=[text], images=list(images) or None, add_special_tokens=False)
+    ids = np.asarray(out["input_ids"][0], dtype=np.int32)
+    vision = {
+        name: _unbatched(name, value) for name, value in out.items() if name not in TEXT_OUTPUTS
+    }
+    return ImageTextSample(ids, np.zeros(len(ids), dtype=bool), vision, num_images=len(images))
+
+
+def _unbatched(name: str, value: Any) -> torch.Tensor:
+    value = torch.as_tensor(np.asarray(value))
+    return value[0] if _per_token(name) else value
 
 
 def _expanded_mask(char_mask: np.ndarray, replacements: Sequence[Mapping]) -> np.ndarray:

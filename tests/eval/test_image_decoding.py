@@ -1,0 +1,170 @@
+"""Decoding image prompts losslessly (eval/recompute.py with the prompt's vision inputs): greedy
+decoding of an image prompt equals HF's own `generate` (its cached path, the independent
+reference), and speculative decoding equals that greedy output, for oracle drafters right on
+0, 1 or 3 slots of each block and for a random DFlash drafter. The mutant: verify passes that
+drop the image (the vision inputs not carried past the prompt) must break it; the image must
+matter (the greedy output with it differs from the output without it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from image_text_kit import MULTIMODAL, image, tiny_multimodal
+
+from dflash_async.data.images import encode_image_prompt
+from dflash_async.eval import recompute
+from dflash_async.eval.lossless import check_lossless, tie_tolerance_for
+from dflash_async.eval.speculative import greedy_generate, speculative_decode, speculative_generate
+from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.targets.loading import frozen_embeddings
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+MAX_NEW = 16
+CPU = torch.device("cpu")
+LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module", params=sorted(MULTIMODAL))
+def target(request):
+    return tiny_multimodal(request.param)
+
+
+def _prompts(processor):
+    """Image prompts: one image of each of three sizes, then a question."""
+    out = []
+    for seed, size in enumerate(((64, 64), (32, 64), (32, 32))):
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "What is two plus two?"}],
+            }
+        ]
+        out.append(
+            encode_image_prompt(processor, messages, [image(seed, size)], enable_thinking=True)
+        )
+    return out
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation; slots past `correct` get a wrong token."""
+
+    def __init__(self, sequence: list[int], block_size: int, correct: int, vocab: int) -> None:
+        self.sequence, self.block_size, self.correct, self.vocab = (
+            sequence,
+            block_size,
+            correct,
+            vocab,
+        )
+
+    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        pass
+
+    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
+        truth = self.sequence[anchor_position + 1 : anchor_position + self.block_size]
+        truth += [0] * (self.block_size - 1 - len(truth))
+        return torch.tensor(
+            [t if k < self.correct else (t + 1) % self.vocab for k, t in enumerate(truth)]
+        )
+
+
+def test_greedy_of_an_image_prompt_equals_hf_generate(target):
+    processor, model = target
+    for prompt in _prompts(processor):
+        vision = prompt.model_inputs(CPU, torch.float32)
+        ids = torch.as_tensor(prompt.input_ids, dtype=torch.long)[None]
+        hf = model.generate(
+            input_ids=ids, **vision, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False
+        )
+        plain = greedy_generate(model, prompt.input_ids.tolist(), MAX_NEW, None, vision=vision)
+        assert plain.tokens == hf[0, ids.shape[1] :].tolist()
+        text_only = greedy_generate(model, prompt.input_ids.tolist(), MAX_NEW, None)
+        assert text_only.tokens != plain.tokens  # the image matters
+
+
+@pytest.mark.parametrize("correct", [0, 1, 3])
+def test_speculative_decoding_of_image_prompts_equals_greedy(target, correct):
+    processor, model = target
+    vocab = model.config.get_text_config().vocab_size
+    for prompt in _prompts(processor):
+        ids, vision = prompt.input_ids.tolist(), prompt.model_inputs(CPU, torch.float32)
+        plain = greedy_generate(model, ids, MAX_NEW, None, vision=vision)
+        oracle = OracleDrafter(ids + plain.tokens, block_size=5, correct=correct, vocab=vocab)
+        spec = speculative_decode(
+            model,
+            oracle,
+            ids,
+            layer_ids=LAYERS,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=None,
+            vision=vision,
+        )
+        assert spec.tokens == plain.tokens
+        assert spec.accepted_lengths[:-1] == [correct + 1] * (len(spec.accepted_lengths) - 1)
+
+
+def _random_drafter(model) -> tuple[DFlashDrafter, DrafterConfig]:
+    text = model.config.get_text_config()
+    config = DrafterConfig(
+        hidden_size=text.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        intermediate_size=text.intermediate_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=text.vocab_size,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=LAYERS,
+        mask_token_id=text.vocab_size - 1,
+        block_size=4,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(config).eval().requires_grad_(False)
+    return drafter, config
+
+
+def test_a_dflash_drafter_decodes_image_prompts_losslessly(target):
+    processor, model = target
+    drafter, config = _random_drafter(model)
+    embed, lm_head = frozen_embeddings(model)
+    for index, prompt in enumerate(_prompts(processor)):
+        ids, vision = prompt.input_ids.tolist(), prompt.model_inputs(CPU, torch.float32)
+        plain = greedy_generate(model, ids, MAX_NEW, None, vision=vision)
+        spec = speculative_generate(
+            model,
+            drafter,
+            config,
+            embed.detach(),
+            lm_head.detach(),
+            ids,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=None,
+            vision=vision,
+        )
+        assert check_lossless(index, plain, spec, tie_tolerance_for(torch.float32)) is None
+
+
+def test_verify_passes_without_the_image_are_caught(target, monkeypatch):
+    """The mutant: the verify forwards run the sequence without the prompt's vision inputs."""
+    processor, model = target
+    vocab = model.config.get_text_config().vocab_size
+    prompt = _prompts(processor)[0]
+    ids, vision = prompt.input_ids.tolist(), prompt.model_inputs(CPU, torch.float32)
+    plain = greedy_generate(model, ids, MAX_NEW, None, vision=vision)
+    monkeypatch.setattr(recompute, "extended_inputs", lambda inputs, length: {})
+    oracle = OracleDrafter(ids + plain.tokens, block_size=5, correct=1, vocab=vocab)
+    spec = speculative_decode(
+        model,
+        oracle,
+        ids,
+        layer_ids=LAYERS,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=None,
+        vision=vision,
+    )
+    assert spec.tokens != plain.tokens
