@@ -114,6 +114,60 @@ def qwen3_vl_config(processor: Any) -> Any:
     )
 
 
+def qwen3_5_config(processor: Any) -> Any:
+    """Qwen3.5's wrapper: a hybrid language model (Gated DeltaNet and attention layers, the
+    multimodal rotary) over the Qwen3-VL-style tower, image tokens and processor."""
+    from transformers import Qwen3_5Config
+
+    base = qwen3_vl_config(processor)
+    text = base.text_config.to_dict()
+    text_fields = dict(
+        vocab_size=text["vocab_size"],
+        hidden_size=HIDDEN,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"] * (TEXT_LAYERS // 2),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 100.0,  # as Qwen3-VL's above
+            "partial_rotary_factor": 1.0,  # all 8 dims: 4 frequencies over t, h, w
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = base.vision_config.to_dict()
+    return Qwen3_5Config(
+        text_config=text_fields,
+        vision_config={
+            k: vision[k]
+            for k in (
+                "depth",
+                "hidden_size",
+                "num_heads",
+                "intermediate_size",
+                "out_hidden_size",
+                "patch_size",
+                "spatial_merge_size",
+                "temporal_patch_size",
+                "num_position_embeddings",
+            )
+        },
+        image_token_id=base.image_token_id,
+        video_token_id=base.video_token_id,
+        vision_start_token_id=base.vision_start_token_id,
+        vision_end_token_id=base.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+
+
 @dataclass(frozen=True)
 class Multimodal:
     """How one family's tiny processor and config are built."""
@@ -124,6 +178,7 @@ class Multimodal:
 
 MULTIMODAL: dict[str, Multimodal] = {
     "qwen3_vl": Multimodal(qwen3_vl_processor, qwen3_vl_config),
+    "qwen3_5": Multimodal(qwen3_vl_processor, qwen3_5_config),
 }
 
 
