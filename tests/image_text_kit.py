@@ -168,18 +168,111 @@ def qwen3_5_config(processor: Any) -> Any:
     )
 
 
+# Gemma's turn markers; image parts render as the image's start token, which the processor
+# expands to "\n\n<start_of_image>" + the image's soft tokens + "<end_of_image>\n\n".
+GEMMA_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<start_of_turn>' + ('model' if message.role == 'assistant' else message.role) + '\n' }}"
+    "{%- if message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}<start_of_image>"
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_IMAGE = 32  # pixels a side (SigLIP's image_size): 4x4 patches of 8, pooled to 2x2 tokens
+GEMMA_IMAGE_TOKENS = 4
+
+
+def gemma3_processor() -> Any:
+    """Gemma 3's processor over the tiny tokenizer with Gemma's image and turn tokens; images
+    resized to 32x32, 4 soft tokens each."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = qwen3_like_tokenizer()
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+    named["image_token"] = "<image_soft_token>"
+    specials = ["<start_of_turn>", "<end_of_turn>", *named.values()]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.eos_token = "<end_of_turn>"
+    for name, token in named.items():  # what Gemma's tokenizer_config names
+        setattr(tokenizer, name, token)
+        setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(token))
+    images = Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE})
+    return Gemma3Processor(
+        images, tokenizer, chat_template=GEMMA_TEMPLATE, image_seq_length=GEMMA_IMAGE_TOKENS
+    )
+
+
+def gemma3_config(processor: Any) -> Any:
+    from transformers import Gemma3Config
+
+    tok = processor.tokenizer
+    return Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=HIDDEN,
+            num_hidden_layers=TEXT_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (TEXT_LAYERS // 2),
+            query_pre_attn_scalar=8,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=GEMMA_IMAGE,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=GEMMA_IMAGE_TOKENS,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen_image_tokens(size: tuple[int, int]) -> int:
+    """Sides rounded to 32 pixels (16-pixel patches merged 2x2): one token per 32x32 tile."""
+    return max(1, round(size[0] / 32)) * max(1, round(size[1] / 32))
+
+
 @dataclass(frozen=True)
 class Multimodal:
-    """How one family's tiny processor and config are built."""
+    """How one family's tiny processor and config are built, and what its images become.
+
+    image_tokens: an image's token count from its (height, width). mrope: 3-D rope positions
+    (get_rope_index). bidirectional_images: image tokens attend to each other both ways, told
+    by the per-token types (Gemma 3's token_type_ids).
+    """
 
     processor: Callable[[], Any]
     config: Callable[[Any], Any]
+    image_tokens: Callable[[tuple[int, int]], int]
+    mrope: bool = False
+    bidirectional_images: bool = False
 
 
 MULTIMODAL: dict[str, Multimodal] = {
-    "qwen3_vl": Multimodal(qwen3_vl_processor, qwen3_vl_config),
-    "qwen3_5": Multimodal(qwen3_vl_processor, qwen3_5_config),
+    "qwen3_vl": Multimodal(qwen3_vl_processor, qwen3_vl_config, _qwen_image_tokens, mrope=True),
+    "qwen3_5": Multimodal(qwen3_vl_processor, qwen3_5_config, _qwen_image_tokens, mrope=True),
+    "gemma3": Multimodal(
+        gemma3_processor,
+        gemma3_config,
+        lambda size: GEMMA_IMAGE_TOKENS,
+        bidirectional_images=True,
+    ),
 }
+MROPE = sorted(name for name, entry in MULTIMODAL.items() if entry.mrope)
+BIDIRECTIONAL = sorted(name for name, entry in MULTIMODAL.items() if entry.bidirectional_images)
 
 
 def tiny_multimodal(model_type: str, seed: int = 0) -> tuple[Any, Any]:

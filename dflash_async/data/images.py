@@ -66,6 +66,13 @@ class ImageTextSample:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def image_tokens(self) -> np.ndarray:
+        """[L] bool: the tokens an image's features replace (a nonzero per-token type)."""
+        types = [v for name, v in self.vision.items() if _per_token(name)]
+        if not types:
+            return np.zeros(len(self.input_ids), dtype=bool)
+        return types[0].numpy() != 0
+
     def model_inputs(self, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The vision inputs for a batch of this one document on `device` (floats in `dtype`)."""
         out = {}

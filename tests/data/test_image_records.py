@@ -29,12 +29,13 @@ BLOCK = 2
 
 
 @pytest.fixture(scope="module", params=sorted(MULTIMODAL))
-def processor(request):
-    return MULTIMODAL[request.param].processor()
+def family(request):
+    return request.param
 
 
-def _image_token_id(processor) -> int:
-    return processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+@pytest.fixture(scope="module")
+def processor(family):
+    return MULTIMODAL[family].processor()
 
 
 def _read(path: Path, processor, **kw):
@@ -46,28 +47,33 @@ def check_sample(sample, processor, answer: str) -> None:
     tokens are the assistant's answer and its end of turn, nothing else."""
     ids, mask = sample.input_ids, sample.loss_mask
     assert len(ids) == len(mask)
-    image_tokens = ids == _image_token_id(processor)
+    image_tokens = sample.image_tokens()
+    assert image_tokens.sum() > 0 or sample.num_images == 0
     assert not mask[image_tokens].any(), "an image token is supervised"
     supervised = processor.tokenizer.decode(ids[mask])
     assert supervised == answer + processor.tokenizer.eos_token, supervised
 
 
-def test_image_placeholders_expand_and_only_the_answer_is_supervised(processor, tmp_path):
-    path = write_image_data(tmp_path, records=3, sizes=((48, 64), (64, 32), (32, 32)))
+def test_image_placeholders_expand_and_only_the_answer_is_supervised(family, processor, tmp_path):
+    sizes = ((48, 64), (64, 32), (32, 32))
+    path = write_image_data(tmp_path, records=3, sizes=sizes)
     samples, counts = _read(path, processor)
     assert counts["records"] == 3 and counts["images"] == 3 and len(samples) == 3
-    merge = processor.image_processor.merge_size
     for i, sample in enumerate(samples):
         check_sample(sample, processor, ANSWERS[i])
-        # one image: its tokens are its merged patch grid (t * h * w / merge^2), contiguous
-        grid = sample.vision["image_grid_thw"]
-        count = int((sample.input_ids == _image_token_id(processor)).sum())
-        assert grid.shape == (1, 3) and count == int(grid.prod()) // merge**2
-        assert sample.vision["pixel_values"].shape[0] == int(grid.prod())
-        assert sample.vision["mm_token_type_ids"].shape == (len(sample),)
-    counts_of = [int((s.input_ids == _image_token_id(processor)).sum()) for s in samples]
-    # sides rounded to 32 pixels (a 16-pixel patch, merged 2x2): 64x64, 64x32, 32x32
-    assert counts_of == [4, 2, 1]
+        # the image's tokens: as many as the family makes of its size, contiguous, each the
+        # processor's image token
+        rows = np.flatnonzero(sample.image_tokens())
+        assert len(rows) == MULTIMODAL[family].image_tokens(sizes[i])
+        assert np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows)))
+        [image_token] = processor.image_token_ids
+        assert (sample.input_ids[rows] == image_token).all()
+        assert (sample.input_ids == image_token).sum() == len(rows)
+        if MULTIMODAL[family].mrope:  # the merged patch grid: t * h * w / merge^2 tokens
+            grid = sample.vision["image_grid_thw"]
+            merge = processor.image_processor.merge_size
+            assert grid.shape == (1, 3) and len(rows) == int(grid.prod()) // merge**2
+            assert sample.vision["pixel_values"].shape[0] == int(grid.prod())
 
 
 def test_every_image_reference_form_reads_the_same_sample(processor, tmp_path):
@@ -116,15 +122,20 @@ def test_every_image_reference_form_reads_the_same_sample(processor, tmp_path):
 
 
 def test_two_images_in_one_turn_keep_their_order(processor, tmp_path):
+    """The pixel inputs of a two-image sample are those of each image alone, in order."""
     record = image_record(1, "a.png", images=2)
     record["messages"][0]["content"][1]["image_url"]["url"] = "b.png"
     image(1, (32, 32)).save(tmp_path / "a.png")
     image(2, (64, 32)).save(tmp_path / "b.png")
-    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
-    [sample], _ = _read(tmp_path / "d.jsonl", processor)
-    check_sample(sample, processor, ANSWERS[1])
-    assert sample.num_images == 2
-    assert sample.vision["image_grid_thw"].tolist() == [[1, 2, 2], [1, 4, 2]]
+    lines = [record, image_record(1, "a.png"), image_record(1, "b.png")]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    (both, first, second), _ = _read(tmp_path / "d.jsonl", processor)
+    check_sample(both, processor, ANSWERS[1])
+    assert both.num_images == 2
+    assert both.image_tokens().sum() == first.image_tokens().sum() + second.image_tokens().sum()
+    for name, value in both.vision.items():
+        if name != "mm_token_type_ids" and not name.endswith("token_type_ids"):
+            assert torch.equal(value, torch.cat([first.vision[name], second.vision[name]])), name
 
 
 @pytest.mark.parametrize(
@@ -159,8 +170,12 @@ def test_a_sharegpt_record_with_too_few_images_is_bad(processor, tmp_path):
 
 def test_a_long_sample_is_dropped_whole(processor, tmp_path):
     path = write_image_data(tmp_path, records=3)
-    samples, counts = read_image_samples(str(path), processor, max_len=35, block_size=BLOCK)
-    assert counts["too_long_dropped"] == 2 and [len(s) for s in samples] == [32]
+    lengths = [len(s) for s in _read(path, processor)[0]]
+    limit = sorted(lengths)[1]
+    samples, counts = read_image_samples(str(path), processor, max_len=limit, block_size=BLOCK)
+    kept = [n for n in lengths if n <= limit]
+    assert counts["too_long_dropped"] == 3 - len(kept) > 0
+    assert [len(s) for s in samples] == kept
 
 
 def test_loss_on_image_tokens_is_caught(processor, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ one, and the step's losses are finite and fall.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from image_text_kit import MULTIMODAL, tiny_multimodal, write_image_data
@@ -68,19 +69,21 @@ def _spec(token_budget: int) -> StepSpec:
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
 def test_a_drafter_trains_ten_steps_on_image_text_packs(model_type, tmp_path):
     processor, model = tiny_multimodal(model_type)
-    path = write_image_data(tmp_path, records=4)
+    sizes = ((48, 64), (64, 32), (32, 32))
+    path = write_image_data(tmp_path, records=4, sizes=sizes)
     samples, counts = read_image_samples(str(path), processor, max_len=256, block_size=BLOCK)
     assert len(samples) == 4 and counts["images"] == 4
     lengths = [len(s) for s in samples]
     budget = sum(lengths) + 5
     pack = layout_pack([(s.input_ids, s.loss_mask) for s in samples], budget)
-    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    is_image = pack.input_ids == image_token
-    assert is_image.sum() == 4 * 1 + 2 + 1 + 4  # 64x64 -> 4, 64x32 -> 2, 32x32 -> 1, 64x64 -> 4
+    is_image = torch.zeros(budget, dtype=torch.bool)
+    is_image[: sum(lengths)] = torch.from_numpy(np.concatenate([s.image_tokens() for s in samples]))
+    expected = sum(MULTIMODAL[model_type].image_tokens(sizes[i % 3]) for i in range(4))
+    assert int(is_image.sum()) == expected
     assert not pack.loss_mask[is_image].any()  # the loss never covers an image token
 
-    mask_token = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")  # never in the data
-    config = _drafter_config(model, mask_token)
+    unused = np.setdiff1d(np.arange(len(processor.tokenizer)), pack.input_ids.numpy())
+    config = _drafter_config(model, int(unused[-1]))  # a mask token never in the data
     features = torch.zeros(budget, config.feature_width)
     forward = MultimodalForward(model, config.captured_layer_ids)
     try:

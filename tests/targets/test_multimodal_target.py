@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
+from image_text_kit import BIDIRECTIONAL, MROPE, MULTIMODAL, image, image_record, tiny_multimodal
 
 from dflash_async.data.images import read_image_samples
 from dflash_async.data.packing import layout_pack
@@ -37,6 +37,16 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=sorted(MULTIMODAL))
 def target(request):
+    return tiny_multimodal(request.param)
+
+
+@pytest.fixture(scope="module", params=MROPE)
+def mrope_target(request):
+    return tiny_multimodal(request.param)
+
+
+@pytest.fixture(scope="module", params=BIDIRECTIONAL)
+def bidirectional_target(request):
     return tiny_multimodal(request.param)
 
 
@@ -126,10 +136,10 @@ def _own_positions(model, sample, vision) -> torch.Tensor:
     )[0]
 
 
-def test_positions_of_another_document_are_caught(target, tmp_path):
+def test_positions_of_another_document_are_caught(mrope_target, tmp_path):
     """Documents 0 and 3 have the same tokens, their images other heights and widths: each
     given the other's 3-D positions."""
-    processor, model = target
+    processor, model = mrope_target
     samples = _samples(tmp_path, processor)
     vision = [s.model_inputs(CPU, torch.float32) for s in samples]
     first, last = (_own_positions(model, samples[i], vision[i]) for i in (0, 3))
@@ -138,16 +148,28 @@ def test_positions_of_another_document_are_caught(target, tmp_path):
     assert _gap(model, samples, vision) > MUTANT_GAP
 
 
-def test_text_stream_positions_are_caught(target, tmp_path):
+def test_text_stream_positions_are_caught(mrope_target, tmp_path):
     """Every document given 1-D positions on all three axes (the drafter's stream), not its
     3-D ones. (Shifting a document's positions by a constant is no mutant: RoPE is relative,
     so a pack's positions need not restart per document for the features to be right; what
     matters is each document's own 3-D layout.)"""
-    processor, model = target
+    processor, model = mrope_target
     samples = _samples(tmp_path, processor)
     vision = [s.model_inputs(CPU, torch.float32) for s in samples]
     for v, s in zip(vision, samples, strict=True):
         v["position_ids"] = torch.arange(len(s)).expand(3, 1, len(s))
+    assert _gap(model, samples, vision) > MUTANT_GAP
+
+
+def test_causal_attention_inside_images_is_caught(bidirectional_target, tmp_path):
+    """The mutant: the per-token types dropped, so image tokens attend causally (Gemma 3's
+    image tokens see each other both ways)."""
+    processor, model = bidirectional_target
+    samples = _samples(tmp_path, processor)
+    vision = [
+        {k: v for k, v in s.model_inputs(CPU, torch.float32).items() if k != "token_type_ids"}
+        for s in samples
+    ]
     assert _gap(model, samples, vision) > MUTANT_GAP
 
 
