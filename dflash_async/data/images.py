@@ -41,6 +41,7 @@ from dflash_async.data.formats import (
     resolve_files,
 )
 from dflash_async.data.rendering import render_chat
+from dflash_async.data.samples import TokenizedSamples
 
 SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
 # The processor's outputs that are not vision inputs of the model's forward.
@@ -97,6 +98,35 @@ def extended_inputs(inputs: Mapping[str, torch.Tensor], length: int) -> dict[str
             pad = value.new_zeros(*value.shape[:-1], length - value.shape[-1])
             out[name] = torch.cat([value, pad], dim=-1)
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class ImageTextSamples(TokenizedSamples):
+    """Image+text samples in the text samples' flat layout (what the planner and the target
+    stage read: tokens, loss_mask, offsets, lengths), each with its vision inputs (host
+    tensors, in memory: images are not cached)."""
+
+    vision: tuple[dict[str, torch.Tensor], ...] = ()
+
+    @classmethod
+    def of(cls, samples: Sequence[ImageTextSample], summary: Mapping | None = None):
+        lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        empty = np.zeros(0, dtype=np.int32)
+        return cls(
+            tokens=np.concatenate([s.input_ids for s in samples]) if samples else empty,
+            loss_mask=np.concatenate([s.loss_mask for s in samples]) if samples else empty > 0,
+            offsets=offsets,
+            summary=dict(summary or {}),
+            vision=tuple(s.vision for s in samples),
+        )
+
+    def model_inputs(self, i: int, device: torch.device, dtype: torch.dtype) -> dict:
+        """Sample i's vision inputs for its forward alone (ImageTextSample.model_inputs)."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        one = ImageTextSample(self.tokens[lo:hi], self.loss_mask[lo:hi], self.vision[i])
+        return one.model_inputs(device, dtype)
 
 
 def has_images(record: Mapping) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_async.data.images import ImageTextSamples
 from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.log import get_logger
@@ -82,6 +83,8 @@ class StagedPack:
     lengths: np.ndarray  # [n] host: token count of each document
     tokens: int
     documents: int
+    # more arguments of the forward: image+text samples' `vision` (one mapping per document)
+    inputs: dict = field(default_factory=dict)
 
 
 def load_runner(
@@ -265,7 +268,16 @@ def stage_inputs(runner: TargetRunner, samples: TokenizedSamples, pack: PlannedP
         layout = PackedBatch(*(t.pin_memory() for t in layout.tensors()))
     runner.inputs.copy_(layout, with_features=False)  # non_blocking; ordered before fill_slot
     lengths = np.array([len(d[0]) for d in docs], dtype=np.int64)
-    return StagedPack(lengths, int(lengths.sum()), len(docs))
+    return StagedPack(lengths, int(lengths.sum()), len(docs), pack_inputs(runner, samples, pack))
+
+
+def pack_inputs(runner: TargetRunner, samples: TokenizedSamples, pack: PlannedPack) -> dict:
+    """The forward's arguments beyond the layout: image+text samples' vision inputs, one
+    mapping per document on the target device (data/images.py); none for text."""
+    if not isinstance(samples, ImageTextSamples):
+        return {}
+    dtype = next(runner.model.parameters()).dtype
+    return {"vision": [samples.model_inputs(int(i), runner.device, dtype) for i in pack.indices]}
 
 
 @torch.no_grad()
@@ -276,7 +288,9 @@ def fill_slot(runner: TargetRunner, staged: StagedPack, slot_batch: PackedBatch)
     started = timing_event(device)
     in_place = slot_batch.features.device == device
     features = slot_batch.features if in_place else ins.features
-    runner.path.forward(ins.input_ids, ins.position_ids, ins.doc_ids, features, staged.lengths)
+    runner.path.forward(
+        ins.input_ids, ins.position_ids, ins.doc_ids, features, staged.lengths, **staged.inputs
+    )
     slot_batch.copy_(ins, with_features=not in_place)  # device copies, on this thread's stream
     written = timing_event(device)  # after every write to the slot
     if written is not None:

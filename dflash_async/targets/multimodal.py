@@ -24,6 +24,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.generic import GenericForward, find_decoder_layers
+from dflash_async.targets.paths import TargetPath
 from dflash_async.targets.resolve import TargetError
 
 
@@ -42,7 +43,7 @@ class MultimodalForward:
 
     Called as the text paths are, plus `vision`: one mapping of the model's vision inputs per
     document of the pack, in pack order, on the target device (ImageTextSample.model_inputs;
-    an empty mapping for a text-only document).
+    an empty mapping for a text-only document; None: all text).
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
@@ -63,9 +64,10 @@ class MultimodalForward:
         doc_ids: torch.Tensor,
         features: torch.Tensor,
         lengths: Any,
-        vision: Sequence[Mapping[str, torch.Tensor]],
+        vision: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         lengths = np.asarray(lengths, dtype=np.int64)
+        vision = [{}] * len(lengths) if vision is None else vision  # text documents
         if len(vision) != len(lengths):
             raise ValueError(f"{len(vision)} vision inputs for {len(lengths)} documents")
         offsets = pack_row_offsets(lengths)
@@ -78,3 +80,12 @@ class MultimodalForward:
 
     def close(self) -> None:
         self.generic.close()
+
+
+def multimodal_path(model: nn.Module, layer_ids: Sequence[int]) -> TargetPath:
+    """The TargetPath of image+text packs: MultimodalForward, named `hf_multimodal`."""
+    return TargetPath(
+        MultimodalForward(model, layer_ids),
+        "hf_multimodal",
+        "image+text data: the wrapper's HF forward per document with its vision inputs",
+    )

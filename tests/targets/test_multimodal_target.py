@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from image_text_kit import BIDIRECTIONAL, MROPE, MULTIMODAL, image, image_record, tiny_multimodal
 
-from dflash_async.data.images import read_image_samples
-from dflash_async.data.packing import layout_pack
-from dflash_async.targets.multimodal import MultimodalForward
+from dflash_async.data.images import ImageTextSamples, read_image_samples
+from dflash_async.data.packing import PackCursor, PackedBatch, layout_pack
+from dflash_async.stages.produce import TargetRunner, fill_slot, stage_inputs
+from dflash_async.stages.read import PlannedPack
+from dflash_async.targets.multimodal import MultimodalForward, multimodal_path
 from dflash_async.targets.resolve import TargetError
 
 LAYERS = (1, 2)
@@ -171,6 +174,39 @@ def test_causal_attention_inside_images_is_caught(bidirectional_target, tmp_path
         for s in samples
     ]
     assert _gap(model, samples, vision) > MUTANT_GAP
+
+
+def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_path):
+    """The target stage (stages/produce.py) on image+text samples: a pack of documents out of
+    file order is staged with each document's own vision inputs, and the slot holds the
+    layout and, at each document's rows, HF's features of that document alone."""
+    processor, model = target
+    listed = _samples(tmp_path, processor)
+    samples = ImageTextSamples.of(listed)
+    order = np.array([2, 0, 3, 1])
+    budget = int(samples.lengths.sum()) + PAD
+    width = len(LAYERS) * model.config.get_text_config().hidden_size
+    runner = TargetRunner(
+        model,
+        multimodal_path(model, LAYERS),
+        PackedBatch.empty(budget, width, device=CPU, feature_dtype=torch.float32),
+    )
+    slot = PackedBatch.empty(budget, width, device=CPU, feature_dtype=torch.float32)
+    slot.features.fill_(float("nan"))
+    try:
+        staged = stage_inputs(runner, samples, PlannedPack(PackCursor(), order))
+        fill_slot(runner, staged, slot)
+    finally:
+        runner.path.forward.close()
+    at = 0
+    for i in order.tolist():
+        n = len(listed[i])
+        assert np.array_equal(slot.input_ids[at : at + n].numpy(), listed[i].input_ids)
+        assert np.array_equal(slot.loss_mask[at : at + n].numpy(), listed[i].loss_mask)
+        reference = _reference(model, listed[i])
+        torch.testing.assert_close(slot.features[at : at + n], reference, atol=TOL, rtol=TOL)
+        at += n
+    assert torch.equal(slot.features[at:], torch.zeros_like(slot.features[at:]))
 
 
 def test_a_target_without_a_vision_tower_is_refused():
