@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,11 +39,13 @@ from dflash_async.data.formats import (
     DataError,
     iter_raw_records,
     parse_record,
+    parse_role_map,
     resolve_files,
 )
 from dflash_async.data.rendering import render_chat
 from dflash_async.data.samples import TokenizedSamples
 
+IMAGE_DROP_REASONS = ("bad_record", "no_assistant_turn", "too_few_supervised", "too_long_dropped")
 SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
 # The processor's outputs that are not vision inputs of the model's forward.
 TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
@@ -390,3 +393,58 @@ def read_image_samples(
                 samples.append(sample)
                 counts["images"] += sample.num_images
     return samples, counts
+
+
+def data_has_images(path: str) -> bool:
+    """Whether any record of the data at `path` holds an image (has_images). A JSON line is
+    parsed only when its bytes mention "image"; the scan stops at the first image record."""
+    for file in resolve_files(path):
+        for _, raw in iter_raw_records(file):
+            if isinstance(raw, bytes) and b"image" not in raw:
+                continue
+            try:
+                if has_images(parse_record(raw)):
+                    return True
+            except BadRecord:
+                continue  # reported by the reader that meets it
+    return False
+
+
+def load_image_samples(
+    path: str, processor: Any, *, options: Any, block_size: int, log: Any
+) -> ImageTextSamples:
+    """The read stage's image+text samples (read_image_samples under the `data` settings,
+    data/samples.DataOptions), in memory, logged once as `data_loaded` with the image count;
+    DataError when none is usable."""
+    started = time.perf_counter()
+    samples, counts = read_image_samples(
+        path,
+        processor,
+        max_len=options.max_len,
+        block_size=block_size,
+        enable_thinking=options.enable_thinking,
+        loss_turns=options.loss_turns,
+        on_bad_record=options.on_bad_record,
+        role_map=parse_role_map(options.role_map),
+    )
+    summary = {
+        "files": len(resolve_files(path)),
+        "records": counts["records"],
+        "samples": len(samples),
+        "images": counts["images"],
+        **{reason: counts[reason] for reason in IMAGE_DROP_REASONS},
+        "tokens": int(sum(len(s) for s in samples)),
+        "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+        "max_token_id": int(max((int(s.input_ids.max()) for s in samples), default=-1)),
+    }
+    if not samples:
+        counted = ", ".join(f"{k}={v}" for k, v in summary.items() if v and k != "max_token_id")
+        raise DataError(f"{path}: no usable image+text samples after filtering ({counted})")
+    log.info(
+        "data_loaded",
+        path=path,
+        cached=False,
+        load_s=round(time.perf_counter() - started, 3),
+        **summary,
+    )
+    return ImageTextSamples.of(samples, summary)

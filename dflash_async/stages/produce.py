@@ -31,6 +31,7 @@ from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.targets.forward import TargetPath, select_target_forward
 from dflash_async.targets.loading import fast_kernel_preflight, load_served_target, text_config
+from dflash_async.targets.multimodal import load_multimodal_target, multimodal_path
 from dflash_async.targets.quantized import WeightFormat
 from dflash_async.targets.random_weights import load_random_target
 
@@ -94,20 +95,30 @@ def load_runner(
     device: torch.device,
     layer_ids: tuple[int, ...],
     log=None,
+    images: bool = False,
 ) -> TargetRunner:
     """Load the target on `device` as `spec` says, choose its forward and warm it up (the first
-    call compiles).
+    call compiles). `images`: the data holds image records: the wrapper loads whole and runs
+    per document with each one's vision inputs (targets/multimodal.py).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
     """
     log = log or get_logger(__name__)
-    model, served = load_target_weights(
-        path, spec=spec, device=device, last_layer=max(layer_ids), log=log
-    )
+    if images:
+        model = load_multimodal_target(path, device=device, dtype=spec.dtype_on(device))
+        served = None  # the checkpoint's own dtype format, tower included
+        log.info("target_weights_loaded", weight_format="multimodal", device=str(device))
+    else:
+        model, served = load_target_weights(
+            path, spec=spec, device=device, last_layer=max(layer_ids), log=log
+        )
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
-    chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
+    if images:
+        chosen = multimodal_path(model, layer_ids)
+    else:
+        chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
     param = next(model.parameters())
     log_path_chosen(log, chosen, device=device, dtype=param.dtype, served=served)
     width = len(layer_ids) * text_config(model).hidden_size

@@ -9,6 +9,10 @@ position, not from its token count) and Gemma 3's bidirectional attention inside
 and nothing of another document reaches it. The features are the raw outputs of the language
 model's tapped decoder layers, image positions included; padding rows are zero.
 
+Loading for image data (`load_multimodal_target`, `load_target_processor`) takes the wrapper
+whole, tower included, and the target folder's processor; text runs keep loading the language
+model alone (targets/loading.py).
+
 The drafter keeps its plain 1-D positions (`PackedBatch.position_ids`, restarting at 0 in every
 document), as the serving engines run it: the multimodal positions are the target's alone.
 """
@@ -47,11 +51,9 @@ class MultimodalForward:
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
-        if getattr(model.config, "vision_config", None) is None:
-            raise TargetError(
-                f"{type(model).__name__} has no vision tower: image data needs a multimodal "
-                "target (its *ForConditionalGeneration checkpoint)"
-            )
+        problem = vision_problem(model.config)
+        if problem:
+            raise TargetError(problem)
         layers = language_model_layers(model)
         self.generic = GenericForward(model, layer_ids, max_batch_tokens=1, layers=layers)
         self.model = model
@@ -89,3 +91,42 @@ def multimodal_path(model: nn.Module, layer_ids: Sequence[int]) -> TargetPath:
         "hf_multimodal",
         "image+text data: the wrapper's HF forward per document with its vision inputs",
     )
+
+
+def vision_problem(config: Any) -> str | None:
+    """None when the target config has a vision tower (a `vision_config`), else why image data
+    cannot train on it."""
+    if getattr(config, "vision_config", None) is not None:
+        return None
+    return (
+        f"target model_type {getattr(config, 'model_type', None)!r} has no vision tower: image "
+        "records need a multimodal target (its *ForConditionalGeneration checkpoint)"
+    )
+
+
+def load_target_processor(path: str) -> Any:
+    """The target folder's processor (transformers' AutoProcessor, local files only): what
+    turns image records into tokens and pixel inputs; TargetError if it cannot load."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError, AttributeError) as e:
+        raise TargetError(f"cannot load the processor of target {str(path)!r}: {e}") from e
+    if getattr(processor, "image_processor", None) is None:
+        raise TargetError(f"target {str(path)!r} has no image processor: image data needs one")
+    return processor
+
+
+def load_multimodal_target(path: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole wrapper (vision tower, merger, language model) in `dtype` on `device`, in eval
+    mode; TargetError if it cannot load."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, local_files_only=True, dtype=dtype
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"cannot load target {str(path)!r} with its vision tower: {e}") from e
+    return model.to(device).eval().requires_grad_(False)
