@@ -273,6 +273,13 @@ def _text(content: Any, n: int) -> str | None:
         for p in content
     ):
         return "".join(p["text"] for p in content)
+    if isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in content
+    ):
+        raise BadRecord(
+            f"message {n} holds an image, in a file read as text: image data is read as such "
+            "when the first records of one of its files hold images (docs/images.md)"
+        )
     raise BadRecord(f"message {n} content must be text, got {type(content).__name__}")
 
 

@@ -46,7 +46,8 @@ from dflash_async.data.rendering import render_chat
 from dflash_async.data.samples import TokenizedSamples
 
 IMAGE_DROP_REASONS = ("bad_record", "no_assistant_turn", "too_few_supervised", "too_long_dropped")
-SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
+SHAREGPT_IMAGE = "<image>"
+SCANNED_RECORDS = 256  # records of each file data_has_images looks at  # the LLaVA/ShareGPT placeholder of one image in a turn's text
 # The processor's outputs that are not vision inputs of the model's forward.
 TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 
@@ -395,11 +396,15 @@ def read_image_samples(
     return samples, counts
 
 
-def data_has_images(path: str) -> bool:
-    """Whether any record of the data at `path` holds an image (has_images). A JSON line is
-    parsed only when its bytes mention "image"; the scan stops at the first image record."""
+def data_has_images(path: str, *, per_file: int = SCANNED_RECORDS) -> bool:
+    """Whether the data at `path` holds image records: any of the first `per_file` records of
+    any file (has_images; a file's records are one kind, as data sets are built). A JSON line is
+    parsed only when its bytes mention "image"; the scan stops at the first image record, and a
+    large text corpus costs the first records of each file, not a pass over it."""
     for file in resolve_files(path):
-        for _, raw in iter_raw_records(file):
+        for n, (_, raw) in enumerate(iter_raw_records(file)):
+            if n == per_file:
+                break
             if isinstance(raw, bytes) and b"image" not in raw:
                 continue
             try:

@@ -26,6 +26,7 @@ from dflash_async.data.formats import DataError
 from dflash_async.data.images import has_images, read_image_samples
 
 BLOCK = 2
+ANSWER_TURN = {"role": "assistant", "content": ANSWERS[0]}
 
 
 @pytest.fixture(scope="module", params=sorted(MULTIMODAL))
@@ -194,3 +195,31 @@ def test_loss_on_image_tokens_is_caught(processor, tmp_path, monkeypatch):
     [sample], _ = _read(path, processor)
     with pytest.raises(AssertionError, match="an image token is supervised"):
         check_sample(sample, processor, ANSWERS[0])
+
+
+def test_image_data_is_told_from_text_data_by_the_first_records_of_its_files(tmp_path):
+    """data_has_images: a file whose first records hold images makes image data; a text file
+    whose image record comes after the scanned ones stays text, and the text reader names the
+    image (DataError, file and line)."""
+    from fixtures.chat_tokenizer import qwen3_like_tokenizer
+    from structlog import get_logger
+
+    from dflash_async.data.images import SCANNED_RECORDS, data_has_images
+    from dflash_async.data.samples import DataOptions, load_samples
+
+    images = write_image_data(tmp_path / "images", records=2)
+    assert data_has_images(str(images))
+    text = {"messages": [{"role": "user", "content": "an image?"}, ANSWER_TURN]}
+    lines = [json.dumps(text)] * SCANNED_RECORDS + [json.dumps(image_record(0, "x.png"))]
+    late = tmp_path / "late.jsonl"
+    late.write_text("\n".join(lines) + "\n")
+    assert not data_has_images(str(late))
+    assert data_has_images(str(tmp_path))  # a folder: one file of images is enough
+    with pytest.raises(DataError, match=rf"late\.jsonl:{SCANNED_RECORDS + 1}: .*holds an image"):
+        load_samples(
+            str(late),
+            qwen3_like_tokenizer(),
+            options=DataOptions(max_len=512),
+            block_size=BLOCK,
+            log=get_logger("test"),
+        )
