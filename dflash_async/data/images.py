@@ -23,7 +23,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,8 @@ from dflash_async.data.rendering import render_chat
 from dflash_async.data.samples import TokenizedSamples
 
 IMAGE_DROP_REASONS = ("bad_record", "no_assistant_turn", "too_few_supervised", "too_long_dropped")
-SHAREGPT_IMAGE = "<image>"
-SCANNED_RECORDS = 256  # records of each file data_has_images looks at  # the LLaVA/ShareGPT placeholder of one image in a turn's text
+SHAREGPT_IMAGE = "<image>"  # the LLaVA/ShareGPT placeholder of one image in a turn's text
+SCANNED_RECORDS = 256  # records of each file data_has_images looks at
 # The processor's outputs that are not vision inputs of the model's forward.
 TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 
@@ -60,13 +60,17 @@ class ImageTextSample:
     [L] bool (assistant text only); vision: the processor's other outputs for this document
     alone, batch dimension dropped where it has one (Qwen3-VL: pixel_values [patches, dim],
     image_grid_thw [images, 3], mm_token_type_ids [L]; Gemma 3: pixel_values [images, 3, H, W],
-    token_type_ids [L]), passed to the wrapper's forward as they are.
+    token_type_ids [L]), passed to the wrapper's forward as they are. text: the rendering the
+    processor expanded; sources: the images' resolved paths or data URLs (read_image_samples),
+    from which the vision inputs can be computed again (ImageTextSamples keeps only these).
     """
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
     num_images: int = 0
+    text: str = ""
+    sources: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -107,30 +111,67 @@ def extended_inputs(inputs: Mapping[str, torch.Tensor], length: int) -> dict[str
 @dataclass(frozen=True, eq=False)
 class ImageTextSamples(TokenizedSamples):
     """Image+text samples in the text samples' flat layout (what the planner and the target
-    stage read: tokens, loss_mask, offsets, lengths), each with its vision inputs (host
-    tensors, in memory: images are not cached)."""
+    stage read: tokens, loss_mask, offsets, lengths), each with its vision inputs.
+
+    Pixel inputs are large (a 448x448 image is ~4.8 MB of fp32 patches for Qwen3-VL), so with a
+    `processor` only each sample's rendering and image sources are kept, and `model_inputs`
+    runs the processor again for the pack being staged (its token ids checked against the
+    sample's); without one the samples' vision inputs are held as they are (tests, a few
+    samples).
+    """
 
     vision: tuple[dict[str, torch.Tensor], ...] = ()
+    texts: tuple[str, ...] = ()
+    sources: tuple[tuple[str, ...], ...] = ()
+    processor: Any = None
 
     @classmethod
-    def of(cls, samples: Sequence[ImageTextSample], summary: Mapping | None = None):
+    def of(
+        cls,
+        samples: Sequence[ImageTextSample],
+        summary: Mapping | None = None,
+        *,
+        processor: Any = None,
+    ) -> ImageTextSamples:
         lengths = np.array([len(s) for s in samples], dtype=np.int64)
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         empty = np.zeros(0, dtype=np.int32)
+        lazy = processor is not None
         return cls(
             tokens=np.concatenate([s.input_ids for s in samples]) if samples else empty,
             loss_mask=np.concatenate([s.loss_mask for s in samples]) if samples else empty > 0,
             offsets=offsets,
             summary=dict(summary or {}),
-            vision=tuple(s.vision for s in samples),
+            vision=() if lazy else tuple(s.vision for s in samples),
+            texts=tuple(s.text for s in samples) if lazy else (),
+            sources=tuple(s.sources for s in samples) if lazy else (),
+            processor=processor,
         )
 
     def model_inputs(self, i: int, device: torch.device, dtype: torch.dtype) -> dict:
         """Sample i's vision inputs for its forward alone (ImageTextSample.model_inputs)."""
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        one = ImageTextSample(self.tokens[lo:hi], self.loss_mask[lo:hi], self.vision[i])
-        return one.model_inputs(device, dtype)
+        ids, mask = self.sample(i)
+        if self.processor is None:
+            vision = self.vision[i]
+        else:
+            vision = vision_inputs(self.processor, self.texts[i], self.sources[i], ids)
+        return ImageTextSample(ids, mask, vision).model_inputs(device, dtype)
+
+
+def vision_inputs(
+    processor: Any, text: str, sources: Sequence[str], input_ids: np.ndarray
+) -> dict[str, torch.Tensor]:
+    """The vision inputs of a read sample, computed again from its rendering and image sources;
+    ValueError if the processor's token ids are no longer the sample's (an image changed size
+    on disk since the data was read)."""
+    images = [load_image(source, None) for source in sources]
+    out = processor(text=[text], images=images or None, add_special_tokens=False)
+    if not np.array_equal(np.asarray(out["input_ids"][0]), input_ids):
+        raise ValueError(f"the images {list(sources)} no longer give the tokens read from them")
+    return {
+        name: _unbatched(name, value) for name, value in out.items() if name not in TEXT_OUTPUTS
+    }
 
 
 def has_images(record: Mapping) -> bool:
@@ -148,33 +189,43 @@ def has_images(record: Mapping) -> bool:
     )
 
 
+def resolve_image(ref: Any, root: Path | None) -> str:
+    """An image reference as a source load_image opens from anywhere: a base64 data URL as it
+    is, a path (relative to `root`) or file:// URL as an absolute path that exists; BadRecord
+    naming it otherwise."""
+    if not isinstance(ref, str) or not ref:
+        raise BadRecord(f"an image must be a path or URL string, got {type(ref).__name__}")
+    if ref.startswith("data:"):
+        head = ref.partition(",")[0]
+        if not head.endswith(";base64"):
+            raise BadRecord(f"image data URL {head[:40]!r} is not base64")
+        return ref
+    if re.match(r"^[a-z]+://", ref) and not ref.startswith("file://"):
+        raise BadRecord(f"image {ref!r}: only local paths, file:// and data: URLs are read")
+    path = Path(ref.removeprefix("file://"))
+    if not path.is_absolute() and root is not None:
+        path = root / path
+    if not path.is_file():
+        raise BadRecord(f"image file {str(path)!r} does not exist")
+    return str(path.resolve())
+
+
 def load_image(ref: Any, root: Path | None) -> Any:
     """A PIL RGB image from a path (relative to `root`), a file:// URL or a base64 data URL;
     BadRecord naming it if it is missing or unreadable."""
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(ref, str) or not ref:
-        raise BadRecord(f"an image must be a path or URL string, got {type(ref).__name__}")
-    if ref.startswith("data:"):
-        head, _, payload = ref.partition(",")
-        if not head.endswith(";base64"):
-            raise BadRecord(f"image data URL {head[:40]!r} is not base64")
+    source = resolve_image(ref, root)
+    if source.startswith("data:"):
         try:
-            source: Any = io.BytesIO(base64.b64decode(payload, validate=True))
+            stream: Any = io.BytesIO(base64.b64decode(source.partition(",")[2], validate=True))
         except ValueError as exc:
             raise BadRecord(f"image data URL is not valid base64: {exc}") from exc
         name = "data URL"
     else:
-        if re.match(r"^[a-z]+://", ref) and not ref.startswith("file://"):
-            raise BadRecord(f"image {ref!r}: only local paths, file:// and data: URLs are read")
-        path = Path(ref.removeprefix("file://"))
-        if not path.is_absolute() and root is not None:
-            path = root / path
-        if not path.is_file():
-            raise BadRecord(f"image file {str(path)!r} does not exist")
-        source, name = path, str(path)
+        stream, name = source, source
     try:
-        with Image.open(source) as image:
+        with Image.open(stream) as image:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
         raise BadRecord(f"image {name!r} is not a readable image: {exc}") from exc
@@ -182,10 +233,11 @@ def load_image(ref: Any, root: Path | None) -> Any:
 
 def image_conversation(
     record: Mapping, *, root: Path | None, role_map: Mapping[str, str] = DEFAULT_ROLE_MAP
-) -> tuple[list[dict], list[Any]]:
-    """(messages, images) of an image+text record: messages in the chat templates' convention
+) -> tuple[list[dict], list[str]]:
+    """(messages, sources) of an image+text record: messages in the chat templates' convention
     (a content with images is a list of {"type": "image"} and {"type": "text", "text"} parts;
-    one without stays a string), images loaded in the order their parts appear."""
+    one without stays a string), the images' sources (resolve_image) in the order their parts
+    appear."""
     if record.get("messages") is not None:
         turns, role_key, content_key, named = record["messages"], "role", "content", None
     elif record.get("conversations") is not None:
@@ -221,7 +273,7 @@ def image_conversation(
                 f"{len(refs)} {SHAREGPT_IMAGE} placeholders but {len(named)} images named"
             )
         refs = named
-    return messages, [load_image(ref, root) for ref in refs]
+    return messages, [resolve_image(ref, root) for ref in refs]
 
 
 def _parts(content: Any, n: int, refs: list, *, sharegpt: bool) -> list[dict] | None:
@@ -304,7 +356,7 @@ def encode_image_chat(
     vision = {
         name: _unbatched(name, value) for name, value in out.items() if name not in TEXT_OUTPUTS
     }
-    return ImageTextSample(ids, mask, vision, num_images=len(images))
+    return ImageTextSample(ids, mask, vision, num_images=len(images), text=text)
 
 
 def encode_image_prompt(
@@ -356,6 +408,7 @@ def read_image_samples(
     loss_turns: str = "all",
     on_bad_record: str = "error",
     role_map: Mapping[str, str] = DEFAULT_ROLE_MAP,
+    keep_vision: bool = True,
 ) -> tuple[list[ImageTextSample], Counter]:
     """Every usable image+text sample of the data at `path`, in file order, and the counts.
 
@@ -363,6 +416,8 @@ def read_image_samples(
     tokens); a sample longer than max_len is dropped (truncating one would cut an image's
     tokens off its pixels). A bad record (a missing or unreadable image among them) is a
     DataError naming its file and line, or with on_bad_record="skip" a counted skip.
+    keep_vision=False drops each sample's vision inputs once read (ImageTextSamples computes
+    them again from the sample's text and sources).
     """
     samples, counts = [], Counter()
     for file in resolve_files(path):
@@ -370,17 +425,19 @@ def read_image_samples(
             counts["records"] += 1
             try:
                 record = parse_record(raw)
-                messages, images = image_conversation(record, root=file.parent, role_map=role_map)
+                messages, sources = image_conversation(record, root=file.parent, role_map=role_map)
                 if not supervised_turns(messages, loss_turns):
                     counts["no_assistant_turn"] += 1
                     continue
                 sample = encode_image_chat(
                     processor,
                     messages,
-                    images,
+                    [load_image(source, None) for source in sources],
                     enable_thinking=enable_thinking,
                     loss_turns=loss_turns,
                 )
+                kept = sample.vision if keep_vision else {}
+                sample = replace(sample, sources=tuple(sources), vision=kept)
             except (BadRecord, ValueError) as exc:
                 if on_bad_record == "error":
                     raise DataError(f"{where}: {exc}") from exc
@@ -425,6 +482,7 @@ def load_image_samples(
     samples, counts = read_image_samples(
         path,
         processor,
+        keep_vision=False,
         max_len=options.max_len,
         block_size=block_size,
         enable_thinking=options.enable_thinking,
@@ -452,4 +510,4 @@ def load_image_samples(
         load_s=round(time.perf_counter() - started, 3),
         **summary,
     )
-    return ImageTextSamples.of(samples, summary)
+    return ImageTextSamples.of(samples, summary, processor=processor)

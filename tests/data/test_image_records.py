@@ -23,7 +23,7 @@ from image_text_kit import (
 
 from dflash_async.data import images as image_data
 from dflash_async.data.formats import DataError
-from dflash_async.data.images import has_images, read_image_samples
+from dflash_async.data.images import ImageTextSamples, has_images, read_image_samples
 
 BLOCK = 2
 ANSWER_TURN = {"role": "assistant", "content": ANSWERS[0]}
@@ -223,3 +223,25 @@ def test_image_data_is_told_from_text_data_by_the_first_records_of_its_files(tmp
             block_size=BLOCK,
             log=get_logger("test"),
         )
+
+
+def test_vision_inputs_computed_again_equal_the_read_ones(family, processor, tmp_path):
+    """ImageTextSamples with a processor keeps renderings and image sources, not pixels: its
+    vision inputs, computed again, equal those read; an image that changed size on disk since,
+    where that changes its tokens (not for Gemma 3, which resizes every image alike), is
+    refused."""
+    path = write_image_data(tmp_path, records=3)
+    listed, _ = _read(path, processor)
+    samples = ImageTextSamples.of(listed, processor=processor)
+    assert samples.vision == () and len(samples.texts) == 3
+    for i, sample in enumerate(listed):
+        again = samples.model_inputs(i, torch.device("cpu"), torch.float32)
+        held = sample.model_inputs(torch.device("cpu"), torch.float32)
+        assert again.keys() == held.keys()
+        for key, value in held.items():
+            assert torch.equal(again[key], value), key
+    image(0, (32, 32)).save(tmp_path / "images" / "0.png")
+    tokens = MULTIMODAL[family].image_tokens
+    if tokens((32, 32)) != tokens((48, 64)):  # write_image_data's first size
+        with pytest.raises(ValueError, match="no longer give the tokens"):
+            samples.model_inputs(0, torch.device("cpu"), torch.float32)

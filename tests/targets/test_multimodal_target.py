@@ -176,13 +176,15 @@ def test_causal_attention_inside_images_is_caught(bidirectional_target, tmp_path
     assert _gap(model, samples, vision) > MUTANT_GAP
 
 
-def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_path):
+@pytest.mark.parametrize("recomputed", [False, True], ids=["held", "recomputed"])
+def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_path, recomputed):
     """The target stage (stages/produce.py) on image+text samples: a pack of documents out of
-    file order is staged with each document's own vision inputs, and the slot holds the
+    file order is staged with each document's own vision inputs (held, or computed again from
+    the samples' renderings and image files, as `run` keeps them), and the slot holds the
     layout and, at each document's rows, HF's features of that document alone."""
     processor, model = target
     listed = _samples(tmp_path, processor)
-    samples = ImageTextSamples.of(listed)
+    samples = ImageTextSamples.of(listed, processor=processor if recomputed else None)
     order = np.array([2, 0, 3, 1])
     budget = int(samples.lengths.sum()) + PAD
     width = len(LAYERS) * model.config.get_text_config().hidden_size
