@@ -8,12 +8,15 @@ matter (the greedy output with it differs from the output without it).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from image_text_kit import MULTIMODAL, image, tiny_multimodal
+from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
 
 from dflash_async.data.images import encode_image_prompt
 from dflash_async.eval import recompute
+from dflash_async.eval.harness import evaluate, read_prompts
 from dflash_async.eval.lossless import check_lossless, tie_tolerance_for
 from dflash_async.eval.speculative import greedy_generate, speculative_decode, speculative_generate
 from dflash_async.model.drafter import DFlashDrafter
@@ -168,3 +171,65 @@ def test_verify_passes_without_the_image_are_caught(target, monkeypatch):
         vision=vision,
     )
     assert spec.tokens != plain.tokens
+
+
+def test_evaluate_decodes_image_prompts_losslessly(target, tmp_path):
+    """harness.evaluate on a prompts file of image records (and a text one): every prompt is
+    checked lossless against its greedy baseline (LosslessError otherwise), the baseline kept
+    under a key that covers the images: another image of the same size decodes afresh."""
+    processor, model = target
+    drafter, config = _random_drafter(model)
+    for seed in range(2):
+        image(seed, (32, 32)).save(tmp_path / f"{seed}.png")
+    lines = [image_record(0, "0.png"), image_record(1, "1.png"), {"prompt": "Hello there!"}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    records = read_prompts(tmp_path / "prompts.jsonl")
+
+    def run():
+        return evaluate(
+            model,
+            processor.tokenizer,
+            drafter,
+            config,
+            records,
+            max_new_tokens=8,
+            processor=processor,
+            baseline_dir=tmp_path / "baseline",
+            target_id="tiny",
+            warmup=False,
+        )
+
+    first = run()
+    assert len(first["samples"]) == 3 and not first["baseline_cached"]
+    assert "tau_teacher_forced" not in first  # text-only estimate, left out
+    assert run()["baseline_cached"]
+    image(7, (32, 32)).save(tmp_path / "0.png")  # same size, same tokens, other pixels
+    assert not run()["baseline_cached"]
+
+
+def test_run_eval_loads_the_wrapper_whole_for_image_prompts(tmp_path, monkeypatch):
+    """`eval` (run_eval) on a prompts file with image records: the target folder's wrapper
+    loads with its vision tower, prompts go through its processor (here the in-memory one:
+    AutoProcessor of Qwen3-VL needs torchvision), and every sample is checked lossless."""
+    from dflash_async.checkpoint.export import export_drafter
+    from dflash_async.eval.harness import run_eval
+    from dflash_async.targets import multimodal
+
+    processor, model = tiny_multimodal("qwen3_vl")
+    model.save_pretrained(tmp_path / "target")
+    processor.tokenizer.save_pretrained(tmp_path / "target")
+    drafter, config = _random_drafter(model)
+    export_drafter(drafter, config, tmp_path / "export")
+    image(0, (32, 32)).save(tmp_path / "0.png")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(image_record(0, "0.png")) + "\n")
+    monkeypatch.setattr(multimodal, "load_target_processor", lambda path: processor)
+    report = run_eval(
+        tmp_path / "target",
+        tmp_path / "export",
+        prompts,
+        device="cpu",
+        dtype=torch.float32,
+        max_new_tokens=8,
+    )
+    assert len(report["samples"]) == 1 and report["lossless_checked"]

@@ -2,7 +2,8 @@
 of generated PNGs and answers; the read stage takes them through the target's processor (here
 the in-memory one of image_text_kit.py: AutoProcessor of Qwen3-VL needs torchvision for its
 video processor, absent here), the target loads whole and runs per document (`hf_multimodal`),
-and ten steps train with finite losses. Data with images for a target without a vision tower,
+ten steps train with finite losses, and the evaluation at the end decodes the data's image
+prompts losslessly. Data with images for a target without a vision tower,
 or with a setting the image path does not cover, is refused before any model loads.
 """
 
@@ -22,6 +23,7 @@ from dflash_async.pipeline import run as pipeline
 from dflash_async.pipeline import startup
 from dflash_async.pipeline.specs import run_spec
 from dflash_async.settings.env import load_settings
+from dflash_async.targets import multimodal
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 90
@@ -67,8 +69,14 @@ def _settings(target: Path, data: Path, out: Path, mask: int, **env: str):
 async def test_run_trains_ten_steps_on_image_text_records(model_type, tmp_path, monkeypatch):
     target, processor, mask = _target(tmp_path / "target", model_type)
     data = write_image_data(tmp_path / "data", records=12)
-    monkeypatch.setattr(startup, "load_target_processor", lambda path: processor)
-    settings = _settings(target, data, tmp_path / "out", mask)
+    for module in (startup, multimodal):  # the read stage's and the evaluation's
+        monkeypatch.setattr(module, "load_target_processor", lambda path: processor)
+    evaluation = {  # at the end, on the data's own image prompts (answers dropped)
+        "DFLASH_EVAL__PROMPTS_PATH": str(data),
+        "DFLASH_EVAL__NUM_PROMPTS": "3",
+        "DFLASH_EVAL__MAX_NEW_TOKENS": "8",
+    }
+    settings = _settings(target, data, tmp_path / "out", mask, **evaluation)
     with capture_logs() as events, anyio.fail_after(RUN_DEADLINE_S):
         assert await pipeline.run(settings, get_logger("test")) == 0
     (loaded,) = [e for e in events if e["event"] == "data_loaded"]
@@ -78,6 +86,10 @@ async def test_run_trains_ten_steps_on_image_text_records(model_type, tmp_path, 
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     assert all(math.isfinite(e["loss"]) and e["loss"] > 0 for e in steps)
+    assert not [e for e in events if e["event"] == "eval_failed"]  # every sample lossless
+    (evaluated,) = [e for e in events if e["event"] == "eval"]
+    assert evaluated["num_samples"] == 3 and evaluated["lossless_checked"]
+    assert evaluated["decoder"] == "reference" and evaluated["tau"] >= 1
 
 
 def test_image_records_for_a_text_target_are_refused_before_any_model_loads(tmp_path):
