@@ -242,7 +242,7 @@ def eval_setup(
         read_prompts,
         stop_rules,
     )
-    from dflash_async.targets.multimodal import load_target_processor, vision_problem
+    from dflash_async.targets.multimodal import load_target_processor, model_vision_problem
     from dflash_async.targets.tiny import demo_prompts
 
     problem = evaluation_unsupported_reason(target)
@@ -269,7 +269,7 @@ def eval_setup(
     eos, suppress = stop_rules(target, tokenizer)
     vision = None
     if has_image_prompts(records):  # the run's target must hold its vision tower
-        problem = vision_problem(target.config)
+        problem = model_vision_problem(target)
         if problem:
             raise SettingsError(
                 f"DFLASH_EVAL__PROMPTS_PATH holds image prompts, but the run's target runs "

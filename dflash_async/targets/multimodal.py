@@ -28,6 +28,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.generic import GenericForward, find_decoder_layers
+from dflash_async.targets.loading import NON_TEXT_PARTS
 from dflash_async.targets.paths import TargetPath
 from dflash_async.targets.resolve import TargetError
 
@@ -51,7 +52,7 @@ class MultimodalForward:
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
-        problem = vision_problem(model.config)
+        problem = model_vision_problem(model)
         if problem:
             raise TargetError(problem)
         layers = language_model_layers(model)
@@ -102,6 +103,18 @@ def vision_problem(config: Any) -> str | None:
         f"target model_type {getattr(config, 'model_type', None)!r} has no vision tower: image "
         "records need a multimodal target (its *ForConditionalGeneration checkpoint)"
     )
+
+
+def model_vision_problem(model: nn.Module) -> str | None:
+    """None when the loaded `model` holds its vision tower, else why it cannot read images (a
+    text model, or a wrapper loaded for text data, whose tower was left out: targets/loading.py)."""
+    problem = vision_problem(model.config)
+    if problem:
+        return problem
+    inner = getattr(model, "model", model)
+    if not any(getattr(inner, name, None) is not None for name in NON_TEXT_PARTS):
+        return f"{type(model).__name__} was loaded without its vision tower (for text data)"
+    return None
 
 
 def load_target_processor(path: str) -> Any:

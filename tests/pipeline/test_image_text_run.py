@@ -126,3 +126,23 @@ def test_settings_the_image_path_does_not_cover_are_refused(tmp_path, env, name)
     inputs = startup.RunInputs(str(target), str(data), False, None)
     with pytest.raises(SettingsError, match=f"{name} is not supported with image data"):
         startup.read_samples(spec, inputs, get_logger("test"))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_image_prompts_in_a_run_on_text_data_are_refused_before_training(tmp_path):
+    """A run on text data holds the wrapper's language model alone: image prompts for its
+    evaluation are refused at start-up (exit 2, one line), before any step."""
+    from tiny_run import write_pretokenized
+
+    target, _, mask = _target(tmp_path / "target", "qwen3_vl")
+    text = write_pretokenized(tmp_path / "text.jsonl", records=12, vocab=mask)
+    prompts = write_image_data(tmp_path / "prompts", records=2)
+    env = {"DFLASH_EVAL__PROMPTS_PATH": str(prompts), "DFLASH_EVAL__AT_START": "true"}
+    settings = _settings(target, text, tmp_path / "out", mask, **env)
+    with capture_logs() as events, pytest.raises(SettingsError) as refused:
+        with anyio.fail_after(RUN_DEADLINE_S):
+            await pipeline.run(settings, get_logger("test"))
+    assert "holds image prompts" in str(refused.value) and "\n" not in str(refused.value)
+    assert "without its vision tower" in str(refused.value)
+    assert not [e for e in events if e["event"] == "step"]
