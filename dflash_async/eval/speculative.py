@@ -52,7 +52,7 @@ from dflash_async.eval.sampling import Sampler
 from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.targets.loading import decoder_layers
+from dflash_async.targets.loading import decoder_layers, text_config
 
 
 class BlockDrafter(Protocol):
@@ -178,7 +178,10 @@ class DFlashBlockDrafter:
 @contextmanager
 def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, Any]]:
     """Forward hooks that keep the latest raw output of each layer in `layer_ids` (not the HF
-    final-norm'd last hidden state: the same features TargetFeatures gives the trainer)."""
+    final-norm'd last hidden state: the same features TargetFeatures gives the trainer), taken
+    as it enters the next layer where there is one: what a multimodal wrapper adds between
+    layers (Qwen3-VL's deepstack visual features) is in it, as in the multimodal target
+    forward's features (targets/multimodal.py); for every other model the same tensor."""
     outputs: dict[int, Any] = {}
     layers = decoder_layers(target)
 
@@ -188,7 +191,22 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
 
         return hook
 
+    width = text_config(target).hidden_size
+
+    def entering(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.shape[-1] == width:
+                outputs[i] = hidden
+
+        return hook
+
     handles = [layers[i].register_forward_hook(keep(i)) for i in layer_ids]
+    handles += [
+        layers[i + 1].register_forward_pre_hook(entering(i), with_kwargs=True)
+        for i in layer_ids
+        if i + 1 < len(layers)
+    ]
     try:
         yield outputs
     finally:

@@ -7,7 +7,9 @@ document's image embeddings and its own multimodal RoPE positions (Qwen3-VL's 3-
 from `get_rope_index`: a document's text after an image continues from the image's largest
 position, not from its token count) and Gemma 3's bidirectional attention inside each image,
 and nothing of another document reaches it. The features are the raw outputs of the language
-model's tapped decoder layers, image positions included; padding rows are zero.
+model's tapped decoder layers as they enter the next layer (Qwen3-VL adds its deepstack visual
+features to the first layers' outputs at image positions: they are in), image positions
+included; padding rows are zero.
 
 Loading for image data (`load_multimodal_target`, `load_target_processor`) takes the wrapper
 whole, tower included, and the target folder's processor; text runs keep loading the language
@@ -58,6 +60,35 @@ class MultimodalForward:
         layers = language_model_layers(model)
         self.generic = GenericForward(model, layer_ids, max_batch_tokens=1, layers=layers)
         self.model = model
+        self._handles = [
+            layers[i + 1].register_forward_pre_hook(self._entering(slot), with_kwargs=True)
+            for slot, i in enumerate(self.generic.layer_ids)
+            if i + 1 < len(layers)
+        ]
+
+    def _entering(self, slot: int):
+        """A pre-hook of the layer after tapped layer `slot`: the hidden state entering it
+        replaces the tapped layer's output, so what the wrapper adds between the two (Qwen3-VL's
+        deepstack visual features, after its first layers, at image positions) is in the
+        features, as in what the serving engines capture (the hidden state entering the next
+        layer). Equal to the output where nothing is added."""
+        d = self.generic.hidden_size
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            out = self.generic._out
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if (
+                out is not None
+                and isinstance(hidden, torch.Tensor)
+                and hidden.shape
+                == (
+                    *out.shape[:2],
+                    d,
+                )
+            ):
+                out[..., slot * d : (slot + 1) * d].copy_(hidden)
+
+        return hook
 
     @torch.no_grad()
     def __call__(
@@ -82,6 +113,9 @@ class MultimodalForward:
         return features
 
     def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self.generic.close()
 
 

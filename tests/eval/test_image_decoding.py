@@ -233,3 +233,54 @@ def test_run_eval_loads_the_wrapper_whole_for_image_prompts(tmp_path, monkeypatc
         max_new_tokens=8,
     )
     assert len(report["samples"]) == 1 and report["lossless_checked"]
+
+
+class RecordingOracle(OracleDrafter):
+    """The oracle, keeping the context features and positions decoding gives it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.features: list[torch.Tensor] = []
+        self.positions: list[int] = []
+
+    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        self.features.append(features.clone())
+        self.positions += positions.tolist()
+
+
+def test_decoding_gives_the_drafter_the_training_features_of_image_prompts():
+    """What the drafter is given while decoding an image prompt equals the multimodal target
+    forward's features (what it trains on) of the final sequence, row by row, deepstack visual
+    features of Qwen3-VL's first layer included (tapped layers 0 and 2)."""
+    from dflash_async.data.images import extended_inputs
+    from dflash_async.targets.multimodal import MultimodalForward
+
+    processor, model = tiny_multimodal("qwen3_vl")
+    layers, vocab = (0, 2), model.config.get_text_config().vocab_size
+    prompt = _prompts(processor)[0]
+    ids, vision = prompt.input_ids.tolist(), prompt.model_inputs(CPU, torch.float32)
+    plain = greedy_generate(model, ids, MAX_NEW, None, vision=vision)
+    oracle = RecordingOracle(ids + plain.tokens, block_size=5, correct=2, vocab=vocab)
+    speculative_decode(
+        model,
+        oracle,
+        ids,
+        layer_ids=layers,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=None,
+        vision=vision,
+    )
+    n = len(oracle.positions)
+    assert oracle.positions == list(range(n)) and n >= len(ids) + MAX_NEW - 5
+    sequence = torch.tensor(ids + plain.tokens)[:n]
+    width = len(layers) * model.config.get_text_config().hidden_size
+    expected = torch.zeros(n, width)
+    forward = MultimodalForward(model, layers)
+    try:
+        whole = extended_inputs(vision, n)
+        forward(sequence, torch.arange(n), torch.zeros(n, dtype=torch.long), expected, [n], [whole])
+    finally:
+        forward.close()
+    # the same modules on other row counts (a prefill, verify blocks, the whole sequence):
+    # fp32 rounding of features of magnitude ~0.1 over 3 layers
+    torch.testing.assert_close(torch.cat(oracle.features), expected, atol=1e-5, rtol=1e-5)

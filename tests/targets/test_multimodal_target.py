@@ -225,3 +225,41 @@ def test_a_target_without_a_vision_tower_is_refused():
     )
     with pytest.raises(TargetError, match="no vision tower"):
         MultimodalForward(Qwen3ForCausalLM(config), LAYERS)
+
+
+def test_deepstack_visual_features_are_in_the_first_layers_features(tmp_path):
+    """Qwen3-VL adds its deepstack visual features to the output of its first decoder layer(s)
+    at image positions: tapped layer 0's features are its output plus them (the hidden state
+    entering layer 1, which the serving engines capture), HF's hidden_states[1] (the output
+    alone) plus the deepstack features of the images, scattered at their tokens. The output
+    alone (the mutant) misses them by more than MUTANT_GAP."""
+    processor, model = tiny_multimodal("qwen3_vl")
+    samples = _samples(tmp_path, processor)
+    layers, d = (0, 2), model.config.get_text_config().hidden_size
+    lengths = [len(s) for s in samples]
+    pack = layout_pack([(s.input_ids, s.loss_mask) for s in samples], sum(lengths) + PAD)
+    features = torch.zeros(pack.num_tokens, len(layers) * d)
+    forward = MultimodalForward(model, layers)
+    try:
+        vision = [s.model_inputs(CPU, torch.float32) for s in samples]
+        forward(pack.input_ids, pack.position_ids, pack.doc_ids, features, lengths, vision)
+    finally:
+        forward.close()
+    at, checked = 0, 0
+    for sample, inputs in zip(samples, vision, strict=True):
+        n, rows = len(sample), torch.from_numpy(sample.image_tokens())
+        ids = torch.as_tensor(sample.input_ids, dtype=torch.long)[None]
+        with torch.no_grad():
+            output = model(input_ids=ids, **inputs, output_hidden_states=True).hidden_states[1][0]
+            expected = output.clone()
+            if sample.num_images:
+                images = model.model.get_image_features(
+                    inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
+                )
+                expected[rows] += torch.cat(images.deepstack_features[0], dim=0)
+                checked += 1
+                gap = (features[at : at + n, :d][rows] - output[rows]).abs().max()
+                assert gap > MUTANT_GAP
+        torch.testing.assert_close(features[at : at + n, :d], expected, atol=TOL, rtol=TOL)
+        at += n
+    assert checked == 3
