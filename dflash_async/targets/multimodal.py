@@ -16,7 +16,7 @@ whole, tower included, and the target folder's processor; text runs keep loading
 model alone (targets/loading.py).
 
 The drafter keeps its plain 1-D positions (`PackedBatch.position_ids`, restarting at 0 in every
-document), as the serving engines run it: the multimodal positions are the target's alone.
+document): the multimodal positions are the target's alone.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class MultimodalForward:
         """A pre-hook of the layer after tapped layer `slot`: the hidden state entering it
         replaces the tapped layer's output, so what the wrapper adds between the two (Qwen3-VL's
         deepstack visual features, after its first layers, at image positions) is in the
-        features, as in what the serving engines capture (the hidden state entering the next
+        features, as SGLang's DFlash capture reads them (the hidden state entering the next
         layer). Equal to the output where nothing is added."""
         d = self.generic.hidden_size
 

@@ -230,7 +230,7 @@ def test_a_target_without_a_vision_tower_is_refused():
 def test_deepstack_visual_features_are_in_the_first_layers_features(tmp_path):
     """Qwen3-VL adds its deepstack visual features to the output of its first decoder layer(s)
     at image positions: tapped layer 0's features are its output plus them (the hidden state
-    entering layer 1, which the serving engines capture), HF's hidden_states[1] (the output
+    entering layer 1, which SGLang's DFlash capture reads), HF's hidden_states[1] (the output
     alone) plus the deepstack features of the images, scattered at their tokens. The output
     alone (the mutant) misses them by more than MUTANT_GAP."""
     processor, model = tiny_multimodal("qwen3_vl")
