@@ -310,6 +310,57 @@ def _parts(content: Any, n: int, refs: list, *, sharegpt: bool) -> list[dict] | 
     return parts
 
 
+def openai_image_messages(
+    record: Mapping, *, root: Path | None, role_map: Mapping[str, str] = DEFAULT_ROLE_MAP
+) -> list[dict]:
+    """An image+text record's conversation as OpenAI messages: image parts as
+    {"type": "image_url", "image_url": {"url": source}} with each source resolved (an absolute
+    path or a data URL: resolve_image), text parts as they are; what `run` reads back."""
+    messages, sources = image_conversation(record, root=root, role_map=role_map)
+    remaining = iter(sources)
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [
+                {"type": "image_url", "image_url": {"url": next(remaining)}}
+                if part["type"] == "image"
+                else part
+                for part in content
+            ]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def inline_images(messages: Sequence[dict]) -> list[dict]:
+    """OpenAI messages with every local image (an absolute path) as a base64 data URL, for a
+    server that cannot read this machine's files; BadRecord naming an unreadable one."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [_inlined(part) for part in content]
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def _inlined(part: Any) -> Any:
+    if not (isinstance(part, dict) and part.get("type") == "image_url"):
+        return part
+    url = part["image_url"]["url"]
+    if url.startswith("data:"):
+        return part
+    try:
+        data = Path(url).read_bytes()
+    except OSError as exc:
+        raise BadRecord(f"image file {url!r} cannot be read: {exc}") from exc
+    kind = (Path(url).suffix.lstrip(".").lower() or "png").replace("jpg", "jpeg")
+    encoded = base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64,{encoded}"}}
+
+
 def processor_template(processor: Any) -> str:
     """The processor's chat template (the one that renders image parts), else its tokenizer's."""
     template = getattr(processor, "chat_template", None) or getattr(
