@@ -10,6 +10,7 @@ Records are OpenAI `{"messages": [{"role", "content"}]}`, ShareGPT `{"conversati
 "value"}]}` or pre-tokenized `{"input_ids", "loss_mask"}`. Roles go through a role map (ShareGPT's
 gpt/chatgpt/bing/bard -> assistant, human -> user, ... by default); an unknown role is a bad record.
 Every record carries where it came from (`file:line`, `file:row N`) for the error that names it.
+Records with images are read by data/images.py.
 """
 
 from __future__ import annotations
