@@ -12,7 +12,8 @@ the 2x2 merge) after its first tokens. Inputs are made without a processor: rand
 below the special tokens, the image's placeholder tokens, random pixel values of the patch
 width the tower takes, the grid and the per-token types, which is all the forward reads.
 Prints one JSON line per case: tokens/s, images/s, the median seconds of a pack and the first
-call's. `--shape tiny --device cpu` is the smoke test's (seconds on a CPU).
+call's; the image row adds `pixel_inputs_s`, the host seconds of computing the pack's pixel
+inputs from PNG files (what `run` does per pack when it stages it). `--shape tiny --device cpu` is the smoke test's (seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -191,10 +192,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tokens_per_s=round(tokens / median),
             images_per_s=round(count / median, 1),
         )
+        if count:  # what `run` adds per pack on the host: the images' pixel inputs, again
+            row["pixel_inputs_s"] = round(pixel_inputs_s(count, args.image_side, args.repeats), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
     forward.close()
     return rows
+
+
+def pixel_inputs_s(count: int, side: int, repeats: int) -> float:
+    """Median seconds of the PIL image processor (Qwen3-VL's: 16-pixel patches, 2x2 merge) on
+    `count` PNG files of side x side pixels, decoded from disk: the host work `run` does for a
+    pack when it stages it (data/images.py computes the vision inputs again per pack)."""
+    import tempfile
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    processor = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE)
+    rng = np.random.default_rng(2)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for i in range(count):
+            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            paths.append(f"{folder}/{i}.png")
+            Image.fromarray(pixels).save(paths[-1])
+
+        def run() -> None:
+            images = []
+            for path in paths:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            processor(images)
+
+        return timed(run, repeats, torch.device("cpu"))[1]
 
 
 if __name__ == "__main__":

@@ -23,3 +23,4 @@ def test_the_multimodal_target_benchmark_prints_both_cases():
     assert images["images"] == images["documents"] and text["images"] == 0
     assert images["image_tokens"] == 4 * images["images"]  # 64 px: 4x4 patches, merged 2x2
     assert images["tokens_per_s"] > 0 and text["tokens_per_s"] > 0
+    assert images["pixel_inputs_s"] > 0 and "pixel_inputs_s" not in text
