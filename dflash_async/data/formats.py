@@ -10,6 +10,7 @@ Records are OpenAI `{"messages": [{"role", "content"}]}`, ShareGPT `{"conversati
 "value"}]}` or pre-tokenized `{"input_ids", "loss_mask"}`. Roles go through a role map (ShareGPT's
 gpt/chatgpt/bing/bard -> assistant, human -> user, ... by default); an unknown role is a bad record.
 Every record carries where it came from (`file:line`, `file:row N`) for the error that names it.
+Records with images are read by data/images.py.
 """
 
 from __future__ import annotations
@@ -273,6 +274,13 @@ def _text(content: Any, n: int) -> str | None:
         for p in content
     ):
         return "".join(p["text"] for p in content)
+    if isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in content
+    ):
+        raise BadRecord(
+            f"message {n} holds an image, in a file read as text: image data is read as such "
+            "when the first records of one of its files hold images (docs/images.md)"
+        )
     raise BadRecord(f"message {n} content must be text, got {type(content).__name__}")
 
 

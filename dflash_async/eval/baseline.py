@@ -3,8 +3,8 @@
 Every evaluation checks each speculative output against plain greedy decoding of the target, and
 reports plain tokens/s next to speculative tokens/s. The greedy output depends only on the
 target (its folder, dtype and device kind), the prompt token ids (so the chat template),
-max_new_tokens, the stop rules and the decode batch size (bf16 kernels differ by batch shape),
-never on the drafter: so it is decoded once per key and stored as
+max_new_tokens, the stop rules, the decode batch size (bf16 kernels differ by batch shape) and
+an image prompt's vision inputs, never on the drafter: so it is decoded once per key and stored as
 `<folder>/baseline-<key>.jsonl` (one meta line, then one line per prompt), and every later
 evaluation of the run, a resumed run or a later `eval` reads it back.
 """
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from dflash_async.eval.lossless import GreedyResult
 from dflash_async.eval.regenerate import write_jsonl
@@ -30,8 +32,10 @@ def baseline_key(
     eos: frozenset[int],
     suppress: Sequence[int],
     batch_size: int,
+    images: str = "",
 ) -> str:
-    """A 16-hex-digit digest of everything the greedy output depends on."""
+    """A 16-hex-digit digest of everything the greedy output depends on (`images`: a digest of
+    image prompts' vision inputs, vision_digest; "" for text prompts)."""
     identity = {
         "target": target_id,
         "dtype": dtype,
@@ -42,7 +46,23 @@ def baseline_key(
         "suppress": sorted(suppress),
         "batch_size": batch_size,
     }
+    if images:  # text prompts keep the keys they always had
+        identity["images"] = images
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def vision_digest(vision: Sequence[Mapping[str, torch.Tensor]] | None) -> str:
+    """A digest of image prompts' vision inputs (names, shapes, dtypes and values), "" for none."""
+    if vision is None:
+        return ""
+    digest = hashlib.sha256()
+    for inputs in vision:
+        for name in sorted(inputs):
+            value = inputs[name].detach().cpu().contiguous()
+            digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
+            digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
 
 
 def baseline_path(folder: str | Path, key: str) -> Path:

@@ -19,7 +19,7 @@ greedy one, so it is not checked against the baseline (the baseline still gives 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,10 +72,17 @@ class DecodeSetup:
     suppress: tuple[int, ...]
     batch_size: int
     sampling: SamplingOptions | None = None  # None: greedy; else T > 0 (sampled_or_none)
+    # image prompts: each prompt's vision inputs on the target's device (an empty mapping for
+    # a text prompt), decoded one at a time by recomputation (eval/recompute.py); None: text
+    vision: Sequence[Mapping[str, torch.Tensor]] | None = None
 
     @property
     def batched(self) -> bool:
-        return batched_unsupported_reason(self.target) is None
+        return self.vision is None and batched_unsupported_reason(self.target) is None
+
+    def vision_of(self, index: int) -> Mapping[str, torch.Tensor] | None:
+        """Prompt `index`'s vision inputs (None for text prompts)."""
+        return self.vision[index] if self.vision is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -97,16 +104,17 @@ class _OnePrompt:
         return [self._result]
 
 
-def _batches(setup: DecodeSetup) -> list[list[list[int]]]:
+def _batches(setup: DecodeSetup) -> list[tuple[int, list[list[int]]]]:
+    """(index of the first prompt, the prompts) of each batch."""
     size = setup.batch_size if setup.batched else 1
-    return [setup.prompts[i : i + size] for i in range(0, len(setup.prompts), size)]
+    return [(i, setup.prompts[i : i + size]) for i in range(0, len(setup.prompts), size)]
 
 
 def greedy_decoders(setup: DecodeSetup) -> list[Callable[[], Decoder]]:
     """Factories (call them on the target's device thread) of the baseline's decoders."""
     s = setup
 
-    def make(batch: list[list[int]]) -> Decoder:
+    def make(first: int, batch: list[list[int]]) -> Decoder:
         if s.batched:
             return BatchedDecode(
                 s.target,
@@ -119,11 +127,16 @@ def greedy_decoders(setup: DecodeSetup) -> list[Callable[[], Decoder]]:
             )
         return _OnePrompt(
             lambda: greedy_generate(
-                s.target, batch[0], s.max_new_tokens, s.eos, suppress_token_ids=s.suppress
+                s.target,
+                batch[0],
+                s.max_new_tokens,
+                s.eos,
+                suppress_token_ids=s.suppress,
+                vision=s.vision_of(first),
             )
         )
 
-    return [lambda batch=batch: make(batch) for batch in _batches(s)]
+    return [lambda first=first, batch=batch: make(first, batch) for first, batch in _batches(s)]
 
 
 def speculative_decoders(
@@ -135,7 +148,7 @@ def speculative_decoders(
         return _sampled_decoders(s, drafter, config)
     embed, lm_head = frozen_embeddings(s.target)
 
-    def make(batch: list[list[int]]) -> Decoder:
+    def make(first: int, batch: list[list[int]]) -> Decoder:
         if s.batched:
             capacity = cache_capacity(batch, s.max_new_tokens, config.drafts_per_block + 1)
             rows = RowsBlockDrafter(
@@ -161,10 +174,11 @@ def speculative_decoders(
                 max_new_tokens=s.max_new_tokens,
                 eos_token_id=s.eos,
                 suppress_token_ids=s.suppress,
+                vision=s.vision_of(first),
             )
         )
 
-    return [lambda batch=batch: make(batch) for batch in _batches(s)]
+    return [lambda first=first, batch=batch: make(first, batch) for first, batch in _batches(s)]
 
 
 def _sampled_decoders(
@@ -195,6 +209,7 @@ def _sampled_decoders(
                 eos_token_id=s.eos,
                 suppress_token_ids=s.suppress,
                 sampler=sampler,
+                vision=s.vision_of(index),
             )
         )
 

@@ -32,8 +32,19 @@ from dflash_async.data.formats import (
     iter_raw_records,
     parse_record,
 )
+from dflash_async.data.images import (
+    encode_image_prompt,
+    has_images,
+    image_conversation,
+    load_image,
+)
 from dflash_async.data.tokenization import raw_text_ids
-from dflash_async.eval.baseline import baseline_key, load_baseline, save_baseline
+from dflash_async.eval.baseline import (
+    baseline_key,
+    load_baseline,
+    save_baseline,
+    vision_digest,
+)
 from dflash_async.eval.evaluation import (
     DecodeSetup,
     greedy_decoders,
@@ -55,7 +66,9 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
 from dflash_async.settings import EvalSettings
+from dflash_async.targets import multimodal
 from dflash_async.targets.loading import (
+    default_target_dtype,
     frozen_embeddings,
     load_target,
     load_target_tokenizer,
@@ -117,7 +130,8 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Records of a jsonl file (or any file `run` reads: .json, .parquet, ...), one prompt each:
     {"messages": [...]} (OpenAI), {"conversations": [{"from", "value"}]} (ShareGPT, as `run`
     and `regenerate` read it; returned as "messages" with ShareGPT's roles mapped) or
-    {"prompt": str}. Trailing assistant turns are dropped when the prompt is built.
+    {"prompt": str}. Trailing assistant turns are dropped when the prompt is built. An image
+    record (data/images.py) keeps its messages with image parts and its images' sources.
 
     DataError (a ValueError) naming the file (and line) of a missing or empty file or a bad record.
     """
@@ -127,6 +141,10 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     for where, raw in iter_raw_records(source):
         try:
             record = parse_record(raw)
+            if has_images(record):  # the images' sources resolved and checked here
+                messages, sources = image_conversation(record, root=source.parent)
+                records.append({**record, "messages": messages, IMAGE_SOURCES: sources})
+                continue
             if not isinstance(record.get("prompt"), str):
                 if record.get("messages") is None and record.get("conversations") is None:
                     raise BadRecord(
@@ -188,6 +206,45 @@ def prompts_of(
     return prompts
 
 
+IMAGE_SOURCES = "image_sources"  # the key read_prompts gives an image record's images
+
+
+def image_prompts_of(
+    processor: Any,
+    records: Sequence[dict[str, Any]],
+    *,
+    enable_thinking: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    """(token ids, vision inputs on `device`) of every record's prompt through the target's
+    processor (image records and text ones alike); ValueError naming the record of a bad one."""
+    prompts, vision = [], []
+    for i, record in enumerate(records):
+        try:
+            if isinstance(record.get("prompt"), str):
+                messages = [{"role": "user", "content": record["prompt"]}]
+            else:
+                messages = list(record["messages"])
+            while messages and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            if not messages:
+                raise BadRecord("no prompt turn before the assistant turns")
+            images = [load_image(source, None) for source in record.get(IMAGE_SOURCES, ())]
+            prompt = encode_image_prompt(
+                processor, messages, images, enable_thinking=enable_thinking
+            )
+        except BadRecord as e:
+            raise ValueError(f"prompt record {i}: {e}") from e
+        prompts.append(prompt.input_ids.tolist())
+        vision.append(prompt.model_inputs(device, dtype))
+    return prompts, vision
+
+
+def has_image_prompts(records: Sequence[dict[str, Any]]) -> bool:
+    return any(record.get(IMAGE_SOURCES) for record in records)
+
+
 def greedy_baseline(
     setup: DecodeSetup, *, folder: str | Path | None, target_id: str
 ) -> tuple[list, float, bool]:
@@ -203,6 +260,7 @@ def greedy_baseline(
         eos=setup.eos,
         suppress=setup.suppress,
         batch_size=setup.batch_size,
+        images=vision_digest(setup.vision),
     )
     cached = load_baseline(folder, key) if folder else None
     if cached is not None:
@@ -230,10 +288,14 @@ def evaluate(
     baseline_dir: str | Path | None = None,
     target_id: str = "",
     sampling: Sequence[SamplingOptions] = (SamplingOptions(),),
+    processor: Any = None,
 ) -> dict[str, Any]:
     """Decode every record greedily (or read the cached baseline) and speculatively once per
     entry of `sampling` (default: greedy); the report of evaluation.report (summary, settings and
     "samples") of the first entry, plus "by_temperature" (every entry's summary) for several.
+    Records with images (read_prompts) need the target's `processor` and a wrapper loaded whole:
+    every prompt then decodes one at a time with its vision inputs, and the teacher-forced
+    estimate (text only) is left out.
 
     Raises LosslessError if a sample's speculative output is not the greedy one (numerical ties
     aside, see lossless.py; tie_tolerance None = by the target's dtype). `warmup` decodes a few
@@ -247,11 +309,24 @@ def evaluate(
     embed, _ = frozen_embeddings(target)
     eos, suppress = stop_rules(target, tokenizer)
     tolerance = tie_tolerance_for(embed.dtype) if tie_tolerance is None else tie_tolerance
-    prompts = prompts_of(tokenizer, records, enable_thinking=enable_thinking)
-    setup = DecodeSetup(target, prompts, max_new_tokens, eos, suppress, batch_size)
+    vision = None
+    if has_image_prompts(records):
+        if processor is None:
+            raise ValueError("image prompts need the target's processor")
+        prompts, vision = image_prompts_of(
+            processor,
+            records,
+            enable_thinking=enable_thinking,
+            device=embed.device,
+            dtype=embed.dtype,
+        )
+    else:
+        prompts = prompts_of(tokenizer, records, enable_thinking=enable_thinking)
+    setup = DecodeSetup(target, prompts, max_new_tokens, eos, suppress, batch_size, vision=vision)
     if warmup:
         short = min(max_new_tokens, 2 * drafter_config.block_size)
-        trial = DecodeSetup(target, prompts[:batch_size], short, eos, suppress, batch_size)
+        trial = replace(setup, prompts=prompts[:batch_size], max_new_tokens=short)
+        trial = replace(trial, vision=vision[:batch_size] if vision is not None else None)
         run_decoders(greedy_decoders(trial)[:1], setup.device)
         run_decoders(speculative_decoders(trial, drafter, drafter_config)[:1], setup.device)
     plain, plain_s, cached = greedy_baseline(setup, folder=baseline_dir, target_id=target_id)
@@ -273,7 +348,7 @@ def evaluate(
             )
         )
     several = {"by_temperature": [_summary(r) for r in results]} if results[1:] else {}
-    estimate = heldout_estimate(target, drafter, prompts, plain)
+    estimate = heldout_estimate(target, drafter, prompts, plain) if vision is None else {}
     return results[0] | several | estimate | {"baseline_cached": cached}
 
 
@@ -332,13 +407,19 @@ def run_eval(
     log = log or get_logger(__name__)
     device = torch.device(device)
     folder = Path(target_path) if target_path else ensure_tiny_target(Path(cache_dir))
-    target = load_target(folder, device=device, dtype=dtype)
-    tokenizer = load_target_tokenizer(folder)
-    drafter, config = _load_fitting_drafter(drafter_dir, target, device, block_size)
     if prompts_path:
         records = read_prompts(prompts_path)[:num_prompts]
     else:
         records = demo_prompts(num_prompts, split="heldout")
+    processor = None
+    if has_image_prompts(records):  # the wrapper whole and its processor (targets/multimodal.py)
+        processor = multimodal.load_target_processor(str(folder))
+        dtype = dtype or default_target_dtype(device)
+        target = multimodal.load_multimodal_target(str(folder), device=device, dtype=dtype)
+    else:
+        target = load_target(folder, device=device, dtype=dtype)
+    tokenizer = load_target_tokenizer(folder)
+    drafter, config = _load_fitting_drafter(drafter_dir, target, device, block_size)
     with cpu_threads(1 if device.type == "cpu" else None):
         report = evaluate(
             target,
@@ -352,6 +433,7 @@ def run_eval(
             baseline_dir=baseline_dir or (Path(results_path).parent if results_path else None),
             target_id=str(folder.resolve()),
             sampling=sampling,
+            processor=processor,
         )
     if results_path:
         write_results(report["samples"], results_path)

@@ -1,6 +1,11 @@
 """Decoding without a cache, for targets whose family says so (the generic family:
 targets/families.py `Decoding.recompute`): every target forward runs the whole sequence so far.
 
+An image prompt decodes this way too, whatever its family: the wrapper's forward computes the
+image features and multimodal positions from the whole sequence and the prompt's vision inputs
+(`RecomputeCache.vision`, data/images.py), so every verify sees exactly what a plain forward of
+the sequence sees.
+
 A generic target's cache may be anything (attention KV, Mamba or RWKV states, a model's own
 cache class) and only some can be cut back after a rejected draft. Recomputing needs none of
 that: `RecomputeCache` keeps the committed token ids, `target_forward` runs the model on them
@@ -14,21 +19,26 @@ with an HF cache they are the cached forward and hybrid_state.crop_attention.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers import PreTrainedModel
 
+from dflash_async.data.images import extended_inputs
 from dflash_async.eval import hybrid_state
 from dflash_async.targets.families import family_of
 from dflash_async.targets.loading import text_config
 
 
 class RecomputeCache:
-    """The committed token ids [1, n] of one sequence (no layer holds state)."""
+    """The committed token ids [1, n] of one sequence (no layer holds state), and the prompt's
+    vision inputs for a multimodal wrapper (ImageTextSample.model_inputs; empty for text)."""
 
     layers: tuple = ()  # hybrid_state.has_linear_layers: nothing to snapshot
 
-    def __init__(self) -> None:
+    def __init__(self, vision: Mapping[str, torch.Tensor] | None = None) -> None:
         self.ids: torch.Tensor | None = None
+        self.vision = dict(vision or {})
 
 
 def decodes_by_recompute(target: PreTrainedModel) -> bool:
@@ -36,10 +46,11 @@ def decodes_by_recompute(target: PreTrainedModel) -> bool:
     return family_of(text_config(target)).decoding.recompute
 
 
-def decoding_state(target: PreTrainedModel):
-    """An empty decoding cache for `target`: RecomputeCache, or HF's (hybrid_state)."""
-    if decodes_by_recompute(target):
-        return RecomputeCache()
+def decoding_state(target: PreTrainedModel, vision: Mapping[str, torch.Tensor] | None = None):
+    """An empty decoding cache for `target`: RecomputeCache (with an image prompt's `vision`
+    inputs), or HF's (hybrid_state)."""
+    if vision or decodes_by_recompute(target):
+        return RecomputeCache(vision)
     return hybrid_state.decoding_cache(target.config)
 
 
@@ -54,7 +65,8 @@ def target_forward(
         )
         return out.logits
     whole = ids if cache.ids is None else torch.cat([cache.ids, ids], dim=1)
-    logits = target(input_ids=whole, use_cache=False).logits  # [1, P+n, V]
+    vision = extended_inputs(cache.vision, whole.shape[1])
+    logits = target(input_ids=whole, **vision, use_cache=False).logits  # [1, P+n, V]
     cache.ids = whole
     return logits[:, -(logits_to_keep or ids.shape[1]) :]
 

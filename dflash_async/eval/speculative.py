@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -52,7 +52,7 @@ from dflash_async.eval.sampling import Sampler
 from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.targets.loading import decoder_layers
+from dflash_async.targets.loading import decoder_layers, text_config
 
 
 class BlockDrafter(Protocol):
@@ -178,7 +178,10 @@ class DFlashBlockDrafter:
 @contextmanager
 def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, Any]]:
     """Forward hooks that keep the latest raw output of each layer in `layer_ids` (not the HF
-    final-norm'd last hidden state: the same features TargetFeatures gives the trainer)."""
+    final-norm'd last hidden state: the same features TargetFeatures gives the trainer), taken
+    as it enters the next layer where there is one: what a multimodal wrapper adds between
+    layers (Qwen3-VL's deepstack visual features) is in it, as in the multimodal target
+    forward's features (targets/multimodal.py); for every other model the same tensor."""
     outputs: dict[int, Any] = {}
     layers = decoder_layers(target)
 
@@ -188,7 +191,22 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
 
         return hook
 
+    width = text_config(target).hidden_size
+
+    def entering(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.shape[-1] == width:
+                outputs[i] = hidden
+
+        return hook
+
     handles = [layers[i].register_forward_hook(keep(i)) for i in layer_ids]
+    handles += [
+        layers[i + 1].register_forward_pre_hook(entering(i), with_kwargs=True)
+        for i in layer_ids
+        if i + 1 < len(layers)
+    ]
     try:
         yield outputs
     finally:
@@ -227,13 +245,15 @@ def _decode_start(
     prompt_ids: Sequence[int] | torch.Tensor,
     eos_token_id: int | Sequence[int] | None,
     suppress_token_ids: Sequence[int],
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, frozenset[int], torch.Tensor | None, DynamicCache]:
     """What both decoders start from: (prompt [1, P] on the target's device, eos ids, suppressed
-    ids [S] or None, an empty target KV cache)."""
+    ids [S] or None, an empty target KV cache; an image prompt's: a RecomputeCache holding its
+    `vision` inputs)."""
     device = next(target.parameters()).device
     prompt = _prompt_tensor(prompt_ids, device)
     suppress = _suppress_tensor(suppress_token_ids, device)
-    return prompt, eos_set(eos_token_id), suppress, recompute.decoding_state(target)
+    return prompt, eos_set(eos_token_id), suppress, recompute.decoding_state(target, vision)
 
 
 @torch.no_grad()
@@ -244,10 +264,12 @@ def greedy_generate(
     eos_token_id: int | Sequence[int] | None,
     *,
     suppress_token_ids: Sequence[int] = (),
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> GreedyResult:
-    """Plain greedy decoding with a KV cache, one token per target forward (the baseline)."""
+    """Plain greedy decoding with a KV cache, one token per target forward (the baseline); an
+    image prompt (its `vision` inputs: ImageTextSample.model_inputs) by recomputation."""
     prompt, eos, suppress, cache = _decode_start(
-        target, prompt_ids, eos_token_id, suppress_token_ids
+        target, prompt_ids, eos_token_id, suppress_token_ids, vision
     )
     cache_kw = cache_kwarg(target)
     ids, tokens, runner_up, margins = prompt, [], [], []
@@ -336,11 +358,13 @@ def speculative_decode(
     eos_token_id: int | Sequence[int] | None,
     suppress_token_ids: Sequence[int] = (),
     sampler: Sampler | None = None,
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt with any BlockDrafter (see the module doc): greedy, or
-    sampled with `sampler` (its drafter must also have `draft_sampled`)."""
+    sampled with `sampler` (its drafter must also have `draft_sampled`); an image prompt (its
+    `vision` inputs: ImageTextSample.model_inputs) by recomputation."""
     prompt, eos, suppress, cache = _decode_start(
-        target, prompt_ids, eos_token_id, suppress_token_ids
+        target, prompt_ids, eos_token_id, suppress_token_ids, vision
     )
     device, hybrid = prompt.device, hybrid_state.has_linear_layers(cache)
     with captured_layers(target, layer_ids) as outputs:
@@ -390,9 +414,10 @@ def speculative_generate(
     eos_token_id: int | Sequence[int] | None,
     suppress_token_ids: Sequence[int] = (),
     sampler: Sampler | None = None,
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (batch 1, KV caches): greedy, or
-    sampled with `sampler` (T > 0)."""
+    sampled with `sampler` (T > 0); `vision`: an image prompt's inputs."""
     max_context = len(prompt_ids) + max_new_tokens + drafter_config.drafts_per_block + 1
     block_drafter = DFlashBlockDrafter(
         drafter, drafter_config, embed_weight, lm_head_weight, max_context=max_context
@@ -406,4 +431,5 @@ def speculative_generate(
         eos_token_id=eos_token_id,
         suppress_token_ids=suppress_token_ids,
         sampler=sampler,
+        vision=vision,
     )

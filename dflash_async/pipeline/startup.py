@@ -35,6 +35,7 @@ from dflash_async.checkpoint.resume import Resume, resume_point
 from dflash_async.checkpoint.space import check_output_space
 from dflash_async.checkpoint.state import data_fingerprint, restore, run_identity
 from dflash_async.checkpoint.warm import InitWeights, load_init_weights, read_init_weights
+from dflash_async.data.images import ImageTextSamples, data_has_images, load_image_samples
 from dflash_async.data.samples import DataError, TokenizedSamples, load_samples
 from dflash_async.errors import SettingsError
 from dflash_async.log import get_logger
@@ -60,6 +61,7 @@ from dflash_async.targets.families import unsupported_reason
 from dflash_async.targets.generic_config import unknown_model_type
 from dflash_async.targets.loading import TargetError, load_target_tokenizer
 from dflash_async.targets.mask_token import mask_token
+from dflash_async.targets.multimodal import load_target_processor, vision_problem
 
 
 @dataclass(frozen=True)
@@ -275,11 +277,19 @@ def drafter_config_for(spec: DrafterSpec, target_path: str, builtin: bool) -> Dr
 
 
 def read_samples(spec: RunSpec, inputs: RunInputs, log) -> TokenizedSamples:
-    """The corpus tokenized with the target's tokenizer (DataError for an id past its vocab)."""
-    tokenizer = load_target_tokenizer(inputs.target_path)
-    samples = load_samples(
-        inputs.data_path, tokenizer, options=spec.data, block_size=spec.drafter.block_size, log=log
-    )
+    """The corpus tokenized with the target's tokenizer (DataError for an id past its vocab);
+    data with image records through the target's processor (read_image_data)."""
+    if data_has_images(inputs.data_path):
+        samples = read_image_data(spec, inputs, log)
+    else:
+        tokenizer = load_target_tokenizer(inputs.target_path)
+        samples = load_samples(
+            inputs.data_path,
+            tokenizer,
+            options=spec.data,
+            block_size=spec.drafter.block_size,
+            log=log,
+        )
     vocab = inputs.drafter_config.vocab_size
     if samples.max_token_id >= vocab:  # would index past the embedding
         raise DataError(
@@ -287,6 +297,33 @@ def read_samples(spec: RunSpec, inputs: RunInputs, log) -> TokenizedSamples:
             f"vocabulary ({vocab} ids)"
         )
     return samples
+
+
+def read_image_data(spec: RunSpec, inputs: RunInputs, log) -> ImageTextSamples:
+    """Image+text samples (data/images.py) through the target folder's processor, for a
+    multimodal target run whole (targets/multimodal.py); what that path does not cover is
+    refused first (exit 2), before any model loads."""
+    where = f"DFLASH_DATA__PATH={inputs.data_path!r} holds image records"
+    problem = vision_problem(AutoConfig.from_pretrained(inputs.target_path, local_files_only=True))
+    if problem:
+        raise SettingsError(f"{where}: {problem}; DFLASH_TARGET__PATH={inputs.target_path!r}")
+    t = spec.target
+    refused = {
+        "DFLASH_TARGET__STAGES": t.stages != 1,
+        "DFLASH_TARGET__QUANTIZE": t.quantize != "none",
+        "DFLASH_TARGET__WEIGHTS": t.weights != "checkpoint",
+    }
+    for name, on in refused.items():
+        if on:
+            raise SettingsError(f"{where}: {name} is not supported with image data yet")
+    processor = load_target_processor(inputs.target_path)
+    return load_image_samples(
+        inputs.data_path,
+        processor,
+        options=spec.data,
+        block_size=spec.drafter.block_size,
+        log=log,
+    )
 
 
 async def start_node(
@@ -327,6 +364,7 @@ async def _start_workers(stack: AsyncExitStack, prepared: Prepared, log) -> Node
             spec=spec.target,
             device=worker.device,
             layer_ids=cfg.captured_layer_ids,
+            images=isinstance(samples, ImageTextSamples),
         )
 
     first = await anyio.to_thread.run_sync(  # off the loop: seconds at millions of samples

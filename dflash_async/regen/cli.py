@@ -142,7 +142,13 @@ def main(args: argparse.Namespace) -> Path:
 
     _check_arguments(args)
     sampling = _sampling(args)
-    corpus = Corpus.open(args.input, role_map=_role_map(args), split=args.shard, limit=args.limit)
+    corpus = Corpus.open(
+        args.input,
+        role_map=_role_map(args),
+        split=args.shard,
+        limit=args.limit,
+        images=bool(args.server),
+    )
     output = Path(args.output)
     check_output_outside_input(args.input, output)
     check_writable_folder(output, argument="--output")

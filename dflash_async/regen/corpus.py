@@ -24,6 +24,7 @@ from dflash_async.data.formats import (
     parse_record,
     resolve_files,
 )
+from dflash_async.data.images import has_images, openai_image_messages
 
 _CONVERSATION_KEYS = ("messages", "conversations")
 
@@ -70,42 +71,52 @@ class Corpus:
     role_map: Mapping[str, str]
     split: Split = Split()
     limit: int | None = None  # the first N records of the whole corpus, before the split
+    images: bool = False  # image records are answered (the server engine), else refused
 
     @classmethod
     def open(
-        cls, path: str, *, role_map: Mapping[str, str], split: Split, limit: int | None
+        cls,
+        path: str,
+        *,
+        role_map: Mapping[str, str],
+        split: Split,
+        limit: int | None,
+        images: bool = False,
     ) -> Corpus:
         """DataError (exit 2) when `path` names no data files."""
-        return cls(path, tuple(resolve_files(path)), dict(role_map), split, limit)
+        return cls(path, tuple(resolve_files(path)), dict(role_map), split, limit, images)
 
-    def _raw(self) -> Iterator[tuple[int, str, bytes | dict]]:
+    def _raw(self) -> Iterator[tuple[int, str, bytes | dict, Path]]:
         number = 0
         for file in self.files:
             for where, raw in iter_raw_records(file):
                 if self.limit is not None and number >= self.limit:
                     return
-                yield number, where, raw
+                yield number, where, raw, file
                 number += 1
+
+    def _record(self, raw: bytes | dict, where: str, file: Path) -> dict[str, Any]:
+        return openai_record(raw, where, self.role_map, root=file.parent, images=self.images)
 
     def conversations(self, *, skip: int = 0) -> Iterator[Conversation]:
         """This machine's records in order, after the first `skip` of them (not parsed: resume).
         A bad record is a DataError naming its file and line."""
         mine = 0
-        for number, where, raw in self._raw():
+        for number, where, raw, file in self._raw():
             if number % self.split.count != self.split.index:
                 continue
             mine += 1
             if mine > skip:
-                yield Conversation(number, where, openai_record(raw, where, self.role_map))
+                yield Conversation(number, where, self._record(raw, where, file))
 
     def scan(self) -> tuple[int, str]:
         """(records of this machine, fingerprint of the whole input's records) in one pass that
         also checks every record of this machine, so bad data fails before any model loads."""
         digest, mine = hashlib.blake2b(digest_size=16), 0
-        for number, where, raw in self._raw():
+        for number, where, raw, file in self._raw():
             digest.update(raw if isinstance(raw, bytes) else _canonical(raw).encode())
             if number % self.split.count == self.split.index:
-                openai_record(raw, where, self.role_map)
+                self._record(raw, where, file)
                 mine += 1
         return mine, digest.hexdigest()
 
@@ -114,11 +125,29 @@ def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def openai_record(raw: bytes | dict, where: str, role_map: Mapping[str, str]) -> dict[str, Any]:
-    """The record with its turns as OpenAI messages, in the place of its conversation key."""
+def openai_record(
+    raw: bytes | dict,
+    where: str,
+    role_map: Mapping[str, str],
+    *,
+    root: Path | None = None,
+    images: bool = False,
+) -> dict[str, Any]:
+    """The record with its turns as OpenAI messages, in the place of its conversation key. An
+    image record (data/images.py) keeps its images as image_url parts, their paths made
+    absolute (`root`: the data file's folder), when `images` allows it; else a DataError."""
     try:
         record = parse_record(raw)
-        messages = chat_messages(record, role_map)
+        if has_images(record):
+            if not images:
+                raise BadRecord(
+                    "image records are regenerated through --server only (the in-process "
+                    "engine generates from text)"
+                )
+            messages = openai_image_messages(record, root=root, role_map=role_map)
+            record = {k: v for k, v in record.items() if k not in ("image", "images")}
+        else:
+            messages = chat_messages(record, role_map)
     except BadRecord as error:
         raise DataError(f"{where}: {error}") from None
     if not any(m["role"] == "user" for m in messages):

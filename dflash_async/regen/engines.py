@@ -33,6 +33,7 @@ from http.client import HTTPException
 from queue import SimpleQueue
 from typing import Any
 
+from dflash_async.data.images import inline_images
 from dflash_async.eval.regenerate import (
     answers,
     cpu_threads,
@@ -233,7 +234,7 @@ class ServerEngine:
         s = self.sampling
         body = {
             "model": self.model,
-            "messages": messages,
+            "messages": inline_images(messages),  # the server cannot read this machine's files
             "max_tokens": s.max_new_tokens,
             "temperature": 0.0 if s.greedy else s.temperature,
             "top_p": 1.0,

@@ -36,7 +36,12 @@ import anyio
 import torch
 
 from dflash_async.errors import SettingsError
-from dflash_async.eval.baseline import baseline_key, load_baseline, save_baseline
+from dflash_async.eval.baseline import (
+    baseline_key,
+    load_baseline,
+    save_baseline,
+    vision_digest,
+)
 from dflash_async.eval.evaluation import (
     Decoder,
     DecodeSetup,
@@ -165,6 +170,7 @@ class InRunEvaluator:
             eos=s.eos,
             suppress=s.suppress,
             batch_size=s.batch_size,
+            images=vision_digest(s.vision),
         )
         self.baseline = load_baseline(self.folder, key)
         if self.baseline is not None:
@@ -180,9 +186,11 @@ class InRunEvaluator:
             plain, plain_s, cached = await self._plain()
             factories = speculative_decoders(self.setup, self.copy, self.copy.config)
             spec, spec_s = await self._jobs(factories)
-            estimate = await self.target_worker.run(
-                heldout_estimate, self.setup.target, self.copy, self.setup.prompts, plain
-            )
+            estimate = {}  # the teacher-forced estimate reads text prompts only
+            if self.setup.vision is None:
+                estimate = await self.target_worker.run(
+                    heldout_estimate, self.setup.target, self.copy, self.setup.prompts, plain
+                )
         finally:
             self.running.set()
             self.running = None
@@ -228,10 +236,13 @@ def eval_setup(
     serve or a drafter that does not fit it: raised at start-up, before any training."""
     from dflash_async.eval.harness import (  # lazy: the harness imports the CLI's loaders
         check_drafter_fits_target,
+        has_image_prompts,
+        image_prompts_of,
         prompts_of,
         read_prompts,
         stop_rules,
     )
+    from dflash_async.targets.multimodal import load_target_processor, model_vision_problem
     from dflash_async.targets.tiny import demo_prompts
 
     problem = evaluation_unsupported_reason(target)
@@ -256,7 +267,24 @@ def eval_setup(
         assert builtin_target, "the demo prompts belong to the built-in target"
         records = demo_prompts(settings.num_prompts, split="heldout")
     eos, suppress = stop_rules(target, tokenizer)
-    prompts = prompts_of(tokenizer, records, enable_thinking=False)
+    vision = None
+    if has_image_prompts(records):  # the run's target must hold its vision tower
+        problem = model_vision_problem(target)
+        if problem:
+            raise SettingsError(
+                f"DFLASH_EVAL__PROMPTS_PATH holds image prompts, but the run's target runs "
+                f"without its vision tower (a run on text data): {problem}"
+            )
+        embed = frozen_embeddings(target)[0]
+        prompts, vision = image_prompts_of(
+            load_target_processor(target_path),
+            records,
+            enable_thinking=False,
+            device=embed.device,
+            dtype=embed.dtype,
+        )
+    else:
+        prompts = prompts_of(tokenizer, records, enable_thinking=False)
     sampling = SamplingOptions(settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
     return DecodeSetup(
         target,
@@ -266,6 +294,7 @@ def eval_setup(
         suppress,
         settings.batch_size,
         sampling=sampled_or_none(sampling),
+        vision=vision,
     )
 
 

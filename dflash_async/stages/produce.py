@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_async.data.images import ImageTextSamples
 from dflash_async.data.packing import PackedBatch, layout_pack
 from dflash_async.data.samples import TokenizedSamples
 from dflash_async.log import get_logger
@@ -30,6 +31,7 @@ from dflash_async.runtime.rings import SlotRing
 from dflash_async.stages.read import PlannedPack
 from dflash_async.targets.forward import TargetPath, select_target_forward
 from dflash_async.targets.loading import fast_kernel_preflight, load_served_target, text_config
+from dflash_async.targets.multimodal import load_multimodal_target, multimodal_path
 from dflash_async.targets.quantized import WeightFormat
 from dflash_async.targets.random_weights import load_random_target
 
@@ -82,6 +84,8 @@ class StagedPack:
     lengths: np.ndarray  # [n] host: token count of each document
     tokens: int
     documents: int
+    # more arguments of the forward: image+text samples' `vision` (one mapping per document)
+    inputs: dict = field(default_factory=dict)
 
 
 def load_runner(
@@ -91,20 +95,30 @@ def load_runner(
     device: torch.device,
     layer_ids: tuple[int, ...],
     log=None,
+    images: bool = False,
 ) -> TargetRunner:
     """Load the target on `device` as `spec` says, choose its forward and warm it up (the first
-    call compiles).
+    call compiles). `images`: the data holds image records: the wrapper loads whole and runs
+    per document with each one's vision inputs (targets/multimodal.py).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
     """
     log = log or get_logger(__name__)
-    model, served = load_target_weights(
-        path, spec=spec, device=device, last_layer=max(layer_ids), log=log
-    )
+    if images:
+        model = load_multimodal_target(path, device=device, dtype=spec.dtype_on(device))
+        served = None  # the checkpoint's own dtype format, tower included
+        log.info("target_weights_loaded", weight_format="multimodal", device=str(device))
+    else:
+        model, served = load_target_weights(
+            path, spec=spec, device=device, last_layer=max(layer_ids), log=log
+        )
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
-    chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
+    if images:
+        chosen = multimodal_path(model, layer_ids)
+    else:
+        chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
     param = next(model.parameters())
     log_path_chosen(log, chosen, device=device, dtype=param.dtype, served=served)
     width = len(layer_ids) * text_config(model).hidden_size
@@ -265,7 +279,16 @@ def stage_inputs(runner: TargetRunner, samples: TokenizedSamples, pack: PlannedP
         layout = PackedBatch(*(t.pin_memory() for t in layout.tensors()))
     runner.inputs.copy_(layout, with_features=False)  # non_blocking; ordered before fill_slot
     lengths = np.array([len(d[0]) for d in docs], dtype=np.int64)
-    return StagedPack(lengths, int(lengths.sum()), len(docs))
+    return StagedPack(lengths, int(lengths.sum()), len(docs), pack_inputs(runner, samples, pack))
+
+
+def pack_inputs(runner: TargetRunner, samples: TokenizedSamples, pack: PlannedPack) -> dict:
+    """The forward's arguments beyond the layout: image+text samples' vision inputs, one
+    mapping per document on the target device (data/images.py); none for text."""
+    if not isinstance(samples, ImageTextSamples):
+        return {}
+    dtype = next(runner.model.parameters()).dtype
+    return {"vision": [samples.model_inputs(int(i), runner.device, dtype) for i in pack.indices]}
 
 
 @torch.no_grad()
@@ -276,7 +299,9 @@ def fill_slot(runner: TargetRunner, staged: StagedPack, slot_batch: PackedBatch)
     started = timing_event(device)
     in_place = slot_batch.features.device == device
     features = slot_batch.features if in_place else ins.features
-    runner.path.forward(ins.input_ids, ins.position_ids, ins.doc_ids, features, staged.lengths)
+    runner.path.forward(
+        ins.input_ids, ins.position_ids, ins.doc_ids, features, staged.lengths, **staged.inputs
+    )
     slot_batch.copy_(ins, with_features=not in_place)  # device copies, on this thread's stream
     written = timing_event(device)  # after every write to the slot
     if written is not None:

@@ -10,8 +10,9 @@ readers (targets/config_readers.py), its packed path with the pieces that forwar
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
 block, the hybrid M-RoPE flag), what exact decoding must do with its cache (`Decoding`), and the
 quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
-on their language model alone (targets/loading.py): their entry names that model's model_type
-and repeats its forward, since the forward is chosen by the text config's model_type.
+on their language model alone on text data (targets/loading.py): their entry names that model's
+model_type and repeats its forward, since the forward is chosen by the text config's model_type
+(on image data the wrapper runs whole, per document: targets/multimodal.py).
 
 Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
 pieces of its packed forward).

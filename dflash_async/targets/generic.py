@@ -84,8 +84,15 @@ class GenericForward:
     One instance per model; calls are not reentrant (one thread per device).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], max_batch_tokens: int) -> None:
-        layers = find_decoder_layers(model)
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: Sequence[int],
+        max_batch_tokens: int,
+        *,
+        layers: nn.ModuleList | None = None,
+    ) -> None:
+        layers = layers if layers is not None else find_decoder_layers(model)
         if layers is None:
             raise TargetError(
                 f"{type(model).__name__}: no list of {_text_config(model).num_hidden_layers} "
@@ -135,15 +142,16 @@ class GenericForward:
         return hook
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Features [b, n, k*d] of the unpadded documents input_ids [b, n]."""
+    def features(self, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """Features [b, n, k*d] of the unpadded documents input_ids [b, n]; `inputs`: more
+        inputs of the model's forward (a multimodal wrapper's vision inputs)."""
         param = next(self.model.parameters())
         width = len(self.layer_ids) * self.hidden_size
         out = input_ids.new_zeros(*input_ids.shape, width, dtype=param.dtype)
         self._out = out
         self._calls = [0] * len(self._calls)
         try:
-            self.model(input_ids=input_ids, **self._kwargs)
+            self.model(input_ids=input_ids, **inputs, **self._kwargs)
         except _EarlyExit:
             pass
         finally:

@@ -183,7 +183,7 @@ _WRAPPER_KEYS = {
     r"^language_model\.lm_head\.": "lm_head.",
 }
 # The wrapper's parts that are not its language model (dropped before the move to the device).
-_NON_TEXT_PARTS = ("visual", "vision_tower", "multi_modal_projector", "audio_tower", "embed_vision")
+NON_TEXT_PARTS = ("visual", "vision_tower", "multi_modal_projector", "audio_tower", "embed_vision")
 
 
 def _load_language_model(
@@ -210,7 +210,7 @@ def _load_language_model(
         )
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=dtype)
     inner = getattr(model, "model", model)
-    for name in _NON_TEXT_PARTS:
+    for name in NON_TEXT_PARTS:
         if getattr(inner, name, None) is not None:
             setattr(inner, name, None)  # the forward checks for images before touching it
     return model

@@ -1,0 +1,179 @@
+"""The multimodal target forward: a wrapper (`*ForConditionalGeneration`: vision tower, merger,
+language model) run whole by its own HF forward on image+text packs, one document at a time.
+
+Exact by construction, as the generic path (targets/generic.py) is for text: each document runs
+alone and unpadded with its own vision inputs (data/images.py), so the wrapper computes that
+document's image embeddings and its own multimodal RoPE positions (Qwen3-VL's 3-D positions
+from `get_rope_index`: a document's text after an image continues from the image's largest
+position, not from its token count) and Gemma 3's bidirectional attention inside each image,
+and nothing of another document reaches it. The features are the raw outputs of the language
+model's tapped decoder layers as they enter the next layer (Qwen3-VL adds its deepstack visual
+features to the first layers' outputs at image positions: they are in), image positions
+included; padding rows are zero.
+
+Loading for image data (`load_multimodal_target`, `load_target_processor`) takes the wrapper
+whole, tower included, and the target folder's processor; text runs keep loading the language
+model alone (targets/loading.py).
+
+The drafter keeps its plain 1-D positions (`PackedBatch.position_ids`, restarting at 0 in every
+document): the multimodal positions are the target's alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_async.data.packing import pack_row_offsets
+from dflash_async.targets.generic import GenericForward, find_decoder_layers
+from dflash_async.targets.loading import NON_TEXT_PARTS
+from dflash_async.targets.paths import TargetPath
+from dflash_async.targets.resolve import TargetError
+
+
+def language_model_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a wrapper's language model (never the vision tower's blocks, which
+    may be as many)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = find_decoder_layers(decoder) if decoder is not None else None
+    if layers is None:
+        raise TargetError(f"{type(model).__name__}: no language model decoder layers found")
+    return layers
+
+
+class MultimodalForward:
+    """The FeatureForward of image+text packs (see the module doc).
+
+    Called as the text paths are, plus `vision`: one mapping of the model's vision inputs per
+    document of the pack, in pack order, on the target device (ImageTextSample.model_inputs;
+    an empty mapping for a text-only document; None: all text).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+        problem = model_vision_problem(model)
+        if problem:
+            raise TargetError(problem)
+        layers = language_model_layers(model)
+        self.generic = GenericForward(model, layer_ids, max_batch_tokens=1, layers=layers)
+        self.model = model
+        self._handles = [
+            layers[i + 1].register_forward_pre_hook(self._entering(slot), with_kwargs=True)
+            for slot, i in enumerate(self.generic.layer_ids)
+            if i + 1 < len(layers)
+        ]
+
+    def _entering(self, slot: int):
+        """A pre-hook of the layer after tapped layer `slot`: the hidden state entering it
+        replaces the tapped layer's output, so what the wrapper adds between the two (Qwen3-VL's
+        deepstack visual features, after its first layers, at image positions) is in the
+        features, as SGLang's DFlash capture reads them (the hidden state entering the next
+        layer). Equal to the output where nothing is added."""
+        d = self.generic.hidden_size
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            out = self.generic._out
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if (
+                out is not None
+                and isinstance(hidden, torch.Tensor)
+                and hidden.shape
+                == (
+                    *out.shape[:2],
+                    d,
+                )
+            ):
+                out[..., slot * d : (slot + 1) * d].copy_(hidden)
+
+        return hook
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        features: torch.Tensor,
+        lengths: Any,
+        vision: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        vision = [{}] * len(lengths) if vision is None else vision  # text documents
+        if len(vision) != len(lengths):
+            raise ValueError(f"{len(vision)} vision inputs for {len(lengths)} documents")
+        offsets = pack_row_offsets(lengths)
+        for r, n in enumerate(lengths.tolist()):
+            lo = int(offsets[r])
+            ids = input_ids[lo : lo + n][None]  # [1, n]
+            features[lo : lo + n] = self.generic.features(ids, **vision[r])[0]
+        features[int(offsets[-1]) :] = 0  # padding rows (finite: masked keys still multiply V)
+        return features
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.generic.close()
+
+
+def multimodal_path(model: nn.Module, layer_ids: Sequence[int]) -> TargetPath:
+    """The TargetPath of image+text packs: MultimodalForward, named `hf_multimodal`."""
+    return TargetPath(
+        MultimodalForward(model, layer_ids),
+        "hf_multimodal",
+        "image+text data: the wrapper's HF forward per document with its vision inputs",
+    )
+
+
+def vision_problem(config: Any) -> str | None:
+    """None when the target config has a vision tower (a `vision_config`), else why image data
+    cannot train on it."""
+    if getattr(config, "vision_config", None) is not None:
+        return None
+    return (
+        f"target model_type {getattr(config, 'model_type', None)!r} has no vision tower: image "
+        "records need a multimodal target (its *ForConditionalGeneration checkpoint)"
+    )
+
+
+def model_vision_problem(model: nn.Module) -> str | None:
+    """None when the loaded `model` holds its vision tower, else why it cannot read images (a
+    text model, or a wrapper loaded for text data, whose tower was left out: targets/loading.py)."""
+    problem = vision_problem(model.config)
+    if problem:
+        return problem
+    inner = getattr(model, "model", model)
+    if not any(getattr(inner, name, None) is not None for name in NON_TEXT_PARTS):
+        return f"{type(model).__name__} was loaded without its vision tower (for text data)"
+    return None
+
+
+def load_target_processor(path: str) -> Any:
+    """The target folder's processor (transformers' AutoProcessor, local files only): what
+    turns image records into tokens and pixel inputs; TargetError if it cannot load."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError, AttributeError) as e:
+        raise TargetError(f"cannot load the processor of target {str(path)!r}: {e}") from e
+    if getattr(processor, "image_processor", None) is None:
+        raise TargetError(f"target {str(path)!r} has no image processor: image data needs one")
+    return processor
+
+
+def load_multimodal_target(path: str, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole wrapper (vision tower, merger, language model) in `dtype` on `device`, in eval
+    mode; TargetError if it cannot load."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, local_files_only=True, dtype=dtype
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"cannot load target {str(path)!r} with its vision tower: {e}") from e
+    return model.to(device).eval().requires_grad_(False)
