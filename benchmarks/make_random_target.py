@@ -15,6 +15,17 @@ config-only.
 
 The folder carries the built-in tiny tokenizer (token ids are drawn below its size): a random
 target's throughput does not depend on which ids it reads.
+
+The multimodal shapes (qwen3-vl-8b: Qwen3-VL-8B's wrapper, vision tower included, as
+benchmarks/multimodal_target.py builds it; qwen3-vl-tiny: a CPU-sized one) are config-only
+(OUT_DIR/<shape>-config, for DFLASH_TARGET__WEIGHTS=random with image data or text data) and
+write no data: the tiny tokenizer with Qwen3-VL's vision special tokens and a chat template that
+renders image parts as Qwen3-VL's placeholder, and Qwen3-VL's image and video processor configs
+(16-pixel patches merged 2x2; 8B: images of up to 16M pixels, as the published checkpoint;
+tiny: up to 64x64 pixels), so that AutoProcessor builds Qwen3-VL's own processor from the folder
+with no network. AutoProcessor needs torchvision for Qwen3-VL's video processor (then the image
+processor is the torchvision one too); without torchvision, AutoImageProcessor still reads the
+image processor config (the PIL image processor: the same patches).
 """
 
 import argparse
@@ -30,6 +41,32 @@ from dflash_async.targets.tiny import tiny_tokenizer
 
 SHAPES = ("qwen3-8b", "qwen3.5-9b")
 CONFIG_ONLY = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
+MULTIMODAL = {"qwen3-vl-8b": "qwen3-vl-8b", "qwen3-vl-tiny": "tiny"}  # -> multimodal_target's
+VISION_TOKENS = {  # Qwen3-VL's config field -> its special token
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+# Qwen-VL's chat turns; an image part renders as Qwen3-VL's placeholder, which the processor
+# expands to one <|image_pad|> per merged patch.
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type in ('image', 'image_url') -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# Pixels an image is resized within (shortest_edge: least, longest_edge: most pixels)
+VL_PIXELS = {
+    "qwen3-vl-8b": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "qwen3-vl-tiny": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+}
 
 
 def qwen3_next_80b_a3b_config():
@@ -69,13 +106,68 @@ def shape_config(shape: str):
     return shape_configs()[shape][0]
 
 
+def vl_tokenizer():
+    """The tiny tokenizer with Qwen3-VL's vision special tokens and VL_CHAT_TEMPLATE."""
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    added = [AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS.values()]
+    tokenizer.add_tokens(added, special_tokens=True)
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def processor_configs(shape: str) -> dict[str, dict]:
+    """Qwen3-VL's image and video processor configs (file name -> content), as its published
+    checkpoints carry them; the types name no backend (transformers picks torchvision's where
+    installed, else PIL's for images)."""
+    common = dict(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        processor_class="Qwen3VLProcessor",
+    )
+    image = dict(common, size=VL_PIXELS[shape], image_processor_type="Qwen2VLImageProcessor")
+    video = dict(
+        common,
+        size={"shortest_edge": 4096, "longest_edge": 25165824},
+        video_processor_type="Qwen3VLVideoProcessor",
+    )
+    return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
+
+
+def write_vl_target(out: Path, shape: str) -> Path:
+    """OUT/<shape>-config: a random Qwen3-VL target's folder (module doc), no weights."""
+    from multimodal_target import shape_config as vl_shape
+
+    target = out / f"{shape}-config"
+    tokenizer = vl_tokenizer()
+    specials = {field: tokenizer.convert_tokens_to_ids(t) for field, t in VISION_TOKENS.items()}
+    vocab = 151936 if shape == "qwen3-vl-8b" else -(-len(tokenizer) // 64) * 64
+    config = vl_shape(MULTIMODAL[shape], specials, vocab=vocab)
+    config.text_config.eos_token_id = tokenizer.eos_token_id
+    config.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE)
+    for name, content in processor_configs(shape).items():
+        (target / name).write_text(json.dumps(content, indent=2) + "\n")
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=4000)
-    parser.add_argument("--shape", choices=SHAPES + CONFIG_ONLY, default="qwen3-8b")
+    parser.add_argument(
+        "--shape", choices=SHAPES + CONFIG_ONLY + tuple(MULTIMODAL), default="qwen3-8b"
+    )
     parser.add_argument("--config-only", action="store_true")
     args = parser.parse_args()
+    if args.shape in MULTIMODAL:
+        print(json.dumps({"target": str(write_vl_target(args.out, args.shape))}))
+        return
     config_only = args.config_only or args.shape in CONFIG_ONLY
     target = args.out / f"{args.shape}-{'config' if config_only else 'random'}"
     config = shape_config(args.shape)

@@ -34,21 +34,27 @@ from dflash_async.targets.multimodal import MultimodalForward
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 
 
-def shape_config(name: str):
-    """Qwen3-VL-8B's published shape, or a tiny one for CPU smoke runs."""
+# Qwen3-VL's own ids of its vision special tokens
+QWEN3_VL_SPECIALS = dict(
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+)
+
+
+def shape_config(name: str, specials: dict[str, int] | None = None, vocab: int = 151936):
+    """Qwen3-VL-8B's published shape, or a tiny one for CPU smoke runs; `specials` and `vocab`:
+    the vision special tokens' ids and the vocabulary of another tokenizer
+    (benchmarks/make_random_target.py's random folders)."""
     from transformers import Qwen3VLConfig
 
-    specials = dict(
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-        vision_end_token_id=151653,
-    )
+    specials = specials or QWEN3_VL_SPECIALS
     rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20]}
     rope["mrope_interleaved"] = True
     if name == "qwen3-vl-8b":
         text = dict(
-            vocab_size=151936,
+            vocab_size=vocab,
             hidden_size=4096,
             intermediate_size=12288,
             num_hidden_layers=36,
@@ -68,7 +74,7 @@ def shape_config(name: str):
         )
     elif name == "tiny":
         text = dict(
-            vocab_size=151936,
+            vocab_size=vocab,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=8,  # room for 5 distinct captured layers

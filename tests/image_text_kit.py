@@ -46,23 +46,39 @@ def _qwen_vl_tokenizer():
     return tokenizer
 
 
-def qwen3_vl_processor() -> Any:
-    """Qwen3-VL's processor (its own class) over the tiny tokenizer; 16-pixel patches merged
-    2x2, images resized to at most 64x64 pixels (<= 16 image tokens)."""
+def image_only_qwen3_vl_processor(images: Any, tokenizer: Any, chat_template: str) -> Any:
+    """Qwen3-VL's processor (its own class) without the video processor (it needs torchvision,
+    absent here)."""
     from transformers import Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     class ImageOnlyProcessor(Qwen3VLProcessor):
-        """Without the video processor (it needs torchvision, absent here)."""
-
         @classmethod
         def get_attributes(cls) -> list[str]:
             return ["image_processor", "tokenizer"]
 
         def __init__(self, image_processor, tokenizer, chat_template=None):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template)
+
+    return ImageOnlyProcessor(images, tokenizer, chat_template=chat_template)
+
+
+def folder_qwen3_vl_processor(folder: Path) -> Any:
+    """The image-only Qwen3-VL processor of a target folder's own files: its image processor
+    config (the PIL image processor without torchvision), tokenizer and chat template."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    images = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    template = (Path(folder) / "chat_template.jinja").read_text()
+    return image_only_qwen3_vl_processor(images, tokenizer, template)
+
+
+def qwen3_vl_processor() -> Any:
+    """Qwen3-VL's processor (its own class) over the tiny tokenizer; 16-pixel patches merged
+    2x2, images resized to at most 64x64 pixels (<= 16 image tokens)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     images = Qwen2VLImageProcessorPil(
         patch_size=16,
@@ -71,7 +87,7 @@ def qwen3_vl_processor() -> Any:
         min_pixels=32 * 32,
         max_pixels=64 * 64,
     )
-    return ImageOnlyProcessor(images, _qwen_vl_tokenizer(), chat_template=QWEN_VL_TEMPLATE)
+    return image_only_qwen3_vl_processor(images, _qwen_vl_tokenizer(), QWEN_VL_TEMPLATE)
 
 
 def qwen3_vl_config(processor: Any) -> Any:

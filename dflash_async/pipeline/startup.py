@@ -311,7 +311,6 @@ def read_image_data(spec: RunSpec, inputs: RunInputs, log) -> ImageTextSamples:
     refused = {
         "DFLASH_TARGET__STAGES": t.stages != 1,
         "DFLASH_TARGET__QUANTIZE": t.quantize != "none",
-        "DFLASH_TARGET__WEIGHTS": t.weights != "checkpoint",
     }
     for name, on in refused.items():
         if on:

@@ -47,7 +47,7 @@ from dflash_async.stages.read import PlannedPack
 from dflash_async.targets.forward import TargetPath
 from dflash_async.targets.loading import _checked_folder, text_config, text_model
 from dflash_async.targets.quantized import WeightFormat
-from dflash_async.targets.random_weights import meta_target, random_config
+from dflash_async.targets.random_weights import meta_model
 from dflash_async.targets.split import Split, layer_sizes, split_layers
 
 Chooser = Callable[[torch.nn.Module, range], TargetPath]  # a stage's forward for its range
@@ -153,7 +153,7 @@ def _random_chain_model(
     device, the embedding and rotary on the first; with spec.decode the layers past the last
     captured one and the lm_head on the host (where a loaded split target keeps them)."""
     devices = [w.device for w in workers]
-    meta = meta_target(random_config(_checked_folder(path)), dtype=spec.dtype_on(devices[0]))
+    meta = meta_model(_checked_folder(path), dtype=spec.dtype_on(devices[0]))
     split = split_layers(layer_sizes(text_model(meta), last_layer=last_layer), stages=len(devices))
     stage_of = {i: s for s, r in enumerate(split.ranges) for i in r}
     model, served = load_target_weights(

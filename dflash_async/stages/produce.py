@@ -105,10 +105,14 @@ def load_runner(
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
     """
     log = log or get_logger(__name__)
-    if images:
+    if images and spec.random_seed is None:
         model = load_multimodal_target(path, device=device, dtype=spec.dtype_on(device))
         served = None  # the checkpoint's own dtype format, tower included
         log.info("target_weights_loaded", weight_format="multimodal", device=str(device))
+    elif images:  # the wrapper drawn whole, tower included (targets/random_weights.py)
+        model, served = load_target_weights(
+            path, spec=spec, device=device, last_layer=max(layer_ids), log=log, images=True
+        )
     else:
         model, served = load_target_weights(
             path, spec=spec, device=device, last_layer=max(layer_ids), log=log
@@ -142,6 +146,7 @@ def load_target_weights(
     last_layer: int,
     log,
     runs_on: torch.device | None = None,
+    images: bool = False,
     **placement,
 ) -> tuple[torch.nn.Module, WeightFormat]:
     """The target's weights as `spec` says (checkpoint or random under its seed, its dtype,
@@ -151,7 +156,8 @@ def load_target_weights(
     `runs_on`: the device the weights will run on when they load elsewhere (a split target
     loads on the host, then each stage's layers move to its device): its dtype is the one
     loaded. A random target is drawn up to `last_layer` unless spec.decode; `placement`
-    (layer_device, tail_device) draws each layer straight onto its stage's device.
+    (layer_device, tail_device) draws each layer straight onto its stage's device; `images`: a
+    random multimodal wrapper is drawn whole, tower included (image data).
     """
     dtype = spec.dtype_on(runs_on or device)
     if spec.random_seed is not None:
@@ -164,6 +170,7 @@ def load_target_weights(
             decode=spec.decode,
             quantize=spec.quantize,
             log=log,
+            images=images,
             **placement,
         )
     model, served = load_served_target(path, device=device, dtype=dtype, quantize=spec.quantize)

@@ -160,7 +160,7 @@ def _load_model(
     dtype: torch.dtype,
 ) -> PreTrainedModel:
     if weights.quant_method is not None:  # dequantized on the host (targets/quantized.py)
-        return load_dequantized(folder, config, dtype=dtype, wrapper_keys=_WRAPPER_KEYS)
+        return load_dequantized(folder, config, dtype=dtype, wrapper_keys=WRAPPER_KEYS)
     if is_wrapper(config):
         return _load_language_model(folder, config, device=device, dtype=dtype)
     return causal_lm_auto_class(config).from_pretrained(
@@ -177,7 +177,7 @@ def _device_map(device: torch.device) -> dict[str, Any]:
 
 # A wrapper checkpoint's language-model tensors, renamed to a text CausalLM's (`model.*`,
 # `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3).
-_WRAPPER_KEYS = {
+WRAPPER_KEYS = {
     r"^model\.language_model\.": "model.",
     r"^language_model\.model\.": "model.",
     r"^language_model\.lm_head\.": "lm_head.",
@@ -192,7 +192,7 @@ def _load_language_model(
     """A multimodal wrapper's language model, without its vision tower.
 
     When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE),
-    that class loads the language model's tensors alone (`_WRAPPER_KEYS`; the tower's tensors
+    that class loads the language model's tensors alone (`WRAPPER_KEYS`; the tower's tensors
     are left in the files, never read into memory as modules). Qwen3-VL's text model has no such
     class: the wrapper loads on the CPU and its tower is deleted before the model moves to the
     device, so the tower never reaches the device and never runs (text-only inputs).
@@ -205,7 +205,7 @@ def _load_language_model(
             config=text,
             local_files_only=True,
             dtype=dtype,
-            key_mapping=_WRAPPER_KEYS,
+            key_mapping=WRAPPER_KEYS,
             **_device_map(device),
         )
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=dtype)

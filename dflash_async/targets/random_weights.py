@@ -21,7 +21,16 @@ evaluation: `decode=True` materializes everything).
 
 Seeds: each unit draws from generators seeded by sha256(seed, its qualified name), so a unit's
 values depend on the seed and its name alone: not on the order units are drawn, on which stage
-of a split target holds it, or on which rank or replica draws it. Decoder units are drawn on
+of a split target holds it, or on which rank or replica draws it. A wrapper's language-model
+units are named as its text CausalLM names them (`model.language_model.layers.3` is drawn as
+`model.layers.3`: loading.py's wrapper key map), so the wrapper drawn whole for image data and
+its language model drawn alone for text data hold the same language model.
+
+Multimodal wrappers (`meta_model`): for image data (`images=True`) the whole wrapper is built
+and drawn, vision tower and merger included (each of their modules with tensors of its own, on
+the target device); for text data the text CausalLM where transformers has one (Gemma 3,
+Qwen3.5), else the wrapper without its vision tower (Qwen3-VL: as loading.py loads its
+checkpoint for text data). Decoder units are drawn on
 their own device (CUDA's Philox: the same values on every GPU); the input embedding and the
 lm_head are drawn on the host in fp32 and cast, so a drafter on any device redraws exactly the
 target's (`random_embeddings`, the frozen embedding and lm_head it shares with the target).
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,10 +48,13 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+)
 
-from dflash_async.targets.config_readers import text_config_of
-from dflash_async.targets.loading import text_model
+from dflash_async.targets.config_readers import is_wrapper, text_config_of
+from dflash_async.targets.loading import NON_TEXT_PARTS, WRAPPER_KEYS, text_model
 from dflash_async.targets.resolve import TargetError
 
 HOST = torch.device("cpu")
@@ -53,18 +66,23 @@ def weight_files(folder: Path) -> list[str]:
     return sorted(p.name for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern))
 
 
-def random_config(folder: Path) -> PretrainedConfig:
-    """The text config a random target is built from: a multimodal wrapper's text config (its
-    vision tower is never built), without any `quantization_config` (a random target is drawn
-    unquantized; DFLASH_TARGET__QUANTIZE decides what its matmuls run in)."""
+def folder_config(folder: Path) -> PretrainedConfig:
+    """The folder's config as a random target is drawn from: without any
+    `quantization_config` (a random target is drawn unquantized; DFLASH_TARGET__QUANTIZE decides
+    what its matmuls run in), in the text config too."""
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = copy.deepcopy(AutoConfig.from_pretrained(folder, local_files_only=True))
     except (OSError, ValueError, KeyError) as e:
         raise TargetError(f"cannot read the config of target {str(folder)!r}: {e}") from e
-    text = copy.deepcopy(text_config_of(config))
-    if getattr(text, "quantization_config", None) is not None:
-        del text.quantization_config
-    return text
+    for part in {id(c): c for c in (config, text_config_of(config))}.values():
+        if getattr(part, "quantization_config", None) is not None:
+            del part.quantization_config
+    return config
+
+
+def random_config(folder: Path) -> PretrainedConfig:
+    """The text config of the folder's random target (a multimodal wrapper's text config)."""
+    return text_config_of(folder_config(folder))
 
 
 def meta_target(config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedModel:
@@ -77,6 +95,36 @@ def meta_target(config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedMo
         )
     with torch.device("meta"):
         return causal_lm._from_config(config, dtype=dtype)
+
+
+def meta_wrapper(config: PretrainedConfig, *, dtype: torch.dtype, tower: bool) -> PreTrainedModel:
+    """The multimodal wrapper of `config` (its image-text-to-text class) on the meta device;
+    without `tower`, its vision parts are removed (text data: they never run)."""
+    wrapper = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    if wrapper is None:
+        raise TargetError(
+            f"DFLASH_TARGET__WEIGHTS=random: model_type {config.model_type!r} has no "
+            "image-text-to-text class in transformers to draw a random wrapper from"
+        )
+    with torch.device("meta"):
+        model = wrapper._from_config(config, dtype=dtype)
+    if not tower:
+        inner = getattr(model, "model", model)
+        for name in NON_TEXT_PARTS:
+            if getattr(inner, name, None) is not None:
+                setattr(inner, name, None)  # the forward checks for images before touching it
+    return model
+
+
+def meta_model(folder: Path, *, dtype: torch.dtype, images: bool = False) -> PreTrainedModel:
+    """The model a random target of `folder` is drawn into, on meta (see the module doc): the
+    whole wrapper for image data; for text data the text CausalLM where transformers has one,
+    else the wrapper without its tower."""
+    config = folder_config(folder)
+    text = text_config_of(config)
+    if is_wrapper(config) and (images or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+        return meta_wrapper(config, dtype=dtype, tower=images)
+    return meta_target(text, dtype=dtype)
 
 
 def unit_seed(seed: int, name: str) -> int:
@@ -125,8 +173,17 @@ def _on_host(model, module: nn.Module, name: str, *, device, dtype, seed: int) -
     module.to(device=device, dtype=dtype)
 
 
+def seed_name(name: str) -> str:
+    """The name a unit is seeded by: a wrapper's language-model names as its text CausalLM's."""
+    for pattern, text in WRAPPER_KEYS.items():
+        name, hit = re.subn(pattern, text, name)
+        if hit:
+            return name
+    return name
+
+
 def _names(model: nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
+    return {id(m): seed_name(name) for name, m in model.named_modules()}
 
 
 def is_meta(module: nn.Module, *, recurse: bool = True) -> bool:
@@ -199,7 +256,7 @@ def random_embeddings(
     """The input embedding and lm_head weights [V, d] of the random target of `folder` under
     `seed`, exactly the target's (drawn on the host in fp32 under the same names): the drafter's
     frozen tensors. Tied embeddings give one tensor."""
-    model = meta_target(random_config(Path(folder)), dtype=dtype)
+    model = meta_model(Path(folder), dtype=dtype)
     names, tied = _names(model), _tied(model)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     _on_host(model, embed, names[id(embed)], device=device, dtype=dtype, seed=seed)
@@ -214,7 +271,7 @@ def random_final_norm(
 ) -> torch.Tensor:
     """The final norm weight [d] of the random target of `folder` under `seed`, exactly the
     target's (drawn on the host under its name, as random_embeddings draws its tensors)."""
-    model = meta_target(random_config(Path(folder)), dtype=dtype)
+    model = meta_model(Path(folder), dtype=dtype)
     norm = text_model(model).norm
     _on_host(model, norm, _names(model)[id(norm)], device=device, dtype=dtype, seed=seed)
     return norm.weight
@@ -256,15 +313,17 @@ def load_random_target(
     layer_device: Callable[[int], torch.device] | None = None,
     tail_device: torch.device | None = None,
     fp8_matmuls: bool = True,
+    images: bool = False,
 ):
     """(model, WeightFormat, facts for the log) of the random target of `path` (module doc):
     layers 0..last_layer drawn (all of them when last_layer is None or `decode`), in eval mode
-    with requires_grad False. TargetError (exit 2) for a folder without config.json."""
+    with requires_grad False; `images`: a multimodal wrapper drawn whole, tower included.
+    TargetError (exit 2) for a folder without config.json."""
     from dflash_async.targets.loading import _checked_folder, default_target_dtype, text_model
 
     folder, device = _checked_folder(path), torch.device(device)
     dtype = dtype or default_target_dtype(device)
-    model = meta_target(random_config(folder), dtype=dtype)
+    model = meta_model(folder, dtype=dtype, images=images)
     decoder = text_model(model)
     count = len(decoder.layers) if last_layer is None else last_layer + 1
     weights = random_format(

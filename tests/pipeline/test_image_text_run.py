@@ -114,10 +114,7 @@ def test_image_records_for_a_text_target_are_refused_before_any_model_loads(tmp_
 
 @pytest.mark.parametrize(
     ("env", "name"),
-    [
-        ({"DFLASH_TARGET__QUANTIZE": "fp8"}, "DFLASH_TARGET__QUANTIZE"),
-        ({"DFLASH_TARGET__WEIGHTS": "random"}, "DFLASH_TARGET__WEIGHTS"),
-    ],
+    [({"DFLASH_TARGET__QUANTIZE": "fp8"}, "DFLASH_TARGET__QUANTIZE")],
 )
 def test_settings_the_image_path_does_not_cover_are_refused(tmp_path, env, name):
     target, _, mask = _target(tmp_path / "target", sorted(MULTIMODAL)[0])
