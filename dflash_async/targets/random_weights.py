@@ -317,13 +317,15 @@ def load_random_target(
 ):
     """(model, WeightFormat, facts for the log) of the random target of `path` (module doc):
     layers 0..last_layer drawn (all of them when last_layer is None or `decode`), in eval mode
-    with requires_grad False; `images`: a multimodal wrapper drawn whole, tower included.
-    TargetError (exit 2) for a folder without config.json."""
+    with requires_grad False; `images`: a multimodal wrapper drawn whole, tower, every layer
+    and the lm_head included (the per-document HF forward, targets/multimodal.py, probes the
+    whole wrapper once at load). TargetError (exit 2) for a folder without config.json."""
     from dflash_async.targets.loading import _checked_folder, default_target_dtype, text_model
 
     folder, device = _checked_folder(path), torch.device(device)
     dtype = dtype or default_target_dtype(device)
     model = meta_model(folder, dtype=dtype, images=images)
+    decode = decode or images
     decoder = text_model(model)
     count = len(decoder.layers) if last_layer is None else last_layer + 1
     weights = random_format(

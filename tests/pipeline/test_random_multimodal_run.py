@@ -91,27 +91,35 @@ async def _run(settings) -> list[dict]:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("evaluate", [False, True])
 async def test_run_trains_on_image_text_records_with_a_random_qwen3_vl(
-    folder, tmp_path, monkeypatch
+    folder, tmp_path, monkeypatch, evaluate
 ):
+    """Without an evaluation too: the wrapper is drawn whole all the same (its per-document
+    forward probes every layer and the lm_head at load)."""
     processor = folder_qwen3_vl_processor(folder)
     for module in (startup, multimodal):  # the read stage's and the evaluation's
         monkeypatch.setattr(module, "load_target_processor", lambda path: processor)
     data = write_image_data(tmp_path / "data", records=12)
-    evaluation = {  # at the end, on the data's own image prompts: the wrapper drawn whole
+    evaluation = {  # at the end, on the data's own image prompts
         "DFLASH_EVAL__AT_END": "true",
         "DFLASH_EVAL__PROMPTS_PATH": str(data),
         "DFLASH_EVAL__NUM_PROMPTS": "2",
         "DFLASH_EVAL__MAX_NEW_TOKENS": "8",
     }
-    events = await _run(_settings(folder, data, tmp_path / "out", **evaluation))
+    events = await _run(
+        _settings(folder, data, tmp_path / "out", **(evaluation if evaluate else {}))
+    )
     (loaded,) = [e for e in events if e["event"] == "data_loaded"]
     assert loaded["images"] == 12
+    (drawn,) = [e for e in events if e["event"] == "target_weights_loaded"]
+    assert drawn["layers_on_meta"] == 0 and not drawn["lm_head_on_meta"]
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
     assert chosen and all(e["target_path"] == "hf_multimodal" for e in chosen)
     assert not [e for e in events if e["event"] == "eval_failed"]  # every sample lossless
-    (evaluated,) = [e for e in events if e["event"] == "eval"]
-    assert evaluated["num_samples"] == 2 and evaluated["lossless_checked"]
+    evaluated = [e for e in events if e["event"] == "eval"]
+    assert len(evaluated) == evaluate
+    assert all(e["num_samples"] == 2 and e["lossless_checked"] for e in evaluated)
 
 
 @pytest.mark.anyio
