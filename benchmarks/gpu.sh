@@ -42,9 +42,15 @@
 #                long_context.jsonl (tokens/s, peak reserved memory)
 #   long-64k     the same at 65536-token documents
 #   long-128k    the same at 131072-token documents (512 anchors, one slot: one 80 GB card)
+#   images       image+text at the Qwen3-VL-8B shape (random weights): the target forward on
+#                image packs beside text-only packs of the same lengths (multimodal_target.jsonl),
+#                then `run` co-located on GPU 0 (the wrapper drawn in the run, bf16, 25 steps) on
+#                generated 448x448 image+text records and on text records of the same token
+#                lengths: one JSON line per run in multimodal_pipeline.jsonl (tokens/s, images/s,
+#                peak memory). Needs torchvision (Qwen3-VL's processor).
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k"
+parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -282,6 +288,24 @@ PY
         DFLASH_TRAIN__MAX_STEPS="$steps" "${extra[@]}"
       python3 benchmarks/long_context.py summary "$work/$name" --case "${length}_$layers" \
         | tee -a "$out/long_context.jsonl"
+    done
+    ;;
+  images)
+    part "target forward, Qwen3-VL-8B shape: image+text packs and text-only packs of 16384 tokens"
+    limited 150 python3 benchmarks/multimodal_target.py --shape qwen3-vl-8b \
+      2> "$out/multimodal_target.err" | tee "$out/multimodal_target.jsonl"
+    [ -d "$work/qwen3-vl-8b-config" ] ||
+      python3 benchmarks/make_random_target.py "$work" --shape qwen3-vl-8b
+    python3 benchmarks/multimodal_pipeline.py data "$work" --target "$work/qwen3-vl-8b-config"
+    # the steps and limits keep the part under 9 minutes (a run's start-up is about 100 s)
+    for case in image_text:vl_images text_only:vl_text; do
+      IFS=: read -r name data <<< "$case"
+      part "co-located on GPU 0, random Qwen3-VL-8B drawn in the run, $name data, 25 steps"
+      RUN_TIMEOUT=170 pipeline_run "images_$name" DFLASH_TARGET__PATH="$work/qwen3-vl-8b-config" \
+        DFLASH_TARGET__WEIGHTS=random DFLASH_DATA__PATH="$work/$data.jsonl" \
+        DFLASH_TRAIN__MAX_STEPS=25
+      python3 benchmarks/multimodal_pipeline.py summary "$work/images_$name" --case "$name" \
+        | tee -a "$out/multimodal_pipeline.jsonl"
     done
     ;;
   esac

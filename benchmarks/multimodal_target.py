@@ -12,7 +12,7 @@ the 2x2 merge) after its first tokens. Inputs are made without a processor: rand
 below the special tokens, the image's placeholder tokens, random pixel values of the patch
 width the tower takes, the grid and the per-token types, which is all the forward reads.
 Prints one JSON line per case: tokens/s, images/s, the median seconds of a pack and the first
-call's; the image row adds `pixel_inputs_s`, the host seconds of computing the pack's pixel
+call's, on a GPU the peak allocated memory so far; the image row adds `pixel_inputs_s`, the host seconds of computing the pack's pixel
 inputs from PNG files (what `run` does per pack when it stages it). `--shape tiny --device cpu` is the smoke test's (seconds on a CPU).
 """
 
@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tokens_per_s=round(tokens / median),
             images_per_s=round(count / median, 1),
         )
+        if device.type == "cuda":  # the model, the features and the forward's activations
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if count:  # what `run` adds per pack on the host: the images' pixel inputs, again
             row["pixel_inputs_s"] = round(pixel_inputs_s(count, args.image_side, args.repeats), 4)
         print(json.dumps(row), flush=True)

@@ -8,6 +8,7 @@ vision tokens, chat template, image and video processor configs; no weights):
   model alone, no tower);
 - the wrapper drawn for image data holds the language model that text data draws, and the
   drafters' redrawn embeddings are the target's (every unit seeded by its text CausalLM name);
+  its buffers are those of a normally built wrapper, its tower drawn (nothing left on meta);
 - with torchvision installed, AutoProcessor builds Qwen3-VL's own processor from the folder and
   reads an image as the image-only processor does (here the processor is that of the folder's
   files without the video processor, which needs torchvision).
@@ -149,6 +150,11 @@ def test_the_wrapper_drawn_for_images_holds_the_language_model_text_data_draws(
     options = dict(device=CPU, dtype=torch.float32, seed=3, decode=True)
     whole, _, _ = load_random_target(tmp_path, images=True, **options)
     text, _, _ = load_random_target(tmp_path, **options)
+    from transformers import AutoModelForImageTextToText
+
+    built = dict(AutoModelForImageTextToText.from_config(whole.config).named_buffers())
+    for name, buffer in whole.named_buffers():  # rotary inv_freq, the tower's included
+        assert torch.equal(buffer, built[name]), name
     tower = whole.model.visual
     assert not is_meta(tower) and all(p.float().std() > 0 for p in tower.parameters() if p.ndim > 1)
     assert getattr(getattr(text, "model", text), "visual", None) is None
