@@ -30,6 +30,7 @@ image processor config (the PIL image processor: the same patches).
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,23 @@ from dflash_async.targets.tiny import tiny_tokenizer
 
 SHAPES = ("qwen3-8b", "qwen3.5-9b")
 CONFIG_ONLY = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-MULTIMODAL = {"qwen3-vl-8b": "qwen3-vl-8b", "qwen3-vl-tiny": "tiny"}  # -> multimodal_target's
+
+
+@dataclass(frozen=True)
+class VLShape:
+    """A random Qwen3-VL folder's shape: multimodal_target.py's config name, the vocabulary
+    (None: the tokenizer's, rounded up to 64) and the pixels an image is resized within
+    (shortest_edge: least, longest_edge: most)."""
+
+    config: str
+    vocab: int | None
+    pixels: dict[str, int]
+
+
+MULTIMODAL = {
+    "qwen3-vl-8b": VLShape("qwen3-vl-8b", 151936, {"shortest_edge": 65536, "longest_edge": 2**24}),
+    "qwen3-vl-tiny": VLShape("tiny", None, {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}),
+}
 VISION_TOKENS = {  # Qwen3-VL's config field -> its special token
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
@@ -62,11 +79,6 @@ VL_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-# Pixels an image is resized within (shortest_edge: least, longest_edge: most pixels)
-VL_PIXELS = {
-    "qwen3-vl-8b": {"shortest_edge": 65536, "longest_edge": 16777216},
-    "qwen3-vl-tiny": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
-}
 
 
 def qwen3_next_80b_a3b_config():
@@ -129,7 +141,9 @@ def processor_configs(shape: str) -> dict[str, dict]:
         image_std=[0.5, 0.5, 0.5],
         processor_class="Qwen3VLProcessor",
     )
-    image = dict(common, size=VL_PIXELS[shape], image_processor_type="Qwen2VLImageProcessor")
+    image = dict(
+        common, size=MULTIMODAL[shape].pixels, image_processor_type="Qwen2VLImageProcessor"
+    )
     video = dict(
         common,
         size={"shortest_edge": 4096, "longest_edge": 25165824},
@@ -145,8 +159,8 @@ def write_vl_target(out: Path, shape: str) -> Path:
     target = out / f"{shape}-config"
     tokenizer = vl_tokenizer()
     specials = {field: tokenizer.convert_tokens_to_ids(t) for field, t in VISION_TOKENS.items()}
-    vocab = 151936 if shape == "qwen3-vl-8b" else -(-len(tokenizer) // 64) * 64
-    config = vl_shape(MULTIMODAL[shape], specials, vocab=vocab)
+    vocab = MULTIMODAL[shape].vocab or -(-len(tokenizer) // 64) * 64
+    config = vl_shape(MULTIMODAL[shape].config, specials, vocab=vocab)
     config.text_config.eos_token_id = tokenizer.eos_token_id
     config.save_pretrained(target)
     tokenizer.save_pretrained(target)
