@@ -24,16 +24,16 @@ values depend on the seed and its name alone: not on the order units are drawn, 
 of a split target holds it, or on which rank or replica draws it. A wrapper's language-model
 units are named as its text CausalLM names them (`model.language_model.layers.3` is drawn as
 `model.layers.3`: loading.py's wrapper key map), so the wrapper drawn whole for image data and
-its language model drawn alone for text data hold the same language model.
+its language model drawn alone for text data hold the same language model. Decoder units are
+drawn on their own device (CUDA's Philox: the same values on every GPU); the input embedding and
+the lm_head are drawn on the host in fp32 and cast, so a drafter on any device redraws exactly
+the target's (`random_embeddings`, the frozen embedding and lm_head it shares with the target).
 
 Multimodal wrappers (`meta_model`): for image data (`images=True`) the whole wrapper is built
 and drawn, vision tower and merger included (each of their modules with tensors of its own, on
-the target device); for text data the text CausalLM where transformers has one (Gemma 3,
-Qwen3.5), else the wrapper without its vision tower (Qwen3-VL: as loading.py loads its
-checkpoint for text data). Decoder units are drawn on
-their own device (CUDA's Philox: the same values on every GPU); the input embedding and the
-lm_head are drawn on the host in fp32 and cast, so a drafter on any device redraws exactly the
-target's (`random_embeddings`, the frozen embedding and lm_head it shares with the target).
+the target device), every decoder layer and the lm_head too; for text data the text CausalLM
+where transformers has one (Gemma 3, Qwen3.5), else the wrapper without its vision tower
+(Qwen3-VL: as loading.py loads its checkpoint for text data).
 """
 
 from __future__ import annotations
