@@ -4,27 +4,25 @@ lengths (CPU).
     python benchmarks/deepspec_check.py --deepspec /path/to/DeepSpec --drafter runs/demo/drafter \
         [--target FOLDER] [--num-prompts 4] [--max-new-tokens 64]
 
-`--deepspec` is a checkout of github.com/deepseek-ai/DeepSpec (the folder holding `deepspec/`);
-its code is imported from there, never copied into this project. The export (a DSpark run's, its
-config `Qwen3DSparkModel`) is loaded by DeepSpec's `Qwen3DSparkModel.from_pretrained`: no
-unexpected or mismatched key may be reported, and the only missing ones may be its frozen
-`embed_tokens` and `lm_head` (our export, like DFlash's, ships neither: the target's are used),
-which are then set from the target by DeepSpec's own `initialize_embeddings_and_head`. Each
-prompt (the demo's held-out prompts, chat-templated) is decoded at T = 0 twice on the same fp32
-target: by DeepSpec's decoding loop (`generate_decoding_sample` with its DSpark drafting ops,
+`--deepspec` is a checkout of github.com/deepseek-ai/DeepSpec (the folder holding `deepspec/`); its
+code is imported from there, never copied into this project. The export (a DSpark run's, its config
+`Qwen3DSparkModel`) is loaded by DeepSpec's `Qwen3DSparkModel.from_pretrained`: no unexpected or
+mismatched key may be reported, and the only missing ones may be its frozen `embed_tokens` and
+`lm_head` (our export, like DFlash's, ships neither: the target's are used), which are then set
+from the target by DeepSpec's own `initialize_embeddings_and_head`. Each prompt (the demo's
+held-out prompts, chat-templated) is decoded at T = 0 twice on the same fp32 target: by DeepSpec's
+decoding loop (`generate_decoding_sample` with its DSpark drafting ops,
 `forward_dspark_draft_block` and `build_dspark_proposal`, confidence threshold 0: every slot
-proposed) and by our reference decoder (eval/speculative.py). The two must give the same tokens,
-the same drafts in every round and the same acceptance lengths (a round whose accepted drafts
-hold the stop token is counted without the bonus token by DeepSpec, and its loop may run one
-round more near the token limit: see main). Prints one JSON line; exits 1 on any difference.
+proposed) and by our reference decoder (eval/speculative.py; the setup, our side and the printed
+line are eval/external_check.py). The two must give the same tokens, the same drafts in every round
+and the same acceptance lengths (a round whose accepted drafts hold the stop token is counted
+without the bonus token by DeepSpec, and its loop may run one round more near the token limit: see
+main). Prints one JSON line; exits 1 on any difference.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,10 +30,13 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
-from dflash_async.eval.harness import load_drafter, prompts_of, stop_rules
-from dflash_async.eval.speculative import DFlashBlockDrafter, speculative_decode
-from dflash_async.targets.loading import frozen_embeddings, load_target, load_target_tokenizer
-from dflash_async.targets.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.eval.external_check import (
+    Tally,
+    check_parser,
+    check_setup,
+    recorded_decoding,
+    reported,
+)
 
 # the frozen tensors DeepSpec's model holds and our export leaves to the target
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
@@ -65,14 +66,6 @@ def deepspec_modules(root: Path) -> SimpleNamespace:
         ops=importlib.import_module("deepspec.eval.dspark.draft_ops"),
         loop=loop,
     )
-
-
-def commit_of(root: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
-    except OSError:
-        return None
-    return out.stdout.decode().strip() or None
 
 
 def load_deepspec_drafter(ds, export: Path, target):
@@ -138,53 +131,19 @@ def deepspec_generate(ds, model, target, prompt: list[int], max_new_tokens: int,
     )
 
 
-class RecordingDrafter(DFlashBlockDrafter):
-    """Our one-sequence block drafter, logging each round's drafts."""
-
-    log: list
-
-    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        drafts = super().draft(anchor_token, anchor_position)
-        self.log.append(drafts.tolist())
-        return drafts
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--deepspec", type=Path, required=True)
-    parser.add_argument("--drafter", type=Path, required=True)
-    parser.add_argument("--target", default="", help="empty: the tiny demo target")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/dflash_async"))
-    args = parser.parse_args(argv)
-    ds = deepspec_modules(args.deepspec)
-    folder = Path(args.target) if args.target else ensure_tiny_target(args.cache_dir)
-    target = load_target(folder, device="cpu", dtype=torch.float32)
-    tokenizer = load_target_tokenizer(folder)
-    eos, _ = stop_rules(target, tokenizer)
-    ours, config = load_drafter(args.drafter, device=torch.device("cpu"), dtype=torch.float32)
-    theirs, info = load_deepspec_drafter(ds, args.drafter, target)
-    embed, lm_head = frozen_embeddings(target)
-    records = demo_prompts(args.num_prompts, split="heldout", multi_turn=False)
-    prompts = prompts_of(tokenizer, records, enable_thinking=False)
-    differences, rounds, taus = [], 0, []
-    for i, prompt in enumerate(prompts):
+    args = check_parser(__doc__.splitlines()[0], project="deepspec").parse_args(argv)
+    ds = deepspec_modules(args.checkout)
+    setup = check_setup(args)
+    theirs, info = load_deepspec_drafter(ds, args.drafter, setup.target)
+    tally = Tally()
+    for i, prompt in enumerate(setup.prompts):
         theirs_log: list = []
-        d = deepspec_generate(ds, theirs, target, prompt, args.max_new_tokens, eos, theirs_log)
+        d = deepspec_generate(
+            ds, theirs, setup.target, prompt, args.max_new_tokens, setup.eos, theirs_log
+        )
         d_tokens = d.output_ids[0, len(prompt) :].tolist()
-        drafter = RecordingDrafter(
-            ours, config, embed, lm_head, max_context=len(prompt) + args.max_new_tokens + 64
-        )
-        drafter.log = []
-        spec = speculative_decode(
-            target,
-            drafter,
-            prompt,
-            layer_ids=config.target_layer_ids,
-            max_new_tokens=args.max_new_tokens,
-            eos_token_id=sorted(eos),
-        )
+        spec, ours_log = recorded_decoding(setup, prompt, max_new_tokens=args.max_new_tokens)
         # DeepSpec runs rounds while fewer than max_new_tokens + 1 tokens are out (the first
         # token included), ours while fewer than max_new_tokens: it may run one round more,
         # whose tokens the cut drops. Rounds compared: ours, all but the last in full (the
@@ -194,29 +153,15 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": spec.tokens == d_tokens,
             "rounds": n <= len(d.acceptance_lengths) <= n + 1,
             "acceptance_lengths": spec.accepted_lengths[:-1] == list(d.acceptance_lengths)[: n - 1],
-            "drafts": drafter.log == theirs_log[:n],
+            "drafts": ours_log == theirs_log[:n],
         }
-        rounds += len(theirs_log)
-        taus.append(sum(d.acceptance_lengths) / max(1, len(d.acceptance_lengths)))
-        if not all(same.values()):
-            differences.append({"prompt": i, **same})
-    result = {
-        "deepspec_commit": commit_of(args.deepspec),
-        "drafter": str(args.drafter),
-        "architecture": type(theirs).__name__,
-        "loading_info": info,
-        "prompts": len(prompts),
-        "rounds": rounds,
-        "deepspec_tau": sum(taus) / len(taus),
-        "differences": differences,
-    }
-    print(json.dumps(result))
+        tally.add(i, same, d.acceptance_lengths, rounds=len(theirs_log))
     keys_ok = (
         set(info.get("missing_keys", ())) <= set(FROZEN)
         and not info.get("unexpected_keys")
         and not info.get("mismatched_keys")
     )
-    return 0 if keys_ok and not differences else 1
+    return reported(args, theirs=theirs, info=info, keys_ok=keys_ok, tally=tally)
 
 
 if __name__ == "__main__":

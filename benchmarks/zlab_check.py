@@ -3,35 +3,38 @@
     python benchmarks/zlab_check.py --zlab /path/to/z-lab/dflash --drafter runs/demo/drafter \
         [--target FOLDER] [--num-prompts 4] [--max-new-tokens 64]
 
-`--zlab` is a checkout of github.com/z-lab/dflash (the folder holding `dflash/model.py`); its
-code is imported from there, never copied into this project. The export is loaded by z-lab's
+`--zlab` is a checkout of github.com/z-lab/dflash (the folder holding `dflash/model.py`); its code
+is imported from there, never copied into this project. The export is loaded by z-lab's
 `DFlashDraftModel` or `DFlash2DraftModel` (by its `architectures`) with `from_pretrained`, which
 must report no missing, unexpected or mismatched keys. Each prompt (the demo's held-out prompts,
 chat-templated) is then decoded greedily twice on the same fp32 target: by z-lab's
-`dflash_generate` and by our reference decoder (eval/speculative.py), with the target's stop
-token and no suppressed tokens (z-lab suppresses none). The two must give the same tokens, the
-same acceptance lengths (ours cut at the stop or the token limit as z-lab counts them) and the
-same drafts in every full-block round (near the token limit z-lab drafts a shorter block, whose
-slots attend to fewer block rows and so differ: those rounds compare acceptance only). Prints one JSON line; exits 1 on any difference. (On a machine
-without CUDA, z-lab's stats timer, which synchronizes CUDA, is pointed at time.perf_counter.)
+`dflash_generate` and by our reference decoder (eval/speculative.py; the setup, our side and the
+printed line are eval/external_check.py), with the target's stop token and no suppressed tokens
+(z-lab suppresses none). The two must give the same tokens, the same acceptance lengths (ours cut
+at the stop or the token limit as z-lab counts them) and the same drafts in every full-block round
+(near the token limit z-lab drafts a shorter block, whose slots attend to fewer block rows and so
+differ: those rounds compare acceptance only). Prints one JSON line; exits 1 on any difference. (On
+a machine without CUDA, z-lab's stats timer, which synchronizes CUDA, is pointed at
+time.perf_counter.)
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dflash_async.eval.harness import load_drafter, prompts_of, stop_rules
-from dflash_async.eval.speculative import DFlashBlockDrafter, speculative_decode
-from dflash_async.targets.loading import frozen_embeddings, load_target, load_target_tokenizer
-from dflash_async.targets.tiny import demo_prompts, ensure_tiny_target
+from dflash_async.eval.external_check import (
+    Tally,
+    check_parser,
+    check_setup,
+    recorded_decoding,
+    reported,
+)
 
 
 def zlab_model_module(root: Path):
@@ -43,14 +46,6 @@ def zlab_model_module(root: Path):
     if not torch.cuda.is_available():  # its stats timer calls torch.cuda.synchronize()
         module._cuda_time = time.perf_counter
     return module
-
-
-def zlab_commit(root: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True)
-    except OSError:
-        return None
-    return out.stdout.decode().strip() or None
 
 
 def load_zlab_drafter(zlab, export: Path):
@@ -84,17 +79,6 @@ def recorded_zlab_drafts(zlab, model, log: list) -> None:
         model.compute_logits = recording_logits
 
 
-class RecordingDrafter(DFlashBlockDrafter):
-    """Our one-sequence block drafter, logging each round's drafts."""
-
-    log: list
-
-    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        drafts = super().draft(anchor_token, anchor_position)
-        self.log.append(drafts.tolist())
-        return drafts
-
-
 def counted_as_zlab(accepted: list[int], new_tokens: int) -> list[int]:
     """Our per-round accepted+1, the last round cut to the tokens kept (z-lab's `produced`)."""
     out, total = [], 1  # the first token comes from the prefill, before any round
@@ -107,77 +91,43 @@ def counted_as_zlab(accepted: list[int], new_tokens: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--zlab", type=Path, required=True)
-    parser.add_argument("--drafter", type=Path, required=True)
-    parser.add_argument("--target", default="", help="empty: the tiny demo target")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/dflash_async"))
-    args = parser.parse_args(argv)
-    zlab = zlab_model_module(args.zlab)
-    folder = Path(args.target) if args.target else ensure_tiny_target(args.cache_dir)
-    target = load_target(folder, device="cpu", dtype=torch.float32)
-    tokenizer = load_target_tokenizer(folder)
-    eos, _ = stop_rules(target, tokenizer)
-    ours, config = load_drafter(args.drafter, device=torch.device("cpu"), dtype=torch.float32)
+    args = check_parser(__doc__.splitlines()[0], project="zlab").parse_args(argv)
+    zlab = zlab_model_module(args.checkout)
+    setup = check_setup(args)
     theirs, info = load_zlab_drafter(zlab, args.drafter)
-    embed, lm_head = frozen_embeddings(target)
-    records = demo_prompts(args.num_prompts, split="heldout", multi_turn=False)
-    prompts = prompts_of(tokenizer, records, enable_thinking=False)
-    differences, rounds, shrunk, taus = [], 0, 0, []
-    for i, prompt in enumerate(prompts):
+    block_size = setup.config.block_size
+    tally = Tally()
+    for i, prompt in enumerate(setup.prompts):
         zlab_log: list = []
         recorded_zlab_drafts(zlab, theirs, zlab_log)
         z = zlab.dflash_generate(
             theirs,
-            target,
+            setup.target,
             torch.tensor([prompt]),
             args.max_new_tokens,
-            sorted(eos),
+            setup.eos,
             return_stats=True,
         )
         z_tokens = z.output_ids[0, len(prompt) :].tolist()
-        drafter = RecordingDrafter(
-            ours, config, embed, lm_head, max_context=len(prompt) + args.max_new_tokens + 64
-        )
-        drafter.log = []
-        spec = speculative_decode(
-            target,
-            drafter,
-            prompt,
-            layer_ids=config.target_layer_ids,
-            max_new_tokens=args.max_new_tokens,
-            eos_token_id=sorted(eos),
-        )
+        spec, ours_log = recorded_decoding(setup, prompt, max_new_tokens=args.max_new_tokens)
         ours_counted = counted_as_zlab(spec.accepted_lengths, len(spec.tokens))
         same = {
             "tokens": spec.tokens == z_tokens,
             "acceptance_lengths": ours_counted == list(z.acceptance_lengths),
             # z-lab shrinks the last blocks to the tokens left, which changes every slot's
             # hidden state (the block attends to itself): drafts compared in full blocks only
-            "drafts": len(drafter.log) == len(zlab_log)
-            and all(o == t for o, t in zip(drafter.log, zlab_log, strict=True) if len(t) == len(o)),
+            "drafts": len(ours_log) == len(zlab_log)
+            and all(o == t for o, t in zip(ours_log, zlab_log, strict=True) if len(t) == len(o)),
         }
-        rounds += sum(len(t) == config.block_size - 1 for t in zlab_log)
-        shrunk += sum(len(t) < config.block_size - 1 for t in zlab_log)
-        taus.append(sum(z.acceptance_lengths) / max(1, len(z.acceptance_lengths)))
-        if not all(same.values()):
-            differences.append({"prompt": i, **same})
-    result = {
-        "zlab_commit": zlab_commit(args.zlab),
-        "drafter": str(args.drafter),
-        "architecture": type(theirs).__name__,
-        "loading_info": info,
-        "prompts": len(prompts),
-        "full_block_rounds": rounds,
-        "shrunk_rounds": shrunk,
-        "zlab_tau": sum(taus) / len(taus),
-        "differences": differences,
-    }
-    print(json.dumps(result))
+        tally.add(
+            i,
+            same,
+            z.acceptance_lengths,
+            full_block_rounds=sum(len(t) == block_size - 1 for t in zlab_log),
+            shrunk_rounds=sum(len(t) < block_size - 1 for t in zlab_log),
+        )
     keys_ok = not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    return 0 if keys_ok and not differences else 1
+    return reported(args, theirs=theirs, info=info, keys_ok=keys_ok, tally=tally)
 
 
 if __name__ == "__main__":

@@ -13,26 +13,19 @@ decoding loop gives our reference decoder's tokens, drafts and acceptance length
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import randomize_
-from transformers import Qwen3Config
+from external_check_kit import check_exit_code, tiny_export
 
-from dflash_async.checkpoint.export import export_drafter
-from dflash_async.model.drafter_config import drafter_config_from_target
-from dflash_async.model.kinds import kind_of
-from dflash_async.targets.tiny import ensure_tiny_target, tiny_tokenizer
+from dflash_async.targets.tiny import ensure_tiny_target
 
 DEEPSPEC = os.environ.get("DFLASH_DEEPSPEC", "")
 pytestmark = [
     pytest.mark.skipif(not DEEPSPEC, reason="DFLASH_DEEPSPEC names no DeepSpec checkout"),
     pytest.mark.usefixtures("one_intra_op_thread"),
 ]
-CHECK = Path(__file__).resolve().parents[2] / "benchmarks" / "deepspec_check.py"
 EXPORTS = {
     "vanilla": dict(markov_rank=16),
     "gated": dict(markov_rank=16, markov_head_type="gated"),
@@ -41,43 +34,24 @@ EXPORTS = {
 }
 
 
-def deepspec_check():
-    spec = importlib.util.spec_from_file_location("deepspec_check", CHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def target_folder(tmp_path_factory) -> Path:
     return ensure_tiny_target(tmp_path_factory.mktemp("deepspec") / "cache")
 
 
-def tiny_export(folder: Path, out: Path, fields: dict) -> Path:
-    config = drafter_config_from_target(
-        Qwen3Config.from_pretrained(folder),
-        num_hidden_layers=2,
-        num_features=2,
-        block_size=5,
-        mask_token_id=tiny_tokenizer().mask_token_id,
-        kind="dspark",
-        **fields,
-    )
-    drafter = kind_of(config.kind).make_drafter(config)
-    randomize_(drafter, 2)
-    if drafter.markov_head is not None:  # a bias that changes the chain's drafts
-        with torch.no_grad():
-            drafter.markov_head.markov_w2.weight.mul_(30.0)
-    export_drafter(drafter, config, out)
-    return out
+def sharpen_markov(drafter) -> None:
+    """A Markov head's bias scaled up so that it changes the chain's drafts."""
+    if drafter.markov_head is not None:
+        drafter.markov_head.markov_w2.weight.mul_(30.0)
 
 
 @pytest.mark.parametrize("name", EXPORTS)
 def test_deepspec_loads_our_export_and_decodes_it_as_eval_does(
     name, target_folder, tmp_path, capsys
 ):
-    export = tiny_export(target_folder, tmp_path / name, EXPORTS[name])
-    argv = ["--deepspec", DEEPSPEC, "--drafter", str(export), "--target", str(target_folder)]
-    assert deepspec_check().main([*argv, "--num-prompts", "2", "--max-new-tokens", "40"]) == 0, (
-        capsys.readouterr().out
+    fields = dict(kind="dspark", **EXPORTS[name])
+    export = tiny_export(
+        target_folder, tmp_path / name, block_size=5, fields=fields, sharpen=sharpen_markov
     )
+    code = check_exit_code("deepspec_check", ("--deepspec", DEEPSPEC), export, target_folder)
+    assert code == 0, capsys.readouterr().out
