@@ -130,11 +130,11 @@ def heldout_pairs(
         slot_pairs(target, drafter, embed_weight, lm_head_weight, seq, first)
         for seq, first in sequences
     ]
-    return SlotPairs(*(torch.cat(x) for x in zip(*(astuple(p) for p in parts), strict=True)))
-
-
-def astuple(pairs: SlotPairs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return pairs.logits, pairs.acceptance, pairs.slots
+    return SlotPairs(
+        logits=torch.cat([p.logits for p in parts] + [torch.zeros(0, dtype=torch.float64)]),
+        acceptance=torch.cat([p.acceptance for p in parts] + [torch.zeros(0, dtype=torch.float64)]),
+        slots=torch.cat([p.slots for p in parts] + [torch.zeros(0, dtype=torch.long)]),
+    )
 
 
 def bce(logits: torch.Tensor, acceptance: torch.Tensor, temperature: float = 1.0) -> float:
