@@ -142,6 +142,11 @@ def test_a_head_scaled_by_three_is_brought_back_to_the_calibrated_original(targe
         calibration.bce(original.logits, original.acceptance, t), rel=1e-6
     )
     torch.testing.assert_close(mutant.logits / t_mutant, original.logits / t, rtol=1e-5, atol=1e-6)
+    # on sequences the fit never saw, the calibrated mutant beats the mis-scaled one
+    unseen = pairs_of(target, constructed_drafter(target, scale=SCALE), sequences(4))
+    assert calibration.bce(unseen.logits, unseen.acceptance, t_mutant) < calibration.bce(
+        unseen.logits, unseen.acceptance
+    )
 
 
 def test_a_head_that_points_the_wrong_way_is_refused():
