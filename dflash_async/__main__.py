@@ -1,4 +1,5 @@
-"""Command line: run | launch | settings | bench | regenerate | eval | report, and --version.
+"""Command line: run | launch | settings | bench | regenerate | eval | calibrate | report, and
+--version.
 
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
@@ -209,6 +210,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit a DSpark drafter's confidence-head temperature on held-out prompts, into its export."""
+    from dflash_async.eval.calibrate_command import build_parser as calibrate_parser
+    from dflash_async.eval.calibrate_command import main
+    from dflash_async.runtime.devices import parse_device
+
+    options = calibrate_parser().parse_args(args.rest)  # bad options: one line, exit 2
+    parse_device(options.device, setting="--device")
+    _configure_logging()
+    return main(args.rest)
+
+
 def settings_epilog(width: int = 100) -> str:
     """`run --help` and `settings --help`: every DFLASH_* variable with the first sentence of its
     description (docs/training.md has them in full)."""
@@ -253,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help=cmd_eval.__doc__, prefix_chars="+", add_help=False)
     ev.add_argument("rest", nargs=argparse.REMAINDER, help="options of eval (eval --help)")
     ev.set_defaults(fn=cmd_eval)
+    cal = sub.add_parser("calibrate", help=cmd_calibrate.__doc__, prefix_chars="+", add_help=False)
+    cal.add_argument("rest", nargs=argparse.REMAINDER, help="options of calibrate (--help)")
+    cal.set_defaults(fn=cmd_calibrate)
     from dflash_async.runlog.command import add_arguments  # argparse only: no matplotlib yet
 
     add_arguments(rep := sub.add_parser("report", help=cmd_report.__doc__))

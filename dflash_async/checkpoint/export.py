@@ -225,7 +225,7 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
         if not path.is_file():
             raise FileNotFoundError(f"drafter export file not found: {path}")
     config = drafter_config_from_json(json.loads(config_path.read_text()), where=str(config_path))
-    stored = {name.removeprefix("model."): t for name, t in _read_weights(weights_path).items()}
+    stored = {name.removeprefix("model."): t for name, t in read_weights(weights_path).items()}
     expected = expected_weight_shapes(config)
     dropped = sorted(stored.keys() - expected.keys())
     if dropped:
@@ -237,7 +237,7 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
     return config, tensors
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file; ValueError naming it if it is truncated or not
     safetensors at all (SafetensorError is no ValueError: callers treat a bad export as bad input)."""
     try:

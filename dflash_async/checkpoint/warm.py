@@ -8,6 +8,13 @@ A warm start is a fine-tune or an extension, not a resume (checkpoint/resume.py)
 weights are taken; AdamW's moments, the lr schedule (warm-up included), the data cursor and the
 generators start afresh, and the run's length and recipe are this run's own. An export holds bf16
 tensors, so the fp32 masters start bf16-rounded; a checkpoint gives its fp32 masters exactly.
+
+An export folder written by another tool may hold the frozen tensors the drafter shares with the
+target, `embed_tokens.weight` and `lm_head.weight` (z-lab's layout; DeepSpec's
+`Qwen3DSparkModel.save_pretrained`), and `model.`-prefixed names. Those two are checked against the
+target's shape [vocab, hidden] (a mismatch is refused: it was trained for another target) and
+dropped, since this run takes them from its target; every other tensor must be one of this
+run's drafter, of its shape (an unexpected name is refused, naming it).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dflash_async.checkpoint.export import (
     WEIGHTS_NAME,
     drafter_config_from_json,
     expected_weight_shapes,
-    load_drafter_export,
+    read_weights,
 )
 from dflash_async.checkpoint.state import STATE_NAME, load_checkpoint
 from dflash_async.errors import SettingsError
@@ -32,6 +39,8 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step import DrafterStep
 
 INIT_VAR = "DFLASH_DRAFTER__INIT"
+# the tensors a drafter shares with its target, frozen: another tool's export may hold them
+FROZEN_NAMES = ("embed_tokens.weight", "lm_head.weight")
 
 # The drafter fields a warm start must share with this run, in the order they are compared, and
 # the setting that changes each one here (the rest come from the target's config.json). The
@@ -106,7 +115,8 @@ def read_init_weights(path: Path, config: DrafterConfig) -> InitWeights:
     if kind == "export":
         theirs = _read(lambda: _export_config(path), path)
         check_same_drafter(theirs, config, path=path)
-        tensors = _read(lambda: load_drafter_export(path)[1], path)
+        stored = _read(lambda: read_weights(path / WEIGHTS_NAME), path)
+        tensors = _without_frozen(stored, config, path=path)
     else:
         state = _read(lambda: load_checkpoint(path), path)
         check_same_drafter(_checkpoint_config(state, path), config, path=path)
@@ -138,6 +148,22 @@ def _read(load, path: Path):
         if isinstance(e, SettingsError):
             raise
         raise SettingsError(f"{INIT_VAR}={path}: cannot read it: {e}") from None
+
+
+def _without_frozen(
+    stored: dict[str, torch.Tensor], config: DrafterConfig, *, path: Path
+) -> dict[str, torch.Tensor]:
+    """An export's tensors by flat name (a `model.` prefix removed), the frozen embedding and
+    lm_head checked against the target's shape and dropped (see the module doc)."""
+    tensors = {name.removeprefix("model."): t for name, t in stored.items()}
+    target_shape = (config.vocab_size, config.hidden_size)
+    for name in FROZEN_NAMES:
+        if name in tensors and tuple(tensors[name].shape) != target_shape:
+            raise SettingsError(
+                f"{INIT_VAR}={path}: its frozen {name} has shape {list(tensors[name].shape)}, "
+                f"this run's target {list(target_shape)}: it was trained for another target"
+            )
+    return {name: t for name, t in tensors.items() if name not in FROZEN_NAMES}
 
 
 def _export_config(path: Path) -> DrafterConfig:

@@ -47,7 +47,8 @@ class _DrafterCommon(Section):
     mask_token_id: int | None = Field(None, ge=0)
     """Token id of the masked block positions; empty = chosen from the target's tokenizer."""
     init: str = ""
-    """Warm start from an export (ours or z-lab's) or a training checkpoint folder: weights only,
+    """Warm start from an export (ours, z-lab's, or a DSpark drafter saved by DeepSpec, its frozen
+    embedding and lm_head dropped) or a training checkpoint folder: weights only,
     fresh optimizer and schedule; shapes must match (exit 2); empty = random init; ignored when
     the run resumes its own checkpoint."""
     # described from the table, so that the values listed are those accepted

@@ -256,3 +256,73 @@ def test_a_drafter_differing_in_one_field_is_refused_naming_that_field_and_its_s
     with pytest.raises(SettingsError, match=rf"its drafter has {field}=.*\(see {setting}"):
         check_same_drafter(theirs, ours, path=source / "drafter")
     check_same_drafter(ours, ours, path=source / "drafter")  # the same drafter passes
+
+
+# DeepSpec's checkpoints: `Qwen3DSparkModel.save_pretrained` writes the drafter's tensors under
+# our export's names plus the frozen embedding and lm_head, and a config without dflash_config.
+
+
+def dspark_export(folder: Path) -> Path:
+    """A tiny random DSpark drafter's export (vanilla Markov head, confidence head on it)."""
+    from conftest import TinySpec, randomize_, tiny_config
+
+    from dflash_async.model.kinds.dspark.drafter import DSparkDrafter
+
+    config = replace(tiny_config(TinySpec(block_size=5)), kind="dspark", markov_rank=8)
+    drafter = DSparkDrafter(config)
+    randomize_(drafter, seed=11)
+    return export_drafter(drafter, config, folder)
+
+
+def deepspec_layout(export: Path, folder: Path, **extra: torch.Tensor) -> Path:
+    """The same drafter as DeepSpec saves it: its tensors plus embed_tokens and lm_head of the
+    target's shape (and `extra`), a config with the top-level fields only."""
+    tensors = load_file(str(export / "model.safetensors"))
+    config = json.loads((export / "config.json").read_text())
+    shape = (config["vocab_size"], config["hidden_size"])
+    tensors["embed_tokens.weight"] = torch.ones(shape, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.ones(shape, dtype=torch.bfloat16)
+    tensors |= extra
+    config.pop("dflash_config")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_deepspec_dspark_checkpoint_warm_starts_without_its_frozen_tensors(
+    tmp_path: Path,
+) -> None:
+    from dflash_async.checkpoint.warm import read_init_weights
+    from dflash_async.model.kinds.dspark.drafter import DSparkDrafter
+
+    config, stored = load_drafter_export(dspark_export(tmp_path / "ours"))
+    folder = deepspec_layout(tmp_path / "ours", tmp_path / "deepspec")
+    init = read_init_weights(folder, config)
+    assert init.kind == "export" and init.tensors.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(init.tensors[name], tensor), name
+    DSparkDrafter(config).load_state_dict(init.tensors, strict=True)  # every parameter, no more
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"markov_head.bias": torch.zeros(3)}, "tensor markov_head.bias is not in this run's"),
+        ({"lm_head.weight": torch.zeros(7, 32)}, r"frozen lm_head.weight has shape \[7, 32\]"),
+        (
+            {"confidence_head.proj.weight": torch.zeros(1, 3)},
+            r"tensor confidence_head.proj.weight has shape \[1, 3\]",
+        ),
+    ],
+)
+def test_a_deepspec_checkpoint_with_an_unexpected_tensor_or_shape_is_refused_naming_it(
+    tmp_path: Path, extra: dict[str, torch.Tensor], named: str
+) -> None:
+    from dflash_async.checkpoint.warm import read_init_weights
+
+    config, _ = load_drafter_export(dspark_export(tmp_path / "ours"))
+    extra = {k: v.to(torch.bfloat16) for k, v in extra.items()}
+    folder = deepspec_layout(tmp_path / "ours", tmp_path / "deepspec", **extra)
+    with pytest.raises(SettingsError, match=named):
+        read_init_weights(folder, config)

@@ -254,6 +254,21 @@ BAD_INPUTS = {
         {},
         ["empty.jsonl", "no prompt records"],
     ),
+    "calibrate/missing_drafter": (
+        ["calibrate", "--drafter", "{root}/no_drafter", "--device", "cpu"],
+        {},
+        ["no_drafter"],
+    ),
+    "calibrate/bad_argument": (
+        ["calibrate", "--drafter", "{root}", "--num-prompts", "0"],
+        {},
+        ["--num-prompts"],
+    ),
+    "calibrate/truncated_drafter_weights": (
+        ["calibrate", "--drafter", "{truncated_drafter}", "--device", "cpu"],
+        {},
+        ["truncated_drafter/model.safetensors", "not a readable safetensors file"],
+    ),
     "regenerate/sample_at_temperature_0": (
         [
             "regenerate",

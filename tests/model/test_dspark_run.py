@@ -39,7 +39,9 @@ def _env(inputs, out, prompts, **extra):
 
 @pytest.mark.anyio
 @pytest.mark.timeout(300)
-async def test_a_dspark_run_trains_exports_and_its_export_decodes_and_warm_starts(tmp_path):
+async def test_a_dspark_run_trains_exports_and_its_export_decodes_warm_starts_and_calibrates(
+    tmp_path,
+):
     import anyio
     from structlog.testing import capture_logs
     from test_evaluate_inrun import write_prompts
@@ -87,6 +89,23 @@ async def test_a_dspark_run_trains_exports_and_its_export_decodes_and_warm_start
         assert await pipeline.run(load_settings(warm), get_logger("t")) == 0
     (initialized,) = [e for e in events if e["event"] == "drafter_initialized"]
     assert initialized["kind"] == "export"
+
+    # calibrate: the trained head's temperature, fitted on the prompts, folded into a new export
+    from dflash_async.eval.calibrate_command import build_parser, run_calibrate
+
+    calibrated = tmp_path / "calibrated"
+    options = ["--target", inputs["target"], "--drafter", str(export), "--prompts", str(prompts)]
+    options += ["--out", str(calibrated), "--device", "cpu", "--max-new-tokens", "8"]
+    with capture_logs():
+        fitted = run_calibrate(build_parser().parse_args(options))
+    assert fitted["temperature"] > 0 and fitted["bce_after"] <= fitted["bce_before"]
+    with capture_logs():  # greedy drafts do not read the head: the same tau, its new predictions
+        after = run_eval(
+            inputs["target"], calibrated, prompts, device="cpu", max_new_tokens=8, num_prompts=3
+        )
+    assert after["tau"] == report["tau"]
+    predicted = [[s["predicted"] for s in r["confidence_by_slot"]] for r in (report, after)]
+    assert predicted[0] != predicted[1]
 
 
 def _dspark_step(seed: int):
