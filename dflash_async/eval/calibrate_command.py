@@ -19,8 +19,8 @@ from dflash_async.checkpoint.export import load_drafter_export
 from dflash_async.data.samples import DataError
 from dflash_async.eval import calibration
 from dflash_async.eval.harness import (
-    _DTYPES,
-    _load_fitting_drafter,
+    TARGET_DTYPES,
+    load_fitting_drafter,
     prompts_of,
     read_prompts,
     stop_rules,
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EvalSettings()
     parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens)
     parser.add_argument("--num-prompts", type=positive_int, default=defaults.num_prompts)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
+    parser.add_argument(
+        "--dtype", choices=sorted(TARGET_DTYPES), default="auto", help="of the target"
+    )
     return parser
 
 
@@ -77,9 +79,9 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         records = read_prompts(args.prompts)[: args.num_prompts]
     else:
         records = demo_prompts(args.num_prompts, split="heldout")
-    target = load_target(folder, device=device, dtype=_DTYPES[args.dtype])
+    target = load_target(folder, device=device, dtype=TARGET_DTYPES[args.dtype])
     tokenizer = load_target_tokenizer(folder)
-    drafter, _ = _load_fitting_drafter(args.drafter, target, device, None)
+    drafter, _ = load_fitting_drafter(args.drafter, target, device, None)
     embed, lm_head = frozen_embeddings(target)
     eos, suppress = stop_rules(target, tokenizer)
     with cpu_threads(1 if device.type == "cpu" else None), torch.no_grad():

@@ -78,7 +78,7 @@ from dflash_async.targets.tiny import builtin_cache_dir, demo_prompts, ensure_ti
 from dflash_async.usage import ArgumentParser, UsageError, check_writable_folder, positive_int
 
 # --dtype of the target (the drafter follows it); auto = bf16 on GPU, fp32 on CPU.
-_DTYPES = {
+TARGET_DTYPES = {
     "auto": None,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -361,7 +361,7 @@ def write_results(samples: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return write_jsonl(samples, path)
 
 
-def _load_fitting_drafter(
+def load_fitting_drafter(
     drafter_dir: str | Path, target: PreTrainedModel, device: torch.device, block_size: int | None
 ) -> tuple[DFlashDrafter, DrafterConfig]:
     """load_drafter on `device` in the target's dtype; DataError (one line, naming the folder) if
@@ -419,7 +419,7 @@ def run_eval(
     else:
         target = load_target(folder, device=device, dtype=dtype)
     tokenizer = load_target_tokenizer(folder)
-    drafter, config = _load_fitting_drafter(drafter_dir, target, device, block_size)
+    drafter, config = load_fitting_drafter(drafter_dir, target, device, block_size)
     with cpu_threads(1 if device.type == "cpu" else None):
         report = evaluate(
             target,
@@ -467,7 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="keep the greedy baseline here (default: --results' folder)",
     )
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="auto", help="of the target")
+    parser.add_argument(
+        "--dtype", choices=sorted(TARGET_DTYPES), default="auto", help="of the target"
+    )
     parser.add_argument(
         "--block-size",
         type=positive_int,
@@ -511,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir=builtin_cache_dir(),
             results_path=args.results or None,
             baseline_dir=args.baseline_dir or None,
-            dtype=_DTYPES[args.dtype],
+            dtype=TARGET_DTYPES[args.dtype],
             block_size=args.block_size,
             sampling=opts,
         )
