@@ -40,6 +40,7 @@ from dflash_async.checkpoint.export import export_drafter, load_drafter_export
 from dflash_async.eval.speculative import captured_layers
 from dflash_async.model.attention_rule import dense_rule_mask, sdpa_attend
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import kind_of
 
 HEAD_WEIGHT, HEAD_BIAS = "confidence_head.proj.weight", "confidence_head.proj.bias"
 _BISECTION_STEPS = 200  # halvings of the bracket: far below float64's resolution of s
@@ -55,14 +56,10 @@ class SlotPairs:
 
 
 def check_calibratable(config: DrafterConfig, *, where: str) -> None:
-    """ValueError unless `config` is a DSpark drafter with a confidence head."""
-    if config.kind != "dspark":
-        raise ValueError(
-            f"{where}: a {config.kind} drafter has no confidence head to calibrate "
-            "(only dspark drafters do)"
-        )
-    if not config.confidence_head:
-        raise ValueError(f"{where}: this dspark drafter has no confidence head")
+    """ValueError unless `config`'s drafter carries a confidence head: HEAD_WEIGHT among the
+    tensors its kind declares for it (DSpark's, with the head on)."""
+    if HEAD_WEIGHT not in kind_of(config.kind).weight_shapes(config):
+        raise ValueError(f"{where}: a {config.kind} drafter has no confidence head to calibrate")
 
 
 @torch.no_grad()
