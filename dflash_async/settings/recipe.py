@@ -163,10 +163,11 @@ class _TrainCommon(Section):
     flex_autotune: bool = False
     """Compile flex_attention with max-autotune (searches its block sizes at start-up; GPU)."""
     ce_kernel: Literal["auto", "compiled", "triton"] = "auto"
-    """The CE chunk's elementwise pass: kernels/ce_kernel.py's Triton kernel (DSpark's CE + L1
-    loss: kernels/ce_l1_kernel.py's; GPU only; `auto` picks it on a GPU) or the torch ops,
-    compiled where `compile` is on (same result up to fp32 rounding order). The CPU always runs
-    the plain torch ops."""
+    """The CE chunk's elementwise pass: kernels/ce_kernel.py's Triton kernel (GPU only; `auto`
+    picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
+    rounding order). DSpark's CE + L1 pass has its own Triton kernel, kernels/ce_l1_kernel.py,
+    taken with `triton` only: its `auto` is the compiled closed form until the kernel's GPU test
+    and timing are recorded. The CPU always runs the plain torch ops."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod
