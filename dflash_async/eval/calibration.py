@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dflash_async.checkpoint.export import export_drafter, load_drafter_export
-from dflash_async.eval.speculative import captured_layers
-from dflash_async.model.attention_rule import dense_rule_mask, sdpa_attend
+from dflash_async.eval.teacher_forced import anchor_blocks
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
 
@@ -76,32 +75,23 @@ def slot_pairs(
     """(c_k, a_k, k) for every slot k of the block at every anchor p >= first_anchor whose label
     x[p+k+1] lies inside the sequence; each block sees the target's features of x_{<p} only (the
     training layout, as decoding sees it at p)."""
-    cfg = drafter.config
-    B, L = cfg.block_size, len(sequence)
-    device = embed_weight.device
-    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=device)  # [L]
-    with captured_layers(target, cfg.target_layer_ids) as outputs:
-        target_logits = target(input_ids=ids[None], use_cache=False).logits[0]  # [L, V]
-        features = torch.cat([outputs[i][0] for i in cfg.target_layer_ids], dim=-1)  # [L, k*d]
-    features = features.to(lm_head_weight.device)
-    positions = torch.arange(L, device=device)
-    doc_ids = torch.zeros(L, dtype=torch.long, device=device)  # one document
-    slot = torch.arange(B, device=device)
+    B, L = drafter.config.block_size, len(sequence)
+    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=embed_weight.device)  # [L]
+    slot = torch.arange(B, device=ids.device)
+    target_logits, passes = anchor_blocks(
+        target,
+        drafter,
+        embed_weight,
+        sequence,
+        first_anchor,
+        anchors_per_pass=anchors_per_pass,
+        target_logits=True,
+    )
     found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for start in range(first_anchor, L - 1, anchors_per_pass):
-        anchors = torch.arange(start, min(start + anchors_per_pass, L - 1), device=device)  # [A]
-        valid = torch.ones_like(anchors, dtype=torch.bool)
-        attends = [
-            sdpa_attend(dense_rule_mask(doc_ids, anchors, valid, B, rule=rule))
-            for rule in cfg.attention_rules()
-        ]
-        tokens = torch.where(slot == 0, ids[anchors][:, None], cfg.mask_token_id)  # [A, B]
-        rows = anchors[:, None] + slot  # [A, B]: slot k's prefix ends at p + k, label p + k + 1
-        hidden = drafter(
-            embed_weight[tokens.flatten()], rows.flatten(), features, positions, attends
-        )  # [A*B, d]
-        inside = (rows < L - 1).flatten()  # the label exists
-        h, row = hidden[inside], rows.flatten()[inside]
+    for block in passes:
+        rows = block.anchors[:, None] + slot  # [A, B]: slot k's prefix ends at p + k
+        inside = (rows < L - 1).flatten()  # the label x[p + k + 1] exists
+        h, row = block.hidden.flatten(0, 1)[inside], rows.flatten()[inside]
         previous = ids[row]  # the token before slot k's label: x[p + k]
         draft = drafter.draft_logits(h, previous, lm_head_weight).double().softmax(-1)
         wanted = target_logits[row].double().softmax(-1)

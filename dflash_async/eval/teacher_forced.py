@@ -24,7 +24,7 @@ overstates decoded tau even on sequences the drafter trained on; tau_walk predic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,61 @@ class TeacherForcedTau:
     sequences: int
 
 
+@dataclass(frozen=True)
+class AnchorBlocks:
+    """One pass of anchor_blocks: the anchors [A] and the drafter's hidden states [A, B, d] of
+    their blocks."""
+
+    anchors: torch.Tensor
+    hidden: torch.Tensor
+
+
+@torch.no_grad()
+def anchor_blocks(
+    target: PreTrainedModel,
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,  # [V, d] the target's
+    sequence: Sequence[int],
+    first_anchor: int,
+    *,
+    anchors_per_pass: int = 64,
+    target_logits: bool = False,
+) -> tuple[torch.Tensor | None, Iterator[AnchorBlocks]]:
+    """(the target's logits [L, V] of the sequence if `target_logits`, else None; the passes)
+    over the blocks [x_p, MASK x (B-1)] at every anchor p in [first_anchor, len(sequence) - 1),
+    `anchors_per_pass` at a time, each block seeing the target's features of x_{<p} only (the
+    training layout, DFLASH.md s.2, and what decoding sees at p). One target forward."""
+    cfg = drafter.config
+    B, L = cfg.block_size, len(sequence)
+    device = embed_weight.device
+    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=device)  # [L]
+    keep = {} if target_logits else {"logits_to_keep": 1}
+    with captured_layers(target, cfg.target_layer_ids) as outputs:
+        logits = target(input_ids=ids[None], use_cache=False, **keep).logits[0]
+        features = torch.cat([outputs[i][0] for i in cfg.target_layer_ids], dim=-1)  # [L, k*d]
+    features = features.to(embed_weight.device)
+    positions = torch.arange(L, device=device)
+    doc_ids = torch.zeros(L, dtype=torch.long, device=device)  # one document
+    slot = torch.arange(B, device=device)
+
+    def passes() -> Iterator[AnchorBlocks]:
+        for start in range(first_anchor, L - 1, anchors_per_pass):
+            anchors = torch.arange(start, min(start + anchors_per_pass, L - 1), device=device)
+            valid = torch.ones_like(anchors, dtype=torch.bool)
+            attends = [
+                sdpa_attend(dense_rule_mask(doc_ids, anchors, valid, B, rule=rule))
+                for rule in cfg.attention_rules()
+            ]
+            tokens = torch.where(slot == 0, ids[anchors][:, None], cfg.mask_token_id)  # [A, B]
+            block_positions = (anchors[:, None] + slot).flatten()  # [A*B]: anchor + k
+            hidden = drafter(
+                embed_weight[tokens.flatten()], block_positions, features, positions, attends
+            )
+            yield AnchorBlocks(anchors, hidden.view(anchors.shape[0], B, -1))
+
+    return (logits if target_logits else None), passes()
+
+
 @torch.no_grad()
 def anchor_drafts(
     target: PreTrainedModel,
@@ -58,36 +113,19 @@ def anchor_drafts(
     *,
     anchors_per_pass: int = 64,
 ) -> torch.Tensor:
-    """Drafts [n, drafts_per_block] of the blocks [x_p, MASK x (B-1)] at every anchor p in
-    [first_anchor, len(sequence) - 1), each block seeing the target's features of x_{<p} only
-    (the training layout, DFLASH.md s.2, and what decoding sees at p); the drafter kind's drafts
-    (the unary argmax, or DFlash2's selector walk), as decoding drafts them."""
+    """Drafts [n, drafts_per_block] of the blocks of anchor_blocks at every anchor p in
+    [first_anchor, len(sequence) - 1): the drafter kind's drafts (the unary argmax, or
+    DFlash2's selector walk), as decoding drafts them."""
     cfg = drafter.config
-    B, L = cfg.block_size, len(sequence)
-    device = embed_weight.device
-    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=device)  # [L]
-    with captured_layers(target, cfg.target_layer_ids) as outputs:
-        target(input_ids=ids[None], use_cache=False, logits_to_keep=1)
-        features = torch.cat([outputs[i][0] for i in cfg.target_layer_ids], dim=-1)  # [L, k*d]
-    features = features.to(lm_head_weight.device)
-    positions = torch.arange(L, device=device)
-    doc_ids = torch.zeros(L, dtype=torch.long, device=device)  # one document
-    slot = torch.arange(B, device=device)
-    first = B - cfg.drafts_per_block  # the first slot that drafts (the kind's; DSpark's is 0)
+    ids = torch.as_tensor(list(sequence), dtype=torch.long, device=embed_weight.device)
+    first = cfg.block_size - cfg.drafts_per_block  # the first slot that drafts (DSpark's: 0)
     drafts = [lm_head_weight.new_zeros(0, cfg.drafts_per_block, dtype=torch.long)]
-    for start in range(first_anchor, L - 1, anchors_per_pass):
-        anchors = torch.arange(start, min(start + anchors_per_pass, L - 1), device=device)  # [A]
-        valid = torch.ones_like(anchors, dtype=torch.bool)
-        attends = [
-            sdpa_attend(dense_rule_mask(doc_ids, anchors, valid, B, rule=rule))
-            for rule in cfg.attention_rules()
-        ]
-        tokens = torch.where(slot == 0, ids[anchors][:, None], cfg.mask_token_id)  # [A, B]
-        block_positions = (anchors[:, None] + slot).flatten()  # [A*B]: anchor + k
-        hidden = drafter(
-            embed_weight[tokens.flatten()], block_positions, features, positions, attends
-        ).view(anchors.shape[0], B, -1)
-        drafts.append(draft_tokens(drafter, hidden[:, first:], lm_head_weight, ids[anchors]))
+    _, passes = anchor_blocks(
+        target, drafter, embed_weight, sequence, first_anchor, anchors_per_pass=anchors_per_pass
+    )
+    for block in passes:
+        hidden = block.hidden[:, first:]
+        drafts.append(draft_tokens(drafter, hidden, lm_head_weight, ids[block.anchors]))
     return torch.cat(drafts)
 
 
