@@ -90,10 +90,6 @@ _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state
 _SLOW = "{what} run torch's fallback on the CPU: 3 steps take ~{s} s here (their kernels need CUDA)"
 _INKLING = "its tiny vocabulary underflows the 200058 rows its embedding reserves (512 - 200058)"
 _WIDER = "its layers return 128-wide states, not its config's hidden_size, refused at load"
-_HYPER = (
-    "hyper-connections: its layers return {n} residual streams per token, which the generic path "
-    "refuses at load (the taps need the family's own mix)"
-)
 _TEXT_ONLY_SAVE = (
     "its causal-LM class saves the text config alone (model_type {t}), which no causal-LM class "
     "loads back; a released checkpoint is the multimodal wrapper"
@@ -119,7 +115,6 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
     "deepseek_v32": _MLA,
-    "deepseek_v4": Excluded(_HYPER.format(n=4)),
     "dots3_note": Excluded(
         "its default config's per-layer settings name layers 25-41, which a 2-layer copy "
         "lacks (its language model, dots3_note_text, trains)"
@@ -145,7 +140,6 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "hrm_text": Excluded(
         "a hierarchical recurrent model: two layer stacks run in loops, no list of num_hidden_layers layers"
     ),
-    "hy_v4": Excluded(_HYPER.format(n=4)),
     "inkling2_loop_text": Excluded(_INKLING),
     "inkling2_text": Excluded(_INKLING),
     "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),

@@ -52,6 +52,7 @@ from dflash_async.eval.sampling import Sampler
 from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.targets.families import stream_tap
 from dflash_async.targets.loading import decoder_layers, text_config
 
 
@@ -181,13 +182,18 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
     final-norm'd last hidden state: the same features TargetFeatures gives the trainer), taken
     as it enters the next layer where there is one: what a multimodal wrapper adds between
     layers (Qwen3-VL's deepstack visual features) is in it, as in the multimodal target
-    forward's features (targets/multimodal.py); for every other model the same tensor."""
+    forward's features (targets/multimodal.py); for every other model the same tensor. A type
+    whose layers return several residual streams per token is collapsed by its STREAM_TAPS entry
+    (targets/families.py), as the training forward's hooks do (targets/generic.py)."""
     outputs: dict[int, Any] = {}
     layers = decoder_layers(target)
+    tap = stream_tap(text_config(target))
+    collapse = {i: tap(target, layers, i) for i in layer_ids} if tap is not None else {}
 
     def keep(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            outputs[i] = output[0] if isinstance(output, tuple) else output
+            hidden = output[0] if isinstance(output, tuple) else output
+            outputs[i] = collapse[i](hidden) if i in collapse else hidden
 
         return hook
 
@@ -202,10 +208,10 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
         return hook
 
     handles = [layers[i].register_forward_hook(keep(i)) for i in layer_ids]
-    handles += [
+    handles += [  # the streams entering the next layer are the collapsed output itself
         layers[i + 1].register_forward_pre_hook(entering(i), with_kwargs=True)
         for i in layer_ids
-        if i + 1 < len(layers)
+        if i + 1 < len(layers) and i not in collapse
     ]
     try:
         yield outputs

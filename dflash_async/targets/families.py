@@ -14,6 +14,9 @@ on their language model alone on text data (targets/loading.py): their entry nam
 model_type and repeats its forward, since the forward is chosen by the text config's model_type
 (on image data the wrapper runs whole, per document: targets/multimodal.py).
 
+`STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
+per token (hyper-connections) and how a tap collapses them (targets/hyper_connections.py).
+
 Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
 pieces of its packed forward).
 """
@@ -21,10 +24,12 @@ pieces of its packed forward).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
+
+from torch import nn
 
 from dflash_async.targets.config_readers import (
     SUPPORTED_QUANT_METHODS,
@@ -34,6 +39,7 @@ from dflash_async.targets.config_readers import (
     quant_method_of,
 )
 from dflash_async.targets.generic_config import generic_problem
+from dflash_async.targets.hyper_connections import Collapse, fed_forward_collapse
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
     mla_attention_block,
@@ -269,6 +275,21 @@ GENERIC = Family(
     documents_alone=True,
 )
 GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
+
+
+# model_type -> how a tap turns a layer's output into one hidden-size feature per token, for the
+# generic-path types whose layers return several residual streams per token (hyper-connections:
+# targets/hyper_connections.py); every other type's tap is the layer's output itself. Read by the
+# training forward's hooks (targets/generic.py) and the decoding hooks (eval/speculative.py).
+StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
+STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
+    {"deepseek_v4": fed_forward_collapse, "hy_v4": fed_forward_collapse}
+)
+
+
+def stream_tap(config: Any) -> StreamTap | None:
+    """The STREAM_TAPS entry of `config`'s model_type (a text config), None for the others."""
+    return STREAM_TAPS.get(getattr(config, "model_type", None))
 
 
 def family_of(config: Any) -> Family:

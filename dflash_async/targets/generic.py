@@ -7,7 +7,10 @@ of equal length share one forward, so no row is ever padded or masked), so no at
 padding rule, recurrent or convolution state or router sees anything but the document itself.
 The features are the raw outputs of the tapped decoder layers (forward hooks, as TargetFeatures
 takes them; never HF's `hidden_states`, whose last entry is final-norm'd in many families), and
-the forward stops at the last tapped layer where every layer runs once per forward.
+the forward stops at the last tapped layer where every layer runs once per forward. A type whose
+layers return several residual streams per token (hyper-connections) has each tapped output
+collapsed by its entry in the families table's STREAM_TAPS (targets/hyper_connections.py), as
+the decoding hooks do.
 
 The decoder layers are found without knowing the family (`find_decoder_layers`: the outermost
 `nn.ModuleList` of `num_hidden_layers` modules of one class: `model.layers`, GPT-2's
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
+from dflash_async.targets.families import stream_tap
 from dflash_async.targets.resolve import TargetError
 
 PROBE_TOKENS = 12  # probe length: past any short convolution or local window at tiny size
@@ -110,6 +114,8 @@ class GenericForward:
         self._kwargs = _forward_kwargs(model)
         self._out: torch.Tensor | None = None
         self._calls = [0] * len(layers)
+        tap = stream_tap(_text_config(model))
+        self._taps = {i: tap(model, layers, i) for i in ids} if tap is not None else {}
         self._handles = [
             layer.register_forward_hook(self._hook(index)) for index, layer in enumerate(layers)
         ]
@@ -125,6 +131,8 @@ class GenericForward:
             self._calls[index] += 1
             if slot is not None:
                 hidden = _layer_output(output)
+                if index in self._taps:  # several residual streams: the family's collapse
+                    hidden = self._taps[index](hidden)
                 d = self.hidden_size
                 if not isinstance(hidden, torch.Tensor) or hidden.shape != (
                     *self._out.shape[:2],

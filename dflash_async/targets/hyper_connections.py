@@ -1,0 +1,45 @@
+"""targets/hyper_connections.py owns the taps of hyper-connection targets (DeepSeek-V4, HY-V4): the
+one hidden-size feature per token a tap at layer i gives, from the layer's `hc_mult` residual
+streams [.., hc_mult, D].
+
+The model itself never reads the streams whole: each block collapses them with its `attn_hc`
+module's `pre` weights (computed from the streams alone) into the one [.., D] tensor the block's
+attention reads, and the model collapses the last layer's streams with its `hc_head` before the
+final norm. A tap at layer i is that collapse: the next layer's `attn_hc` collapse of layer i's
+output streams (exactly what the next layer reads), and for the last layer the `hc_head` collapse
+(exactly what the final norm reads), so it is a function of layer i's output alone and is the
+tensor the model feeds forward from it. Taking one stream, or their mean, is neither. The
+serving engines' capture for these families is not checked here.
+
+Both the training forward's hooks (targets/generic.py) and the decoding hooks
+(eval/speculative.py `captured_layers`) apply the same collapse, so the drafter trains and
+decodes on the same tensor. The families table (targets/families.py `STREAM_TAPS`) names
+the model_types that use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+Collapse = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _hc_head(model: nn.Module) -> nn.Module:
+    """The model's final stream collapse (the module named `hc_head`)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "hc_head":
+            return module
+    raise ValueError(f"{type(model).__name__} has no hc_head to collapse its last layer's streams")
+
+
+def fed_forward_collapse(model: nn.Module, layers: nn.ModuleList, index: int) -> Collapse:
+    """Layer `index`'s streams [.., hc_mult, D] -> the [.., D] tensor the model reads from them
+    next (see the module doc): the next layer's `attn_hc` collapse (its last output, in both
+    families), or the `hc_head` collapse after the last layer."""
+    if index + 1 < len(layers):
+        attn_hc = layers[index + 1].attn_hc
+        return lambda streams: attn_hc(streams)[-1]
+    return _hc_head(model)
