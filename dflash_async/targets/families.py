@@ -8,8 +8,8 @@ model_types and every other one the generic path can run (anything else exits 2 
 A Family carries its README label and planned forward, its options for the shared config
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
-block, the hybrid M-RoPE flag), what exact decoding must do with its cache (`Decoding`), and the
-quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
+block, the M-RoPE flag of the dense and hybrid paths), what exact decoding must do with its cache
+(`Decoding`), and the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
 on their language model alone on text data (targets/loading.py): their entry names that model's
 model_type and repeats its forward, since the forward is chosen by the text config's model_type
 (on image data the wrapper runs whole, per document: targets/multimodal.py).
@@ -62,7 +62,6 @@ from dflash_async.targets.packed_window import (
     sandwich_layer,
 )
 from dflash_async.targets.paths import (
-    HF_PLANNED,
     DensePath,
     HybridPath,
     MLAPath,
@@ -155,9 +154,9 @@ _QWEN35 = Family(
 _QWEN35_MOE = dataclasses.replace(_QWEN35, label="Qwen3.5-MoE (hybrid)", planned=_HYBRID_MOE_WORDS)
 _QWEN3_VL_TEXT = Family(
     label="Qwen3-VL language model",
-    planned=HF_PLANNED,
+    planned=_DENSE_WORDS,
     reader=ConfigReader(),
-    forward=NoPackedPath(),
+    forward=DensePath(mrope=True),  # Qwen3's layers; its interleaved M-RoPE takes [3, 1, T]
     decoding=Decoding(),
 )
 _GEMMA3_TEXT = Family(

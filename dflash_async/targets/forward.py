@@ -6,7 +6,8 @@ the pack's fixed layout on the target device in, its features [T, k*d] written i
 rows zero). `lengths` (host numpy) is read only by the HF fallback, which needs the documents'
 extents on the host; the packed paths never look at it.
 
-- `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x (`targets/packed_dense.py`); flex + compile on CUDA,
+- `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x and Qwen3-VL's language model on text data (its
+  M-RoPE given three equal position rows) (`targets/packed_dense.py`); flex + compile on CUDA,
   SDPA in chunks of query rows on the CPU (no [T, T] mask).
 - `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
   eagerly between compiled attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed_mla.py`

@@ -3,7 +3,9 @@
 Input is the fixed drafter layout itself: input_ids [T], position_ids [T] restarting at 0 in every
 document, doc_ids [T] (-1 for padding, padding last). One forward over the whole row, in one shape:
 - positions restart per document, so the rotary embedding (the HF module's own `rotary_emb`) is
-  what each document sees alone;
+  what each document sees alone; a multimodal rotary (`mrope`: Qwen3-VL's, one position row per
+  grid axis t, h, w) gets the 1-D positions as three equal rows [3, 1, T], which is what text
+  tokens have in HF (and then its angles are plain 1-D RoPE's: PackedDenseForward);
 - attention is document-causal: row q sees key k iff doc(k) == doc(q) and k <= q, so nothing
   crosses a document boundary (padding rows only see padding, and come out zero at the end);
 - the decoder layers run up to the last captured one, and each captured layer's output is copied
@@ -316,6 +318,12 @@ class PackedDenseForward(PackedRange):
     data-dependent routing) out of the compiled region and runs it as HF does; for the blocks
     of ROUTED_BLOCKS only the experts call stays out, the norm and router compiled with the
     attention (`attention_and_route`).
+
+    `mrope` (the family's, targets/families.py): the rotary is a multimodal one taking a position
+    row per grid axis (Qwen3-VL's interleaved M-RoPE). Text tokens have the three rows equal (HF
+    expands [B, T] positions so), and then each frequency slot, whichever axis the sections give
+    it, turns by the same angle position * inv_freq: the cos/sin are 1-D RoPE's at those
+    positions, and the deepstack inputs, which apply at image positions only, never arise.
     """
 
     def __init__(
@@ -326,9 +334,11 @@ class PackedDenseForward(PackedRange):
         attention: str,
         compile: bool,
         moe_eager: bool = False,
+        mrope: bool = False,
         layers: range | None = None,
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
+        self._mrope = mrope
         self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
         routed = {type(layer.mlp).__name__ for layer in self._layers.values()} <= ROUTED_BLOCKS
@@ -344,6 +354,13 @@ class PackedDenseForward(PackedRange):
             return document_causal_block_mask(doc_ids)
         return sdpa_mask(doc_ids, rows=self.query_rows)
 
+    def rope_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The rotary's position input for `position_ids` [T]: [3, 1, T], three equal rows, for
+        an mrope; [1, T] otherwise."""
+        if self._mrope:
+            return position_ids[None, None].expand(3, 1, -1)
+        return position_ids[None]
+
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
         """Run this forward's layer range on `hidden` [1, T, d] (None: embed `input_ids`, the
@@ -354,7 +371,7 @@ class PackedDenseForward(PackedRange):
         mask = self.mask(doc_ids)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
-        cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, hd] each
+        cos, sin = self._rotary(hidden, self.rope_positions(position_ids))  # [1, T, hd] each
         for i, layer in self._layers.items():
             if self._routed:
                 hidden, *routing = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)

@@ -34,7 +34,6 @@ from dflash_async.targets.packed_window import (
 
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-HF_PLANNED = "HF padded batches of whole documents (exact; no packed forward yet)"
 
 
 class FeatureForward(Protocol):
@@ -117,9 +116,11 @@ def _packed(forward, name: str, how: str) -> TargetPath:
 @dataclass(frozen=True)
 class DensePath:
     """packed_dense (Qwen3, Qwen2/2.5, Llama) or, with `moe_eager`, packed_moe (Qwen3-MoE: the HF
-    MoE block run eagerly between compiled attention blocks): targets/packed_dense.py."""
+    MoE block run eagerly between compiled attention blocks): targets/packed_dense.py. `mrope`:
+    the family's rotary takes one position row per grid axis (Qwen3-VL's language model)."""
 
     moe_eager: bool = False
+    mrope: bool = False
     needs_cuda = False
 
     @property
@@ -137,6 +138,7 @@ class DensePath:
             attention=attention,
             compile=compile,
             moe_eager=self.moe_eager,
+            mrope=self.mrope,
             layers=layers,
         )
         how = f"{model_type}: {attention} document-causal attention, compile={compile}"

@@ -130,7 +130,7 @@ async def test_run_trains_on_text_data_with_the_same_random_qwen3_vl(folder, tmp
     data = write_pretokenized(tmp_path / "text.jsonl", records=12, vocab=vocab)
     events = await _run(_settings(folder, data, tmp_path / "out"))
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
-    assert chosen and all(e["target_path"] != "hf_multimodal" for e in chosen)
+    assert chosen and all(e["target_path"] == "packed_dense" for e in chosen)
 
 
 def _language_model(model) -> dict[str, torch.Tensor]:
