@@ -145,10 +145,7 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
     "kolibri1_1": dict(head_dim=16, index_num_heads=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    "longcat_flash": Excluded(
-        "each layer holds two attention + MLP sublayers and num_hidden_layers counts sublayers "
-        "(2 x num_layers): no list of layers matches it, refused at load"
-    ),
+    "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),
     "minicpm3": _MLA,
     "mllama": Excluded(_TEXT_ONLY_SAVE.format(t="mllama_text_model")),
