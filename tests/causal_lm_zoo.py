@@ -88,7 +88,9 @@ _MLA = dict(num_key_value_heads=4)  # latent attention: as many KV heads as quer
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16)
 
 _SLOW = "{what} run torch's fallback on the CPU: 3 steps take ~{s} s here (their kernels need CUDA)"
-_INKLING = "its tiny vocabulary underflows the 200058 rows its embedding reserves (512 - 200058)"
+# the unembedding's rows (unpadded_vocab_size) must not exceed the embedding's, which a checkpoint
+# stores it padded to (the default 200058 exceeds the tiny 512): 128 padded rows (966 released)
+_INKLING = dict(vocab_size=VOCAB + 128, unpadded_vocab_size=VOCAB)
 _WIDER = "its layers return 128-wide states, not its config's hidden_size, refused at load"
 _TEXT_ONLY_SAVE = (
     "its causal-LM class saves the text config alone (model_type {t}), which no causal-LM class "
@@ -140,15 +142,12 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "hrm_text": Excluded(
         "a hierarchical recurrent model: two layer stacks run in loops, no list of num_hidden_layers layers"
     ),
-    "inkling2_loop_text": Excluded(_INKLING),
-    "inkling2_text": Excluded(_INKLING),
+    "inkling2_loop_text": _INKLING,
+    "inkling2_text": _INKLING,
     "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
     "kolibri1_1": dict(head_dim=16, index_num_heads=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    "longcat_flash": Excluded(
-        "each layer holds two attention + MLP sublayers and num_hidden_layers counts sublayers "
-        "(2 x num_layers): no list of layers matches it, refused at load"
-    ),
+    "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),
     "minicpm3": _MLA,
     "mllama": Excluded(_TEXT_ONLY_SAVE.format(t="mllama_text_model")),

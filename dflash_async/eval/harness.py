@@ -67,6 +67,7 @@ from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
 from dflash_async.settings import EvalSettings
 from dflash_async.targets import multimodal
+from dflash_async.targets.families import decoder_layer_count
 from dflash_async.targets.loading import (
     default_target_dtype,
     frozen_embeddings,
@@ -118,7 +119,7 @@ def check_drafter_fits_target(config: DrafterConfig, target: PreTrainedModel) ->
     embed, _ = frozen_embeddings(target)
     pairs = {
         "hidden_size": (config.hidden_size, cfg.hidden_size),
-        "num_target_layers": (config.num_target_layers, cfg.num_hidden_layers),
+        "num_target_layers": (config.num_target_layers, decoder_layer_count(cfg)),
         "vocab_size": (config.vocab_size, embed.shape[0]),
     }
     for name, (drafter_value, target_value) in pairs.items():

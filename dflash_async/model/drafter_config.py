@@ -20,6 +20,7 @@ from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.families import (
     attention_head_dim,
     attention_heads,
+    decoder_layer_count,
     dense_mlp_width,
     key_value_heads,
     norm_eps,
@@ -223,7 +224,7 @@ def drafter_config_from_target(
 ) -> DrafterConfig:
     """Derive a drafter config from a target's HF config; `overrides` replace any field."""
     cfg = text_config_of(target_config)  # multimodal wrappers: the language model's
-    num_target_layers = cfg.num_hidden_layers
+    num_target_layers = decoder_layer_count(cfg)  # the layers a tap indexes
     heads = attention_heads(cfg)
     rope_theta = getattr(cfg, "rope_theta", None)
     if rope_theta is None:  # transformers 5 keeps it in rope_parameters

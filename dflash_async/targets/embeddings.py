@@ -4,6 +4,13 @@ A drafter reuses the target's `embed_tokens` and `lm_head` as frozen tensors. It
 just those two tensors from the checkpoint files (a sharded checkpoint's index names the file of
 each), so a drafter on a GPU without a target worker never holds a second copy of the target.
 A generic target's tensor names are its model's own (targets/generic.py).
+
+A target whose unembedding produces fewer tokens than its embedding holds (transformers'
+`unpadded_vocab_size`: Inkling 2 stores its unembedding padded to `vocab_size` and drops the
+padded rows at load) shares an lm_head of the embedding's rows whose padded rows are zero
+(`padded_unembedding`), read so from the checkpoint for training and padded so from the loaded
+model for decoding (targets/loading.py `frozen_embeddings`): the same tensor in both. A padded
+token scores 0 and is never the target's; a draft of one is rejected.
 """
 
 from __future__ import annotations
@@ -62,12 +69,39 @@ def load_frozen_embeddings(
     if not any(n in files for n in EMBED_NAMES):  # a generic target's own names
         from dflash_async.targets.generic import embedding_weights
 
-        return embedding_weights(folder, files, device=device, dtype=dtype)
-    embed = read(EMBED_NAMES)
-    if embed is None:
-        raise TargetError(f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})")
-    lm_head = read(LM_HEAD_NAMES)
-    return embed, embed if lm_head is None else lm_head  # tied embeddings: one tensor
+        embed, lm_head = embedding_weights(folder, files, device=device, dtype=dtype)
+    else:
+        embed = read(EMBED_NAMES)
+        if embed is None:
+            raise TargetError(
+                f"target {folder!r} has no embedding tensor ({' or '.join(EMBED_NAMES)})"
+            )
+        lm_head = read(LM_HEAD_NAMES)
+        lm_head = embed if lm_head is None else lm_head  # tied embeddings: one tensor
+    rows = _output_rows(Path(folder))
+    if lm_head is not embed and rows is not None and rows < embed.shape[0]:
+        lm_head = padded_unembedding(lm_head, output_rows=rows, vocab=embed.shape[0])
+    return embed, lm_head
+
+
+def _output_rows(folder: Path) -> int | None:
+    """The `unpadded_vocab_size` of the target's (text) config.json, None where it has none."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    rows = text.get("unpadded_vocab_size", config.get("unpadded_vocab_size"))
+    return int(rows) if rows is not None else None
+
+
+def padded_unembedding(lm_head: torch.Tensor, *, output_rows: int, vocab: int) -> torch.Tensor:
+    """The lm_head [vocab, d] a drafter shares from a target whose unembedding produces only its
+    first `output_rows` tokens (see the module doc): those rows of `lm_head` (stored padded or
+    not), then zero rows."""
+    padded = lm_head.new_zeros(vocab, lm_head.shape[-1])
+    padded[:output_rows] = lm_head[:output_rows]
+    return padded
 
 
 def load_final_norm(folder: str, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

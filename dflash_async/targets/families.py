@@ -15,7 +15,8 @@ model_type and repeats its forward, since the forward is chosen by the text conf
 (on image data the wrapper runs whole, per document: targets/multimodal.py).
 
 `STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
-per token (hyper-connections) and how a tap collapses them (targets/hyper_connections.py).
+per token (hyper-connections) and how a tap collapses them (targets/hyper_connections.py);
+`LAYER_COUNTS` those whose listed decoder layers are not `num_hidden_layers` many.
 
 Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
 pieces of its packed forward).
@@ -284,6 +285,21 @@ StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
 STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
     {"deepseek_v4": fed_forward_collapse, "hy_v4": fed_forward_collapse}
 )
+
+
+# model_type -> the config field that counts the decoder layers the model lists, for the types
+# whose `num_hidden_layers` counts something else: LongCat-Flash's layers each hold two attention
+# + MLP sublayers and its num_hidden_layers is 2 x num_layers (its model_type's own hidden-state
+# recorder counts num_layers too). A tap index is an index into that list; the drafter's
+# num_target_layers and default taps are read from it (`decoder_layer_count`).
+LAYER_COUNTS: Mapping[str, str] = MappingProxyType({"longcat_flash": "num_layers"})
+
+
+def decoder_layer_count(config: Any) -> int:
+    """How many decoder layers the model of the text config `config` lists (the tap indices
+    0..n-1): its LAYER_COUNTS field, else num_hidden_layers."""
+    field = LAYER_COUNTS.get(getattr(config, "model_type", None), "num_hidden_layers")
+    return int(getattr(config, field))
 
 
 def stream_tap(config: Any) -> StreamTap | None:

@@ -13,7 +13,8 @@ collapsed by its entry in the families table's STREAM_TAPS (targets/hyper_connec
 the decoding hooks do.
 
 The decoder layers are found without knowing the family (`find_decoder_layers`: the outermost
-`nn.ModuleList` of `num_hidden_layers` modules of one class: `model.layers`, GPT-2's
+`nn.ModuleList` of `num_hidden_layers` modules of one class, or as many as the families table's
+`decoder_layer_count` says where that field counts sublayers: `model.layers`, GPT-2's
 `transformer.h`, OPT's `decoder.layers`, MPT's `blocks`...). A probe forward at build checks what
 the hooks rely on (`GenericForward.probe`): each tapped output is [b, n, hidden_size], and the
 model is causal (changing later tokens leaves earlier features alone); a failure is a
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
-from dflash_async.targets.families import stream_tap
+from dflash_async.targets.families import decoder_layer_count, stream_tap
 from dflash_async.targets.resolve import TargetError
 
 PROBE_TOKENS = 12  # probe length: past any short convolution or local window at tiny size
@@ -51,7 +52,8 @@ def _text_config(model: nn.Module) -> Any:
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The decoder layers of `model` (see the module doc), None when no ModuleList fits."""
-    want = getattr(_text_config(model), "num_hidden_layers", None)
+    config = _text_config(model)
+    want = decoder_layer_count(config) if hasattr(config, "num_hidden_layers") else None
     for _, module in model.named_modules():  # outermost first
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
@@ -99,7 +101,7 @@ class GenericForward:
         layers = layers if layers is not None else find_decoder_layers(model)
         if layers is None:
             raise TargetError(
-                f"{type(model).__name__}: no list of {_text_config(model).num_hidden_layers} "
+                f"{type(model).__name__}: no list of {decoder_layer_count(_text_config(model))} "
                 "decoder layers to take hidden states from"
             )
         ids = [int(i) for i in layer_ids]

@@ -36,6 +36,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.targets.config_readers import is_wrapper, text_config_of
+from dflash_async.targets.embeddings import padded_unembedding
 from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.generic import find_decoder_layers
@@ -255,9 +256,18 @@ def text_config(model: PreTrainedModel) -> PretrainedConfig:
 
 
 def frozen_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens weight [V, d], lm_head weight [V, d]); tied embeddings give the same tensor."""
+    """(embed_tokens weight [V, d], lm_head weight [V, d]); tied embeddings give the same tensor.
+    An unembedding of fewer rows (`unpadded_vocab_size`) is given padded with zero rows, as
+    training reads it (targets/embeddings.py); made once per model."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
+    rows = getattr(text_config(model), "unpadded_vocab_size", None)
+    if rows is not None and head.shape[0] == rows < embed.shape[0]:
+        padded = getattr(model, "_padded_unembedding", None)
+        if padded is None or padded.device != head.device or padded.dtype != head.dtype:
+            padded = padded_unembedding(head.detach(), output_rows=rows, vocab=embed.shape[0])
+            model._padded_unembedding = padded
+        head = padded
     if embed.shape != head.shape:
         raise TargetError(
             f"embed_tokens {tuple(embed.shape)} and lm_head {tuple(head.shape)} differ"
