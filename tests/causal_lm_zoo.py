@@ -126,8 +126,8 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "emu3": Excluded(_TEXT_ONLY_SAVE.format(t="emu3_text_model")),
     "falcon_h1": Excluded(_SLOW.format(what="its Mamba2 layers", s=50)),
     "gemma3n": Excluded("its vision tower needs timm, which is not installed"),
-    "gemma3n_text": Excluded(
-        "AltUp: its layers return 4 predictions per token, which the generic path refuses at load"
+    "gemma3n_text": dict(
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=0
     ),
     "gemma4": dict(
         text_config=dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)

@@ -15,7 +15,8 @@ model_type and repeats its forward, since the forward is chosen by the text conf
 (on image data the wrapper runs whole, per document: targets/multimodal.py).
 
 `STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
-per token (hyper-connections) and how a tap collapses them (targets/hyper_connections.py);
+per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
+targets/altup.py);
 `LAYER_COUNTS` those whose listed decoder layers are not `num_hidden_layers` many.
 
 Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
@@ -32,6 +33,7 @@ from typing import Any
 
 from torch import nn
 
+from dflash_async.targets.altup import active_prediction_collapse
 from dflash_async.targets.config_readers import (
     SUPPORTED_QUANT_METHODS,
     ConfigReader,
@@ -278,12 +280,18 @@ GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
 
 
 # model_type -> how a tap turns a layer's output into one hidden-size feature per token, for the
-# generic-path types whose layers return several residual streams per token (hyper-connections:
-# targets/hyper_connections.py); every other type's tap is the layer's output itself. Read by the
-# training forward's hooks (targets/generic.py) and the decoding hooks (eval/speculative.py).
+# generic-path types whose layers return several residual streams per token: hyper-connections
+# (targets/hyper_connections.py) and Gemma 3n's AltUp predictions (targets/altup.py), each
+# collapsed into the tensor the model itself reads from them next. Every other type's tap is the
+# layer's output itself. Read by the training forward's hooks (targets/generic.py) and the
+# decoding hooks (eval/speculative.py).
 StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
 STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
-    {"deepseek_v4": fed_forward_collapse, "hy_v4": fed_forward_collapse}
+    {
+        "deepseek_v4": fed_forward_collapse,
+        "hy_v4": fed_forward_collapse,
+        "gemma3n_text": active_prediction_collapse,
+    }
 )
 
 
