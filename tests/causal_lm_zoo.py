@@ -117,9 +117,12 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
     "deepseek_v32": _MLA,
-    "dots3_note": Excluded(
-        "its default config's per-layer settings name layers 25-41, which a 2-layer copy "
-        "lacks (its language model, dots3_note_text, trains)"
+    # its vision tower's default MoE schedule (per-layer settings) names 42 layers: one dense
+    # layer here; both towers' adapters must match the tiny widths
+    "dots3_note": dict(
+        vision_config=dict(pyramid_num_routed=[-1], adapter_in_dim=32, adapter_out_dim=32),
+        audio_config=dict(adapter_input_size=32, adapter_out_dim=32),
+        text_config=dict(num_key_value_heads=4),
     ),
     "dots3_note_text": dict(num_key_value_heads=4),
     "electra": dict(embedding_size=32),  # the drafter shares embeddings of hidden width
