@@ -91,7 +91,6 @@ _SLOW = "{what} run torch's fallback on the CPU: 3 steps take ~{s} s here (their
 # the unembedding's rows (unpadded_vocab_size) must not exceed the embedding's, which a checkpoint
 # stores it padded to (the default 200058 exceeds the tiny 512): 128 padded rows (966 released)
 _INKLING = dict(vocab_size=VOCAB + 128, unpadded_vocab_size=VOCAB)
-_WIDER = "its layers return 128-wide states, not its config's hidden_size, refused at load"
 _TEXT_ONLY_SAVE = (
     "its causal-LM class saves the text config alone (model_type {t}), which no causal-LM class "
     "loads back; a released checkpoint is the multimodal wrapper"
@@ -158,8 +157,6 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "musicgen_melody": Excluded(
         "a text-to-audio model: its decoder reads several codebooks per step"
     ),
-    "qwen4_exp": Excluded(_WIDER),
-    "qwen4_exp_text": Excluded(_WIDER),
     "reformer": Excluded(
         "LSH and axial-position attention: inputs must be padded to its chunk length, so a layer sees the padding"
     ),

@@ -42,7 +42,11 @@ from dflash_async.targets.config_readers import (
     quant_method_of,
 )
 from dflash_async.targets.generic_config import generic_problem
-from dflash_async.targets.hyper_connections import Collapse, fed_forward_collapse
+from dflash_async.targets.hyper_connections import (
+    Collapse,
+    fed_forward_collapse,
+    gated_residual_collapse,
+)
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
     mla_attention_block,
@@ -290,6 +294,7 @@ STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
     {
         "deepseek_v4": fed_forward_collapse,
         "hy_v4": fed_forward_collapse,
+        "qwen4_exp_text": gated_residual_collapse,
         "gemma3n_text": active_prediction_collapse,
     }
 )

@@ -1,6 +1,7 @@
-"""targets/hyper_connections.py owns the taps of hyper-connection targets (DeepSeek-V4, HY-V4): the
-one hidden-size feature per token a tap at layer i gives, from the layer's `hc_mult` residual
-streams [.., hc_mult, D].
+"""targets/hyper_connections.py owns the taps of hyper-connection targets (DeepSeek-V4, HY-V4,
+Qwen4-Exp): the one hidden-size feature per token a tap at layer i gives, from the layer's `hc_mult`
+residual streams [.., hc_mult, D] (Qwen4-Exp: `hc_count` streams flattened, [.., hc_count * D],
+collapsed alike by its own modules: `gated_residual_collapse`).
 
 The model itself never reads the streams whole: each block collapses them with its `attn_hc`
 module's `pre` weights (computed from the streams alone) into the one [.., D] tensor the block's
@@ -43,3 +44,24 @@ def fed_forward_collapse(model: nn.Module, layers: nn.ModuleList, index: int) ->
         attn_hc = layers[index + 1].attn_hc
         return lambda streams: attn_hc(streams)[-1]
     return _hc_head(model)
+
+
+def _named(model: nn.Module, name: str) -> nn.Module:
+    """The model's module named `name` (the last part of its dotted name)."""
+    for full, module in model.named_modules():
+        if full.rsplit(".", 1)[-1] == name:
+            return module
+    raise ValueError(f"{type(model).__name__} has no {name} to collapse its last layer's streams")
+
+
+def gated_residual_collapse(model: nn.Module, layers: nn.ModuleList, index: int) -> Collapse:
+    """Qwen4-Exp's layer `index` output, its `hc_count` streams flattened [.., hc_count * D] ->
+    the [.., D] tensor the model reads from them next: the next layer's `attn_hyper_connection`
+    mix (its first output), or after the last layer the `hyper_connection_mixer` mix the
+    lm_head reads. A next layer with a per-layer n-gram embedding (`ple`, on the layers
+    `ple_layer_ids` names) adds it to the streams before mixing; that addition reads the token
+    ids, not the streams, so the tap mixes the streams alone (the default config has none)."""
+    if index + 1 < len(layers):
+        mix = layers[index + 1].attn_hyper_connection
+        return lambda streams: mix(streams)[0]
+    return _named(model, "hyper_connection_mixer")

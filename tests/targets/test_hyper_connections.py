@@ -1,11 +1,12 @@
-"""Hyper-connection targets (DeepSeek-V4, HY-V4): a tap is the collapse the model itself feeds
-forward, the same tensor in training and in decoding, and decoding stays lossless.
+"""Hyper-connection targets (DeepSeek-V4, HY-V4, Qwen4-Exp): a tap is the collapse the model
+itself feeds forward, the same tensor in training and in decoding, and decoding stays lossless.
 
 Tiny random targets of transformers' own classes (tests/causal_lm_zoo.py's tiny configs: 2
-layers, hidden 32, 4 residual streams). The reference is read inside transformers' forward: the
-input of layer 1's `input_layernorm` (what layer 1's attention reads, collapsed from layer 0's
-output streams by layer 1's `attn_hc`) and the input of the final norm (the last layer's streams
-collapsed by `hc_head`). Mutants (one stream, the mean of the streams) must miss it.
+layers, hidden 32, 4 residual streams). The reference is read inside transformers' forward: what
+layer 1's attention reads (collapsed from layer 0's output streams by layer 1's `attn_hc`, or
+Qwen4-Exp's `attn_hyper_connection`) and what follows the last layer reads (the final norm's
+input, collapsed by `hc_head`; Qwen4-Exp: the lm_head's, by `hyper_connection_mixer`). Mutants
+(one stream, the mean of the streams) must miss it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,19 @@ from dflash_async.targets.loading import decoder_layers, frozen_embeddings, rand
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-KINDS = ("deepseek_v4", "hy_v4")
+# model_type -> (the module of layer 1 whose input is what it reads from layer 0's streams, the
+# module after the last layer whose input is what the model reads from its streams)
+READERS = {
+    "deepseek_v4": (lambda layer: layer.input_layernorm, lambda model: model.model.norm),
+    "hy_v4": (lambda layer: layer.input_layernorm, lambda model: model.model.norm),
+    "qwen4_exp_text": (
+        lambda layer: getattr(layer, "linear_attn", None) or layer.self_attn,
+        lambda model: model.lm_head,
+    ),
+}
+KINDS = tuple(READERS)
+HIDDEN = 32
+STREAMS = 4
 LAYERS = (0, 1)  # layer 0: the next layer's attn_hc collapse; layer 1 (the last): hc_head's
 TOKENS = 12
 MAX_NEW = 16
@@ -49,9 +62,21 @@ def target(request):
     has, make the streams and their weights differ per token."""
     model = random_target(tiny_config(request.param), seed=0)
     for seed, (name, module) in enumerate(model.named_modules()):
-        if name.rsplit(".", 1)[-1] in ("attn_hc", "ffn_hc", "hc_head"):
+        if name.rsplit(".", 1)[-1] in (
+            "attn_hc",
+            "ffn_hc",
+            "hc_head",
+            "attn_hyper_connection",
+            "mlp_hyper_connection",
+            "hyper_connection_mixer",
+        ):
             randomize_(module, seed)
     return model
+
+
+def _split(streams: torch.Tensor) -> torch.Tensor:
+    """Streams [.., STREAMS, D] as they come, or Qwen4-Exp's flattened [.., STREAMS * D] split."""
+    return streams if streams.shape[-1] == HIDDEN else streams.unflatten(-1, (STREAMS, HIDDEN))
 
 
 def _ids() -> torch.Tensor:
@@ -66,9 +91,10 @@ def _reference(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     def keep(name):
         return lambda module, args: seen.__setitem__(name, args[0].detach().clone())
 
+    layer_reader, final_reader = READERS[target.config.model_type]
     handles = [
-        layers[1].input_layernorm.register_forward_pre_hook(keep("layer 1 reads")),
-        target.model.norm.register_forward_pre_hook(keep("final norm reads")),
+        layer_reader(layers[1]).register_forward_pre_hook(keep("layer 1 reads")),
+        final_reader(target).register_forward_pre_hook(keep("final norm reads")),
     ]
     try:
         with torch.no_grad():
@@ -105,7 +131,7 @@ def test_the_decoding_tap_is_the_training_tap(target):
 
 @pytest.mark.parametrize(
     "mutant",
-    [lambda streams: streams[..., 0, :], lambda streams: streams.mean(dim=-2)],
+    [lambda streams: _split(streams)[..., 0, :], lambda streams: _split(streams).mean(dim=-2)],
     ids=["stream 0", "mean of streams"],
 )
 def test_a_tap_that_does_not_collapse_as_the_model_does_is_caught(target, mutant, monkeypatch):
@@ -164,7 +190,7 @@ class _Oracle:
         self.sequence, self.block_size, self.correct = sequence, block_size, correct
 
     def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        assert features.shape[-1] == 2 * 32  # two taps of the tiny hidden size, collapsed
+        assert features.shape[-1] == 2 * HIDDEN  # two taps of the tiny hidden size, collapsed
 
     def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
         truth = self.sequence[anchor_position + 1 : anchor_position + self.block_size]
