@@ -4,7 +4,9 @@ The list is transformers' own (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), read when c
 written here. Each config is built from its class with the common tiny shape (`COMMON`: hidden 32,
 2 layers, a 512-token vocabulary) where the class takes those fields, then the type's own fix-ups
 from `FIXUPS`, the one table of per-type exceptions: extra fields a type needs at tiny size, or
-`Excluded(reason)` for a type that cannot train here.
+`Excluded(reason)` for a type that cannot train here. A type whose causal-LM class is its text
+model alone, saved as a text config no causal-LM class loads back (Emu3, Mllama), is saved as its
+multimodal wrapper, as its released checkpoints are.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 VOCAB = 512
@@ -91,10 +93,6 @@ _SLOW = "{what} run torch's fallback on the CPU: 3 steps take ~{s} s here (their
 # the unembedding's rows (unpadded_vocab_size) must not exceed the embedding's, which a checkpoint
 # stores it padded to (the default 200058 exceeds the tiny 512): 128 padded rows (966 released)
 _INKLING = dict(vocab_size=VOCAB + 128, unpadded_vocab_size=VOCAB)
-_TEXT_ONLY_SAVE = (
-    "its causal-LM class saves the text config alone (model_type {t}), which no causal-LM class "
-    "loads back; a released checkpoint is the multimodal wrapper"
-)
 # model_type -> its fix-ups at tiny size, or why it is not trained here.
 FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "axk1": _MLA,
@@ -125,7 +123,7 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     ),
     "dots3_note_text": dict(num_key_value_heads=4),
     "electra": dict(embedding_size=32),  # the drafter shares embeddings of hidden width
-    "emu3": Excluded(_TEXT_ONLY_SAVE.format(t="emu3_text_model")),
+    "emu3": dict(vocabulary_map={}),  # its wrapper maps image tokens to text ids: none here
     "falcon_h1": Excluded(_SLOW.format(what="its Mamba2 layers", s=50)),
     "gemma3n": Excluded("its vision tower needs timm, which is not installed"),
     "gemma3n_text": dict(
@@ -152,7 +150,6 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),
     "minicpm3": _MLA,
-    "mllama": Excluded(_TEXT_ONLY_SAVE.format(t="mllama_text_model")),
     "musicgen": Excluded("a text-to-audio model: its decoder reads several codebooks per step"),
     "musicgen_melody": Excluded(
         "a text-to-audio model: its decoder reads several codebooks per step"
@@ -222,12 +219,26 @@ def save_tiny(folder: Path, model_type: str) -> tuple[Path, Any]:
 
     config = tiny_config(model_type)
     with torch.device("meta"):  # sized before any memory is spent on it
-        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    size = sum(p.numel() for p in model.parameters())
     if size > MAX_PARAMETERS:
         raise AssertionError(f"the tiny {model_type} has {size} parameters: add a fix-up")
-    save_random_target(folder, config, 0)
+    if model.config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        save_random_target(folder, config, 0)
+    else:  # its causal-LM class saves its text config alone, which no causal-LM class loads back
+        _save_wrapper(folder, config)
     tiny_tokenizer().save_pretrained(folder)
     return folder, config
+
+
+def _save_wrapper(folder: Path, config: Any) -> None:
+    """A random multimodal wrapper of `config` (transformers' image-text-to-text class), as a
+    released checkpoint of a type whose causal-LM class is its text model alone (Emu3, Mllama)
+    is; the product loads its language model from it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(folder)
 
 
 def zoo_table() -> dict[str, tuple[str, str]]:
