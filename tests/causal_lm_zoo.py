@@ -126,8 +126,13 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "emu3": dict(vocabulary_map={}),  # its wrapper maps image tokens to text ids: none here
     "falcon_h1": Excluded(_SLOW.format(what="its Mamba2 layers", s=50)),
     "gemma3n": Excluded("its vision tower needs timm, which is not installed"),
+    # its default shares the KV of the last 15 layers: the last of 2 here (the layer it reads
+    # from must be of its type)
     "gemma3n_text": dict(
-        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=0
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=1,
+        layer_types=["sliding_attention"] * 2,
     ),
     "gemma4": dict(
         text_config=dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
