@@ -17,19 +17,17 @@ import pytest
 import torch
 from causal_lm_zoo import VOCAB, tiny_config
 from conftest import randomize_
+from tap_kit import (
+    assert_a_random_drafter_decodes_greedily,
+    assert_partly_right_drafts_stay_greedy,
+    generic_features,
+)
 
-from dflash_async.eval.lossless import GreedyResult, check_lossless
 from dflash_async.eval.speculative import (
     captured_layers,
-    greedy_generate,
-    speculative_decode,
-    speculative_generate,
 )
-from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.targets import families
-from dflash_async.targets.generic import GenericForward
-from dflash_async.targets.loading import decoder_layers, frozen_embeddings, random_target
+from dflash_async.targets.loading import decoder_layers, random_target
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -89,11 +87,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_the_training_tap_is_what_the_model_feeds_forward_from_each_layer(target):
     ids = _ids()
     want = torch.cat(_reference(target, ids), dim=-1)
-    forward = GenericForward(target, LAYERS, max_batch_tokens=64)
-    try:
-        got = forward.features(ids)
-    finally:
-        forward.close()
+    got = generic_features(target, LAYERS, ids)
     assert got.shape == (1, TOKENS, 2 * target.config.hidden_size)
     assert _close(got, want)
 
@@ -117,78 +111,17 @@ def test_a_tap_that_does_not_collapse_as_the_model_does_is_caught(target, mutant
     monkeypatch.setattr(families, "STREAM_TAPS", wrong)
     ids = _ids()
     want = torch.cat(_reference(target, ids), dim=-1)
-    forward = GenericForward(target, LAYERS, max_batch_tokens=64)
-    try:
-        got = forward.features(ids)
-    finally:
-        forward.close()
+    got = generic_features(target, LAYERS, ids)
     assert (got - want).abs().max() > 100 * RTOL * want.abs().max()
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in (3, 9)]
 
 
 def test_speculative_decoding_with_a_random_drafter_is_greedy(target):
     """A random drafter reads the tapped features (k * hidden wide) at every step; decoding by
     recomputation must give greedy's tokens."""
-    config = drafter_config_from_target(
-        target.config,
-        num_hidden_layers=1,
-        num_features=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        target_layer_ids=LAYERS,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(config).eval().requires_grad_(False)
-    embed, lm_head = frozen_embeddings(target)
-    for prompt in _prompts():
-        plain = greedy_generate(target, prompt, MAX_NEW, None)
-        spec = speculative_generate(
-            target,
-            drafter,
-            config,
-            embed,
-            lm_head,
-            prompt,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=None,
-        )
-        assert spec.tokens == plain.tokens and len(spec.tokens) == MAX_NEW
-
-
-class _Oracle:
-    """Knows the greedy continuation; right for the first `correct` slots of every block."""
-
-    def __init__(self, sequence: list[int], block_size: int, correct: int) -> None:
-        self.sequence, self.block_size, self.correct = sequence, block_size, correct
-
-    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        assert features.shape[-1] == 2 * 32  # two taps of the tiny hidden size, collapsed
-
-    def draft(self, anchor_token: int, anchor_position: int) -> torch.Tensor:
-        truth = self.sequence[anchor_position + 1 : anchor_position + self.block_size]
-        truth += [0] * (self.block_size - 1 - len(truth))
-        return torch.tensor(
-            [t if k < self.correct else (t + 1) % VOCAB for k, t in enumerate(truth)]
-        )
+    assert_a_random_drafter_decodes_greedily(target, LAYERS, max_new=MAX_NEW)
 
 
 @pytest.mark.parametrize("correct", [0, 2])
 def test_partly_right_drafts_commit_their_prefix_and_stay_greedy(target, correct):
     """fp32 on CPU, one kernel path (recomputation): exact; 1e-4 is check_lossless's tie margin."""
-    block_size = 4
-    for i, prompt in enumerate(_prompts()):
-        plain = greedy_generate(target, prompt, MAX_NEW + block_size, None)
-        oracle = _Oracle(prompt + plain.tokens, block_size, correct)
-        spec = speculative_decode(
-            target, oracle, prompt, layer_ids=LAYERS, max_new_tokens=MAX_NEW, eos_token_id=None
-        )
-        cut = GreedyResult(
-            plain.tokens[:MAX_NEW], plain.runner_up[:MAX_NEW], plain.margins[:MAX_NEW]
-        )
-        assert check_lossless(i, cut, spec, tolerance=1e-4) is None
-        assert spec.accepted_lengths[:-1] == [correct + 1] * (len(spec.accepted_lengths) - 1)
+    assert_partly_right_drafts_stay_greedy(target, LAYERS, correct, max_new=MAX_NEW)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from causal_lm_zoo import VOCAB, save_tiny
+from causal_lm_zoo import save_tiny
+from tap_kit import (
+    assert_a_random_drafter_decodes_greedily,
+)
 
-from dflash_async.eval.speculative import greedy_generate, speculative_generate
-from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.targets.embeddings import load_frozen_embeddings
 from dflash_async.targets.loading import frozen_embeddings, load_target
 
@@ -67,30 +67,4 @@ def test_speculative_decoding_with_a_random_drafter_is_greedy(saved):
     """A random drafter may draft a padded token (score 0): the target rejects it; decoding by
     recomputation must give greedy's tokens."""
     _, target = saved
-    config = drafter_config_from_target(
-        target.config,
-        num_hidden_layers=1,
-        num_features=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        target_layer_ids=(0, 1),
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(config).eval().requires_grad_(False)
-    embed, lm_head = frozen_embeddings(target)
-    gen = torch.Generator().manual_seed(1)
-    for n in (3, 9):
-        prompt = torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist()
-        plain = greedy_generate(target, prompt, MAX_NEW, None)
-        spec = speculative_generate(
-            target,
-            drafter,
-            config,
-            embed,
-            lm_head,
-            prompt,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=None,
-        )
-        assert spec.tokens == plain.tokens and len(spec.tokens) == MAX_NEW
+    assert_a_random_drafter_decodes_greedily(target, (0, 1), max_new=MAX_NEW)

@@ -15,13 +15,16 @@ from types import MappingProxyType
 import pytest
 import torch
 from causal_lm_zoo import VOCAB, tiny_config
+from tap_kit import (
+    assert_a_random_drafter_decodes_greedily,
+    generic_features,
+)
 
-from dflash_async.eval.speculative import captured_layers, greedy_generate, speculative_generate
-from dflash_async.model.drafter import DFlashDrafter
+from dflash_async.eval.speculative import captured_layers
 from dflash_async.model.drafter_config import drafter_config_from_target
 from dflash_async.targets import families
 from dflash_async.targets.generic import GenericForward
-from dflash_async.targets.loading import decoder_layers, frozen_embeddings, random_target
+from dflash_async.targets.loading import decoder_layers, random_target
 from dflash_async.targets.resolve import TargetError
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -85,11 +88,7 @@ def test_without_its_layer_count_entry_the_target_is_refused_at_load(target, mon
 def test_the_training_tap_is_each_listed_layers_output(target):
     ids = _ids()
     want = torch.cat(_reference(target, ids), dim=-1)
-    forward = GenericForward(target, LAYERS, max_batch_tokens=64)
-    try:
-        got = forward.features(ids)
-    finally:
-        forward.close()
+    got = generic_features(target, LAYERS, ids)
     assert got.shape == (1, TOKENS, 2 * target.config.hidden_size)
     assert _close(got, want)
 
@@ -105,30 +104,4 @@ def test_the_decoding_tap_is_the_training_tap(target):
 def test_speculative_decoding_with_a_random_drafter_is_greedy(target):
     """A random drafter reads the tapped features at every step; decoding by recomputation
     (the generic family's) must give greedy's tokens."""
-    config = drafter_config_from_target(
-        target.config,
-        num_hidden_layers=1,
-        num_features=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        target_layer_ids=LAYERS,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(config).eval().requires_grad_(False)
-    embed, lm_head = frozen_embeddings(target)
-    gen = torch.Generator().manual_seed(1)
-    for n in (3, 9):
-        prompt = torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist()
-        plain = greedy_generate(target, prompt, MAX_NEW, None)
-        spec = speculative_generate(
-            target,
-            drafter,
-            config,
-            embed,
-            lm_head,
-            prompt,
-            max_new_tokens=MAX_NEW,
-            eos_token_id=None,
-        )
-        assert spec.tokens == plain.tokens and len(spec.tokens) == MAX_NEW
+    assert_a_random_drafter_decodes_greedily(target, LAYERS, max_new=MAX_NEW)
