@@ -53,6 +53,7 @@ from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_d
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.targets.families import stream_tap
+from dflash_async.targets.generic import layer_input, layer_output
 from dflash_async.targets.loading import decoder_layers, text_config
 
 
@@ -192,7 +193,7 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
 
     def keep(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = layer_output(output)
             outputs[i] = collapse[i](hidden) if i in collapse else hidden
 
         return hook
@@ -201,7 +202,7 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
 
     def entering(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = args[0] if args else kwargs.get("hidden_states")
+            hidden = layer_input(args, kwargs)
             if isinstance(hidden, torch.Tensor) and hidden.shape[-1] == width:
                 outputs[i] = hidden
 

@@ -64,13 +64,18 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-def _layer_output(output: Any) -> Any:
+def layer_output(output: Any) -> Any:
     """A layer's hidden states: the output, or the first item of a tuple, list or ModelOutput."""
     if isinstance(output, tuple | list):
         return output[0]
     if isinstance(output, dict):
         return next(iter(output.values()))
     return output
+
+
+def layer_input(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a layer is called with (a forward pre-hook's args and kwargs)."""
+    return args[0] if args else kwargs.get("hidden_states")
 
 
 def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
@@ -132,7 +137,7 @@ class GenericForward:
                 return
             self._calls[index] += 1
             if slot is not None:
-                hidden = _layer_output(output)
+                hidden = layer_output(output)
                 if index in self._taps:  # several residual streams: the family's collapse
                     hidden = self._taps[index](hidden)
                 d = self.hidden_size

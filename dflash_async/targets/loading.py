@@ -39,7 +39,7 @@ from dflash_async.targets.config_readers import is_wrapper, text_config_of
 from dflash_async.targets.embeddings import padded_unembedding
 from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
-from dflash_async.targets.generic import find_decoder_layers
+from dflash_async.targets.generic import find_decoder_layers, layer_output
 from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.quantized import (
     WeightFormat,
@@ -275,11 +275,6 @@ def frozen_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tenso
     return embed, head
 
 
-def _layer_output(output: Any) -> torch.Tensor:
-    """Decoder layers return the hidden states, or a tuple starting with them (older versions)."""
-    return output[0] if isinstance(output, tuple) else output
-
-
 class TargetFeatures:
     """Captures the outputs of `layer_ids` and stops the forward after the last of them.
 
@@ -309,7 +304,7 @@ class TargetFeatures:
         if self._out is None:  # the model is used for something else (e.g. decoding): let it run
             return
         d = self.hidden_size
-        self._out[..., slot * d : (slot + 1) * d].copy_(_layer_output(output))
+        self._out[..., slot * d : (slot + 1) * d].copy_(layer_output(output))
         if stop:
             raise _EarlyExit
 

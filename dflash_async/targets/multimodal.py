@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
-from dflash_async.targets.generic import GenericForward, find_decoder_layers
+from dflash_async.targets.generic import GenericForward, find_decoder_layers, layer_input
 from dflash_async.targets.loading import NON_TEXT_PARTS
 from dflash_async.targets.paths import TargetPath
 from dflash_async.targets.resolve import TargetError
@@ -76,16 +76,10 @@ class MultimodalForward:
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             out = self.generic._out
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if (
-                out is not None
-                and isinstance(hidden, torch.Tensor)
-                and hidden.shape
-                == (
-                    *out.shape[:2],
-                    d,
-                )
-            ):
+            hidden = layer_input(args, kwargs)
+            if out is None or not isinstance(hidden, torch.Tensor):
+                return
+            if hidden.shape == (*out.shape[:2], d):
                 out[..., slot * d : (slot + 1) * d].copy_(hidden)
 
         return hook
