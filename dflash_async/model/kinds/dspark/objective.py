@@ -226,6 +226,10 @@ class DSparkObjective(DFlashObjective):
     """DSpark's loss on a DSpark drafter (see the module doc); returns StepSums whose ce_sum is
     the weighted sum of the three terms."""
 
+    # the CE + L1 Triton kernel's GPU test (tests/kernels/test_ce_l1_kernel_gpu.py) and timing
+    # are not recorded yet: `auto` takes the compiled closed form on every device
+    auto_ce_triton = False
+
     def __init__(
         self,
         config: ObjectiveConfig,
@@ -244,12 +248,8 @@ class DSparkObjective(DFlashObjective):
             config.block_size, config.gamma, device=self.lm_head_weight.device
         )
         # the chunk pass as the ce_kernel setting chose it: kernels/ce_l1_kernel.py's Triton
-        # kernel with `triton` only, else the closed form (compiled where the step is). `auto`
-        # is the closed form on every device: the kernel's GPU test
-        # (tests/kernels/test_ce_l1_kernel_gpu.py) and its timing are not recorded yet. The
-        # drafter_kernels_chosen line logs which
-        if config.ce_kernel == "auto":
-            self.ce_kernel = "compiled"
+        # kernel with `triton` only (auto_ce_triton), else the closed form (compiled where the
+        # step is); the drafter_kernels_chosen line logs which
         self.rows = self.ce_pass(
             reference=ce_l1_and_grad_from_logits,
             triton="ce_l1_and_grad_triton",
