@@ -20,6 +20,7 @@ from dflash_async.data.samples import DataError
 from dflash_async.eval import calibration
 from dflash_async.eval.harness import (
     TARGET_DTYPES,
+    add_decoding_arguments,
     load_fitting_drafter,
     prompts_of,
     read_prompts,
@@ -28,10 +29,9 @@ from dflash_async.eval.harness import (
 from dflash_async.eval.regenerate import cpu_threads
 from dflash_async.eval.speculative import greedy_generate
 from dflash_async.log import get_logger, progress
-from dflash_async.settings import EvalSettings
 from dflash_async.targets.loading import frozen_embeddings, load_target, load_target_tokenizer
 from dflash_async.targets.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
-from dflash_async.usage import ArgumentParser, check_writable_folder, positive_int
+from dflash_async.usage import ArgumentParser, check_writable_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,22 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fit a DSpark drafter's confidence-head temperature on held-out prompts and "
         "fold it into the export's confidence head (the format is unchanged).",
     )
-    parser.add_argument("--target", default="", help="local HF model folder; empty = tiny demo")
-    parser.add_argument("--drafter", required=True, help="DSpark drafter export folder")
-    parser.add_argument(
-        "--prompts",
-        default="",
-        help="held-out prompts, as eval reads them; empty = the demo's held-out prompts",
-    )
+    add_decoding_arguments(parser, drafter_help="DSpark drafter export folder")
     parser.add_argument(
         "--out", default="", help="write the calibrated export here (default: over --drafter)"
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    defaults = EvalSettings()
-    parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens)
-    parser.add_argument("--num-prompts", type=positive_int, default=defaults.num_prompts)
-    parser.add_argument(
-        "--dtype", choices=sorted(TARGET_DTYPES), default="auto", help="of the target"
     )
     return parser
 

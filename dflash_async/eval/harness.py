@@ -443,14 +443,12 @@ def run_eval(
     return report
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `python -m dflash_async eval` (see main)."""
-    parser = ArgumentParser(  # one-line argument errors (usage.py)
-        prog="python -m dflash_async eval",
-        description="Acceptance length (tau) of a drafter export by speculative decoding.",
-    )
+def add_decoding_arguments(parser: argparse.ArgumentParser, *, drafter_help: str) -> EvalSettings:
+    """The options every command that decodes held-out prompts with a drafter export takes (eval,
+    calibrate): target, drafter, prompts, device, tokens per prompt, prompts, target dtype.
+    Returns the in-run evaluation's defaults (DFLASH_EVAL__*), which they start from."""
     parser.add_argument("--target", default="", help="local HF model folder; empty = tiny demo")
-    parser.add_argument("--drafter", required=True, help="drafter export folder")
+    parser.add_argument("--drafter", required=True, help=drafter_help)
     parser.add_argument(
         "--prompts",
         default="",
@@ -458,18 +456,28 @@ def build_parser() -> argparse.ArgumentParser:
         "as jsonl, json or parquet (docs/evaluation.md); empty = the demo's held-out prompts",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    defaults = EvalSettings()  # the in-run evaluation's defaults (DFLASH_EVAL__*)
+    defaults = EvalSettings()
     parser.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens)
     parser.add_argument("--num-prompts", type=positive_int, default=defaults.num_prompts)
+    parser.add_argument(
+        "--dtype", choices=sorted(TARGET_DTYPES), default="auto", help="of the target"
+    )
+    return defaults
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `python -m dflash_async eval` (see main)."""
+    parser = ArgumentParser(  # one-line argument errors (usage.py)
+        prog="python -m dflash_async eval",
+        description="Acceptance length (tau) of a drafter export by speculative decoding.",
+    )
+    defaults = add_decoding_arguments(parser, drafter_help="drafter export folder")
     parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
     parser.add_argument("--results", default="", help="write per-sample results (jsonl) here")
     parser.add_argument(
         "--baseline-dir",
         default="",
         help="keep the greedy baseline here (default: --results' folder)",
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(TARGET_DTYPES), default="auto", help="of the target"
     )
     parser.add_argument(
         "--block-size",
