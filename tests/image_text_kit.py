@@ -23,6 +23,15 @@ from fixtures.chat_tokenizer import qwen3_like_tokenizer
 
 HIDDEN = 32
 TEXT_LAYERS = 4  # the tapped layers are two of these; vision towers have 2 blocks (as many)
+# the tiny language model every wrapper of the kit shares (the text config's sizes)
+TINY_TEXT = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=TEXT_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+)
 
 # A chat template in the Qwen-VL manner: image parts render as the model's placeholder.
 QWEN_VL_TEMPLATE = (
@@ -97,12 +106,7 @@ def qwen3_vl_config(processor: Any) -> Any:
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tok),
-            hidden_size=HIDDEN,
-            num_hidden_layers=TEXT_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=64,
+            **TINY_TEXT,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 100.0,  # fast h/w frequencies: positions matter at tiny size
@@ -139,12 +143,7 @@ def qwen3_5_config(processor: Any) -> Any:
     text = base.text_config.to_dict()
     text_fields = dict(
         vocab_size=text["vocab_size"],
-        hidden_size=HIDDEN,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
+        **TINY_TEXT,
         linear_num_value_heads=4,
         linear_num_key_heads=2,
         linear_key_head_dim=8,
@@ -230,12 +229,7 @@ def gemma3_config(processor: Any) -> Any:
     return Gemma3Config(
         text_config=dict(
             vocab_size=len(tok),
-            hidden_size=HIDDEN,
-            num_hidden_layers=TEXT_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            intermediate_size=64,
+            **TINY_TEXT,
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * (TEXT_LAYERS // 2),
             query_pre_attn_scalar=8,
