@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
@@ -406,11 +405,12 @@ def fast_kernel_preflight(model: PreTrainedModel) -> list[str]:
 def random_target(
     config: PretrainedConfig, seed: int, *, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """A random-weight causal LM from transformers' own initialisation under `seed`.
+    """A random-weight causal LM from transformers' own initialisation under `seed` (built by
+    the auto class that builds its checkpoints: `causal_lm_auto_class`, Mistral 4's included).
 
     The global RNG state is restored afterwards; the same config and seed give the same weights.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = causal_lm_auto_class(config).from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
