@@ -176,8 +176,12 @@ def _device_map(device: torch.device) -> dict[str, Any]:
 
 
 # A wrapper checkpoint's language-model tensors, renamed to a text CausalLM's (`model.*`,
-# `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3).
+# `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3,
+# Kimi K2.5 as released). Kimi K2.5 as transformers saves it names its language model's layers
+# `blocks` (the save reverses its conversion's `blocks` -> `layers`, meant for the vision tower,
+# everywhere): renamed first, before the general rule takes the prefix.
 WRAPPER_KEYS = {
+    r"^language_model\.model\.blocks\.": "model.layers.",
     r"^model\.language_model\.": "model.",
     r"^language_model\.model\.": "model.",
     r"^language_model\.lm_head\.": "lm_head.",
