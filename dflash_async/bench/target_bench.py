@@ -23,15 +23,15 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
-from dflash_async.bench.target_shapes import shape_configs
+from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.data.packing import layout_pack
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
 from dflash_async.targets.config_readers import experts_per_token
 from dflash_async.targets.forward import HFPaddedForward, select_target_forward
 from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
 from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls
+from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.grouped_experts import CompiledExperts
 from dflash_async.targets.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
@@ -167,7 +167,7 @@ def bench_shape(
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = causal_lm_auto_class(config).from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)
@@ -312,7 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     ways = _listed(parser, options.experts_way, "--experts-way", ("default", *WAYS))
     require_cuda("bench target", "cuda:0")
     rows = []
+    skipped = unavailable_shapes()
     for name in options.shapes.split(","):
+        if name in skipped:
+            print(f"skipping {name}: {skipped[name]}", file=sys.stderr, flush=True)
+            continue
         for row in bench_shape(
             name,
             token_budget=options.token_budget,
