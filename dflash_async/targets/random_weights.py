@@ -86,8 +86,12 @@ def random_config(folder: Path) -> PretrainedConfig:
 
 
 def meta_target(config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedModel:
-    """The text CausalLM of `config` on the meta device (no memory, no init)."""
+    """The text CausalLM of `config` on the meta device (no memory, no init): transformers'
+    causal-LM class, or for a text model registered only as image-text-to-text (Mistral 4's
+    Mistral4ForCausalLM) that one."""
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if causal_lm is None and not is_wrapper(config):
+        causal_lm = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
     if causal_lm is None:
         raise TargetError(
             f"DFLASH_TARGET__WEIGHTS=random: model_type {config.model_type!r} has no text "
