@@ -195,11 +195,12 @@ def _load_language_model(
 ) -> PreTrainedModel:
     """A multimodal wrapper's language model, without its vision tower.
 
-    When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE),
-    that class loads the language model's tensors alone (`WRAPPER_KEYS`; the tower's tensors
-    are left in the files, never read into memory as modules). Qwen3-VL's text model has no such
-    class: the wrapper loads on the CPU and its tower is deleted before the model moves to the
-    device, so the tower never reaches the device and never runs (text-only inputs).
+    When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE,
+    Kimi K2.5's DeepSeek-V3), that class loads the language model's tensors alone
+    (`WRAPPER_KEYS`; the tower's tensors are left in the files, never read into memory as
+    modules). Qwen3-VL's and Qwen3-VL-MoE's text models have no such class: the wrapper loads on
+    the CPU and its tower is deleted before the model moves to the device, so the tower never
+    reaches the device and never runs (text-only inputs).
     """
     text = text_config_of(config)
     causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
