@@ -13,8 +13,9 @@ weights (transformers only warns) and the features are another model's, which th
 catches.
 
 Tolerance 1e-5 in fp32, as tests/targets/test_target_packed_mla.py derives it for this path
-(summation order only; measured 2.0e-6 loaded, 4.3e-6 on the wrapper itself). Weights drawn with initializer_range 0.1 and the
-routers' score-correction biases at random, as there; the mutant moves features by 5.5.
+(summation order only; measured 2.0e-6 loaded, 4.3e-6 on the wrapper itself). Weights drawn
+with initializer_range 0.1 and the routers' score-correction biases at random, as there; the
+mutant moves features by 5.5.
 """
 
 from __future__ import annotations

@@ -227,9 +227,17 @@ def test_the_parity_check_catches_a_mutant_forward(model, mutant: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_gpu_flex_packed_mistral4_rows_equal_each_document_alone(compile: bool) -> None:
-    """fp32 on CUDA (no TF32), flex over T = 256 (tiles of 128) with documents across tile
-    edges, the scale a per-pack input of the compiled attention block. Same 1e-5 bound."""
+    """fp32 on CUDA (no TF32), the path a run selects (flex over T = 256, tiles of 128, with
+    documents across tile edges; the experts as CompiledExperts), the scale a per-pack input
+    of the compiled attention block. Same 1e-5 bound."""
     model = random_target(_config(), seed=1).cuda()
+    path = select_target_forward(
+        model, LAYER_IDS, token_budget=256, max_batch_tokens=256, compile=compile
+    )
+    assert path.name == "packed_mla" and "flex" in path.reason, path.reason
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    packed = _packed(_forward(model, attention="flex", compile=compile), docs, 256, "cuda")
-    assert _distance_to_hf(model, docs, packed) < ATOL
+    layout = layout_pack(docs, 256).to("cuda")
+    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
+    lengths = np.array([len(ids) for ids, _ in docs])
+    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    assert _distance_to_hf(model, docs, out) < ATOL
