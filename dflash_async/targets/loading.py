@@ -32,14 +32,13 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.targets.config_readers import is_wrapper, text_config_of
 from dflash_async.targets.embeddings import padded_unembedding
 from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.generic import find_decoder_layers, layer_output
-from dflash_async.targets.generic_config import causal_lm_auto_class
+from dflash_async.targets.generic_config import causal_lm_auto_class, text_causal_lm_class
 from dflash_async.targets.quantized import (
     WeightFormat,
     fp8_sources,
@@ -196,14 +195,14 @@ def _load_language_model(
     """A multimodal wrapper's language model, without its vision tower.
 
     When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE,
-    Kimi K2.5's DeepSeek-V3), that class loads the language model's tensors alone
+    Kimi K2.5's DeepSeek-V3, Mistral 4 in a Mistral 3 wrapper: `text_causal_lm_class`), that class loads the language model's tensors alone
     (`WRAPPER_KEYS`; the tower's tensors are left in the files, never read into memory as
     modules). Qwen3-VL's and Qwen3-VL-MoE's text models have no such class: the wrapper loads on
     the CPU and its tower is deleted before the model moves to the device, so the tower never
     reaches the device and never runs (text-only inputs).
     """
     text = text_config_of(config)
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
+    causal_lm = text_causal_lm_class(text)
     if causal_lm is not None:
         return causal_lm.from_pretrained(
             folder,

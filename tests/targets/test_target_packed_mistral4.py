@@ -29,13 +29,18 @@ import numpy as np
 import pytest
 import torch
 from target_kit import capture_features
-from transformers import Mistral4Config, PretrainedConfig
+from transformers import (
+    AutoModelForImageTextToText,
+    Mistral3Config,
+    Mistral4Config,
+    PretrainedConfig,
+)
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_mla
 from dflash_async.targets.families import FAMILIES, planned_path
 from dflash_async.targets.forward import select_target_forward
-from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.loading import load_target, random_target, text_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -184,6 +189,36 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(model) -> None:
     sdpa = _packed(_forward(model), docs, 256)
     flex = _packed(_forward(model, attention="flex"), docs, 256)
     torch.testing.assert_close(flex, sdpa, atol=ATOL, rtol=0)
+
+
+def test_a_mistral3_wrapper_loads_its_mistral4_language_model_alone_and_packs_exactly(
+    tmp_path,
+) -> None:
+    """Mistral Small 4 as released: a Mistral 3 wrapper (vision tower, projector) whose text
+    config is mistral4. Loading takes Mistral4ForCausalLM alone (the tower's tensors unread),
+    and its packed rows equal each document alone through the HF wrapper."""
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Mistral3Config(
+        text_config=_config().to_dict(), vision_config=vision, tie_word_embeddings=False
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        wrapper = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    wrapper.save_pretrained(tmp_path)
+    model = load_target(tmp_path, device="cpu")
+    assert type(model).__name__ == "Mistral4ForCausalLM"
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == "packed_mla" and path.reason.startswith("mistral4:"), path.reason
+    docs = _documents(seed=2)
+    assert _distance_to_hf(wrapper, docs, _packed(path.forward.packed, docs)) < ATOL
 
 
 def _pack_positions(config, positions: torch.Tensor) -> torch.Tensor:
