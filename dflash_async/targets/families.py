@@ -8,7 +8,7 @@ model_types and every other one the generic path can run (anything else exits 2 
 A Family carries its README label and planned forward, its options for the shared config
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
-block, the M-RoPE flag of the dense and hybrid paths), what exact decoding must do with its cache
+block, the M-RoPE flag of the dense and hybrid paths; LFM2's short-convolution path takes none), what exact decoding must do with its cache
 (`Decoding`), and the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
 on their language model alone on text data (targets/loading.py): their entry names that model's
 model_type and repeats its forward, since the forward is chosen by the text config's model_type
@@ -75,6 +75,7 @@ from dflash_async.targets.paths import (
     MoeWindowPath,
     NoPackedPath,
     PackedPath,
+    ShortConvPath,
     WindowPath,
 )
 
@@ -86,6 +87,8 @@ class Decoding:
     linear_state: Gated DeltaNet layers, whose conv window and recurrent state every verified
       token overwrites: snapshot before each verify, restore and re-advance by the accepted
       tokens (eval/hybrid_state.py); the batched decoder cannot write that state per row.
+      LFM2's short convolutions too: HF caches each as a linear-attention layer whose one
+      state is its conv window, which the same snapshot and restore make exact.
     sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
     recompute: no cache at all: every target forward of the decoder runs the whole sequence
@@ -132,6 +135,7 @@ _DENSE_WORDS = "packed dense (document-causal attention)"
 _MOE_WORDS = "packed MoE (document-causal attention)"
 _WINDOW_WORDS = "packed window (document-causal sliding window)"
 _HYBRID_WORDS = "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
+_SHORT_CONV_WORDS = "packed short convolutions per document (document-causal attention)"
 _HYBRID_MOE_WORDS = (
     "packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
     "HF padded batches elsewhere"
@@ -264,6 +268,21 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             reader=ConfigReader(latent_attention=True),
             forward=MLAPath(mla_attention_block, name="packed_mla"),
             decoding=Decoding(),
+        ),
+        "lfm2": Family(
+            label="LFM2 (short convolutions)",
+            planned=_SHORT_CONV_WORDS,
+            reader=ConfigReader(),
+            forward=ShortConvPath(),
+            decoding=Decoding(linear_state=True),
+        ),
+        "lfm2_moe": Family(
+            label="LFM2-MoE (short convolutions)",
+            planned="packed short convolutions per document, sigmoid router "
+            "(document-causal attention)",
+            reader=ConfigReader(),
+            forward=ShortConvPath(),
+            decoding=Decoding(linear_state=True),
         ),
     }
 )

@@ -1,5 +1,5 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
-(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, none), each with the
+(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, short convolutions, none), each with the
 condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory (`build`),
 given the pieces of one family. targets/families.py gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
@@ -26,6 +26,10 @@ from dflash_async.targets.packed_moe_window import (
     PackedWindowMoeForward,
     layout_problem,
 )
+from dflash_async.targets.packed_short_conv import (
+    PackedShortConvForward,
+    short_conv_layout_problem,
+)
 from dflash_async.targets.packed_window import (
     PackedWindowForward,
     WindowLayers,
@@ -43,7 +47,7 @@ class FeatureForward(Protocol):
 @dataclass
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
-    `packed_moe_window`, `packed_hybrid`, `hf`) and why."""
+    `packed_moe_window`, `packed_hybrid`, `packed_short_conv`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -220,6 +224,33 @@ class MoeWindowPath:
             layers=layers,
         )
         how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class ShortConvPath:
+    """targets/packed_short_conv.py (LFM2, LFM2-MoE): short convolutions per document in plain
+    torch and document-causal attention, on any device."""
+
+    name = "packed_short_conv"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        rotary = getattr(inner, "rotary_emb", None) or getattr(inner, "pos_emb", None)
+        rope = getattr(rotary, "rope_type", None)
+        problem = short_conv_layout_problem(inner)
+        if problem is None and rope not in _ROPE_TYPES:
+            problem = f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedShortConvForward(
+            inner, layer_ids, attention=attention, compile=compile, layers=layers
+        )
+        how = (
+            f"{model_type}: short convolutions per document, {attention} document-causal "
+            f"attention, compile={compile}"
+        )
         return _packed(forward, self.name, how)
 
 
