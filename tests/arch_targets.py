@@ -112,6 +112,13 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             num_key_value_heads=4,
         ),
         "qwen3_vl_text": dict(intermediate_size=128, head_dim=16),
+        "lfm2": dict(intermediate_size=128, layer_types=["conv", "full_attention"]),
+        "lfm2_moe": dict(
+            intermediate_size=128,
+            **moe,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
     }
     return c | table[model_type]
 
@@ -153,6 +160,8 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "gemma4_text": ("Gemma4TextConfig", None),
     "deepseek_v3": ("DeepseekV3Config", None),
     "qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"),
+    "lfm2": ("Lfm2Config", None),
+    "lfm2_moe": ("Lfm2MoeConfig", None),
 }
 
 

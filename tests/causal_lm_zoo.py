@@ -151,6 +151,8 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "inkling2_text": _INKLING,
     "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
     "kolibri1_1": dict(head_dim=16, index_num_heads=1),
+    # a short convolution then attention (the default makes every layer attention)
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),

@@ -269,6 +269,8 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             forward=MLAPath(mla_attention_block, name="packed_mla"),
             decoding=Decoding(),
         ),
+        # decoding: HF caches each short convolution as a linear-attention layer holding its
+        # conv window, which linear_state's snapshot and restore make exact (not recompute)
         "lfm2": Family(
             label="LFM2 (short convolutions)",
             planned=_SHORT_CONV_WORDS,
