@@ -174,6 +174,54 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             vocab_size=262144,
             tie_word_embeddings=True,
         )
+    # LFM2 and LFM2-MoE (values from their published config.json): a transformers older than
+    # their config classes has neither, and leaves these shapes out of the table
+    conv, attention = "conv", "full_attention"
+    lfm2 = dict(
+        max_position_embeddings=128000,
+        norm_eps=1e-5,
+        conv_L_cache=3,
+        conv_bias=False,
+        rope_theta=1_000_000.0,
+        vocab_size=65536,
+        tie_word_embeddings=True,
+    )
+    if hasattr(transformers, "Lfm2Config"):
+        # LFM2-2.6B, the largest dense model of the LFM2 release: 30 layers (22 short convolutions, 8 attention),
+        # its FFN width taken as given (block_auto_adjust_ff_dim off); 2,569,272,320 parameters
+        shapes["lfm2-2.6b"] = transformers.Lfm2Config(
+            hidden_size=2048,
+            intermediate_size=10752,
+            block_auto_adjust_ff_dim=False,
+            num_hidden_layers=30,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            layer_types=[conv, conv, attention, conv, conv, attention]
+            + ([conv, conv, conv, attention] * 4)
+            + [conv, conv, attention, conv, conv, attention, conv, conv],
+            **lfm2,
+        )
+    if hasattr(transformers, "Lfm2MoeConfig"):
+        # LFM2-8B-A1B: 24 layers (18 short convolutions, 6 attention), the first 2 dense, then
+        # 32 experts of width 1792 (top 4, sigmoid router with expert bias); 8.34B parameters
+        shapes["lfm2-8b-a1b"] = transformers.Lfm2MoeConfig(
+            hidden_size=2048,
+            intermediate_size=7168,
+            moe_intermediate_size=1792,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_dense_layers=2,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            use_expert_bias=True,
+            routed_scaling_factor=1.0,
+            layer_types=[conv, conv, attention]
+            + ([conv, conv, conv, attention] * 4)
+            + [conv, conv, attention, conv, conv],
+            **lfm2,
+        )
     return {
         name: shape
         if isinstance(shape, tuple)
