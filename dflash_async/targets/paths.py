@@ -1,7 +1,7 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
-(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, short convolutions, none), each with the
-condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory (`build`),
-given the pieces of one family. targets/families.py gives every family one of these;
+(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, short convolutions, none),
+each with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its
+factory (`build`), given the pieces of one family. targets/families.py gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
