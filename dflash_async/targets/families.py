@@ -12,7 +12,8 @@ block, the M-RoPE flag of the dense and hybrid paths; LFM2's short-convolution p
 what exact decoding must do with its cache (`Decoding`), and the quantization formats only it
 is read in. Multimodal wrappers (`*ForConditionalGeneration`) train on their language model
 alone on text data (targets/loading.py): their entry names that model's model_type and repeats
-its forward, since the forward is chosen by the text config's model_type (on image data the wrapper runs whole, per document: targets/multimodal.py).
+its forward, since the forward is chosen by the text config's model_type (on image data the
+wrapper runs whole, per document: targets/multimodal.py).
 
 `STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
 per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
