@@ -75,6 +75,7 @@ from dflash_async.targets.paths import (
     MoeWindowPath,
     NoPackedPath,
     PackedPath,
+    ShortcutMoePath,
     WindowPath,
 )
 
@@ -264,6 +265,14 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             reader=ConfigReader(latent_attention=True),
             forward=MLAPath(mla_attention_block, name="packed_mla"),
             decoding=Decoding(),
+        ),
+        "longcat_flash": Family(
+            label="LongCat-Flash (MLA, shortcut MoE)",
+            planned="packed MLA with shortcut MoE and zero experts (document-causal attention)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=ShortcutMoePath(),
+            decoding=Decoding(recompute=True),
         ),
     }
 )
