@@ -272,7 +272,10 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             # the generic family's reader, as before this entry: the drafter's shape unchanged
             reader=ConfigReader(),
             forward=ShortcutMoePath(),
-            decoding=Decoding(recompute=True),
+            # its cache holds the MLA latents in plain growing layers: cropped after a rejected
+            # draft like any full-attention cache (both decoders equal HF's greedy decoding:
+            # tests/targets/test_architectures.py)
+            decoding=Decoding(),
         ),
     }
 )

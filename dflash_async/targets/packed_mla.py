@@ -18,7 +18,8 @@ columns and zeroed padding rows) with a different layer function:
   experts module (its configured experts implementation: the grouped path where set) plus the
   shared experts. The router is ours so that one function serves both families.
 The attention may be compiled (CUDA); the MoE runs eagerly after it (data-dependent routing), as
-packed_dense's Qwen3-MoE does.
+packed_dense's Qwen3-MoE does. `mla_attention`, the MLA core before its residual add, also serves
+LongCat-Flash's sublayers (targets/packed_shortcut_moe.py), with the LoRA scales its modules hold.
 """
 
 from __future__ import annotations
