@@ -34,6 +34,7 @@ from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_shortcut_moe
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import random_target, text_model
 
 LongcatFlashConfig = getattr(transformers, "LongcatFlashConfig", None)  # not in older versions
@@ -214,6 +215,16 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu() -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
 
 
+def test_compiled_experts_run_the_zero_experts_stand_in_rows_exactly() -> None:
+    """The experts the packed paths swap in on CUDA (grouped_experts.CompiledExperts, here
+    eagerly on the CPU) take the zero experts' stand-in rows of weight 0 as HF's module does."""
+    model, docs = _model(_config()), _documents()
+    swapped = _model(_config())
+    assert swap_compiled_experts(text_model(swapped).layers, compile=False)["swapped"] == 3
+    packed = _packed(_forward(swapped), docs)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
+
+
 def _mutant(*edits: tuple[str, str]):
     """packed_shortcut_moe with the one occurrence of each `old` in its source replaced."""
     source = inspect.getsource(packed_shortcut_moe)
@@ -309,3 +320,19 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
         layout.input_ids, layout.position_ids, layout.doc_ids, out
     )
     _assert_rows_equal_each_document_alone(model, docs, out)
+
+
+@pytest.mark.gpu
+def test_gpu_selected_path_rows_equal_each_document_alone() -> None:
+    """What a CUDA run takes: select_target_forward's flex path, compiled, its experts swapped
+    into CompiledExperts (in place: the reference is a second model of the same seed)."""
+    model, reference = _model(_config()).cuda(), _model(_config()).cuda()
+    docs = _documents(seed=5, lengths=(70, 100, 3, 50))
+    path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
+    assert path.name == "packed_shortcut_moe" and "CompiledExperts" in path.reason, path.reason
+    layout = layout_pack(docs, 256).to("cuda")
+    out = _nan_features(256).cuda()
+    path.forward(
+        layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array([70, 100, 3, 50])
+    )
+    _assert_rows_equal_each_document_alone(reference, docs, out)
