@@ -44,7 +44,11 @@ def shortcut_parts_problem(inner: nn.Module) -> str | None:
     ModuleLists self_attn, mlps and their norms) and the shortcut MoE `mlp`."""
     for layer in inner.layers:
         parts = {name for name, _ in layer.named_children()}
-        if parts != _PARTS or len(layer.self_attn) != 2 or len(layer.mlps) != 2:
+        pairs = all(
+            isinstance(getattr(layer, name, None), nn.ModuleList) and len(getattr(layer, name)) == 2
+            for name in ("self_attn", "mlps", "input_layernorm", "post_attention_layernorm")
+        )
+        if parts != _PARTS or not pairs:
             return f"decoder layer {type(layer).__name__} with parts {sorted(parts)}"
     return None
 
