@@ -119,6 +119,21 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             num_dense_layers=1,
             layer_types=["conv", "full_attention"],
         ),
+        "longcat_flash": dict(
+            num_hidden_layers=4,  # num_layers 2: each listed layer holds two sublayers
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            head_dim=8,  # the rotary's width: the rope dims
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+        ),
     }
     return c | table[model_type]
 
@@ -162,6 +177,7 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"),
     "lfm2": ("Lfm2Config", None),
     "lfm2_moe": ("Lfm2MoeConfig", None),
+    "longcat_flash": ("LongcatFlashConfig", None),
 }
 
 

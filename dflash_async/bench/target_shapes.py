@@ -1,6 +1,7 @@
 """The public model shapes `bench target` and the other target benchmarks build with random
 weights: `shape_configs()`, name -> (config as published, or truncated where it says, and the
-captured layer ids)."""
+captured layer ids); `unavailable_shapes()`, name -> why the installed transformers cannot build
+it (skipped, with that reason, by `bench target`)."""
 
 from __future__ import annotations
 
@@ -222,9 +223,29 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             + [conv, conv, attention, conv, conv],
             **lfm2,
         )
+    if hasattr(transformers, "LongcatFlashConfig"):  # see unavailable_shapes
+        # LongCat-Flash (transformers' defaults are LongCat-Flash-Chat's published config: hidden
+        # 6144, 28 layers of 2 MLA + dense MLP sublayers and a shortcut MoE of 512 experts of
+        # width 2048 plus 256 zero experts, top 12) TRUNCATED to its first 3 of 28 layers: a
+        # layer is ~20.0B parameters (40 GB in bf16), so 3 layers and the embedding and lm_head
+        # (1.6B) are 123 GB, what fits a 140 GB GPU with room for a pack's activations (4 would
+        # be 163 GB). The taps are its 3 listed layers (num_hidden_layers counts 6 sublayers).
+        shapes["longcat-flash-3l"] = (transformers.LongcatFlashConfig(num_layers=3), (0, 1, 2))
     return {
         name: shape
         if isinstance(shape, tuple)
         else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
         for name, shape in shapes.items()
     }
+
+
+def unavailable_shapes() -> dict[str, str]:
+    """The shapes this transformers cannot build, name -> why (their config class is newer)."""
+    import transformers
+
+    missing = {}
+    if not hasattr(transformers, "LongcatFlashConfig"):
+        missing["longcat-flash-3l"] = (
+            f"transformers {transformers.__version__} has no LongcatFlashConfig"
+        )
+    return missing

@@ -77,6 +77,7 @@ from dflash_async.targets.paths import (
     NoPackedPath,
     PackedPath,
     ShortConvPath,
+    ShortcutMoePath,
     WindowPath,
 )
 
@@ -286,6 +287,17 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             reader=ConfigReader(),
             forward=ShortConvPath(),
             decoding=Decoding(linear_state=True),
+        ),
+        "longcat_flash": Family(
+            label="LongCat-Flash (MLA, shortcut MoE)",
+            planned="packed MLA with shortcut MoE and zero experts (document-causal attention)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=ShortcutMoePath(),
+            # its cache holds the MLA latents in plain growing layers: cropped after a rejected
+            # draft like any full-attention cache (both decoders equal HF's greedy decoding:
+            # tests/targets/test_architectures.py)
+            decoding=Decoding(),
         ),
     }
 )

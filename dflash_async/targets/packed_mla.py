@@ -18,7 +18,8 @@ columns and zeroed padding rows) with a different layer function:
   experts module (its configured experts implementation: the grouped path where set) plus the
   shared experts. The router is ours so that one function serves both families.
 The attention may be compiled (CUDA); the MoE runs eagerly after it (data-dependent routing), as
-packed_dense's Qwen3-MoE does.
+packed_dense's Qwen3-MoE does. `mla_attention`, the MLA core before its residual add, also serves
+LongCat-Flash's sublayers (targets/packed_shortcut_moe.py), with the LoRA scales its modules hold.
 """
 
 from __future__ import annotations
@@ -51,23 +52,37 @@ def _mla_query(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return q.view(1, x.shape[1], -1, attn.qk_head_dim).transpose(1, 2)
 
 
-def mla_attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
-    """hidden [1, T, d] + the HF DeepseekV3Attention of `layer` (pre-norm residual),
-    document-causal; cos/sin [1, T, rope] from the model's rotary_emb."""
-    attn = layer.self_attn
-    T, nope, r = hidden.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
-    rope = _rope_interleaved if attn.config.rope_interleave else _rope
-    x = layer.input_layernorm(hidden)
+def mla_attention(attn: nn.Module, x: torch.Tensor, cos, sin, mask, attend) -> torch.Tensor:
+    """The HF MLA module `attn` on its normed input x [1, T, d], document-causal, before the
+    residual add: -> [1, T, d]. cos/sin [1, T, rope] from the model's rotary_emb. The module's
+    LoRA scales where it has them (LongCat-Flash: q times mla_scale_q_lora before RoPE, the
+    normed kv latent times mla_scale_kv_lora); RoPE interleaved unless the config says not."""
+    T, nope, r = x.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rope = _rope_interleaved if getattr(attn.config, "rope_interleave", True) else _rope
     q = _mla_query(attn, x)  # [1, H, T, nope+r]
+    q_scale = getattr(attn, "mla_scale_q_lora", None)
+    if q_scale is not None:
+        q = q * q_scale
     latent, k_rope = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, r], dim=-1)
-    kv = attn.kv_b_proj(attn.kv_a_layernorm(latent))  # [1, T, H*(nope+v)]
+    latent = attn.kv_a_layernorm(latent)
+    kv_scale = getattr(attn, "mla_scale_kv_lora", None)
+    if kv_scale is not None:
+        latent = latent * kv_scale
+    kv = attn.kv_b_proj(latent)  # [1, T, H*(nope+v)]
     kv = kv.view(1, T, -1, nope + attn.v_head_dim).transpose(1, 2)  # [1, H, T, nope+v]
     k_nope, v = kv.split([nope, attn.v_head_dim], dim=-1)
     k_rope = rope(k_rope.view(1, 1, T, r), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
     q = torch.cat([q[..., :nope], rope(q[..., nope:], cos, sin)], dim=-1)
     k = torch.cat([k_nope, k_rope], dim=-1)  # [1, H, T, nope+r]
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, v]
-    return hidden + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+    return attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+
+def mla_attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Tensor:
+    """hidden [1, T, d] + the HF DeepseekV3Attention of `layer` (pre-norm residual),
+    document-causal; cos/sin [1, T, rope] from the model's rotary_emb."""
+    x = layer.input_layernorm(hidden)
+    return hidden + mla_attention(layer.self_attn, x, cos, sin, mask, attend)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

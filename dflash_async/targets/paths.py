@@ -1,7 +1,8 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
-(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, short convolutions, none),
-each with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its
-factory (`build`), given the pieces of one family. targets/families.py gives every family one of these;
+(dense, MoE, MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid, short
+convolutions, none), each with the condition it runs under (`refusal`: None, or the HF fallback's
+reason) and its factory (`build`), given the pieces of one family. targets/families.py gives every
+family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
@@ -30,6 +31,10 @@ from dflash_async.targets.packed_short_conv import (
     PackedShortConvForward,
     short_conv_layout_problem,
 )
+from dflash_async.targets.packed_shortcut_moe import (
+    PackedShortcutMoeForward,
+    shortcut_parts_problem,
+)
 from dflash_async.targets.packed_window import (
     PackedWindowForward,
     WindowLayers,
@@ -46,8 +51,9 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
-    `packed_moe_window`, `packed_hybrid`, `packed_short_conv`, `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`,
+    `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
+    `packed_short_conv`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -95,16 +101,24 @@ class PackedPath(Protocol):
     ) -> TargetPath: ...
 
 
+def rope_and_act_problem(inner: nn.Module) -> str | None:
+    """None when the rotary has no length-dependent update and the MLPs are SiLU ones."""
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
+    if rope not in _ROPE_TYPES:
+        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+    if getattr(inner.config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {inner.config.hidden_act!r}"
+    return None
+
+
 def dense_layout_problem(inner: nn.Module) -> str | None:
     """None when every decoder layer has the plain pre-norm attention + MLP structure we run."""
     config = inner.config
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
         return "layer_types other than full_attention (sliding windows)"
-    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
-    if rope not in _ROPE_TYPES:
-        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
+    problem = rope_and_act_problem(inner)
+    if problem:
+        return problem
     for layer in inner.layers:
         parts = {name for name, _ in layer.named_children()}
         if parts != _LAYER_PARTS or getattr(layer.self_attn, "sliding_window", None):
@@ -170,6 +184,26 @@ class MLAPath:
             attention=attention,
             compile=compile,
             layers=layers,
+        )
+        how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class ShortcutMoePath:
+    """targets/packed_shortcut_moe.py: two MLA attention + MLP sublayers and a shortcut MoE with
+    zero experts per decoder layer (LongCat-Flash)."""
+
+    name = "packed_shortcut_moe"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = rope_and_act_problem(inner) or shortcut_parts_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedShortcutMoeForward(
+            inner, layer_ids, attention=attention, compile=compile, layers=layers
         )
         how = f"{model_type}: {attention} document-causal attention, compile={compile}"
         return _packed(forward, self.name, how)
