@@ -47,8 +47,10 @@ from dflash_async.targets.hyper_connections import (
     fed_forward_collapse,
     gated_residual_collapse,
 )
+from dflash_async.targets.packed_dense import _rope
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
+    _rope_interleaved,
     mla_attention_block,
     partial_rotary_attention_block,
 )
@@ -70,6 +72,7 @@ from dflash_async.targets.packed_window import (
 )
 from dflash_async.targets.paths import (
     DensePath,
+    DSAPath,
     HybridPath,
     MLAPath,
     MoeWindowPath,
@@ -131,6 +134,9 @@ class Family:
 _DENSE_WORDS = "packed dense (document-causal attention)"
 _MOE_WORDS = "packed MoE (document-causal attention)"
 _WINDOW_WORDS = "packed window (document-causal sliding window)"
+_DSA_WORDS = (
+    "packed sparse MLA MoE (document-causal attention under the indexer's per-document top-k)"
+)
 _HYBRID_WORDS = "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
 _HYBRID_MOE_WORDS = (
     "packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
@@ -264,6 +270,20 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             reader=ConfigReader(latent_attention=True),
             forward=MLAPath(mla_attention_block, name="packed_mla"),
             decoding=Decoding(),
+        ),
+        "deepseek_v32": Family(
+            label="DeepSeek-V3.2 (MLA, sparse attention)",
+            planned=_DSA_WORDS,
+            reader=ConfigReader(latent_attention=True),
+            forward=DSAPath(indexer_rope=_rope),  # the indexer's RoPE: rotate_half
+            decoding=Decoding(recompute=True),
+        ),
+        "glm_moe_dsa": Family(
+            label="GLM-5 (MLA, sparse attention)",
+            planned=_DSA_WORDS,
+            reader=ConfigReader(latent_attention=True),
+            forward=DSAPath(indexer_rope=_rope_interleaved),  # interleaved pairs
+            decoding=Decoding(recompute=True),
         ),
     }
 )
