@@ -8,7 +8,7 @@ model_types and every other one the generic path can run (anything else exits 2 
 A Family carries its README label and planned forward, its options for the shared config
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
-block, the M-RoPE flag of the dense and hybrid paths), what exact decoding must do with its cache
+block, the sparse-attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths), what exact decoding must do with its cache
 (`Decoding`), and the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
 on their language model alone on text data (targets/loading.py): their entry names that model's
 model_type and repeats its forward, since the forward is chosen by the text config's model_type
@@ -93,7 +93,9 @@ class Decoding:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
     recompute: no cache at all: every target forward of the decoder runs the whole sequence
       (any architecture is exact that way; quadratic in the length: eval/recompute.py). The
-      generic family's, whose caches may be anything (Mamba states, RWKV states, ...).
+      generic family's, whose caches may be anything (Mamba states, RWKV states, ...), and the
+      sparse-attention families' (DeepSeek-V3.2, GLM-5), whose cache also holds the indexer's
+      keys, which no rollback rule here cuts back.
     eval/ reads linear_state and sliding_window from the cache's layers and `layer_types` (an exact per-config answer);
     tests/targets/test_families.py checks each family's entry against that.
     """
