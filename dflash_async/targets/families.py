@@ -95,7 +95,7 @@ class Decoding:
       (any architecture is exact that way; quadratic in the length: eval/recompute.py). The
       generic family's, whose caches may be anything (Mamba states, RWKV states, ...), and the
       sparse-attention families' (DeepSeek-V3.2, GLM-5), whose cache also holds the indexer's
-      keys, which no rollback rule here cuts back.
+      keys, which eval/'s rollback (hybrid_state.crop_attention) does not cut.
     eval/ reads linear_state and sliding_window from the cache's layers and `layer_types` (an exact per-config answer);
     tests/targets/test_families.py checks each family's entry against that.
     """

@@ -35,6 +35,7 @@ with `compile` only the MLA attention block is compiled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -208,7 +209,7 @@ class PackedDSAForward(PackedDenseForward):
                 "layer's top-k selection, which this stage does not compute"
             )
         self._indexer_rope = indexer_rope
-        self._attend = attend_flex if attention == "flex" else attend_allowed_sdpa
+        self.index_rows = INDEX_QUERY_ROWS  # query rows per indexer chunk
         block = dsa_attention_block
         self._block = torch.compile(block, dynamic=False) if compile else block
 
@@ -225,16 +226,26 @@ class PackedDSAForward(PackedDenseForward):
             hidden = self._embed(input_ids[None])  # [1, T, d]
         cos, sin = self._rotary(hidden, position_ids[None])  # [1, T, rope] each
         mask = None
+        attend = attend_flex
+        if self.attention == "sdpa":
+            attend = partial(attend_allowed_sdpa, rows=self.query_rows)
         for i, layer in self._layers.items():
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q_resid = attn.q_a_layernorm(attn.q_a_proj(x))  # [1, T, q_lora_rank]
             if attn.indexer is not None:  # else a shared layer: the previous selection
                 allowed = select_keys(
-                    attn.indexer, x, q_resid, cos, sin, visible, rope=self._indexer_rope
+                    attn.indexer,
+                    x,
+                    q_resid,
+                    cos,
+                    sin,
+                    visible,
+                    rope=self._indexer_rope,
+                    rows=self.index_rows,
                 )
                 mask = self.attention_mask(allowed)
-            hidden = self._block(layer, hidden, x, q_resid, cos, sin, mask, self._attend)
+            hidden = self._block(layer, hidden, x, q_resid, cos, sin, mask, attend)
             hidden = moe_mlp_block(layer, hidden)
             self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), self.hidden_size)

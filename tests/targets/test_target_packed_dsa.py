@@ -238,6 +238,16 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(variant
             )
 
 
+@pytest.mark.parametrize("variant", ["deepseek_v32", "glm_moe_dsa_shared"])
+def test_chunks_of_query_rows_keep_every_row_equal_to_its_document_alone(variant: str) -> None:
+    """The indexer's chunks of 7 query rows and SDPA's of 5 (keys [0, end of chunk) each) cut
+    the 40-row pack inside documents: the same rows as one chunk."""
+    model, docs = _model(VARIANTS[variant]()), _documents()
+    forward = _forward(model)
+    forward.index_rows, forward.query_rows = 7, 5
+    _assert_rows_equal_each_document_alone(model, docs, _packed(forward, docs))
+
+
 def _flex_case(kind: str):
     model = _model(VARIANTS[kind]().__class__(**(_COMMON | {"index_topk": FLEX_TOPK})))
     return model, _documents(FLEX_LENGTHS, seed=6)
