@@ -1,4 +1,4 @@
-"""The packed target forward for MLA MoE decoders with DeepSeek Sparse Attention (targets/packed_dsa.py):
+"""The packed target forward for sparse-attention MLA MoE decoders (targets/packed_dsa.py):
 DeepSeek-V3.2 and GLM-5 (GLM-MoE-DSA), each attention layer an MLA whose queries see only the
 `index_topk` keys a lightning indexer selects for them.
 
@@ -24,6 +24,10 @@ rows) with its own attention rule, computed per layer:
   against the keys [0, end of chunk) (any device), or flex on CUDA with a BlockMask whose tiles
   are the ones `allowed` touches and whose mask_mod reads `allowed` itself;
 - the MLP is packed_mla's (dense first layers, grouped-router MoE with shared experts).
+The top-k is discrete: two keys whose scores are within rounding of each other at a row's edge
+may be chosen differently here and in the document alone (in bf16 more often than in fp32), as
+they may by HF's own forward of the document at another length; elsewhere the rows are equal up
+to summation order (tests/targets/test_target_packed_dsa.py checks fp32 seeds without such ties).
 
 Memory, O(T^2) per layer (one layer's at a time): `allowed` and the document-causal mask are
 T x T bools (T = 16384: 256 MiB each), and the indexer scores one chunk of INDEX_QUERY_ROWS
@@ -59,7 +63,8 @@ INDEX_QUERY_ROWS = 128
 
 def indexer_scores(indexer: nn.Module, x, q_resid, cos, sin, *, rope: Callable) -> tuple:
     """The indexer's per-row inputs: (q [T, Hi, Di], k [Di, T], w [T, Hi]) fp32, RoPE'd at the
-    positions of cos/sin [1, T, r]; a chunk's scores are `chunk_scores(q[s:e], k, w[s:e])`.
+    positions of cos/sin [1, T, r]; a chunk's scores are
+    `chunk_scores(q[s:e], k[:, :e], w[s:e], indexer.softmax_scale)`.
     x [1, T, d] is the layer's normed input, q_resid [1, T, q_lora_rank] the MLA's."""
     T, Hi, Di, r = x.shape[1], indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
     q = indexer.wq_b(q_resid).view(1, T, Hi, Di).transpose(1, 2)  # [1, Hi, T, Di]
