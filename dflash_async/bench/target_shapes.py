@@ -231,6 +231,7 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # (1.6B) are 123 GB, what fits a 140 GB GPU with room for a pack's activations (4 would
         # be 163 GB). The taps are its 3 listed layers (num_hidden_layers counts 6 sublayers).
         shapes["longcat-flash-3l"] = (transformers.LongcatFlashConfig(num_layers=3), (0, 1, 2))
+    shapes.update(_sparse_attention_shapes(transformers))
     return {
         name: shape
         if isinstance(shape, tuple)
@@ -239,13 +240,60 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
     }
 
 
+# Shapes whose config class only newer transformers have: name -> the class it needs.
+_NEWER_SHAPES = {
+    "lfm2-2.6b": "Lfm2Config",
+    "lfm2-8b-a1b": "Lfm2MoeConfig",
+    "longcat-flash-3l": "LongcatFlashConfig",
+    "deepseek-v3.2-7l": "DeepseekV32Config",
+    "glm-5-8l": "GlmMoeDsaConfig",
+}
+
+
 def unavailable_shapes() -> dict[str, str]:
     """The shapes this transformers cannot build, name -> why (their config class is newer)."""
     import transformers
 
-    missing = {}
-    if not hasattr(transformers, "LongcatFlashConfig"):
-        missing["longcat-flash-3l"] = (
-            f"transformers {transformers.__version__} has no LongcatFlashConfig"
+    return {
+        name: f"transformers {transformers.__version__} has no {cls}"
+        for name, cls in _NEWER_SHAPES.items()
+        if not hasattr(transformers, cls)
+    }
+
+
+def _sparse_attention_shapes(transformers) -> dict[str, PretrainedConfig | tuple]:
+    """The DeepSeek Sparse Attention shapes (MLA + lightning indexer) the installed transformers
+    has a config class for (`unavailable_shapes` names the others)."""
+    shapes: dict[str, PretrainedConfig | tuple] = {}
+    if hasattr(transformers, "DeepseekV32Config"):
+        # DeepSeek-V3.2 (transformers' defaults: 61 layers, hidden 7168, MLA 128 heads, 256
+        # experts top 8 + 1 shared, the first 3 layers dense, an indexer of 64 heads x 128 keeping
+        # 2048 keys; its published yarn RoPE, factor 40 over 4096). TRUNCATED to its first 7
+        # layers (3 dense + 4 MoE, ~50B of its 671B parameters, ~99 GB in bf16): one MoE layer
+        # is ~11.5B, so the whole model (1.3 TB) is far from one 140 GB GPU; per-layer speed is
+        # the same. Layers 1-5 captured: the default rule picks layer 2 twice out of 7
+        config = transformers.DeepseekV32Config(
+            num_hidden_layers=7,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
         )
-    return missing
+        shapes["deepseek-v3.2-7l"] = (config, (1, 2, 3, 4, 5))
+    if hasattr(transformers, "GlmMoeDsaConfig"):
+        # GLM-5 (transformers' defaults: 78 layers, hidden 6144, MLA 64 heads with 256-wide
+        # values, 256 experts top 8 + 1 shared, the first 3 layers dense, an indexer of 32 heads
+        # x 128 keeping 2048 keys, every layer its own indexer). TRUNCATED to its first 8 layers
+        # (3 dense + 5 MoE, ~52B of the ~742B its config counts, ~105 GB in bf16): one MoE layer is
+        # ~9.9B; per-layer speed is the same
+        shapes["glm-5-8l"] = transformers.GlmMoeDsaConfig(
+            num_hidden_layers=8, tie_word_embeddings=False
+        )
+    return shapes

@@ -1,8 +1,8 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
-(dense, MoE, MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid, short
-convolutions, none), each with the condition it runs under (`refusal`: None, or the HF fallback's
-reason) and its factory (`build`), given the pieces of one family. targets/families.py gives every
-family one of these;
+(dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
+short convolutions, none), each with the condition it runs under (`refusal`: None, or the HF
+fallback's reason) and its factory (`build`), given the pieces of one family. targets/families.py
+gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dflash_async.targets.packed_dense import PackedDenseForward
+from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
 from dflash_async.targets.packed_mla import PackedMLAForward
 from dflash_async.targets.packed_moe_window import (
     MoeWindowLayers,
@@ -51,7 +52,7 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`,
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
     `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
     `packed_short_conv`, `hf`) and why."""
 
@@ -206,6 +207,35 @@ class ShortcutMoePath:
             inner, layer_ids, attention=attention, compile=compile, layers=layers
         )
         how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class DSAPath:
+    """targets/packed_dsa.py (DeepSeek-V3.2, GLM-5): MLA under the lightning indexer's top-k
+    selection, with the family's indexer RoPE (rotate_half or interleaved pairs)."""
+
+    indexer_rope: Callable
+    name = "packed_dsa"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = dsa_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedDSAForward(
+            inner,
+            layer_ids,
+            indexer_rope=self.indexer_rope,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = (
+            f"{model_type}: {attention} document-causal attention under the indexer's top-k, "
+            f"compile={compile}"
+        )
         return _packed(forward, self.name, how)
 
 
