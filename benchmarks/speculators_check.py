@@ -10,7 +10,8 @@ dflash_async export --format speculators`) is read twice:
   (its pydantic validation of every field), `DSparkDraftModel(config)` is built from it, and the
   stored tensors must be exactly its state dict's names, less the verifier's that it takes from the
   target (embed_tokens, lm_head, verifier_lm_head, verifier_norm), with equal shapes; those four
-  are then set from the target;
+  are then set from the target. Where the config's verifier is a local folder, speculators'
+  `SpeculatorModel.from_pretrained` must also load the folder with every stored tensor unchanged;
 - by us: checkpoint/speculators.py's reader into our DSpark drafter.
 One block is then run by both on the same random context features and tokens: speculators'
 training forward with one anchor (its `compute_metrics` is wrapped to record the logits and
@@ -77,6 +78,21 @@ def speculators_model(folder: Path, target):
         model.verifier_lm_head.weight.copy_(head)
         model.verifier_norm.weight.copy_(norm)
     return model.eval(), report
+
+
+def from_pretrained_agrees(folder: Path) -> bool | None:
+    """Whether speculators' own loading path, `SpeculatorModel.from_pretrained(folder)` (which
+    resolves the model class from the config and reads the verifier's tensors from the folder it
+    names), holds every stored tensor unchanged; None when the verifier named is no local folder
+    (nothing is downloaded)."""
+    from speculators import SpeculatorModel
+
+    verifier = json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]
+    if not verifier["name_or_path"] or not Path(verifier["name_or_path"]).is_dir():
+        return None
+    state = SpeculatorModel.from_pretrained(str(folder)).state_dict()
+    stored = load_file(str(folder / "model.safetensors"))
+    return all(k in state and torch.equal(state[k], v) for k, v in stored.items())
 
 
 def their_block(model, features, tokens) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,6 +170,7 @@ def compare(ours_folder: Path, theirs_folder: Path, target, *, seed: int = 0) ->
     result = {
         "speculators_config": type(model.config).__name__,
         **report,
+        "from_pretrained_agrees": from_pretrained_agrees(theirs_folder),
         "slots": [ours.shape[0], theirs.shape[0]],
         "logit_scale": scale,
         "max_logit_error": logit_error,
@@ -166,7 +183,8 @@ def compare(ours_folder: Path, theirs_folder: Path, target, *, seed: int = 0) ->
     else:
         bound = TOLERANCE * max(1.0, our_confidence.abs().max().item())
         confidence_ok = confidence_error is not None and confidence_error <= bound
-    result["ok"] = bool(keys_ok and logits_ok and confidence_ok)
+    loaded_ok = result["from_pretrained_agrees"] is not False
+    result["ok"] = bool(keys_ok and loaded_ok and logits_ok and confidence_ok)
     return result
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from dflash_async.atomic import atomic_directory
@@ -168,8 +169,6 @@ def export_speculators(
     }
     with atomic_directory(out_dir, replaceable=_is_export_dir) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
-        from safetensors.torch import save_file
-
         save_file(bf16, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     get_logger(__name__).info("speculators_exported", path=str(out_dir), tensors=len(bf16))
     return out_dir
