@@ -23,7 +23,7 @@ from external_check_kit import rewrite_export
 from safetensors.torch import load_file
 
 from dflash_async.__main__ import main
-from dflash_async.checkpoint.export import export_drafter
+from dflash_async.checkpoint.export import export_drafter, load_drafter_export
 from dflash_async.checkpoint.formats import FORMATS, write_export
 from dflash_async.checkpoint.speculators import (
     export_speculators,
@@ -153,6 +153,13 @@ def test_what_the_format_cannot_carry_exactly_is_refused(fields: dict, says: str
     config = replace(tiny_config(TinySpec(block_size=5)), sliding_window=8, **fields)
     with pytest.raises(ValueError, match=says):
         speculators_config_json(config, verifier=None)
+
+
+def test_the_default_reader_refuses_a_speculators_export_naming_it(tmp_path: Path) -> None:
+    config, drafter = dspark(markov_rank=8)
+    export_speculators(drafter, config, tmp_path / "out", verifier=None)
+    with pytest.raises(ValueError, match="a vLLM speculators export"):
+        load_drafter_export(tmp_path / "out")
 
 
 def test_the_command_refuses_a_dflash_export_in_one_line(tmp_path: Path, capsys) -> None:
