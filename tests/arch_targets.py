@@ -49,6 +49,27 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
         linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention"],
     )
+    mla_moe = dict(
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+    )
+    # sparse attention: the indexer keeps 4 keys per query, fewer than a prompt has. 16 heads:
+    # with 4, a key whose every head is clipped by the relu scores exactly 0, such keys tie at
+    # a row's top-k edge, and HF's own choice among them then varies with the sequence's length
+    # (a prefix decoded alone and within its continuation disagreed)
+    dsa = dict(index_topk=4, index_n_heads=16, index_head_dim=16)
     table: dict[str, dict[str, Any]] = {
         "llama": dict(intermediate_size=128, head_dim=16),
         "qwen3": dict(intermediate_size=128, head_dim=16),
@@ -95,23 +116,32 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             layer_types=["sliding_attention", "full_attention"],
             hidden_size_per_layer_input=0,
         ),
-        "deepseek_v3": dict(
+        "deepseek_v3": mla_moe,
+        "deepseek_v32": mla_moe | dsa,
+        "glm_moe_dsa": mla_moe | dsa,
+        "qwen3_vl_text": dict(intermediate_size=128, head_dim=16),
+        "lfm2": dict(intermediate_size=128, layer_types=["conv", "full_attention"]),
+        "lfm2_moe": dict(
             intermediate_size=128,
-            moe_intermediate_size=32,
+            **moe,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention"],
+        ),
+        "longcat_flash": dict(
+            num_hidden_layers=4,  # num_layers 2: each listed layer holds two sublayers
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=32,
             n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
+            zero_expert_num=2,
+            moe_topk=2,
             kv_lora_rank=16,
             q_lora_rank=32,
             qk_rope_head_dim=8,
+            head_dim=8,  # the rotary's width: the rope dims
             qk_nope_head_dim=16,
             v_head_dim=16,
             num_key_value_heads=4,
         ),
-        "qwen3_vl_text": dict(intermediate_size=128, head_dim=16),
         "qwen3_vl_moe_text": dict(intermediate_size=128, head_dim=16, **moe),
         "mistral4": dict(
             intermediate_size=128,
@@ -191,10 +221,15 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "minimax_m2": ("MiniMaxM2Config", None),
     "gemma4_text": ("Gemma4TextConfig", None),
     "deepseek_v3": ("DeepseekV3Config", None),
+    "deepseek_v32": ("DeepseekV32Config", None),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", None),
     "qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text"),
     "kimi_k25": ("Kimi_K25Config", "deepseek_v3"),
     "mistral4": ("Mistral4Config", None),
+    "lfm2": ("Lfm2Config", None),
+    "lfm2_moe": ("Lfm2MoeConfig", None),
+    "longcat_flash": ("LongcatFlashConfig", None),
 }
 
 

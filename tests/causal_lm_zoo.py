@@ -87,6 +87,8 @@ TOWER: dict[str, Any] = dict(
 _ASSISTANT = "a draft model: its forward reads the main model's shared KV states"
 _ATTENTION = ("full_attention", "sliding_attention")
 _MLA = dict(num_key_value_heads=4)  # latent attention: as many KV heads as query heads
+# sparse latent attention: a small indexer keeping 4 keys per query, fewer than a record has
+_DSA = _MLA | dict(index_topk=4, index_n_heads=4, index_head_dim=16)
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16)
 
 _SLOW = "{what} run torch's fallback on the CPU: 3 steps take ~{s} s here (their kernels need CUDA)"
@@ -113,7 +115,7 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     ),
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
-    "deepseek_v32": _MLA,
+    "deepseek_v32": _DSA,
     # its vision tower's default MoE schedule (per-layer settings) names 42 layers: one dense
     # layer here; both towers' adapters must match the tiny widths
     "dots3_note": dict(
@@ -141,7 +143,7 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
     "gemma4_unified_assistant": Excluded(_ASSISTANT),
     "glm4_moe_lite": _MLA,
-    "glm_moe_dsa": _MLA,
+    "glm_moe_dsa": _DSA,
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "granitemoehybrid": _MAMBA2,
     "hrm_text": Excluded(
@@ -151,6 +153,8 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "inkling2_text": _INKLING,
     "kimi_linear": Excluded(_SLOW.format(what="its KDA layers", s=70)),
     "kolibri1_1": dict(head_dim=16, index_num_heads=1),
+    # a short convolution then attention (the default makes every layer attention)
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),

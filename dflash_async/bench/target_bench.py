@@ -54,7 +54,9 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
     that run (a routed expert at top_k / num_experts of the tokens), plus QK^T and PV over the
     visible pairs of each attention layer (document-causal, within the window of a sliding
     layer; MLA: the query-key width nope + rope, the value width v_head_dim). Norms, rotary,
-    the routers' top-k and the linear-attention recurrence are not counted."""
+    the routers' top-k and the linear-attention recurrence are not counted. LongCat-Flash's
+    zero-expert choices count as routed ones: its packed forward runs them as stand-in expert
+    rows of weight 0."""
     config, tokens = text_config(model), float(lengths.sum())
     top_k = experts_per_token(config)
     flops = 0.0
@@ -63,8 +65,10 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
             if p.ndim < 2 or name.endswith("scale"):  # biases, norms, sinks; FP8 scales
                 continue
             flops += 2 * tokens * p.numel() * _expert_share(name, p, config, top_k)
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None:
+        attns = getattr(layer, "self_attn", None)
+        if attns is not None and not isinstance(attns, torch.nn.ModuleList):
+            attns = [attns]  # one attention; LongCat-Flash's layers hold a ModuleList of two
+        for attn in attns or ():
             flops += _attention_flops(config, index, lengths, getattr(attn, "head_dim", None))
     return flops
 
@@ -315,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped = unavailable_shapes()
     for name in options.shapes.split(","):
         if name in skipped:
-            print(f"skipping {name}: {skipped[name]}", file=sys.stderr, flush=True)
+            print(f"skipping shape {name}: {skipped[name]}", file=sys.stderr, flush=True)
             continue
         for row in bench_shape(
             name,

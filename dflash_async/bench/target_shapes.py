@@ -1,9 +1,9 @@
 """The public model shapes `bench target` and the other target benchmarks build with random
 weights: `shape_configs()`, name -> (config as published, or truncated where it says, and the
-captured layer ids). A shape is a text config, or a multimodal wrapper's config where the
-language model has no causal-LM class of its own (Qwen3-VL-MoE: the wrapper is what loads);
-`causal_lm_auto_class` (targets/generic_config.py) builds either. Shapes whose config class the
-installed transformers lacks are left out, `unavailable_shapes()` saying why."""
+captured layer ids); `unavailable_shapes()`, name -> why the installed transformers cannot build
+it (skipped, with that reason, by `bench target`). A shape is a text config, or a multimodal
+wrapper's config where its language model has no causal-LM class of its own (Qwen3-VL-MoE: the
+wrapper is what loads); `causal_lm_auto_class` (targets/generic_config.py) builds either."""
 
 from __future__ import annotations
 
@@ -11,25 +11,6 @@ from transformers import PretrainedConfig
 
 from dflash_async.model.drafter_config import default_target_layer_ids
 from dflash_async.targets.config_readers import text_config_of
-
-# Shapes of config classes newer than some transformers we run: name -> the class.
-NEWER_SHAPES = {
-    "gemma4-31b-like": "Gemma4TextConfig",
-    "qwen3-vl-30b-a3b": "Qwen3VLMoeConfig",
-    "mistral-small-4-16l": "Mistral4Config",
-}
-
-
-def unavailable_shapes() -> dict[str, str]:
-    """name -> why `shape_configs()` leaves the shape out (the installed transformers has no
-    config class for it)."""
-    import transformers
-
-    return {
-        name: f"transformers {transformers.__version__} has no {cls}"
-        for name, cls in NEWER_SHAPES.items()
-        if not hasattr(transformers, cls)
-    }
 
 
 def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
@@ -221,8 +202,7 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             (0, 1, 2, 3),
         ),
     }
-    missing = unavailable_shapes()
-    if "qwen3-vl-30b-a3b" not in missing:
+    if hasattr(transformers, "Qwen3VLMoeConfig"):  # see unavailable_shapes
         # Qwen3-VL-30B-A3B: the wrapper (its language model has no causal-LM class; the
         # vision tower, transformers' default of 27 blocks, never runs on text), its language
         # model as published: Qwen3-30B-A3B's layers (48, 128 experts top 8 of width 768, GQA
@@ -253,16 +233,17 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             vision_config=dict(out_hidden_size=2048),
             tie_word_embeddings=False,
         )
-    if "mistral-small-4-16l" not in missing:
-        # Mistral-Small-4-119B-2603's text model (transformers' Mistral4Config defaults are its
-        # config: 36 layers of MLA (q rank 1024, kv rank 256) and 128 experts top 4 + 1 shared
-        # of width 2048, yarn x128 over 8192 positions, Llama 4's query scale with beta 0.1)
+    if hasattr(transformers, "Mistral4Config"):  # see unavailable_shapes
+        # Mistral-Small-4-119B-2603's text model (transformers' Mistral4Config defaults, made
+        # from that checkpoint: 36 layers of MLA (q rank 1024, kv rank 256) and 128 experts top
+        # 4 + 1 shared of width 2048, yarn x128 over 8192 positions, Llama 4's query scale with
+        # beta 0.1; its config.json itself not read here, so n_group is transformers' 1)
         # TRUNCATED to its first 16 of 36 layers: 119B parameters are 238 GB in bf16; 16 layers
         # are ~53B (107 GB)
         shapes["mistral-small-4-16l"] = transformers.Mistral4Config(
             num_hidden_layers=16, tie_word_embeddings=False
         )
-    if "gemma4-31b-like" not in missing:
+    if hasattr(transformers, "Gemma4TextConfig"):  # not in every transformers we run
         # Gemma 4's text layer at the 31B dense shape (60 layers, 5 sliding (1024) : 1 full;
         # 256-wide sliding heads, 512-wide full ones whose values are their raw keys
         # (attention_k_eq_v); 31.0B parameters): Gemma-4-31B's dimensions as recalled, its
@@ -282,9 +263,127 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             vocab_size=262144,
             tie_word_embeddings=True,
         )
+    # LFM2 and LFM2-MoE (values from their published config.json): a transformers older than
+    # their config classes has neither, and leaves these shapes out of the table
+    conv, attention = "conv", "full_attention"
+    lfm2 = dict(
+        max_position_embeddings=128000,
+        norm_eps=1e-5,
+        conv_L_cache=3,
+        conv_bias=False,
+        rope_theta=1_000_000.0,
+        vocab_size=65536,
+        tie_word_embeddings=True,
+    )
+    if hasattr(transformers, "Lfm2Config"):
+        # LFM2-2.6B, the largest dense model of the LFM2 release: 30 layers (22 short convolutions, 8 attention),
+        # its FFN width taken as given (block_auto_adjust_ff_dim off); 2,569,272,320 parameters
+        shapes["lfm2-2.6b"] = transformers.Lfm2Config(
+            hidden_size=2048,
+            intermediate_size=10752,
+            block_auto_adjust_ff_dim=False,
+            num_hidden_layers=30,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            layer_types=[conv, conv, attention, conv, conv, attention]
+            + ([conv, conv, conv, attention] * 4)
+            + [conv, conv, attention, conv, conv, attention, conv, conv],
+            **lfm2,
+        )
+    if hasattr(transformers, "Lfm2MoeConfig"):
+        # LFM2-8B-A1B: 24 layers (18 short convolutions, 6 attention), the first 2 dense, then
+        # 32 experts of width 1792 (top 4, sigmoid router with expert bias); 8.34B parameters
+        shapes["lfm2-8b-a1b"] = transformers.Lfm2MoeConfig(
+            hidden_size=2048,
+            intermediate_size=7168,
+            moe_intermediate_size=1792,
+            num_hidden_layers=24,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_dense_layers=2,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            use_expert_bias=True,
+            routed_scaling_factor=1.0,
+            layer_types=[conv, conv, attention]
+            + ([conv, conv, conv, attention] * 4)
+            + [conv, conv, attention, conv, conv],
+            **lfm2,
+        )
+    if hasattr(transformers, "LongcatFlashConfig"):  # see unavailable_shapes
+        # LongCat-Flash (transformers' defaults are LongCat-Flash-Chat's published config: hidden
+        # 6144, 28 layers of 2 MLA + dense MLP sublayers and a shortcut MoE of 512 experts of
+        # width 2048 plus 256 zero experts, top 12) TRUNCATED to its first 3 of 28 layers: a
+        # layer is ~20.0B parameters (40 GB in bf16), so 3 layers and the embedding and lm_head
+        # (1.6B) are 123 GB, what fits a 140 GB GPU with room for a pack's activations (4 would
+        # be 163 GB). The taps are its 3 listed layers (num_hidden_layers counts 6 sublayers).
+        shapes["longcat-flash-3l"] = (transformers.LongcatFlashConfig(num_layers=3), (0, 1, 2))
+    shapes.update(_sparse_attention_shapes(transformers))
     return {
         name: shape
         if isinstance(shape, tuple)
         else (shape, default_target_layer_ids(text_config_of(shape).num_hidden_layers, 5))
         for name, shape in shapes.items()
     }
+
+
+# Shapes whose config class only newer transformers have: name -> the class it needs.
+_NEWER_SHAPES = {
+    "lfm2-2.6b": "Lfm2Config",
+    "lfm2-8b-a1b": "Lfm2MoeConfig",
+    "longcat-flash-3l": "LongcatFlashConfig",
+    "deepseek-v3.2-7l": "DeepseekV32Config",
+    "glm-5-8l": "GlmMoeDsaConfig",
+    "qwen3-vl-30b-a3b": "Qwen3VLMoeConfig",
+    "mistral-small-4-16l": "Mistral4Config",
+}
+
+
+def unavailable_shapes() -> dict[str, str]:
+    """The shapes this transformers cannot build, name -> why (their config class is newer)."""
+    import transformers
+
+    return {
+        name: f"transformers {transformers.__version__} has no {cls}"
+        for name, cls in _NEWER_SHAPES.items()
+        if not hasattr(transformers, cls)
+    }
+
+
+def _sparse_attention_shapes(transformers) -> dict[str, PretrainedConfig | tuple]:
+    """The DeepSeek Sparse Attention shapes (MLA + lightning indexer) the installed transformers
+    has a config class for (`unavailable_shapes` names the others)."""
+    shapes: dict[str, PretrainedConfig | tuple] = {}
+    if hasattr(transformers, "DeepseekV32Config"):
+        # DeepSeek-V3.2 (transformers' defaults: 61 layers, hidden 7168, MLA 128 heads, 256
+        # experts top 8 + 1 shared, the first 3 layers dense, an indexer of 64 heads x 128 keeping
+        # 2048 keys; its published yarn RoPE, factor 40 over 4096). TRUNCATED to its first 7
+        # layers (3 dense + 4 MoE, ~50B of its 671B parameters, ~99 GB in bf16): one MoE layer
+        # is ~11.5B, so the whole model (1.3 TB) is far from one 140 GB GPU; per-layer speed is
+        # the same. Layers 1-5 captured: the default rule picks layer 2 twice out of 7
+        config = transformers.DeepseekV32Config(
+            num_hidden_layers=7,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+        )
+        shapes["deepseek-v3.2-7l"] = (config, (1, 2, 3, 4, 5))
+    if hasattr(transformers, "GlmMoeDsaConfig"):
+        # GLM-5 (transformers' defaults: 78 layers, hidden 6144, MLA 64 heads with 256-wide
+        # values, 256 experts top 8 + 1 shared, the first 3 layers dense, an indexer of 32 heads
+        # x 128 keeping 2048 keys, every layer its own indexer). TRUNCATED to its first 8 layers
+        # (3 dense + 5 MoE, ~52B of the ~742B its config counts, ~105 GB in bf16): one MoE layer is
+        # ~9.9B; per-layer speed is the same
+        shapes["glm-5-8l"] = transformers.GlmMoeDsaConfig(
+            num_hidden_layers=8, tie_word_embeddings=False
+        )
+    return shapes

@@ -41,9 +41,10 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.targets.loading import frozen_embeddings
 
-# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row) and
-# Gated DeltaNet linear attention (state rolled back, hybrid_state.py).
-_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row), and
+# Gated DeltaNet linear attention and LFM2's short convolutions (state rolled back,
+# hybrid_state.py).
+_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention", "conv"}
 
 
 def evaluation_unsupported_reason(target: PreTrainedModel) -> str | None:

@@ -12,6 +12,9 @@ and unlike attention KV nothing can be cropped afterwards. So, per verify step:
         crop_attention(cache, position)          # attention KV back to the committed prefix
         forward the anchor + accepted drafts     # advance every layer by exactly those tokens
 
+LFM2's short-convolution layers are cached the same way (a linear-attention layer whose one
+state is the conv window) and roll back the same way.
+
 The extra forward costs accepted+1 tokens; when every draft is accepted nothing is rolled back.
 A decoder that skipped the restore would continue from states that saw rejected drafts and stop
 matching greedy decoding (tests/eval/test_evaluate_hybrid.py runs that mutant).

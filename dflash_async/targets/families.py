@@ -8,11 +8,12 @@ model_types and every other one the generic path can run (anything else exits 2 
 A Family carries its README label and planned forward, its options for the shared config
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
-block, the M-RoPE flag of the dense and hybrid paths), what exact decoding must do with its cache
-(`Decoding`), and the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`) train
-on their language model alone on text data (targets/loading.py): their entry names that model's
-model_type and repeats its forward, since the forward is chosen by the text config's model_type
-(on image data the wrapper runs whole, per document: targets/multimodal.py).
+block, the sparse-attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's
+short-convolution path takes none), what exact decoding must do with its cache (`Decoding`), and
+the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`)
+train on their language model alone on text data (targets/loading.py): their entry names that
+model's model_type and repeats its forward, since the forward is chosen by the text config's
+model_type (on image data the wrapper runs whole, per document: targets/multimodal.py).
 
 `STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
 per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
@@ -47,8 +48,10 @@ from dflash_async.targets.hyper_connections import (
     fed_forward_collapse,
     gated_residual_collapse,
 )
+from dflash_async.targets.packed_dense import _rope
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
+    _rope_interleaved,
     llama4_query_scale,
     mla_attention_block,
     partial_rotary_attention_block,
@@ -72,11 +75,14 @@ from dflash_async.targets.packed_window import (
 )
 from dflash_async.targets.paths import (
     DensePath,
+    DSAPath,
     HybridPath,
     MLAPath,
     MoeWindowPath,
     NoPackedPath,
     PackedPath,
+    ShortConvPath,
+    ShortcutMoePath,
     WindowPath,
 )
 
@@ -88,11 +94,15 @@ class Decoding:
     linear_state: Gated DeltaNet layers, whose conv window and recurrent state every verified
       token overwrites: snapshot before each verify, restore and re-advance by the accepted
       tokens (eval/hybrid_state.py); the batched decoder cannot write that state per row.
+      LFM2's short convolutions too: HF caches each as a linear-attention layer whose one
+      state is its conv window, which the same snapshot and restore make exact.
     sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
     recompute: no cache at all: every target forward of the decoder runs the whole sequence
       (any architecture is exact that way; quadratic in the length: eval/recompute.py). The
-      generic family's, whose caches may be anything (Mamba states, RWKV states, ...).
+      generic family's, whose caches may be anything (Mamba states, RWKV states, ...), and the
+      sparse-attention families' (DeepSeek-V3.2, GLM-5), whose cache also holds the indexer's
+      keys, which eval/'s rollback (hybrid_state.crop_attention) does not cut.
     eval/ reads linear_state and sliding_window from the cache's layers and `layer_types` (an exact per-config answer);
     tests/targets/test_families.py checks each family's entry against that.
     """
@@ -133,7 +143,11 @@ class Family:
 _DENSE_WORDS = "packed dense (document-causal attention)"
 _MOE_WORDS = "packed MoE (document-causal attention)"
 _WINDOW_WORDS = "packed window (document-causal sliding window)"
+_DSA_WORDS = (
+    "packed sparse MLA MoE (document-causal attention under the indexer's per-document top-k)"
+)
 _HYBRID_WORDS = "packed hybrid (flash-linear-attention varlen) on CUDA; HF padded batches elsewhere"
+_SHORT_CONV_WORDS = "packed short convolutions per document (document-causal attention)"
 _HYBRID_MOE_WORDS = (
     "packed hybrid MoE (flash-linear-attention varlen, grouped experts) on CUDA; "
     "HF padded batches elsewhere"
@@ -296,6 +310,48 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
                 query_scale=llama4_query_scale,
             ),
             decoding=Decoding(),
+        ),
+        # decoding: HF caches each short convolution as a linear-attention layer holding its
+        # conv window, which linear_state's snapshot and restore make exact (not recompute)
+        "lfm2": Family(
+            label="LFM2 (short convolutions)",
+            planned=_SHORT_CONV_WORDS,
+            reader=ConfigReader(),
+            forward=ShortConvPath(),
+            decoding=Decoding(linear_state=True),
+        ),
+        "lfm2_moe": Family(
+            label="LFM2-MoE (short convolutions)",
+            planned="packed short convolutions per document, sigmoid router "
+            "(document-causal attention)",
+            reader=ConfigReader(),
+            forward=ShortConvPath(),
+            decoding=Decoding(linear_state=True),
+        ),
+        "longcat_flash": Family(
+            label="LongCat-Flash (MLA, shortcut MoE)",
+            planned="packed MLA with shortcut MoE and zero experts (document-causal attention)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=ShortcutMoePath(),
+            # its cache holds the MLA latents in plain growing layers: cropped after a rejected
+            # draft like any full-attention cache (both decoders equal HF's greedy decoding:
+            # tests/targets/test_architectures.py)
+            decoding=Decoding(),
+        ),
+        "deepseek_v32": Family(
+            label="DeepSeek-V3.2 (MLA, sparse attention)",
+            planned=_DSA_WORDS,
+            reader=ConfigReader(latent_attention=True),
+            forward=DSAPath(indexer_rope=_rope),  # the indexer's RoPE: rotate_half
+            decoding=Decoding(recompute=True),
+        ),
+        "glm_moe_dsa": Family(
+            label="GLM-5 (MLA, sparse attention)",
+            planned=_DSA_WORDS,
+            reader=ConfigReader(latent_attention=True),
+            forward=DSAPath(indexer_rope=_rope_interleaved),  # interleaved pairs
+            decoding=Decoding(recompute=True),
         ),
     }
 )

@@ -22,6 +22,8 @@ extents on the host; the packed paths never look at it.
   (`targets/packed_hybrid.py`, its MoE block `targets/packed_hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).
 - `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`targets/packed_moe_window.py`).
+- `packed_short_conv`: LFM2 and LFM2-MoE, their short convolutions per document in plain torch
+  and document-causal attention, on any device (`targets/packed_short_conv.py`).
 - MoE experts: on CUDA the packed paths run every fused HF experts module as
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
   1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);

@@ -23,7 +23,8 @@ columns and zeroed padding rows) with a different layer function:
   configured experts implementation: the grouped path where set) plus the shared experts. The
   routers are ours so that one MoE block serves every family.
 The attention may be compiled (CUDA); the MoE runs eagerly after it (data-dependent routing), as
-packed_dense's Qwen3-MoE does.
+packed_dense's Qwen3-MoE does. `mla_attention`, the MLA core before its residual add, also serves
+LongCat-Flash's sublayers (targets/packed_shortcut_moe.py), with the LoRA scales its modules hold.
 """
 
 from __future__ import annotations
@@ -57,19 +58,27 @@ def _mla_query(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return q.view(1, x.shape[1], -1, attn.qk_head_dim).transpose(1, 2)
 
 
-def mla_attention_block(
-    layer: nn.Module, hidden, cos, sin, mask, attend, query_scale: torch.Tensor | None = None
+def mla_attention(
+    attn: nn.Module, x: torch.Tensor, cos, sin, mask, attend, query_scale=None
 ) -> torch.Tensor:
-    """hidden [1, T, d] + the HF DeepseekV3Attention (or Mistral4Attention) of `layer` (pre-norm
-    residual), document-causal; cos/sin [1, T, rope] from the model's rotary_emb; `query_scale`
-    [1, 1, T, 1]: each query row multiplied by it (`llama4_query_scale`), None: by nothing."""
-    attn = layer.self_attn
-    T, nope, r = hidden.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
-    rope = _rope_interleaved if attn.config.rope_interleave else _rope
-    x = layer.input_layernorm(hidden)
+    """The HF MLA module `attn` on its normed input x [1, T, d], document-causal, before the
+    residual add: -> [1, T, d]. cos/sin [1, T, rope] from the model's rotary_emb. The module's
+    LoRA scales where it has them (LongCat-Flash: q times mla_scale_q_lora before RoPE, the
+    normed kv latent times mla_scale_kv_lora); RoPE interleaved unless the config says not.
+    `query_scale` [1, 1, T, 1]: each query row, after RoPE, multiplied by it (Mistral 4's
+    `llama4_query_scale`); None: by nothing."""
+    T, nope, r = x.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rope = _rope_interleaved if getattr(attn.config, "rope_interleave", True) else _rope
     q = _mla_query(attn, x)  # [1, H, T, nope+r]
+    q_scale = getattr(attn, "mla_scale_q_lora", None)
+    if q_scale is not None:
+        q = q * q_scale
     latent, k_rope = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, r], dim=-1)
-    kv = attn.kv_b_proj(attn.kv_a_layernorm(latent))  # [1, T, H*(nope+v)]
+    latent = attn.kv_a_layernorm(latent)
+    kv_scale = getattr(attn, "mla_scale_kv_lora", None)
+    if kv_scale is not None:
+        latent = latent * kv_scale
+    kv = attn.kv_b_proj(latent)  # [1, T, H*(nope+v)]
     kv = kv.view(1, T, -1, nope + attn.v_head_dim).transpose(1, 2)  # [1, H, T, nope+v]
     k_nope, v = kv.split([nope, attn.v_head_dim], dim=-1)
     k_rope = rope(k_rope.view(1, 1, T, r), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
@@ -78,7 +87,17 @@ def mla_attention_block(
         q = q * query_scale.to(q.dtype)
     k = torch.cat([k_nope, k_rope], dim=-1)  # [1, H, T, nope+r]
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, v]
-    return hidden + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+    return attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+
+def mla_attention_block(
+    layer: nn.Module, hidden, cos, sin, mask, attend, query_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """hidden [1, T, d] + the HF DeepseekV3Attention (or Mistral4Attention) of `layer` (pre-norm
+    residual), document-causal; cos/sin [1, T, rope] from the model's rotary_emb; `query_scale`:
+    see `mla_attention`."""
+    x = layer.input_layernorm(hidden)
+    return hidden + mla_attention(layer.self_attn, x, cos, sin, mask, attend, query_scale)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,7 +168,9 @@ def softmax_grouped_topk(gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor
     return _grouped_choice(gate, scores, scores, 0.0)
 
 
-def moe_mlp_block(layer: nn.Module, hidden: torch.Tensor, router: Callable) -> torch.Tensor:
+def moe_mlp_block(
+    layer: nn.Module, hidden: torch.Tensor, router: Callable = grouped_topk
+) -> torch.Tensor:
     """hidden [1, T, d] + the layer's MLP on its post-attention norm: the dense MLP of the first
     layers, else routed experts (HF experts module, the family's `router`) plus the shared
     experts."""

@@ -1,7 +1,8 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
-(dense, MoE, MLA, sliding window, MoE with windows and sinks, hybrid, none), each with the
-condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory (`build`),
-given the pieces of one family. targets/families.py gives every family one of these;
+(dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
+short convolutions, none), each with the condition it runs under (`refusal`: None, or the HF
+fallback's reason) and its factory (`build`), given the pieces of one family. targets/families.py
+gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
@@ -20,11 +21,20 @@ import torch
 from torch import nn
 
 from dflash_async.targets.packed_dense import PackedDenseForward
+from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
 from dflash_async.targets.packed_mla import PackedMLAForward, grouped_topk
 from dflash_async.targets.packed_moe_window import (
     MoeWindowLayers,
     PackedWindowMoeForward,
     layout_problem,
+)
+from dflash_async.targets.packed_short_conv import (
+    PackedShortConvForward,
+    short_conv_layout_problem,
+)
+from dflash_async.targets.packed_shortcut_moe import (
+    PackedShortcutMoeForward,
+    shortcut_parts_problem,
 )
 from dflash_async.targets.packed_window import (
     PackedWindowForward,
@@ -42,8 +52,9 @@ class FeatureForward(Protocol):
 
 @dataclass
 class TargetPath:
-    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_window`,
-    `packed_moe_window`, `packed_hybrid`, `hf`) and why."""
+    """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
+    `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
+    `packed_short_conv`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -91,16 +102,24 @@ class PackedPath(Protocol):
     ) -> TargetPath: ...
 
 
+def rope_and_act_problem(inner: nn.Module) -> str | None:
+    """None when the rotary has no length-dependent update and the MLPs are SiLU ones."""
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
+    if rope not in _ROPE_TYPES:
+        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+    if getattr(inner.config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {inner.config.hidden_act!r}"
+    return None
+
+
 def dense_layout_problem(inner: nn.Module) -> str | None:
     """None when every decoder layer has the plain pre-norm attention + MLP structure we run."""
     config = inner.config
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
         return "layer_types other than full_attention (sliding windows)"
-    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", None)
-    if rope not in _ROPE_TYPES:
-        return f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
+    problem = rope_and_act_problem(inner)
+    if problem:
+        return problem
     for layer in inner.layers:
         parts = {name for name, _ in layer.named_children()}
         if parts != _LAYER_PARTS or getattr(layer.self_attn, "sliding_window", None):
@@ -177,6 +196,55 @@ class MLAPath:
 
 
 @dataclass(frozen=True)
+class ShortcutMoePath:
+    """targets/packed_shortcut_moe.py: two MLA attention + MLP sublayers and a shortcut MoE with
+    zero experts per decoder layer (LongCat-Flash)."""
+
+    name = "packed_shortcut_moe"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = rope_and_act_problem(inner) or shortcut_parts_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedShortcutMoeForward(
+            inner, layer_ids, attention=attention, compile=compile, layers=layers
+        )
+        how = f"{model_type}: {attention} document-causal attention, compile={compile}"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class DSAPath:
+    """targets/packed_dsa.py (DeepSeek-V3.2, GLM-5): MLA under the lightning indexer's top-k
+    selection, with the family's indexer RoPE (rotate_half or interleaved pairs)."""
+
+    indexer_rope: Callable
+    name = "packed_dsa"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = dsa_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedDSAForward(
+            inner,
+            layer_ids,
+            indexer_rope=self.indexer_rope,
+            attention=attention,
+            compile=compile,
+            layers=layers,
+        )
+        how = (
+            f"{model_type}: {attention} document-causal attention under the indexer's top-k, "
+            f"compile={compile}"
+        )
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
 class WindowPath:
     """targets/packed_window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text)."""
 
@@ -225,6 +293,33 @@ class MoeWindowPath:
             layers=layers,
         )
         how = f"{model_type}: {attention} document-causal attention (windows, sinks as the layers have)"
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class ShortConvPath:
+    """targets/packed_short_conv.py (LFM2, LFM2-MoE): short convolutions per document in plain
+    torch and document-causal attention, on any device."""
+
+    name = "packed_short_conv"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        rotary = getattr(inner, "rotary_emb", None) or getattr(inner, "pos_emb", None)
+        rope = getattr(rotary, "rope_type", None)
+        problem = short_conv_layout_problem(inner)
+        if problem is None and rope not in _ROPE_TYPES:
+            problem = f"rope_type {rope!r} (only {sorted(_ROPE_TYPES)})"
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedShortConvForward(
+            inner, layer_ids, attention=attention, compile=compile, layers=layers
+        )
+        how = (
+            f"{model_type}: short convolutions per document, {attention} document-causal "
+            f"attention, compile={compile}"
+        )
         return _packed(forward, self.name, how)
 
 

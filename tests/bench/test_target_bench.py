@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -45,3 +46,64 @@ def test_weight_bytes_ignores_activations_alive_at_the_time():
     before = weight_bytes(model, [1])
     features = torch.empty(1024, 1024)  # an earlier row's output, alive while weights are counted
     assert weight_bytes(model, [1]) == before and features.numel() > 0
+
+
+def test_the_longcat_flash_shape_fits_a_140_gb_gpu_or_is_skipped_with_a_reason():
+    """Its 3 listed layers (6 sublayers) plus embedding and lm_head: 61.5B parameters, 123 GB
+    in bf16, and a fourth layer (20.0B) would not fit; the taps are listed layers."""
+    import transformers
+
+    from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
+    from dflash_async.targets.families import decoder_layer_count
+
+    if "longcat-flash-3l" in unavailable_shapes():
+        assert "LongcatFlashConfig" in unavailable_shapes()["longcat-flash-3l"]
+        assert "longcat-flash-3l" not in shape_configs()
+        return
+    config, taps = shape_configs()["longcat-flash-3l"]
+    assert decoder_layer_count(config) == 3 and max(taps) < 3
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert 2 * total < 130e9 < 140e9 < 2 * (total + layer)
+
+
+def test_forward_flops_count_every_attention_sublayer_of_a_layer():
+    """A LongCat-Flash layer holds two attention sublayers: twice one MLA layer's pairs."""
+    import numpy as np
+    import transformers
+
+    from dflash_async.bench.target_bench import _attention_flops, forward_flops
+
+    if not hasattr(transformers, "LongcatFlashConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no LongcatFlashConfig")
+    config = transformers.LongcatFlashConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        expert_ffn_hidden_size=16,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        head_dim=4,
+        v_head_dim=8,
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    lengths = np.array([5, 9])
+    weights = forward_flops(model, [0], lengths) - 2 * _attention_flops(config, 0, lengths)
+    layer = model.model.layers[0]
+    share = {".experts.": 2 / 4}  # top 2 of the 4 routed experts' rows
+    want = sum(
+        2 * 14 * p.numel() * next((v for k, v in share.items() if k in f".{n}."), 1.0)
+        for n, p in layer.named_parameters()
+        if p.ndim >= 2
+    )
+    assert weights == want
