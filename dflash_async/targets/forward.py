@@ -48,7 +48,7 @@ from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.errors import SettingsError
 from dflash_async.targets.families import FAMILIES, GENERIC, GENERIC_ROW, family_of
 from dflash_async.targets.generic import GenericForward
-from dflash_async.targets.grouped_experts import swap_compiled_experts
+from dflash_async.targets.grouped_experts import CompiledExperts, swap_compiled_experts
 from dflash_async.targets.loading import TargetFeatures, is_hybrid, text_config, text_model
 from dflash_async.targets.packed_dense import FLEX_TILE, PackedDenseForward
 from dflash_async.targets.paths import NoPackedPath, TargetPath
@@ -150,16 +150,32 @@ def select_target_forward(
 
 def _graphed(path: TargetPath, device: torch.device, *, split: bool) -> TargetPath:
     """`path` replayed from one CUDA graph (targets/graphed.py) where that was measured to hold
-    (a whole PackedDenseForward on CUDA: the packed dense and Qwen3-MoE paths), else as it is;
-    either way the reason says so."""
+    (a whole PackedDenseForward on CUDA: the packed dense and Qwen3-MoE paths, bf16 experts),
+    else as it is; either way the reason says so."""
     packed = getattr(path.forward, "packed", None)
-    if device.type == "cuda" and not split and isinstance(packed, PackedDenseForward):
+    if split:
+        why = "a split stage"
+    elif device.type != "cuda" or not isinstance(packed, PackedDenseForward):
+        why = f"{device.type}, {path.name}"
+    else:
+        why = _grouped_experts_sync(packed)
+    if why is None:
         from dflash_async.targets.graphed import GraphedForward
 
         graphed = GraphedForward(path.forward, device=device)
         return dataclasses.replace(path, forward=graphed, reason=f"{path.reason}; one CUDA graph")
-    why = "a split stage" if split else f"{device.type}, {path.name}"
     return dataclasses.replace(path, reason=f"{path.reason}; not graphed ({why})")
+
+
+def _grouped_experts_sync(packed: PackedDenseForward) -> str | None:
+    """Why `packed`'s CompiledExperts would read the host inside a graph, or None: on Hopper
+    torch._grouped_mm runs its kernel, which takes the group offsets on the device, for bf16
+    operands only; any other dtype takes its per-group fallback, which copies the offsets to the
+    host (a sync, which a CUDA graph capture refuses)."""
+    for module in (m for layer in packed.layer_modules() for m in layer.modules()):
+        if isinstance(module, CompiledExperts) and module.gate_up_proj.dtype != torch.bfloat16:
+            return f"{module.gate_up_proj.dtype} experts: torch._grouped_mm's fallback syncs"
+    return None
 
 
 def _device(model: nn.Module, layers: range | None) -> torch.device:

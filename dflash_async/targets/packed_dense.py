@@ -293,6 +293,10 @@ class PackedRange:
         self.attention = attention
         self.query_rows = SDPA_QUERY_ROWS  # query rows per SDPA call on the "sdpa" path
 
+    def layer_modules(self) -> list[nn.Module]:
+        """The decoder layers this range runs, in order."""
+        return list(self._layers.values())
+
     @torch.no_grad()
     def __call__(
         self,

@@ -50,7 +50,7 @@ def reference(z, t, labels, weights, alphas=ALPHAS):
 
 
 def triton_pass(z, t, labels, weights, **launch):
-    from dflash_async.kernels.dspark_kernel import CE_L1_LAUNCH, ce_l1_and_grad_triton
+    from dflash_async.kernels.ce_l1_kernel import CE_L1_LAUNCH, ce_l1_and_grad_triton
 
     chosen = CE_L1_LAUNCH.__class__(**{**CE_L1_LAUNCH.__dict__, **launch})
     return ce_l1_and_grad_triton(

@@ -38,9 +38,18 @@ from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import random_target, text_model
 
 LongcatFlashConfig = getattr(transformers, "LongcatFlashConfig", None)  # not in older versions
+# transformers 5.17 keeps the zero experts inside the experts module: the packed path refuses
+# that layout (the generic path runs it), so there is nothing here to compare
+_MODELING = getattr(transformers.models, "longcat_flash", None)
+_OLD_LAYOUT = LongcatFlashConfig is not None and "num_routed_experts" not in (
+    _MODELING.modeling_longcat_flash.LongcatFlashMoE.__init__.__code__.co_names
+)
 pytestmark = [
     pytest.mark.usefixtures("one_intra_op_thread"),
     pytest.mark.skipif(LongcatFlashConfig is None, reason="transformers has no LongcatFlashConfig"),
+    pytest.mark.skipif(
+        _OLD_LAYOUT, reason=f"transformers {transformers.__version__}'s LongCat-Flash MoE layout"
+    ),
 ]
 
 ATOL = 1e-5  # see the module docstring
