@@ -177,10 +177,6 @@ class DFlashObjective(nn.Module):
     they are held as plain attributes, never registered as parameters or buffers of this module.
     """
 
-    # ce_kernel "auto" on a GPU: the Triton pass (False: the compiled torch ops, for a kind whose
-    # Triton pass has no recorded GPU test and timing yet)
-    auto_ce_triton = True
-
     def __init__(
         self,
         config: ObjectiveConfig,
@@ -208,8 +204,7 @@ class DFlashObjective(nn.Module):
             )
         self.ce_kernel = config.ce_kernel  # resolved: "triton" or "compiled"
         if self.ce_kernel == "auto":
-            cuda = self.lm_head_weight.is_cuda
-            self.ce_kernel = "triton" if cuda and self.auto_ce_triton else "compiled"
+            self.ce_kernel = "triton" if self.lm_head_weight.is_cuda else "compiled"
         if self.ce_kernel == "triton" and not self.lm_head_weight.is_cuda:
             raise ValueError("ce_kernel='triton' needs the lm_head on a CUDA device")
         self.ce_elementwise = self.ce_pass(

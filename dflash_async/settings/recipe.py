@@ -166,8 +166,8 @@ class _TrainCommon(Section):
     """The CE chunk's elementwise pass: kernels/ce_kernel.py's Triton kernel (GPU only; `auto`
     picks it on a GPU) or the torch ops, compiled where `compile` is on (same result up to fp32
     rounding order). DSpark's CE + L1 pass has its own Triton kernel, kernels/ce_l1_kernel.py,
-    taken with `triton` only: its `auto` is the compiled closed form until the kernel's GPU test
-    and timing are recorded. The CPU always runs the plain torch ops."""
+    which `auto` picks on a GPU too (`compiled`: its closed form in torch ops). The CPU always
+    runs the plain torch ops."""
 
     @field_validator("flex_kernel_options", mode="before")
     @classmethod

@@ -253,9 +253,9 @@ def test_dspark_pass_comparison_catches_mutant(mutant) -> None:
     assert _mismatches(mutant(z, t, labels, weights), ref, z, t, labels, weights) != []
 
 
-def test_a_dspark_objective_on_the_gpu_takes_the_triton_pass_only_when_told() -> None:
-    """ce_kernel triton on a GPU resolves to this kernel (what drafter_kernels_chosen logs);
-    auto and compiled keep the closed form (the kernel is opt-in)."""
+def test_a_dspark_objective_on_the_gpu_takes_the_triton_pass_unless_told_compiled() -> None:
+    """ce_kernel auto and triton on a GPU resolve to this kernel (what drafter_kernels_chosen
+    logs); compiled keeps the closed form."""
     import dataclasses
 
     from conftest import TinySpec, tiny_config, tiny_target_weights
@@ -281,9 +281,8 @@ def test_a_dspark_objective_on_the_gpu_takes_the_triton_pass_only_when_told() ->
         drafter = DSparkDrafter(config).cuda()
         objective = DSparkObjective(objective_config, drafter, embed, lm_head, target_norm=norm)
         chosen[ce_kernel] = (objective.ce_kernel, objective.rows.func)
-    assert chosen["triton"] == ("triton", ce_l1_and_grad_triton)
-    closed_form = ("compiled", dspark_objective.ce_l1_and_grad_from_logits)
-    assert chosen["auto"] == chosen["compiled"] == closed_form
+    assert chosen["auto"] == chosen["triton"] == ("triton", ce_l1_and_grad_triton)
+    assert chosen["compiled"] == ("compiled", dspark_objective.ce_l1_and_grad_from_logits)
 
 
 # The step: kind dspark on the small shape (V = 32000, block 16), ce_kernel triton against
