@@ -2,7 +2,7 @@
 export"): writing it from our drafter and reading it back.
 
 This module owns that convention alone: the config.json that speculators' `DSparkSpeculatorConfig`
-validates (`speculators_model_type` "dspark", a Qwen3 `transformer_layer_config`, the heads'
+validates (the kind's `speculators_model_type`, a Qwen3 `transformer_layer_config`, the heads'
 fields and a `speculators_config` naming the verifier), the map between its fields and a
 DrafterConfig, and the refusals of what it cannot express. The default export
 (checkpoint/export.py, `Qwen3DSparkModel`) is unchanged; checkpoint/formats.py selects between
@@ -45,21 +45,26 @@ from dflash_async.checkpoint.export import (
 )
 from dflash_async.log import get_logger
 from dflash_async.model.drafter_config import DrafterConfig
+from dflash_async.model.kinds import KINDS
 from dflash_async.model.layer_rules import FULL_ATTENTION, layer_types_of
 
-# our kind -> (speculators_model_type, the architecture its config names); a kind not here has
-# no speculators model this module can write exactly
-SPECULATORS_TYPES = {"dspark": ("dspark", "DSparkSpeculator")}
+
+def speculators_types() -> dict[str, tuple[str, str]]:
+    """Our kind -> (speculators_model_type, the architecture its config names), for the kinds
+    whose weights a speculators model loads exactly (model/kinds/, `speculators_model`)."""
+    return {name: k.speculators_model for name, k in KINDS.items() if k.speculators_model}
+
+
 SPECULATORS_VERSION = "0.9.0"  # the release whose DSparkSpeculatorConfig this follows
 
 
 def check_exportable(config: DrafterConfig) -> None:
     """ValueError naming what the speculators convention cannot carry exactly: a kind without a
     speculators model here, sliding or causal layers, an embedding scale."""
-    if config.kind not in SPECULATORS_TYPES:
+    if config.kind not in speculators_types():
         raise ValueError(
             f"no speculators format for a {config.kind!r} drafter (only "
-            f"{', '.join(SPECULATORS_TYPES)}): serve its default export, or convert that with "
+            f"{', '.join(speculators_types())}): serve its default export, or convert that with "
             "speculators' own converter"
         )
     types = set(layer_types_of(config.layer_types, config.num_hidden_layers))
@@ -84,7 +89,7 @@ def speculators_config_json(
     `verifier`: the target's Hugging Face id or path (vLLM serves it as the target, speculators
     loads its embedding, lm_head and final norm from there; None: name none)."""
     check_exportable(config)
-    model_type, architecture = SPECULATORS_TYPES[config.kind]
+    model_type, architecture = speculators_types()[config.kind]
     n = config.num_hidden_layers
     layer = {
         "model_type": "qwen3",
@@ -190,7 +195,7 @@ def drafter_config_from_speculators(
     """The DrafterConfig of a speculators-convention config.json (the inverse of
     speculators_config_json). ValueError for another model type, the B+1 slot convention
     (`sample_from_anchor` false), a reduced draft vocabulary, or a missing field."""
-    known = {spec: kind for kind, (spec, _) in SPECULATORS_TYPES.items()}
+    known = {spec: kind for kind, (spec, _) in speculators_types().items()}
     model_type = cfg.get("speculators_model_type")
     if model_type not in known:
         raise ValueError(f"{where}: speculators_model_type {model_type!r} is not {sorted(known)}")

@@ -48,6 +48,8 @@ def test_every_kind_provides_every_part_of_the_interface(name: str) -> None:
             assert isinstance(value, bool), field.name
         elif field.name == "train_defaults":
             assert set(value) <= set(TrainSettings.model_fields), field.name
+        elif field.name == "speculators_model":  # (model type, architecture) or ()
+            assert len(value) in (0, 2) and all(isinstance(v, str) for v in value), field.name
         else:
             assert callable(value), field.name
     assert len({k.architecture for k in KINDS.values()}) == len(KINDS)  # export tells them apart

@@ -106,4 +106,5 @@ KIND = DrafterKind(
     train_defaults={},
     top_level_fields=no_entries,
     draft_confidence=no_confidence,
+    speculators_model=(),  # speculators' own converter reads its default export
 )

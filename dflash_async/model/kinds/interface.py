@@ -69,6 +69,9 @@ class DrafterKind:
     # (drafter, hidden [b, n, d], drafts [b, n], anchors [b]) -> the predicted acceptance
     # probability of each draft [b, n] (a confidence head's), or None for a kind without one
     draft_confidence: Callable[..., Any]
+    # (speculators_model_type, architecture) of the vLLM speculators model that loads this
+    # kind's weights exactly (checkpoint/speculators.py), () where no such model exists
+    speculators_model: tuple[str, ...]
 
 
 def with_fields(base: type, models: list[type[BaseModel]]) -> type:

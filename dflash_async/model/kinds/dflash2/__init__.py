@@ -178,4 +178,5 @@ KIND = DrafterKind(
     train_defaults={},
     top_level_fields=no_top_level_fields,
     draft_confidence=no_confidence,
+    speculators_model=(),  # speculators' own converter reads its default export
 )

@@ -206,4 +206,5 @@ KIND = DrafterKind(
     train_defaults=TRAIN_DEFAULTS,
     top_level_fields=top_level_fields,
     draft_confidence=draft_confidence,
+    speculators_model=(NAME, "DSparkSpeculator"),
 )
