@@ -134,6 +134,32 @@ def qwen3_vl_config(processor: Any) -> Any:
     )
 
 
+def qwen3_vl_moe_config(processor: Any) -> Any:
+    """Qwen3-VL-MoE's wrapper: Qwen3-VL's tower, image tokens and processor over a
+    mixture-of-experts language model (4 experts, 2 per token)."""
+    from transformers import Qwen3VLMoeConfig
+
+    base = qwen3_vl_config(processor)
+    text = base.text_config.to_dict()
+    text_fields = dict(
+        vocab_size=text["vocab_size"],
+        **TINY_TEXT,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        rope_parameters=text["rope_parameters"],
+    )
+    return Qwen3VLMoeConfig(
+        text_config=text_fields,
+        vision_config=base.vision_config.to_dict(),
+        image_token_id=base.image_token_id,
+        video_token_id=base.video_token_id,
+        vision_start_token_id=base.vision_start_token_id,
+        vision_end_token_id=base.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+
+
 def qwen3_5_config(processor: Any) -> Any:
     """Qwen3.5's wrapper: a hybrid language model (Gated DeltaNet and attention layers, the
     multimodal rotary) over the Qwen3-VL-style tower, image tokens and processor."""
@@ -274,6 +300,9 @@ class Multimodal:
 MULTIMODAL: dict[str, Multimodal] = {
     "qwen3_vl": Multimodal(qwen3_vl_processor, qwen3_vl_config, _qwen_image_tokens, mrope=True),
     "qwen3_5": Multimodal(qwen3_vl_processor, qwen3_5_config, _qwen_image_tokens, mrope=True),
+    "qwen3_vl_moe": Multimodal(
+        qwen3_vl_processor, qwen3_vl_moe_config, _qwen_image_tokens, mrope=True
+    ),
     "gemma3": Multimodal(
         gemma3_processor,
         gemma3_config,

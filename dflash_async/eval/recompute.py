@@ -4,7 +4,9 @@ targets/families.py `Decoding.recompute`): every target forward runs the whole s
 An image prompt decodes this way too, whatever its family: the wrapper's forward computes the
 image features and multimodal positions from the whole sequence and the prompt's vision inputs
 (`RecomputeCache.vision`, data/images.py), so every verify sees exactly what a plain forward of
-the sequence sees.
+the sequence sees. The generated tokens are text to it whatever their ids, as in HF's `generate`:
+a generated image placeholder is embedded as the token it is, never given image features
+(targets/multimodal.py `generated_as_text`).
 
 A generic target's cache may be anything (attention KV, Mamba or RWKV states, a model's own
 cache class) and only some can be cut back after a rejected draft. Recomputing needs none of
@@ -28,17 +30,20 @@ from dflash_async.data.images import extended_inputs
 from dflash_async.eval import hybrid_state
 from dflash_async.targets.families import family_of
 from dflash_async.targets.loading import text_config
+from dflash_async.targets.multimodal import generated_as_text
 
 
 class RecomputeCache:
     """The committed token ids [1, n] of one sequence (no layer holds state), and the prompt's
-    vision inputs for a multimodal wrapper (ImageTextSample.model_inputs; empty for text)."""
+    vision inputs for a multimodal wrapper (ImageTextSample.model_inputs; empty for text) with
+    the prompt's length (the ids of the first forward), after which every token is text."""
 
     layers: tuple = ()  # hybrid_state.has_linear_layers: nothing to snapshot
 
     def __init__(self, vision: Mapping[str, torch.Tensor] | None = None) -> None:
         self.ids: torch.Tensor | None = None
         self.vision = dict(vision or {})
+        self.prompt_length = 0
 
 
 def decodes_by_recompute(target: PreTrainedModel) -> bool:
@@ -64,9 +69,16 @@ def target_forward(
             input_ids=ids, **{cache_kw: cache}, use_cache=True, logits_to_keep=logits_to_keep
         )
         return out.logits
-    whole = ids if cache.ids is None else torch.cat([cache.ids, ids], dim=1)
-    vision = extended_inputs(cache.vision, whole.shape[1])
-    logits = target(input_ids=whole, **vision, use_cache=False).logits  # [1, P+n, V]
+    if cache.ids is None:
+        whole, cache.prompt_length = ids, ids.shape[1]
+    else:
+        whole = torch.cat([cache.ids, ids], dim=1)
+    if cache.vision:
+        vision = extended_inputs(cache.vision, whole.shape[1])
+        with generated_as_text(target, whole, cache.prompt_length) as shown:
+            logits = target(input_ids=shown, **vision, use_cache=False).logits  # [1, P+n, V]
+    else:
+        logits = target(input_ids=whole, use_cache=False).logits
     cache.ids = whole
     return logits[:, -(logits_to_keep or ids.shape[1]) :]
 

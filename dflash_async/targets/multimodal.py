@@ -17,11 +17,18 @@ model alone (targets/loading.py).
 
 The drafter keeps its plain 1-D positions (`PackedBatch.position_ids`, restarting at 0 in every
 document): the multimodal positions are the target's alone.
+
+Decoding an image prompt runs the wrapper on the prompt and the tokens generated after it
+(eval/recompute.py). A generated token is text whatever its id, as in HF's `generate` (whose
+steps after the prompt carry no vision inputs) and in serving engines (which place features at
+the prompt's placeholders only): `generated_as_text` hides generated ids the wrapper would read
+as an image's placeholders or markers (`multimodal_token_ids`) from everything but the embedding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -120,6 +127,70 @@ def multimodal_path(model: nn.Module, layer_ids: Sequence[int]) -> TargetPath:
         "hf_multimodal",
         "image+text data: the wrapper's HF forward per document with its vision inputs",
     )
+
+
+# The wrapper-config fields (a transformers convention; Gemma 3's image_token_index answers to
+# image_token_id) naming tokens whose meaning the wrapper's forward reads from the ids: the
+# placeholders its vision or audio inputs' features replace, and the markers around them from
+# which some wrappers count images for their positions.
+MULTIMODAL_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "audio_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "image_start_token_id",
+    "image_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+    "audio_start_token_id",
+    "audio_end_token_id",
+    "boi_token_id",
+    "eoi_token_id",
+)
+
+
+def multimodal_token_ids(config: Any) -> frozenset[int]:
+    """The ids a wrapper `config` names in MULTIMODAL_TOKEN_FIELDS (none for a text config)."""
+    ids = (getattr(config, name, None) for name in MULTIMODAL_TOKEN_FIELDS)
+    return frozenset(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+@contextmanager
+def generated_as_text(
+    model: nn.Module, ids: torch.Tensor, prompt_length: int
+) -> Iterator[torch.Tensor]:
+    """The ids [1, n] (a prompt of `prompt_length` tokens, then generated ones) to give the
+    wrapper `model`'s forward inside this context: generated multimodal tokens
+    (multimodal_token_ids) become a stand-in id, so that no placeholder mask, image count or
+    position rule sees them, while the input embedding module's output on those ids is that of
+    the real `ids`: every generated token is a text token with its own embedding. RuntimeError
+    if the forward never embedded the ids (a wrapper embedding its input some other way)."""
+    special = multimodal_token_ids(model.config)
+    if not special:
+        yield ids
+        return
+    stand_in = min(set(range(len(special) + 1)) - special)  # any id the wrapper reads as text
+    shown = ids.clone()
+    generated = shown[:, prompt_length:]
+    generated.masked_fill_(
+        torch.isin(generated, torch.tensor(sorted(special), device=ids.device)), stand_in
+    )
+    embedded: list[bool] = []
+
+    def embed_real_ids(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if args and args[0].shape == shown.shape and torch.equal(args[0], shown):
+            embedded.append(True)
+            return module.forward(ids)
+        return output
+
+    handle = model.get_input_embeddings().register_forward_hook(embed_real_ids)
+    try:
+        yield shown
+    finally:
+        handle.remove()
+    if not embedded:
+        raise RuntimeError(f"{type(model).__name__}'s forward did not embed its input_ids")
 
 
 def vision_problem(config: Any) -> str | None:

@@ -28,7 +28,12 @@ from dflash_async.data.images import ImageTextSamples, read_image_samples
 from dflash_async.data.packing import PackCursor, PackedBatch, layout_pack
 from dflash_async.stages.produce import TargetRunner, fill_slot, stage_inputs
 from dflash_async.stages.read import PlannedPack
-from dflash_async.targets.multimodal import MultimodalForward, multimodal_path
+from dflash_async.targets.multimodal import (
+    MultimodalForward,
+    generated_as_text,
+    multimodal_path,
+    multimodal_token_ids,
+)
 from dflash_async.targets.resolve import TargetError
 
 LAYERS = (1, 2)
@@ -263,3 +268,38 @@ def test_deepstack_visual_features_are_in_the_first_layers_features(tmp_path):
         torch.testing.assert_close(features[at : at + n, :d], expected, atol=TOL, rtol=TOL)
         at += n
     assert checked == 3
+
+
+def test_multimodal_token_ids_are_the_wrappers_placeholders_and_markers(target):
+    """Read from the wrapper's own config (Gemma 3's image_token_index answers to
+    image_token_id): the image placeholder and, where the family has them, the video
+    placeholder and the image markers; a text config names none."""
+    processor, model = target
+    config, tokenizer = model.config, processor.tokenizer
+    ids = multimodal_token_ids(config)
+    assert config.image_token_id in ids
+    named = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    named += ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    in_vocabulary = {tokenizer.convert_tokens_to_ids(t) for t in named} - {tokenizer.unk_token_id}
+    assert ids == in_vocabulary & set(range(len(tokenizer)))
+    assert multimodal_token_ids(config.get_text_config()) == frozenset()
+
+
+def test_generated_as_text_hides_generated_multimodal_ids_but_embeds_them(target):
+    """Inside the context the ids shown to the wrapper keep the prompt and every generated text
+    token, generated multimodal ids become one text id, and the input embedding of the shown
+    ids is the embedding of the real ones."""
+    _, model = target
+    special = sorted(multimodal_token_ids(model.config))
+    prompt = [5, special[0], 6]
+    generated = [7, *special, 8]
+    ids = torch.tensor([prompt + generated])
+    embedding = model.get_input_embeddings()
+    with generated_as_text(model, ids, len(prompt)) as shown:
+        embedded = embedding(shown)
+    assert shown[0, : len(prompt)].tolist() == prompt
+    hidden = shown[0, len(prompt) :].tolist()
+    assert hidden[0] == 7 and hidden[-1] == 8 and len(set(hidden[1:-1])) == 1
+    assert not set(hidden) & set(special)
+    assert torch.equal(embedded, embedding(ids))
+    assert not torch.equal(embedding(shown), embedding(ids))  # outside it: the stand-in's
