@@ -142,6 +142,20 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             v_head_dim=16,
             num_key_value_heads=4,
         ),
+        # Muse: local then full (NoPE) layers, the defaults' pattern at 2 layers
+        "muse_glimmer_text": dict(
+            intermediate_size=128, head_dim=16, sliding_window=SLIDING_WINDOW
+        ),
+        "muse_spark_text": dict(
+            intermediate_size=128,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            moe_intermediate_size=32,
+            moe_hidden_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mlp_layer_types=["dense", "sparse"],
+        ),
     }
     return c | table[model_type]
 
@@ -149,6 +163,14 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
 def _vision(model_type: str) -> dict[str, Any]:
     """A one-block vision tower per wrapper (its size is irrelevant: it never runs)."""
     qwen = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    muse = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pos_emb_height=4,
+        pos_emb_width=4,
+    )
     return {
         "qwen3_5": qwen,
         "qwen3_5_moe": qwen,
@@ -161,7 +183,21 @@ def _vision(model_type: str) -> dict[str, Any]:
             image_size=28,
             patch_size=14,
         ),
+        "muse_glimmer": muse,
+        "muse_spark": muse,
     }[model_type]
+
+
+def _wrapper_extra(model_type: str, vocab: int) -> dict[str, Any]:
+    """A wrapper's own fields at tiny size (its projector's widths, Spark's one-block audio
+    tower, whose output width must be the text hidden size)."""
+    muse = dict(out_hidden_size=128, projector_hidden_size=32)  # 32 x a 2 x 2 merge
+    audio = dict(hidden_sizes=[8] * 4, depths=[1] * 4, out_hidden_size=64)
+    return {
+        "gemma3": {"mm_tokens_per_image": 4, "image_token_index": vocab - 1},
+        "muse_glimmer": muse,
+        "muse_spark": muse | {"audio_config": audio},
+    }.get(model_type, {})
 
 
 # model_type -> (config class name, text model_type when a wrapper else None)
@@ -188,6 +224,8 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "lfm2": ("Lfm2Config", None),
     "lfm2_moe": ("Lfm2MoeConfig", None),
     "longcat_flash": ("LongcatFlashConfig", None),
+    "muse_glimmer": ("MuseGlimmerConfig", "muse_glimmer_text"),
+    "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
 }
 
 
@@ -203,16 +241,11 @@ def tiny_config(model_type: str) -> Any:
     cls, text_type = config_class(model_type), ARCHITECTURES[model_type][1]
     if text_type is None:
         return cls(**_text(model_type, vocab, eos))
-    extra = (
-        {"mm_tokens_per_image": 4, "image_token_index": vocab - 1}
-        if text_type == "gemma3_text"
-        else {}
-    )
     return cls(
         text_config=_text(text_type, vocab, eos),
         vision_config=_vision(model_type),
         tie_word_embeddings=False,
-        **extra,
+        **_wrapper_extra(model_type, vocab),
     )
 
 
