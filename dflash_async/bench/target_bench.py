@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.data.packing import layout_pack
@@ -126,6 +127,15 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
+def bench_model(config, *, dtype: torch.dtype) -> torch.nn.Module:
+    """The shape's model with random weights on the current device: its causal LM, or for a
+    text config no causal-LM class takes (a multimodal wrapper's language model: Muse) the
+    decoder stack alone, what a wrapper's target worker runs."""
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return AutoModel.from_config(config, dtype=dtype)
+
+
 def weight_bytes(model: torch.nn.Module, layer_ids: list[int]) -> tuple[int, int]:
     """(bytes of all the model's parameters and buffers, bytes of those a run's target worker
     holds: the input embedding and the decoder layers up to the last captured one, as
@@ -171,7 +181,7 @@ def bench_shape(
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = bench_model(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)

@@ -1,6 +1,7 @@
-"""The sparse-attention benchmark shapes (bench/target_shapes.py): each either builds, fits one
-140 GB GPU in bf16 with room for a pack's activations and takes the packed sparse-MLA forward, or
-is named by `unavailable_shapes` with the reason (an older transformers without its config class)."""
+"""The sparse-attention and Muse benchmark shapes (bench/target_shapes.py): each either builds,
+fits one 140 GB GPU in bf16 with room for a pack's activations and takes its family's packed
+forward (sparse MLA, sliding window), or is named by `unavailable_shapes` with the reason (an
+older transformers without its config class)."""
 
 from __future__ import annotations
 
@@ -25,5 +26,22 @@ def test_a_sparse_attention_shape_fits_one_gpu_or_is_skipped_with_a_reason(name:
     assert family_of(config).forward.name == "packed_dsa"
     with torch.device("meta"):  # sized without memory
         model = AutoModelForCausalLM.from_config(config)
+    weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
+    assert weights < WEIGHT_BYTES < GPU_BYTES, weights
+
+
+@pytest.mark.parametrize("name", ["muse-glimmer-30b", "muse-spark-4l"])
+def test_a_muse_shape_fits_one_gpu_and_takes_the_packed_window_forward(name: str) -> None:
+    """Its text config (no causal-LM class takes it): the decoder stack the benchmark builds."""
+    from dflash_async.bench.target_bench import bench_model
+
+    if name in unavailable_shapes():
+        assert name not in shape_configs() and "has no" in unavailable_shapes()[name]
+        pytest.skip(unavailable_shapes()[name])
+    config, layer_ids = shape_configs()[name]
+    assert len(set(layer_ids)) == len(layer_ids) and max(layer_ids) < config.num_hidden_layers
+    assert family_of(config).forward.name == "packed_window"
+    with torch.device("meta"):
+        model = bench_model(config, dtype=torch.bfloat16)
     weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
     assert weights < WEIGHT_BYTES < GPU_BYTES, weights
