@@ -4,8 +4,9 @@
 have (`GLIMMER_PARTS`, `SPARK_PARTS`).
 
 Both layers are Gemma 2's sandwich (a norm before and after attention and MLP) around a gated
-attention (`gated_attention`), run on the HF modules themselves: the centered (1 + w) RMSNorms,
-the scale-free q/k norm, the projections, the MLP or MoE block. What is ours is the attention core
+attention (`gated_attention`), run on the HF modules themselves: the centered (1 + w) RMSNorms
+(Spark's after attention is scale-free, after the MLP norm((1 + w) x)), the scale-free q/k norm,
+the projections, the MLP or MoE block. What is ours is the attention core
 and its order of operations, read from HF's:
 - q and k each normed per head by the scale-free RMSNorm, q then multiplied by `qk_scale_factor`,
   the logits by the module's `scaling` (1/sqrt(head_dim)); no logit soft-capping;
@@ -17,12 +18,14 @@ and its order of operations, read from HF's:
 Spark adds, per sublayer, the residual gate (`residual_gate`: alpha * residual + beta * update,
 beta = sigmoid(g / temperature), alpha = sqrt(max(sigmoid(-g / temperature) * (1 + beta), eps)),
 in fp32 like its fp32 parameter, cast to the residual's dtype), and its MoE block (the HF module:
-MiniMax-M2's sigmoid top-k router with the correction bias, times `output_multiplier`, weights
-renormalised and scaled; DeepSeek-V3's experts between a down- and an up-projection of the hidden
+MiniMax-M2's sigmoid top-k router with the correction bias, its logits times
+`output_multiplier`, the weights renormalised and scaled (a per-token scale the post-MLP norm
+divides out again); DeepSeek-V3's experts between a down- and an up-projection of the hidden
 size, each expert's output normed) or, on its dense layers, the HF MLP. The MoE block runs
 outside any compiled region (`eager_mlp`), as the other packed MoE paths keep their experts.
 The embedding is HF's normed one (a scale-free RMSNorm after the lookup), called by the window
-forward. The logits' multiplier and soft-cap come after the last layer: not features.
+forward on the ids as they are: the wrappers' own forward embeds their image, video and audio
+placeholder ids as id 0, which text data does not contain. The logits' multiplier and soft-cap come after the last layer: not features.
 """
 
 from __future__ import annotations

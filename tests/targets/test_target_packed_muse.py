@@ -48,6 +48,7 @@ from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_muse, packed_window
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import text_model
 from dflash_async.targets.packed_dense import KeySpans, first_visible_key
 from dflash_async.targets.packed_window import FULL, SLIDING, PackedWindowForward
@@ -279,6 +280,13 @@ def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch
     assert float((layer.mlp(x) - moe).abs().max()) > _MUTANT_GAP  # the MoE output moves
     torch.testing.assert_close(layer.post_feedforward_layernorm(layer.mlp(x)), normed)
     assert _max_deviation(_packed(model, docs), alone) < ATOL  # the features do not
+
+
+def test_the_cuda_paths_experts_swap_keeps_sparks_experts_which_norm_each_output() -> None:
+    """CompiledExperts (targets/grouped_experts.py, swapped in on CUDA) has no post-expert norm:
+    Spark's experts stay HF's."""
+    layers = text_model(_model("muse_spark")).layers
+    assert swap_compiled_experts(layers, compile=False) == {"swapped": 0, "kept": 3}
 
 
 def test_two_stages_of_the_layer_range_give_the_whole_forward(muse) -> None:
