@@ -24,8 +24,8 @@ divides out again); DeepSeek-V3's experts between a down- and an up-projection o
 size, each expert's output normed) or, on its dense layers, the HF MLP. The MoE block runs
 outside any compiled region (`eager_mlp`), as the other packed MoE paths keep their experts.
 The embedding is HF's normed one (a scale-free RMSNorm after the lookup), called by the window
-forward on the ids as they are: the wrappers' own forward embeds their image, video and audio
-placeholder ids as id 0, which text data does not contain. The logits' multiplier and soft-cap come after the last layer: not features.
+forward on the ids as they are, as TargetFeatures runs the language model (a wrapper's own
+forward embeds its image, video and audio placeholder ids as id 0 instead). The logits' multiplier and soft-cap come after the last layer: not features.
 """
 
 from __future__ import annotations
