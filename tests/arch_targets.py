@@ -172,6 +172,20 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
                 llama_4_scaling_beta=0.1,
             ),
         ),
+        # Muse: local then full (NoPE) layers, the defaults' pattern at 2 layers
+        "muse_glimmer_text": dict(
+            intermediate_size=128, head_dim=16, sliding_window=SLIDING_WINDOW
+        ),
+        "muse_spark_text": dict(
+            intermediate_size=128,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            moe_intermediate_size=32,
+            moe_hidden_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mlp_layer_types=["dense", "sparse"],
+        ),
     }
     return c | table[model_type]
 
@@ -179,6 +193,14 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
 def _vision(model_type: str) -> dict[str, Any]:
     """A one-block vision tower per wrapper (its size is irrelevant: it never runs)."""
     qwen = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    muse = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pos_emb_height=4,
+        pos_emb_width=4,
+    )
     return {
         "qwen3_5": qwen,
         "qwen3_5_moe": qwen,
@@ -200,6 +222,8 @@ def _vision(model_type: str) -> dict[str, Any]:
             image_size=28,
             patch_size=14,
         ),
+        "muse_glimmer": muse,
+        "muse_spark": muse,
     }[model_type]
 
 
@@ -230,14 +254,21 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "lfm2": ("Lfm2Config", None),
     "lfm2_moe": ("Lfm2MoeConfig", None),
     "longcat_flash": ("LongcatFlashConfig", None),
+    "muse_glimmer": ("MuseGlimmerConfig", "muse_glimmer_text"),
+    "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
 }
 
 
 def _wrapper_options(model_type: str, vocab: int) -> dict[str, Any]:
-    """A wrapper's own fields the tiny text and tower configs need."""
+    """A wrapper's own fields the tiny text and tower configs need (its projector's widths,
+    Muse Spark's one-block audio tower, whose output width must be the text hidden size)."""
+    muse = dict(out_hidden_size=128, projector_hidden_size=32)  # 32 x a 2 x 2 merge
+    audio = dict(hidden_sizes=[8] * 4, depths=[1] * 4, out_hidden_size=64)
     return {
         "gemma3": {"mm_tokens_per_image": 4, "image_token_index": vocab - 1},
         "kimi_k25": {"projection_hidden_size": 32},  # its projector's norm: the tower's width
+        "muse_glimmer": muse,
+        "muse_spark": muse | {"audio_config": audio},
     }.get(model_type, {})
 
 

@@ -23,6 +23,11 @@ import time
 
 import numpy as np
 import torch
+from transformers import AutoModel
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.data.packing import layout_pack
@@ -126,6 +131,17 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
+def bench_model(config, *, dtype: torch.dtype) -> torch.nn.Module:
+    """The shape's model with random weights on the current device: its causal LM through the
+    auto class its checkpoints load with, or for a text config no such class takes (a
+    multimodal wrapper's language model: Muse) the decoder stack alone, what a wrapper's target
+    worker runs."""
+    registered = (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    if any(config.model_type in names for names in registered):
+        return causal_lm_auto_class(config).from_config(config, dtype=dtype)
+    return AutoModel.from_config(config, dtype=dtype)
+
+
 def weight_bytes(model: torch.nn.Module, layer_ids: list[int]) -> tuple[int, int]:
     """(bytes of all the model's parameters and buffers, bytes of those a run's target worker
     holds: the input embedding and the decoder layers up to the last captured one, as
@@ -171,7 +187,7 @@ def bench_shape(
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
-        model = causal_lm_auto_class(config).from_config(config, dtype=torch.bfloat16)
+        model = bench_model(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)

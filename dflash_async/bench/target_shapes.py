@@ -320,6 +320,7 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # be 163 GB). The taps are its 3 listed layers (num_hidden_layers counts 6 sublayers).
         shapes["longcat-flash-3l"] = (transformers.LongcatFlashConfig(num_layers=3), (0, 1, 2))
     shapes.update(_sparse_attention_shapes(transformers))
+    shapes.update(_muse_shapes(transformers))
     return {
         name: shape
         if isinstance(shape, tuple)
@@ -337,6 +338,8 @@ _NEWER_SHAPES = {
     "glm-5-8l": "GlmMoeDsaConfig",
     "qwen3-vl-30b-a3b": "Qwen3VLMoeConfig",
     "mistral-small-4-16l": "Mistral4Config",
+    "muse-glimmer-30b": "MuseGlimmerTextConfig",
+    "muse-spark-4l": "MuseSparkTextConfig",
 }
 
 
@@ -386,4 +389,35 @@ def _sparse_attention_shapes(transformers) -> dict[str, PretrainedConfig | tuple
         shapes["glm-5-8l"] = transformers.GlmMoeDsaConfig(
             num_hidden_layers=8, tie_word_embeddings=False
         )
+    return shapes
+
+
+def _muse_shapes(transformers) -> dict[str, PretrainedConfig | tuple]:
+    """The Muse language models the installed transformers has a config class for: their text
+    configs, which no causal-LM class takes (the benchmark builds the decoder stack alone, as a
+    wrapper's target worker runs it). No published config.json was read: transformers' defaults,
+    documented as those checkpoints' (meta-models/Muse-Glimmer-30B, Muse-Spark-Open-816B-A42B)."""
+    shapes: dict[str, PretrainedConfig | tuple] = {}
+    if hasattr(transformers, "MuseGlimmerTextConfig"):
+        # Muse-Glimmer-30B's language model (transformers' defaults: 52 layers, hidden 6656,
+        # 32 heads of 128 with 2 KV heads and an output gate, MLP 19968; 3 sliding (2048) : 1
+        # full NoPE layer; a 202048-token vocabulary): 27.9B parameters with the lm_head, its
+        # decoder stack 26.5B (53 GB in bf16), whole
+        shapes["muse-glimmer-30b"] = transformers.MuseGlimmerTextConfig()
+    if hasattr(transformers, "MuseSparkTextConfig"):
+        # Muse Spark's language model (transformers' defaults: 62 layers, hidden 8192, 128 heads
+        # of 64 with 16 KV heads, every layer a MoE of 256 experts of width 4096, top 8, run at a
+        # pooled width of 4096; 3 sliding (2048) : 1 full NoPE layer; 818B parameters)
+        # TRUNCATED to its first 4 layers, their kinds as in the whole model (sliding, full
+        # NoPE, sliding, sliding): a layer is 13.2B parameters (26 GB in bf16), so 4 layers and
+        # the embedding (1.7B) are 54.3B, 109 GB, what fits a 140 GB GPU with room for a pack's
+        # activations (5 would be 135 GB); per-layer speed is the same
+        whole = transformers.MuseSparkTextConfig()
+        config = transformers.MuseSparkTextConfig(
+            num_hidden_layers=4,
+            layer_types=whole.layer_types[:4],
+            layer_rope_theta=whole.layer_rope_theta[:4],
+            mlp_layer_types=whole.mlp_layer_types[:4],
+        )
+        shapes["muse-spark-4l"] = (config, (0, 1, 2, 3))
     return shapes

@@ -66,6 +66,12 @@ from dflash_async.targets.packed_moe_window import (
     minimax_qkv,
     minimax_route,
 )
+from dflash_async.targets.packed_muse import (
+    GLIMMER_PARTS,
+    SPARK_PARTS,
+    muse_glimmer_layer,
+    muse_spark_layer,
+)
 from dflash_async.targets.packed_window import (
     PRE_NORM_PARTS,
     SANDWICH_PARTS,
@@ -203,6 +209,20 @@ _GEMMA3_TEXT = Family(
     planned=_WINDOW_WORDS,
     reader=ConfigReader(),
     forward=WindowPath(WindowLayers(sandwich_layer, SANDWICH_PARTS, per_layer_kinds=True)),
+    decoding=Decoding(sliding_window=True),
+)
+_MUSE_GLIMMER_TEXT = Family(
+    label="Muse Glimmer language model",
+    planned=_WINDOW_WORDS,
+    reader=ConfigReader(),
+    forward=WindowPath(WindowLayers(muse_glimmer_layer, GLIMMER_PARTS, per_layer_kinds=True)),
+    decoding=Decoding(sliding_window=True),
+)
+_MUSE_SPARK_TEXT = Family(
+    label="Muse Spark language model",
+    planned="packed MoE window (document-causal sliding window, sigmoid router)",
+    reader=ConfigReader(),
+    forward=WindowPath(WindowLayers(muse_spark_layer, SPARK_PARTS, per_layer_kinds=True)),
     decoding=Decoding(sliding_window=True),
 )
 
@@ -353,6 +373,15 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             forward=DSAPath(indexer_rope=_rope_interleaved),  # interleaved pairs
             decoding=Decoding(recompute=True),
         ),
+        # no text CausalLM class: the wrappers load whole, their towers dropped (loading.py)
+        "muse_glimmer": _MUSE_GLIMMER_TEXT.wrapped(
+            label="Muse Glimmer multimodal wrapper", language_model="muse_glimmer_text"
+        ),
+        "muse_glimmer_text": _MUSE_GLIMMER_TEXT,
+        "muse_spark": _MUSE_SPARK_TEXT.wrapped(
+            label="Muse Spark multimodal wrapper", language_model="muse_spark_text"
+        ),
+        "muse_spark_text": _MUSE_SPARK_TEXT,
     }
 )
 

@@ -16,8 +16,9 @@ extents on the host; the packed paths never look at it.
 - `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`, Kimi K2.5's language model),
   multi-head latent attention and the grouped-router MoE (`targets/packed_mla.py`); Mistral 4
   the same with a softmax router and Llama 4's per-position query scale.
-- `packed_window`: Mistral, Gemma 3 and Gemma 4 text, sliding windows in the document-causal mask
-  (`targets/packed_window.py`).
+- `packed_window`: Mistral, Gemma 3 and Gemma 4 text, Muse Glimmer and Muse Spark's language
+  models, sliding windows in the document-causal mask (`targets/packed_window.py`; Muse's layers
+  `targets/packed_muse.py`).
 - `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention
   (`targets/packed_hybrid.py`, its MoE block `targets/packed_hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).

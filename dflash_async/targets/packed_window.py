@@ -1,7 +1,8 @@
 """targets/packed_window.py owns the packed forward of dense sliding-window decoders: Mistral (one
 window on every layer), Gemma 3 text (interleaved local/full layers, sandwich norms, a RoPE
-base per layer kind) and Gemma 4 text (its layer: `targets/packed_gemma4.py`), on the same fixed
-pack layout as `targets/packed_dense.py`.
+base per layer kind), Gemma 4 text (its layer: `targets/packed_gemma4.py`) and Muse Glimmer and
+Spark's language models (their gated-attention layers: `targets/packed_muse.py`), on the same
+fixed pack layout as `targets/packed_dense.py`.
 
 The window is part of the document-causal rule: row q sees key k iff doc(k) == doc(q), k <= q and
 q - k < window (HF's `sliding_window_overlay`: kv_idx > q_idx - window), so each row sees the keys
@@ -143,7 +144,7 @@ def pre_norm_layer(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.Te
 
 
 class PackedWindowForward(PackedRange):
-    """Features of a packed layout for Mistral / Gemma 3 / Gemma 4 text (see the module
+    """Features of a packed layout for Mistral / Gemma 3 / Gemma 4 / Muse text (see the module
     docstring): `family` says how its layers run (targets/families.py has each family's).
 
     A PackedRange (packed_dense.py: the call, the layer range, `attention`) whose `compile`

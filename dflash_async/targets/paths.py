@@ -246,7 +246,8 @@ class DSAPath:
 
 @dataclass(frozen=True)
 class WindowPath:
-    """targets/packed_window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text)."""
+    """targets/packed_window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text, Muse
+    Glimmer and Spark text)."""
 
     layers: WindowLayers
     name = "packed_window"

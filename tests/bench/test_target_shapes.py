@@ -1,6 +1,6 @@
 """The benchmark shapes (bench/target_shapes.py): each builds (on the meta device, no memory)
-through the auto class its checkpoints load with, within one 140 GB GPU in bf16, captures
-distinct layers it has, and belongs to a family with a packed forward; the sparse-attention ones
+through the class the benchmark builds it with, within one 140 GB GPU in bf16, captures distinct
+layers it has, and belongs to a family with a packed forward; the sparse-attention and Muse ones
 leave room for a pack's activations; a shape whose config class the installed transformers lacks
 is named by `unavailable_shapes` with the reason (an older transformers), never a crash."""
 
@@ -14,10 +14,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from dflash_async.bench.target_bench import bench_model
 from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.families import FAMILIES, family_of
-from dflash_async.targets.generic_config import causal_lm_auto_class
 
 GPU_BYTES = 140e9
 WEIGHT_BYTES = 120e9  # leaves 20 GB for a pack's activations (packed_dsa's masks: 0.5 GB at 16384)
@@ -44,7 +44,7 @@ def test_every_shape_builds_fits_one_gpu_and_has_a_packed_family(name: str) -> N
     assert len(set(layer_ids)) == len(layer_ids) and max(layer_ids) < text.num_hidden_layers
     assert text.model_type in FAMILIES and FAMILIES[text.model_type].forward.name != "hf"
     with torch.device("meta"):
-        model = causal_lm_auto_class(config).from_config(config, dtype=torch.bfloat16)
+        model = bench_model(config, dtype=torch.bfloat16)
     assert 2 * sum(p.numel() for p in model.parameters()) < GPU_BYTES, name
 
 
@@ -71,3 +71,18 @@ def test_a_shape_of_a_missing_config_class_is_skipped_with_its_reason(
     monkeypatch.setitem(sys.modules, "transformers", _Without(missing))
     assert missing in unavailable_shapes()[name]
     assert name not in shape_configs() and shape_configs()  # the others still build
+
+
+@pytest.mark.parametrize("name", ["muse-glimmer-30b", "muse-spark-4l"])
+def test_a_muse_shape_fits_one_gpu_and_takes_the_packed_window_forward(name: str) -> None:
+    """Its text config (no causal-LM class takes it): the decoder stack the benchmark builds."""
+    if name in unavailable_shapes():
+        assert name not in shape_configs() and "has no" in unavailable_shapes()[name]
+        pytest.skip(unavailable_shapes()[name])
+    config, layer_ids = shape_configs()[name]
+    assert len(set(layer_ids)) == len(layer_ids) and max(layer_ids) < config.num_hidden_layers
+    assert family_of(config).forward.name == "packed_window"
+    with torch.device("meta"):
+        model = bench_model(config, dtype=torch.bfloat16)
+    weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
+    assert weights < WEIGHT_BYTES < GPU_BYTES, weights
