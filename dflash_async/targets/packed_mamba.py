@@ -19,8 +19,8 @@ The recurrence is the chunked state-space dual (SSD) form of Mamba-2, in plain t
 chunk of `chunk_size` rows a masked quadratic form (like attention: C_l . B_s times the decay
 from s to l), across chunks the states passed chunk to chunk. Why plain torch: the Mamba kernels
 (mamba_ssm, causal-conv1d) are not installed on the machines this runs on, and HF's own torch path
-runs one sequence at a time (per document, in padded batches it is inexact) with no way to reset
-its state inside a row. The log-decays with -inf at document starts make every decay product a
+cannot reset its state inside a row, so without this a pack costs one HF forward per document
+(the generic path). The log-decays with -inf at document starts make every decay product a
 plain sum with no subtraction (so never inf - inf), each computed as HF's `segment_sum` computes
 its in-chunk ones; the states are fp32 where HF's are (the scan, the gated norm's statistics).
 
@@ -154,26 +154,24 @@ def document_ssd(
 ) -> torch.Tensor:
     """y [T, H, P]: y_t = C_t . h_t with h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, the state
     zero before every document's first row (the decay into that row is zero), without the D
-    skip. Chunks of `chunk` rows; the pack padded to whole chunks (zero rows, never read) and cut
-    into pieces of SSD_ROWS rows, each run by `piece` with the state the last one left."""
+    skip. Chunks of `chunk` rows, run in pieces of SSD_ROWS rows by `piece`, each from the state
+    the last one left; the last piece padded to whole chunks (zero rows, never read). Each
+    piece's decays and x * dt are formed as it runs: no second [T, H, P] copy of x."""
     T, H, P = x.shape
-    N = B.shape[-1]
-    log_decay = torch.where(starts[:, None], float("-inf"), dt * A)  # [T, H]
-    xdt = x * dt[..., None]
-    pad = -T % chunk
-    if pad:
-        log_decay, xdt, B, C = (
-            F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (log_decay, xdt, B, C)
-        )
     rows = max(chunk, SSD_ROWS // chunk * chunk)
-    state = x.new_zeros(H, P, N)
-    out = []
-    for s in range(0, T + pad, rows):
-        part = [t[s : s + rows] for t in (log_decay, xdt, B, C)]
-        n = part[0].shape[0] // chunk
-        y, state = piece(*(t.reshape(n, chunk, *t.shape[1:]) for t in part), state)
-        out.append(y.reshape(n * chunk, H, P))
-    return torch.cat(out)[:T]
+    state = x.new_zeros(H, P, B.shape[-1])
+    y = torch.empty_like(x)
+    for s in range(0, T, rows):
+        e = min(s + rows, T)
+        log_decay = torch.where(starts[s:e, None], float("-inf"), dt[s:e] * A)  # [rows, H]
+        part = (log_decay, x[s:e] * dt[s:e, :, None], B[s:e], C[s:e])
+        pad = -(e - s) % chunk
+        if pad:
+            part = tuple(F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in part)
+        n = (e - s + pad) // chunk
+        out, state = piece(*(t.reshape(n, chunk, *t.shape[1:]) for t in part), state)
+        y[s:e] = out.reshape(n * chunk, H, P)[: e - s]
+    return y
 
 
 def gated_rms_norm(y, gate, weight, group_size: int, eps: float) -> torch.Tensor:

@@ -231,8 +231,8 @@ def _mutant(old: str, new: str):
 # name -> (old, new, the variant it runs on, the first document it breaks)
 MUTANTS = {
     "state_carried_across_a_document_start": (
-        'torch.where(starts[:, None], float("-inf"), dt * A)',
-        "dt * A",
+        'torch.where(starts[s:e, None], float("-inf"), dt[s:e] * A)',
+        "dt[s:e] * A",
         "nemotron_h",
         1,  # the first document has no document before it
     ),
