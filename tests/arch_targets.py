@@ -127,6 +127,22 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             num_dense_layers=1,
             layer_types=["conv", "full_attention"],
         ),
+        # one block of each kind (Mamba-2, attention, MoE, MLP); chunks of 4 rows, shorter than
+        # a prompt, so a prompt's scan passes state between chunks
+        "nemotron_h": dict(
+            layers_block_type=["linear_attention", "full_attention", "moe", "mlp"],
+            head_dim=16,
+            intermediate_size=128,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
         "longcat_flash": dict(
             num_hidden_layers=4,  # num_layers 2: each listed layer holds two sublayers
             ffn_hidden_size=128,
@@ -256,6 +272,7 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "longcat_flash": ("LongcatFlashConfig", None),
     "muse_glimmer": ("MuseGlimmerConfig", "muse_glimmer_text"),
     "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
+    "nemotron_h": ("NemotronHConfig", None),
 }
 
 

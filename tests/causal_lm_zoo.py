@@ -159,6 +159,10 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "longcat_flash": _MLA | dict(num_layers=2, zero_expert_num=2),  # num_hidden_layers: 4
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=16),
     "minicpm3": _MLA,
+    # its packed forward's Mamba-2 mixers at a small size, chunks of 4 rows (several per record)
+    "nemotron_h": dict(
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16, chunk_size=4
+    ),
     "musicgen": Excluded("a text-to-audio model: its decoder reads several codebooks per step"),
     "musicgen_melody": Excluded(
         "a text-to-audio model: its decoder reads several codebooks per step"

@@ -319,6 +319,35 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # (1.6B) are 123 GB, what fits a 140 GB GPU with room for a pack's activations (4 would
         # be 163 GB). The taps are its 3 listed layers (num_hidden_layers counts 6 sublayers).
         shapes["longcat-flash-3l"] = (transformers.LongcatFlashConfig(num_layers=3), (0, 1, 2))
+    if hasattr(transformers, "NemotronHConfig"):  # see unavailable_shapes
+        # Nemotron-H-8B-Base-8K (values from its published config.json): 52 blocks, 24 Mamba-2
+        # mixers (128 heads x 64, state 128, 8 groups, chunk 128, conv 4), 4 attention blocks (32
+        # heads, 8 KV heads of 128, no positions) and 24 squared-ReLU MLPs of width 21504;
+        # ~8.1B parameters
+        shapes["nemotron-h-8b"] = transformers.NemotronHConfig(
+            hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-M-M-M-M-",
+            hidden_size=4096,
+            intermediate_size=21504,
+            mlp_hidden_act="relu2",
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            chunk_size=128,
+            expand=2,
+            use_conv_bias=True,
+            use_bias=False,
+            mlp_bias=False,
+            attention_bias=False,
+            layer_norm_epsilon=1e-5,
+            vocab_size=131072,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+        )
     shapes.update(_sparse_attention_shapes(transformers))
     shapes.update(_muse_shapes(transformers))
     return {
@@ -340,6 +369,7 @@ _NEWER_SHAPES = {
     "mistral-small-4-16l": "Mistral4Config",
     "muse-glimmer-30b": "MuseGlimmerTextConfig",
     "muse-spark-4l": "MuseSparkTextConfig",
+    "nemotron-h-8b": "NemotronHConfig",
 }
 
 

@@ -41,10 +41,10 @@ from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.targets.loading import frozen_embeddings
 
-# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row), and
-# Gated DeltaNet linear attention and LFM2's short convolutions (state rolled back,
-# hybrid_state.py).
-_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention", "conv"}
+# Layer kinds a decoder here can verify exactly: attention (KV cropped or masked per row),
+# Gated DeltaNet linear attention, LFM2's short convolutions and Nemotron-H's Mamba-2 mixers
+# (state rolled back, hybrid_state.py), and Nemotron-H's MLP and MoE blocks (row-wise: no cache).
+_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention", "conv", "mlp", "moe"}
 
 
 def evaluation_unsupported_reason(target: PreTrainedModel) -> str | None:

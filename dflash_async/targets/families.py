@@ -9,7 +9,7 @@ A Family carries its README label and planned forward, its options for the share
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
 block, the sparse-attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's
-short-convolution path takes none), what exact decoding must do with its cache (`Decoding`), and
+short-convolution and Nemotron-H's Mamba-2 paths take none), what exact decoding must do with its cache (`Decoding`), and
 the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`)
 train on their language model alone on text data (targets/loading.py): their entry names that
 model's model_type and repeats its forward, since the forward is chosen by the text config's
@@ -83,6 +83,7 @@ from dflash_async.targets.paths import (
     DensePath,
     DSAPath,
     HybridPath,
+    MambaPath,
     MLAPath,
     MoeWindowPath,
     NoPackedPath,
@@ -101,7 +102,9 @@ class Decoding:
       token overwrites: snapshot before each verify, restore and re-advance by the accepted
       tokens (eval/hybrid_state.py); the batched decoder cannot write that state per row.
       LFM2's short convolutions too: HF caches each as a linear-attention layer whose one
-      state is its conv window, which the same snapshot and restore make exact.
+      state is its conv window, which the same snapshot and restore make exact; and
+      Nemotron-H's Mamba-2 mixers, cached as linear-attention layers of a conv window and an
+      SSM state.
     sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
     recompute: no cache at all: every target forward of the decoder runs the whole sequence
@@ -382,6 +385,17 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             label="Muse Spark multimodal wrapper", language_model="muse_spark_text"
         ),
         "muse_spark_text": _MUSE_SPARK_TEXT,
+        # decoding: HF caches each Mamba-2 mixer as a linear-attention layer (its conv window
+        # and SSM state), which linear_state's snapshot and restore make exact (not recompute)
+        "nemotron_h": Family(
+            label="Nemotron-H (Mamba-2 hybrid)",
+            planned="packed Mamba-2 hybrid (chunked SSD per document in plain torch, "
+            "document-causal attention)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=MambaPath(),
+            decoding=Decoding(linear_state=True),
+        ),
     }
 )
 

@@ -25,6 +25,8 @@ extents on the host; the packed paths never look at it.
 - `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`targets/packed_moe_window.py`).
 - `packed_short_conv`: LFM2 and LFM2-MoE, their short convolutions per document in plain torch
   and document-causal attention, on any device (`targets/packed_short_conv.py`).
+- `packed_mamba`: Nemotron-H, its Mamba-2 mixers by a chunked SSD per document in plain torch
+  and document-causal attention, on any device (`targets/packed_mamba.py`).
 - MoE experts: on CUDA the packed paths run every fused HF experts module as
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
   1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);

@@ -268,7 +268,9 @@ class PackedRange:
     layer) and its modules, the embedding and rotary modules, the column block of each
     captured layer in the range, `__call__` as the whole range's `stage`, and the copy of a
     captured layer's output into its columns. A subclass defines `stage`. `rotary`: the
-    rotary module where the model does not call it `rotary_emb` (LFM2-MoE's `pos_emb`)."""
+    rotary module where the model does not call it `rotary_emb` (LFM2-MoE's `pos_emb`; None
+    for a model without one, Nemotron-H); `embed`: the token embedding where the model does not
+    call it `embed_tokens` (Nemotron-H's `embeddings`)."""
 
     def __init__(
         self,
@@ -278,14 +280,15 @@ class PackedRange:
         attention: str,
         layers: range | None,
         rotary: nn.Module | None = None,
+        embed: nn.Module | None = None,
     ) -> None:
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention={attention!r} must be 'sdpa' or 'flex'")
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.hidden_size = text_model.config.hidden_size
         self.layers = layers or range(max(self.layer_ids) + 1)
-        self._embed = text_model.embed_tokens
-        self._rotary = text_model.rotary_emb if rotary is None else rotary
+        self._embed = text_model.embed_tokens if embed is None else embed
+        self._rotary = getattr(text_model, "rotary_emb", None) if rotary is None else rotary
         self._layers = dict(
             zip(self.layers, text_model.layers[self.layers.start : self.layers.stop], strict=True)
         )

@@ -1,6 +1,6 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
 (dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
-short convolutions, none), each with the condition it runs under (`refusal`: None, or the HF
+short convolutions, Mamba-2, none), each with the condition it runs under (`refusal`: None, or the HF
 fallback's reason) and its factory (`build`), given the pieces of one family. targets/families.py
 gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash_async.targets.packed_dense import PackedDenseForward
 from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
+from dflash_async.targets.packed_mamba import PackedMambaForward, mamba_layout_problem
 from dflash_async.targets.packed_mla import PackedMLAForward, grouped_topk
 from dflash_async.targets.packed_moe_window import (
     MoeWindowLayers,
@@ -54,7 +55,7 @@ class FeatureForward(Protocol):
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
     `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
-    `packed_short_conv`, `hf`) and why."""
+    `packed_short_conv`, `packed_mamba`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -319,6 +320,29 @@ class ShortConvPath:
         )
         how = (
             f"{model_type}: short convolutions per document, {attention} document-causal "
+            f"attention, compile={compile}"
+        )
+        return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class MambaPath:
+    """targets/packed_mamba.py (Nemotron-H): Mamba-2 mixers by a chunked SSD per document in plain
+    torch and document-causal attention, on any device."""
+
+    name = "packed_mamba"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = mamba_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedMambaForward(
+            inner, layer_ids, attention=attention, compile=compile, layers=layers
+        )
+        how = (
+            f"{model_type}: Mamba-2 chunked SSD per document, {attention} document-causal "
             f"attention, compile={compile}"
         )
         return _packed(forward, self.name, how)

@@ -48,6 +48,28 @@ def test_every_shape_builds_fits_one_gpu_and_has_a_packed_family(name: str) -> N
     assert 2 * sum(p.numel() for p in model.parameters()) < GPU_BYTES, name
 
 
+def test_the_nemotron_h_shape_is_the_8b_model_and_takes_the_packed_mamba_forward() -> None:
+    """Nemotron-H-8B-Base-8K: 24 Mamba-2, 4 attention and 24 MLP blocks, 8,100,852,736
+    parameters (the published 8.1B), its taps among the 52 blocks."""
+    from collections import Counter
+
+    name = "nemotron-h-8b"
+    if name in unavailable_shapes():
+        assert name not in shape_configs() and "NemotronHConfig" in unavailable_shapes()[name]
+        pytest.skip(unavailable_shapes()[name])
+    config, layer_ids = shape_configs()[name]
+    assert max(layer_ids) < config.num_hidden_layers == 52
+    assert Counter(config.layers_block_type) == {
+        "linear_attention": 24,
+        "full_attention": 4,
+        "mlp": 24,
+    }
+    assert family_of(config).forward.name == "packed_mamba"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 8_100_852_736
+
+
 class _Without(types.ModuleType):
     """transformers as an older version is: without the config class `missing`."""
 
@@ -63,7 +85,11 @@ class _Without(types.ModuleType):
 
 @pytest.mark.parametrize(
     ("name", "missing"),
-    [("qwen3-vl-30b-a3b", "Qwen3VLMoeConfig"), ("mistral-small-4-16l", "Mistral4Config")],
+    [
+        ("qwen3-vl-30b-a3b", "Qwen3VLMoeConfig"),
+        ("mistral-small-4-16l", "Mistral4Config"),
+        ("nemotron-h-8b", "NemotronHConfig"),
+    ],
 )
 def test_a_shape_of_a_missing_config_class_is_skipped_with_its_reason(
     name: str, missing: str, monkeypatch
