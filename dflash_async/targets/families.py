@@ -9,7 +9,7 @@ A Family carries its README label and planned forward, its options for the share
 readers (targets/config_readers.py), its packed path with the pieces that forward needs
 (targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
 block, the sparse-attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's
-short-convolution path takes none), what exact decoding must do with its cache (`Decoding`), and
+short-convolution path and DeepSeek-V4's take none), what exact decoding must do with its cache (`Decoding`), and
 the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`)
 train on their language model alone on text data (targets/loading.py): their entry names that
 model's model_type and repeats its forward, since the forward is chosen by the text config's
@@ -72,6 +72,7 @@ from dflash_async.targets.packed_window import (
     sandwich_layer,
 )
 from dflash_async.targets.paths import (
+    DeepseekV4Path,
     DensePath,
     DSAPath,
     HybridPath,
@@ -121,7 +122,8 @@ class Family:
     quant_methods: quant_methods read for this family only (gpt-oss's MXFP4 experts).
     documents_alone: the HF fallback runs each document alone, unpadded (targets/generic.py),
       not in right-padded batches (the generic family: padding is exact only where the
-      attention mask is known to hide it).
+      attention mask is known to hide it; DeepSeek-V4: its taps are STREAM_TAPS collapses,
+      which only the generic forward's hooks take).
     """
 
     label: str
@@ -320,6 +322,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             reader=ConfigReader(latent_attention=True),
             forward=DSAPath(indexer_rope=_rope_interleaved),  # interleaved pairs
             decoding=Decoding(recompute=True),
+        ),
+        "deepseek_v4": Family(
+            label="DeepSeek-V4 (hyper-connections, compressed sparse attention)",
+            planned="packed hyper-connection MoE (document-causal sliding windows, compressed "
+            "blocks per document under the indexer's top-k)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=DeepseekV4Path(),
+            # its cache holds the compressors' buffers, which eval/'s rollback does not cut
+            decoding=Decoding(recompute=True),
+            # where the packed path refuses: the generic forward, whose taps collapse the
+            # streams as STREAM_TAPS says (the padded fallback's hooks take raw layer outputs)
+            documents_alone=True,
         ),
     }
 )

@@ -277,7 +277,9 @@ class PackedDeepseekV4Forward:
         self.layers = range(max(self.layer_ids) + 1)
         self._inner = text_model
         self._columns = stage_columns(self.layer_ids, self.layers)
-        self._taps = {i: fed_forward_collapse(text_model, text_model.layers, i) for i in self._columns}
+        self._taps = {
+            i: fed_forward_collapse(text_model, text_model.layers, i) for i in self._columns
+        }
         self.query_rows = QUERY_ROWS
 
     def _layout(self, position_ids, doc_ids) -> dict:
@@ -313,9 +315,7 @@ class PackedDeepseekV4Forward:
         d = self.hidden_size
         for i in self.layers:
             layer = inner.layers[i]
-            streams = decoder_layer(
-                layer, streams, input_ids, position_ids, doc_ids, rope, layout
-            )
+            streams = decoder_layer(layer, streams, input_ids, position_ids, doc_ids, rope, layout)
             if i in self._columns:
                 j = self._columns[i]
                 features[:, j * d : (j + 1) * d].copy_(self._taps[i](streams)[0])
