@@ -15,7 +15,7 @@ train on their language model alone on text data (targets/loading.py): their ent
 model's model_type and repeats its forward, since the forward is chosen by the text config's
 model_type (on image data the wrapper runs whole, per document: targets/multimodal.py).
 
-`STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
+`STREAM_TAPS` names the model_types whose layers return several residual streams
 per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
 targets/altup.py);
 `LAYER_COUNTS` those whose listed decoder layers are not `num_hidden_layers` many.
@@ -355,11 +355,11 @@ GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
 
 
 # model_type -> how a tap turns a layer's output into one hidden-size feature per token, for the
-# generic-path types whose layers return several residual streams per token: hyper-connections
+# types whose layers return several residual streams per token: hyper-connections
 # (targets/hyper_connections.py) and Gemma 3n's AltUp predictions (targets/altup.py), each
 # collapsed into the tensor the model itself reads from them next. Every other type's tap is the
-# layer's output itself. Read by the training forward's hooks (targets/generic.py) and the
-# decoding hooks (eval/speculative.py).
+# layer's output itself. Read by the training forward's hooks (targets/generic.py), DeepSeek-V4's
+# packed forward (targets/packed_deepseek_v4.py) and the decoding hooks (eval/speculative.py).
 StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
 STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
     {

@@ -7,8 +7,9 @@ the compressors' block layout ours. What is per document, and where it lives:
 - hyper-connections: each layer's `attn_hc` / `ffn_hc` (HF modules, row-wise) collapse the
   `hc_mult` residual streams into the block's input and give the `post` / `comb` weights that
   expand its output and mix the streams (`decoder_layer`). A tap is the stream collapse the
-  generic path takes (targets/hyper_connections.py `fed_forward_collapse`: the next layer's
-  `attn_hc`, or `hc_head` after the last layer), applied to the same streams;
+  generic path takes, the family's STREAM_TAPS entry (targets/families.py; DeepSeek-V4's is
+  targets/hyper_connections.py `fed_forward_collapse`: the next layer's `attn_hc`, or `hc_head`
+  after the last layer), applied to the same streams;
 - RoPE: the model's rotary (`main` for sliding-window layers, `compress` for the others) at the
   document's own positions, on the trailing rope dims of each head, interleaved pairs
   (`rope_tail`); the attention output turned back by the query's angle, as HF does (K = V);
@@ -35,7 +36,7 @@ The attention runs in chunks of QUERY_ROWS query rows (`attend`): each chunk aga
 keys [first - window + 1, end) and the blocks of its documents complete before its end, so its
 logits are [heads, rows, keys seen], never [T, T]; the same torch code on the CPU and on CUDA (no
 flex: the sinks and the per-query block selection are applied as explicit logits). Sync points:
-the block layout (`nonzero`) once per rate and the chunks' block ranges (`tolist`) once per
+the block layout (`nonzero`) and the chunks' block ranges (`tolist`), once per rate per
 forward. The indexer's top-k is discrete: two blocks scored within rounding of each other at a
 row's edge may be chosen differently here and alone (tests/targets/test_target_packed_deepseek_v4.py
 checks seeds without such near-ties), as may the MoE router's top-k.
@@ -45,7 +46,7 @@ Not done here: a split target's stages (the stream tensor [1, T, hc_mult, d] is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.data.packing import document_starts
-from dflash_async.targets.hyper_connections import fed_forward_collapse
 from dflash_async.targets.packed_dense import mask_padding, stage_columns
 
 QUERY_ROWS = 128  # query rows per attention chunk (see the module doc)
@@ -253,6 +253,8 @@ def deepseek_v4_layout_problem(inner: nn.Module) -> str | None:
     kinds = getattr(rotary, "rope_type", None)
     if not isinstance(kinds, dict) or any(t not in _ROPE_TYPES for t in kinds.values()):
         return f"rope types {kinds!r} (only {sorted(_ROPE_TYPES)})"
+    if not isinstance(getattr(inner.config, "sliding_window", None), int):
+        return f"sliding_window {getattr(inner.config, 'sliding_window', None)!r} (not a width)"
     if getattr(inner, "hc_head", None) is None:
         return f"{type(inner).__name__} has no hc_head"
     for layer in inner.layers:
@@ -267,19 +269,18 @@ def deepseek_v4_layout_problem(inner: nn.Module) -> str | None:
 
 class PackedDeepseekV4Forward:
     """The features of a packed layout for a DeepSeek-V4 decoder (see the module doc): the
-    captured layers' stream collapses written into their columns, padding rows zero. The
+    captured layers' stream collapses written into their columns, padding rows zero. `tap`:
+    the family's STREAM_TAPS entry, (model, layers, index) -> that layer's collapse. The
     layers run up to the last captured one; no compile (the block layout and selection are
     data-dependent), the same code on any device."""
 
-    def __init__(self, text_model: nn.Module, layer_ids: Sequence[int]) -> None:
+    def __init__(self, text_model: nn.Module, layer_ids: Sequence[int], *, tap: Callable) -> None:
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.hidden_size = text_model.config.hidden_size
         self.layers = range(max(self.layer_ids) + 1)
         self._inner = text_model
         self._columns = stage_columns(self.layer_ids, self.layers)
-        self._taps = {
-            i: fed_forward_collapse(text_model, text_model.layers, i) for i in self._columns
-        }
+        self._taps = {i: tap(text_model, text_model.layers, i) for i in self._columns}
         self.query_rows = QUERY_ROWS
 
     def _layout(self, position_ids, doc_ids) -> dict:

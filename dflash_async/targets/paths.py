@@ -333,11 +333,17 @@ class DeepseekV4Path:
     needs_cuda = False
 
     def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        from dflash_async.targets.families import stream_tap  # the table imports this module
+
         problem = deepseek_v4_layout_problem(inner)
+        if problem is None and stream_tap(inner.config) is None:
+            problem = "no STREAM_TAPS entry to collapse its streams by"
         return f"{model_type}: {problem}" if problem else None
 
     def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
-        forward = PackedDeepseekV4Forward(inner, layer_ids)
+        from dflash_async.targets.families import stream_tap  # the table imports this module
+
+        forward = PackedDeepseekV4Forward(inner, layer_ids, tap=stream_tap(inner.config))
         how = (
             f"{model_type}: document-causal sliding windows and compressed blocks per document "
             "(torch, chunks of query rows)"

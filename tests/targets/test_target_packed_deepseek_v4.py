@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -39,8 +40,8 @@ from transformers import DeepseekV4Config
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.errors import SettingsError
-from dflash_async.targets import packed_deepseek_v4, paths
-from dflash_async.targets.families import planned_path
+from dflash_async.targets import families, packed_deepseek_v4, paths
+from dflash_async.targets.families import planned_path, stream_tap
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 
@@ -142,7 +143,8 @@ def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) ->
 
 
 def _forward(model, module=packed_deepseek_v4):
-    return module.PackedDeepseekV4Forward(text_model(model), LAYER_IDS)
+    inner = text_model(model)
+    return module.PackedDeepseekV4Forward(inner, LAYER_IDS, tap=stream_tap(inner.config))
 
 
 class _TopkInputs(TorchFunctionMode):
@@ -221,6 +223,22 @@ def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_stre
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "hf" and "a layout it lacks" in path.reason, path.reason
     assert "each document alone" in path.reason
+    layout = layout_pack(docs, TOKEN_BUDGET)
+    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
+    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    _assert_rows_equal_each_document_alone(model, docs, out)
+
+
+def test_the_packed_taps_follow_the_families_stream_tap_as_the_generic_ones_do(
+    monkeypatch,
+) -> None:
+    """One table says how a tap collapses the streams (families.STREAM_TAPS): with another
+    collapse there (the streams' mean), the packed rows still equal the generic path's."""
+    mean = MappingProxyType({"deepseek_v4": lambda model, layers, index: lambda s: s.mean(-2)})
+    monkeypatch.setattr(families, "STREAM_TAPS", mean)
+    model, docs = _model(VARIANTS["deepseek_v4"]()), _documents()
+    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
+    assert path.name == "packed_deepseek_v4", path.reason
     layout = layout_pack(docs, TOKEN_BUDGET)
     out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
     path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
