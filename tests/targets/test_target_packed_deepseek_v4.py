@@ -4,8 +4,9 @@ each tapped layer's residual streams by STREAM_TAPS, targets/hyper_connections.p
 trained on either path reads the same tensor.
 
 The tiny configs exercise every per-document part: a sliding window of 4 with documents of 9-17
-tokens; CSA blocks of 2 rows and HCA blocks of 3 (a document holds 4-8 of each, and its tail
-block may be incomplete); index_topk 2, fewer than the blocks most rows see; two hash-routed MoE
+tokens; CSA blocks of 2 rows and HCA blocks of 3 (a document holds 3-8 of each, and its tail
+block may be incomplete), and a last document of 2 tokens (one CSA block, no HCA one, shorter
+than the window); index_topk 2, fewer than the blocks most rows see; two hash-routed MoE
 layers (tid2eid drawn at random, HF leaves it zero) and two top-k routed ones; 4 residual streams
 whose hyper-connection weights, sinks and pooling position biases are drawn O(1) (HF's init
 makes the streams equal and the biases zero, where a wrong mix or pooling would not show). The
@@ -49,8 +50,8 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 ATOL = 1e-5  # see the module docstring
 MARGIN = 1e-4  # the smallest gap at a top-k edge (see the module docstring)
-LENGTHS = (13, 17, 9, 11)  # four documents, each longer than the window and several blocks
-TOKEN_BUDGET = 56  # 50 real rows + 6 padding rows
+LENGTHS = (13, 17, 9, 11, 2)  # the last shorter than the window and an HCA block, one CSA block
+TOKEN_BUDGET = 56  # 52 real rows + 4 padding rows
 LAYER_IDS = (0, 2, 3)  # sliding, HCA, and the last layer (CSA; the hc_head collapse)
 VOCAB = 300
 EXPERTS, TOP_K = 8, 2
