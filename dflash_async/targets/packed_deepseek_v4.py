@@ -32,14 +32,17 @@ the compressors' block layout ours. What is per document, and where it lives:
   (`attend_chunk`);
 - MoE: the HF block, row-wise: the top-k router reads the row, the hash router the row's own
   token id (`tid2eid[input_ids]`, the pack's input_ids at that row; never a position).
-The attention runs in chunks of QUERY_ROWS query rows (`attend`): each chunk against the token
-keys [first - window + 1, end) and the blocks of its documents complete before its end, so its
-logits are [heads, rows, keys seen], never [T, T]; the same torch code on the CPU and on CUDA (no
-flex: the sinks and the per-query block selection are applied as explicit logits). Sync points:
-the block layout (`nonzero`) and the chunks' block ranges (`tolist`), once per rate per
-forward. The indexer's top-k is discrete: two blocks scored within rounding of each other at a
-row's edge may be chosen differently here and alone (tests/targets/test_target_packed_deepseek_v4.py
-checks seeds without such near-ties), as may the MoE router's top-k.
+The attention runs in chunks of at most QUERY_ROWS query rows cut at every document start
+(`chunk_blocks`, `attention`): each chunk against the token keys [s - window + 1, e) and its
+document's blocks complete by its last row, so its logits are [heads, rows, keys seen], never
+[T, T]; the indexer of a chunk scores all of its document's blocks in order, the later ones at
+-inf, and keeps the top min(index_topk, the document's blocks): the very top-k input HF forms for
+the document alone, so even exact ties (blocks whose every indexer head the relu clips score 0)
+are broken alike where torch.topk breaks ties alike in equal rows (checked on the CPU). The same torch code runs on the CPU and on CUDA (no flex: the sinks and the
+per-query block selection are explicit logits). Sync points: the block layout (`nonzero`) and
+the chunks (`tolist`), once per rate per forward. A near-tie (two blocks' scores within rounding)
+at a row's top-k edge may still be ranked differently here and alone, as may the MoE router's
+(tests/targets/test_target_packed_deepseek_v4.py checks seeds without such near-ties).
 Not done here: a split target's stages (the stream tensor [1, T, hc_mult, d] is not the
 [1, T, d] a stage hands on), so `stage` is None and a split target is refused.
 """
@@ -53,7 +56,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.data.packing import document_starts
 from dflash_async.targets.packed_dense import mask_padding, stage_columns
 
 QUERY_ROWS = 128  # query rows per attention chunk (see the module doc)
@@ -135,25 +137,33 @@ def pool(module: nn.Module, x: torch.Tensor, blocks: Blocks, *, overlap: bool) -
 
 @dataclass(frozen=True)
 class Chunks:
-    """Query chunks [s, e) and the blocks [lo, hi) each may see (its documents' blocks complete
-    before e), for one rate; host lists (one sync)."""
+    """Query chunks [s, e), each inside one document, the range [lo, hi) of that document's
+    blocks (all of them: the indexer's candidates) and [lo, seen) the ones complete by its last
+    row (the attention's), for one rate; a host list (one sync)."""
 
-    bounds: list[tuple[int, int, int, int]]  # (s, e, lo, hi)
+    bounds: list[tuple[int, int, int, int, int]]  # (s, e, lo, seen, hi)
 
 
 def chunk_blocks(doc_ids: torch.Tensor, blocks: Blocks | None, rows: int) -> Chunks:
-    """The chunks of `rows` query rows and their block ranges (none without `blocks`)."""
+    """Chunks of at most `rows` query rows cut at every document start (the padding run counts
+    as one document, with no blocks), each with its document's block range (none without
+    `blocks`)."""
     T = doc_ids.shape[0]
-    s = torch.arange(0, T, rows, device=doc_ids.device)
-    e = (s + rows).clamp(max=T)
-    if blocks is None:
-        return Chunks([(a, b, 0, 0) for a, b in zip(s.tolist(), e.tolist(), strict=True)])
-    first = document_starts(doc_ids)[s]  # the first row of each chunk's first document
-    lo = torch.searchsorted(blocks.start, first)
-    hi = torch.searchsorted(blocks.start + blocks.rate - 1, e - 1, right=True)
-    hi = torch.maximum(lo, hi)
-    bounds = torch.stack([s, e, lo, hi], dim=1).tolist()
-    return Chunks([tuple(b) for b in bounds])
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[1:] = doc_ids[1:] != doc_ids[:-1]
+    starts = torch.nonzero(is_start)[:, 0]  # [documents]
+    ends = torch.cat([starts[1:], starts.new_full((1,), T)])
+    lo = hi = torch.zeros_like(starts)
+    if blocks is not None:
+        lo = torch.searchsorted(blocks.start, starts)
+        hi = torch.searchsorted(blocks.start, ends)
+    rate = blocks.rate if blocks is not None else 1
+    bounds = []
+    for a, b, first, last in torch.stack([starts, ends, lo, hi], dim=1).tolist():
+        for s in range(a, b, rows):
+            e = min(s + rows, b)  # its last row's position is e - 1 - a
+            bounds.append((s, e, first, min(last, first + (e - a) // rate), last))
+    return Chunks(bounds)
 
 
 def attend_chunk(attn: nn.Module, q, keys, mask) -> torch.Tensor:
@@ -205,7 +215,7 @@ def attention(layer, x, positions, doc_ids, rope, layout) -> torch.Tensor:
         index_q = rope_tail(index_q, icos, isin)[0].transpose(0, 1)  # [T, Hi, Di]
     window = attn.sliding_window
     outs = []
-    for s, e, lo, hi in chunks.bounds:
+    for s, e, lo, seen, hi in chunks.bounds:
         a = max(0, s - window + 1)
         rows = torch.arange(s, e, device=x.device)[:, None]
         keys_at = torch.arange(a, e, device=x.device)[None]
@@ -213,17 +223,16 @@ def attention(layer, x, positions, doc_ids, rope, layout) -> torch.Tensor:
         near &= doc_ids[a:e][None] == doc_ids[s:e, None]  # the window restarts per document
         keys, mask = kv[a:e], near
         if pooled is not None and hi > lo:
-            complete = (positions[s:e, None] + 1) // blocks.rate
-            visible = (blocks.doc[lo:hi][None] == doc_ids[s:e, None]) & (
-                blocks.index[lo:hi][None] < complete
-            )  # [rows, hi - lo]
+            same_document = blocks.doc[lo:hi][None] == doc_ids[s:e, None]
+            complete = blocks.index[lo:hi][None] < (positions[s:e, None] + 1) // blocks.rate
+            visible = same_document & complete  # [rows, hi - lo]
             if sparse:
                 scores = index_scores(indexer, index_q[s:e], index_keys[lo:hi], x[0, s:e])
                 scores = scores.masked_fill(~visible, float("-inf"))
                 best = scores.topk(min(indexer.index_topk, hi - lo), dim=-1).indices
                 visible = torch.zeros_like(visible).scatter_(1, best, True) & visible
-            keys = torch.cat([keys, pooled[lo:hi]], dim=0)
-            mask = torch.cat([mask, visible], dim=1)
+            keys = torch.cat([keys, pooled[lo:seen]], dim=0)  # the later ones are not visible
+            mask = torch.cat([mask, visible[:, : seen - lo]], dim=1)
         outs.append(attend_chunk(attn, q[:, s:e], keys, mask))
     out = rope_tail(torch.cat(outs, dim=1)[None], cos, -sin)  # [1, H, T, D]
     grouped = out.transpose(1, 2).reshape(1, T, attn.config.o_groups, -1)

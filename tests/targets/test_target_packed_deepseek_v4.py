@@ -203,6 +203,18 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
     _assert_rows_equal_each_document_alone(model, docs, _packed(_forward(model), docs))
 
 
+def test_exact_ties_at_the_indexers_edge_are_broken_as_hf_breaks_them() -> None:
+    """One indexer head: blocks whose head the relu clips score exactly 0, and such blocks tie
+    at rows' top-k edges (checked). The packed indexer ranks each row's document's blocks in
+    HF's order, the later ones at -inf, with HF's k: the same top-k input as the document
+    alone, so even exact ties are broken alike (torch.topk on equal rows)."""
+    model = _model(DeepseekV4Config(**(_COMMON | dict(index_n_heads=1))))
+    docs = _documents()
+    index_gap, _, sparse_rows = _edge_gaps(model, docs)
+    assert index_gap == 0 and sparse_rows > 0, (index_gap, sparse_rows)
+    _assert_rows_equal_each_document_alone(model, docs, _packed(_forward(model), docs))
+
+
 def test_selected_cpu_path_is_packed_and_exact() -> None:
     model, docs = _model(VARIANTS["deepseek_v4"]()), _documents()
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
@@ -290,8 +302,11 @@ MUTANTS = {
     "overlap_across_documents": (
         ("has_previous = (blocks.index > 0)", "has_previous = (blocks.start >= r)"),
     ),
-    # the indexer ranks every block complete before the row, other documents' too
+    # the indexer ranks every block of the pack complete before the row, other documents' too
+    # (the attention still sees its own document's blocks alone)
     "indexer_across_documents": (
+        ("lo = torch.searchsorted(blocks.start, starts)", "lo = torch.zeros_like(starts)"),
+        ("min(last, first + (e - a) // rate)", "last"),
         (
             'scores = scores.masked_fill(~visible, float("-inf"))',
             "scores = scores.masked_fill("
