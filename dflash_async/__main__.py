@@ -1,5 +1,5 @@
-"""Command line: run | launch | settings | bench | regenerate | eval | calibrate | report, and
---version.
+"""Command line: run | launch | settings | bench | regenerate | eval | calibrate | export | report,
+and --version.
 
 One contract for every command (usage.py): bad input (a setting, argument, file, device or output
 path) -> one line `error: ...` on stderr naming it, exit 2, no traceback, checked before any model
@@ -222,6 +222,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Rewrite a drafter export in another format (the vLLM speculators convention)."""
+    from dflash_async.checkpoint.formats import build_parser as export_parser
+    from dflash_async.checkpoint.formats import run_export
+
+    options = export_parser().parse_args(args.rest)  # bad options: one line, exit 2
+    check_writable_folder(os.path.dirname(os.path.abspath(options.out)), argument="--out")
+    _configure_logging()
+    try:
+        result = run_export(options)
+    except (OSError, ValueError) as error:  # a bad export or a format it cannot take
+        raise UsageError(f"--drafter {options.drafter}: {error}") from error
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def settings_epilog(width: int = 100) -> str:
     """`run --help` and `settings --help`: every DFLASH_* variable with the first sentence of its
     description (docs/training.md has them in full)."""
@@ -269,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help=cmd_calibrate.__doc__, prefix_chars="+", add_help=False)
     cal.add_argument("rest", nargs=argparse.REMAINDER, help="options of calibrate (--help)")
     cal.set_defaults(fn=cmd_calibrate)
+    exp = sub.add_parser("export", help=cmd_export.__doc__, prefix_chars="+", add_help=False)
+    exp.add_argument("rest", nargs=argparse.REMAINDER, help="options of export (export --help)")
+    exp.set_defaults(fn=cmd_export)
     from dflash_async.runlog.command import add_arguments  # argparse only: no matplotlib yet
 
     add_arguments(rep := sub.add_parser("report", help=cmd_report.__doc__))

@@ -162,6 +162,36 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             v_head_dim=16,
             num_key_value_heads=4,
         ),
+        "qwen3_vl_moe_text": dict(intermediate_size=128, head_dim=16, **moe),
+        "mistral4": dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            # the published rope but for the Llama 4 query scale's period (8192): 4, so that
+            # prompts and documents cross its steps
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=128.0,
+                original_max_position_embeddings=4,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                llama_4_scaling_beta=0.1,
+            ),
+        ),
     }
     return c | table[model_type]
 
@@ -173,6 +203,15 @@ def _vision(model_type: str) -> dict[str, Any]:
         "qwen3_5": qwen,
         "qwen3_5_moe": qwen,
         "qwen3_vl": qwen | {"deepstack_visual_indexes": []},
+        "qwen3_vl_moe": qwen | {"deepstack_visual_indexes": []},
+        "kimi_k25": dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            pos_emb_height=4,
+            pos_emb_width=4,
+        ),
         "gemma3": dict(
             hidden_size=32,
             intermediate_size=64,
@@ -205,11 +244,22 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "deepseek_v32": ("DeepseekV32Config", None),
     "glm_moe_dsa": ("GlmMoeDsaConfig", None),
     "qwen3_vl": ("Qwen3VLConfig", "qwen3_vl_text"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "qwen3_vl_moe_text"),
+    "kimi_k25": ("Kimi_K25Config", "deepseek_v3"),
+    "mistral4": ("Mistral4Config", None),
     "lfm2": ("Lfm2Config", None),
     "lfm2_moe": ("Lfm2MoeConfig", None),
     "longcat_flash": ("LongcatFlashConfig", None),
     "deepseek_v4": ("DeepseekV4Config", None),
 }
+
+
+def _wrapper_options(model_type: str, vocab: int) -> dict[str, Any]:
+    """A wrapper's own fields the tiny text and tower configs need."""
+    return {
+        "gemma3": {"mm_tokens_per_image": 4, "image_token_index": vocab - 1},
+        "kimi_k25": {"projection_hidden_size": 32},  # its projector's norm: the tower's width
+    }.get(model_type, {})
 
 
 def config_class(model_type: str) -> Callable[..., Any] | None:
@@ -224,16 +274,11 @@ def tiny_config(model_type: str) -> Any:
     cls, text_type = config_class(model_type), ARCHITECTURES[model_type][1]
     if text_type is None:
         return cls(**_text(model_type, vocab, eos))
-    extra = (
-        {"mm_tokens_per_image": 4, "image_token_index": vocab - 1}
-        if text_type == "gemma3_text"
-        else {}
-    )
     return cls(
         text_config=_text(text_type, vocab, eos),
         vision_config=_vision(model_type),
         tie_word_embeddings=False,
-        **extra,
+        **_wrapper_options(model_type, vocab),
     )
 
 

@@ -1,6 +1,6 @@
 """What the tests of benchmarks/*_check.py share: the check script loaded by its file path (the
 benchmarks are no package), a tiny random export of the demo target (ensure_tiny_target) and one
-run of a check on it.
+run of a check on it, and purpose-made mutants of an export (rewrite_export).
 
 One place for them, so that every external check is run on exports built the same way.
 """
@@ -8,12 +8,14 @@ One place for them, so that every external check is run on exports built the sam
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from conftest import randomize_
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_async.checkpoint.export import export_drafter
@@ -64,3 +66,19 @@ def check_exit_code(name: str, checkout: tuple[str, str], export: Path, target: 
     `checkout`: (its flag, the external checkout's folder)."""
     argv = [*checkout, "--drafter", str(export), "--target", str(target)]
     return check_script(name).main([*argv, "--num-prompts", "2", "--max-new-tokens", "40"])
+
+
+def rewrite_export(folder: Path, *, config: dict | None = None, drop: str = "", swap=()) -> Path:
+    """A purpose-made mutant of the export at `folder`, in place: config fields changed, tensors
+    whose names start with `drop` removed, the two names of `swap` exchanged."""
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors = {k: v for k, v in tensors.items() if not (drop and k.startswith(drop))}
+    if swap:
+        a, b = swap
+        tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(cfg | config))
+    return folder

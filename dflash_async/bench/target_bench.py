@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.data.packing import layout_pack
@@ -32,6 +31,7 @@ from dflash_async.targets.config_readers import experts_per_token
 from dflash_async.targets.forward import HFPaddedForward, select_target_forward
 from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
 from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls
+from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.grouped_experts import CompiledExperts
 from dflash_async.targets.loading import decoder_layers, text_config, text_model
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
@@ -171,7 +171,7 @@ def bench_shape(
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = causal_lm_auto_class(config).from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     d = text_config(model).hidden_size
     lengths = document_lengths(token_budget, seed)

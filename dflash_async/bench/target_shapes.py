@@ -1,13 +1,16 @@
 """The public model shapes `bench target` and the other target benchmarks build with random
 weights: `shape_configs()`, name -> (config as published, or truncated where it says, and the
 captured layer ids); `unavailable_shapes()`, name -> why the installed transformers cannot build
-it (skipped, with that reason, by `bench target`)."""
+it (skipped, with that reason, by `bench target`). A shape is a text config, or a multimodal
+wrapper's config where its language model has no causal-LM class of its own (Qwen3-VL-MoE: the
+wrapper is what loads); `causal_lm_auto_class` (targets/generic_config.py) builds either."""
 
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
 from dflash_async.model.drafter_config import default_target_layer_ids
+from dflash_async.targets.config_readers import text_config_of
 
 
 def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
@@ -154,7 +157,92 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         # Qwen3-Next-80B-A3B (transformers' defaults: 3 Gated DeltaNet : 1 gated attention,
         # 512 experts top 10 + shared) TRUNCATED to its first 16 of 48 layers (160 GB in bf16)
         "qwen3-next-80b-a3b-16l": Qwen3NextConfig(num_hidden_layers=16, tie_word_embeddings=False),
+        # Kimi K2.5's language model (its text config, model_type deepseek_v3, is what loads:
+        # targets/loading.py): Kimi K2's published shape, 61 layers (1 dense, then MoE of 384
+        # experts, top 8 + 1 shared, width 2048), MLA (q rank 1536, kv rank 512), yarn x64 over
+        # 4096 positions. TRUNCATED to its first 4 layers: each MoE layer holds 16.9B parameters
+        # (34 GB in bf16), so 1 dense + 3 MoE layers and the embeddings (~105 GB) are what one
+        # 140 GB GPU holds with a pack's activations; all 4 captured (5 distinct layers there
+        # are not)
+        "kimi-k2.5-4l": (
+            DeepseekV3Config(
+                hidden_size=7168,
+                intermediate_size=18432,
+                moe_intermediate_size=2048,
+                num_hidden_layers=4,
+                num_attention_heads=64,
+                num_key_value_heads=64,
+                n_routed_experts=384,
+                n_shared_experts=1,
+                num_experts_per_tok=8,
+                first_k_dense_replace=1,
+                kv_lora_rank=512,
+                q_lora_rank=1536,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                n_group=1,
+                topk_group=1,
+                routed_scaling_factor=2.827,
+                norm_topk_prob=True,
+                vocab_size=163840,
+                max_position_embeddings=262144,
+                rope_parameters=dict(
+                    rope_type="yarn",
+                    rope_theta=50000.0,
+                    factor=64.0,
+                    original_max_position_embeddings=4096,
+                    beta_fast=1.0,
+                    beta_slow=1.0,
+                    mscale=1.0,
+                    mscale_all_dim=1.0,
+                ),
+                tie_word_embeddings=False,
+            ),
+            (0, 1, 2, 3),
+        ),
     }
+    if hasattr(transformers, "Qwen3VLMoeConfig"):  # see unavailable_shapes
+        # Qwen3-VL-30B-A3B: the wrapper (its language model has no causal-LM class; the
+        # vision tower, transformers' default of 27 blocks, never runs on text), its language
+        # model as published: Qwen3-30B-A3B's layers (48, 128 experts top 8 of width 768, GQA
+        # 32/4 heads of 128) with interleaved M-RoPE [24, 20, 20] at theta 5e6; 61 GB in bf16
+        text = transformers.Qwen3VLMoeTextConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            vocab_size=151936,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=5_000_000.0,
+                mrope_section=[24, 20, 20],
+                mrope_interleaved=True,
+            ),
+            tie_word_embeddings=False,
+        )
+        shapes["qwen3-vl-30b-a3b"] = transformers.Qwen3VLMoeConfig(
+            text_config=text.to_dict(),
+            vision_config=dict(out_hidden_size=2048),
+            tie_word_embeddings=False,
+        )
+    if hasattr(transformers, "Mistral4Config"):  # see unavailable_shapes
+        # Mistral-Small-4-119B-2603's text model (transformers' Mistral4Config defaults, made
+        # from that checkpoint: 36 layers of MLA (q rank 1024, kv rank 256) and 128 experts top
+        # 4 + 1 shared of width 2048, yarn x128 over 8192 positions, Llama 4's query scale with
+        # beta 0.1; its config.json itself not read here, so n_group is transformers' 1)
+        # TRUNCATED to its first 16 of 36 layers: 119B parameters are 238 GB in bf16; 16 layers
+        # are ~53B (107 GB)
+        shapes["mistral-small-4-16l"] = transformers.Mistral4Config(
+            num_hidden_layers=16, tie_word_embeddings=False
+        )
     if hasattr(transformers, "Gemma4TextConfig"):  # not in every transformers we run
         # Gemma 4's text layer at the 31B dense shape (60 layers, 5 sliding (1024) : 1 full;
         # 256-wide sliding heads, 512-wide full ones whose values are their raw keys
@@ -235,7 +323,7 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
     return {
         name: shape
         if isinstance(shape, tuple)
-        else (shape, default_target_layer_ids(shape.num_hidden_layers, 5))
+        else (shape, default_target_layer_ids(text_config_of(shape).num_hidden_layers, 5))
         for name, shape in shapes.items()
     }
 
@@ -247,6 +335,8 @@ _NEWER_SHAPES = {
     "longcat-flash-3l": "LongcatFlashConfig",
     "deepseek-v3.2-7l": "DeepseekV32Config",
     "glm-5-8l": "GlmMoeDsaConfig",
+    "qwen3-vl-30b-a3b": "Qwen3VLMoeConfig",
+    "mistral-small-4-16l": "Mistral4Config",
     "deepseek-v4-flash-8l": "DeepseekV4Config",
 }
 

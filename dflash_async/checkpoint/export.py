@@ -224,7 +224,12 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
     for path in (config_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"drafter export file not found: {path}")
-    config = drafter_config_from_json(json.loads(config_path.read_text()), where=str(config_path))
+    cfg = json.loads(config_path.read_text())
+    if "speculators_model_type" in cfg:  # checkpoint/speculators.py's convention, not this one
+        raise ValueError(
+            f"{config_path}: a vLLM speculators export; read the default export it was made from"
+        )
+    config = drafter_config_from_json(cfg, where=str(config_path))
     stored = {name.removeprefix("model."): t for name, t in read_weights(weights_path).items()}
     expected = expected_weight_shapes(config)
     dropped = sorted(stored.keys() - expected.keys())

@@ -52,8 +52,10 @@ from dflash_async.targets.packed_dense import _rope
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
     _rope_interleaved,
+    llama4_query_scale,
     mla_attention_block,
     partial_rotary_attention_block,
+    softmax_grouped_topk,
 )
 from dflash_async.targets.packed_moe_window import (
     MoeWindowLayers,
@@ -182,6 +184,22 @@ _QWEN3_VL_TEXT = Family(
     forward=DensePath(mrope=True),  # Qwen3's layers; its interleaved M-RoPE takes [3, 1, T]
     decoding=Decoding(),
 )
+_QWEN3_VL_MOE_TEXT = Family(
+    label="Qwen3-VL-MoE language model",
+    planned=_MOE_WORDS,
+    reader=ConfigReader(),
+    # Qwen3-MoE's layers (its router always renormalises the top k) with Qwen3-VL's M-RoPE
+    forward=DensePath(moe_eager=True, mrope=True),
+    decoding=Decoding(),
+)
+_MLA_WORDS = "packed MLA MoE (document-causal attention)"
+_DEEPSEEK_V3 = Family(
+    label="DeepSeek-V3 (MLA)",
+    planned=_MLA_WORDS,
+    reader=ConfigReader(latent_attention=True),
+    forward=MLAPath(mla_attention_block, name="packed_mla"),
+    decoding=Decoding(),
+)
 _GEMMA3_TEXT = Family(
     label="Gemma 3",
     planned=_WINDOW_WORDS,
@@ -229,6 +247,10 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             label="Qwen3-VL multimodal wrapper", language_model="qwen3_vl_text"
         ),
         "qwen3_vl_text": _QWEN3_VL_TEXT,
+        "qwen3_vl_moe": _QWEN3_VL_MOE_TEXT.wrapped(
+            label="Qwen3-VL-MoE multimodal wrapper", language_model="qwen3_vl_moe_text"
+        ),
+        "qwen3_vl_moe_text": _QWEN3_VL_MOE_TEXT,
         "glm4_moe": Family(
             label="GLM-4.5",
             planned=_MOE_WORDS,
@@ -274,11 +296,21 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             decoding=Decoding(),
         ),
-        "deepseek_v3": Family(
-            label="DeepSeek-V3 (MLA)",
-            planned="packed MLA MoE (document-causal attention)",
+        "deepseek_v3": _DEEPSEEK_V3,
+        "kimi_k25": _DEEPSEEK_V3.wrapped(
+            label="Kimi K2.5 multimodal wrapper", language_model="deepseek_v3"
+        ),
+        "mistral4": Family(
+            label="Mistral 4 (MLA)",
+            planned="packed MLA MoE, Llama 4 query scale (document-causal attention)",
             reader=ConfigReader(latent_attention=True),
-            forward=MLAPath(mla_attention_block, name="packed_mla"),
+            # DeepSeek-V3's layers with softmax routing and queries scaled by their position
+            forward=MLAPath(
+                mla_attention_block,
+                name="packed_mla",
+                router=softmax_grouped_topk,
+                query_scale=llama4_query_scale,
+            ),
             decoding=Decoding(),
         ),
         # decoding: HF caches each short convolution as a linear-attention layer holding its

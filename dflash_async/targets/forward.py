@@ -9,11 +9,13 @@ extents on the host; the packed paths never look at it.
 - `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x and Qwen3-VL's language model on text data (its
   M-RoPE given three equal position rows) (`targets/packed_dense.py`); flex + compile on CUDA,
   SDPA in chunks of query rows on the CPU (no [T, T] mask).
-- `packed_moe`: Qwen3-MoE, the same packed forward with the HF MoE block (its grouped experts) run
-  eagerly between compiled attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed_mla.py`
+- `packed_moe`: Qwen3-MoE and Qwen3-VL-MoE's language model (its M-RoPE as Qwen3-VL's), the same
+  packed forward with the HF MoE block (its grouped experts) run eagerly between compiled
+  attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed_mla.py`
   (partial-rotary attention, grouped top-k router with shared experts).
-- `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`), multi-head latent attention
-  and the grouped-router MoE (`targets/packed_mla.py`).
+- `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`, Kimi K2.5's language model),
+  multi-head latent attention and the grouped-router MoE (`targets/packed_mla.py`); Mistral 4
+  the same with a softmax router and Llama 4's per-position query scale.
 - `packed_window`: Mistral, Gemma 3 and Gemma 4 text, sliding windows in the document-causal mask
   (`targets/packed_window.py`).
 - `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention

@@ -59,6 +59,21 @@ def generic_problem(config: Any) -> str | None:
     )
 
 
+def text_causal_lm_class(config: Any) -> type | None:
+    """The class of the causal LM of the text config `config`: transformers' causal-LM class, or
+    for a text model registered only as an image-text-to-text model (Mistral 4's
+    Mistral4ForCausalLM) that one; None where there is none (Qwen3-VL's language model)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    found = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if found is None and getattr(config, "text_config", None) is None:  # not a wrapper
+        found = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    return found
+
+
 def causal_lm_auto_class(config: Any) -> type:
     """The auto class that builds `config`'s whole causal LM: AutoModelForCausalLM, or for a
     model_type transformers registers only as an image-text-to-text model (Mistral 4's text

@@ -27,20 +27,18 @@ import torch
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.targets.config_readers import is_wrapper, text_config_of
 from dflash_async.targets.embeddings import padded_unembedding
 from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.generic import find_decoder_layers, layer_output
-from dflash_async.targets.generic_config import causal_lm_auto_class
+from dflash_async.targets.generic_config import causal_lm_auto_class, text_causal_lm_class
 from dflash_async.targets.quantized import (
     WeightFormat,
     fp8_sources,
@@ -177,8 +175,12 @@ def _device_map(device: torch.device) -> dict[str, Any]:
 
 
 # A wrapper checkpoint's language-model tensors, renamed to a text CausalLM's (`model.*`,
-# `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3).
+# `lm_head`): `model.language_model.*` (Qwen3.5, Qwen3-VL) and `language_model.model.*` (Gemma 3,
+# Kimi K2.5 as released). Kimi K2.5 as transformers saves it names its language model's layers
+# `blocks` (the save reverses its conversion's `blocks` -> `layers`, meant for the vision tower,
+# everywhere): renamed first, before the general rule takes the prefix.
 WRAPPER_KEYS = {
+    r"^language_model\.model\.blocks\.": "model.layers.",
     r"^model\.language_model\.": "model.",
     r"^language_model\.model\.": "model.",
     r"^language_model\.lm_head\.": "lm_head.",
@@ -192,14 +194,15 @@ def _load_language_model(
 ) -> PreTrainedModel:
     """A multimodal wrapper's language model, without its vision tower.
 
-    When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE),
-    that class loads the language model's tensors alone (`WRAPPER_KEYS`; the tower's tensors
-    are left in the files, never read into memory as modules). Qwen3-VL's text model has no such
-    class: the wrapper loads on the CPU and its tower is deleted before the model moves to the
-    device, so the tower never reaches the device and never runs (text-only inputs).
+    When transformers has a CausalLM class for the text config (Gemma 3, Qwen3.5, Qwen3.5-MoE,
+    Kimi K2.5's DeepSeek-V3, Mistral 4 in a Mistral 3 wrapper: `text_causal_lm_class`), that class loads the language model's tensors alone
+    (`WRAPPER_KEYS`; the tower's tensors are left in the files, never read into memory as
+    modules). Qwen3-VL's and Qwen3-VL-MoE's text models have no such class: the wrapper loads on
+    the CPU and its tower is deleted before the model moves to the device, so the tower never
+    reaches the device and never runs (text-only inputs).
     """
     text = text_config_of(config)
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
+    causal_lm = text_causal_lm_class(text)
     if causal_lm is not None:
         return causal_lm.from_pretrained(
             folder,
@@ -406,11 +409,12 @@ def fast_kernel_preflight(model: PreTrainedModel) -> list[str]:
 def random_target(
     config: PretrainedConfig, seed: int, *, dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """A random-weight causal LM from transformers' own initialisation under `seed`.
+    """A random-weight causal LM from transformers' own initialisation under `seed` (built by
+    the auto class that builds its checkpoints: `causal_lm_auto_class`, Mistral 4's included).
 
     The global RNG state is restored afterwards; the same config and seed give the same weights.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = causal_lm_auto_class(config).from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)

@@ -230,8 +230,9 @@ def _whole_layer(layer, hidden, cos, sin, mask, attend):
 
 # MoE blocks whose forward is exactly "route the normed rows (softmax, top-k, renormalised
 # where the router says so), then the experts call": `attention_and_route` computes their
-# router itself (packed_hybrid_moe.route, the same ops in the same order as HF's router).
-ROUTED_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock"})
+# router itself (packed_hybrid_moe.route, the same ops in the same order as HF's router; Qwen3-VL-
+# MoE's router has no norm_topk_prob switch and always renormalises, as route does without one).
+ROUTED_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "Qwen3VLMoeTextSparseMoeBlock"})
 
 
 def attention_and_route(layer, hidden, cos, sin, mask, attend):
@@ -363,6 +364,11 @@ class PackedDenseForward(PackedRange):
             return position_ids[None, None].expand(3, 1, -1)
         return position_ids[None]
 
+    def layer_inputs(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-pack tensors the layer function takes as keywords besides the rotary tables, made
+        from the positions [T] once per stage (a subclass's: packed_mla's query scale); none."""
+        return {}
+
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
         """Run this forward's layer range on `hidden` [1, T, d] (None: embed `input_ids`, the
@@ -374,12 +380,13 @@ class PackedDenseForward(PackedRange):
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d]
         cos, sin = self._rotary(hidden, self.rope_positions(position_ids))  # [1, T, hd] each
+        inputs = self.layer_inputs(position_ids)
         for i, layer in self._layers.items():
             if self._routed:
                 hidden, *routing = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
                 hidden = moe_residual(layer.mlp.experts, hidden, *routing)
             else:
-                hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend)
+                hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend, **inputs)
                 if self._moe_eager:
                     hidden = mlp_block(layer, hidden)
             self.capture(i, hidden, features)

@@ -26,7 +26,7 @@ from dflash_async.targets.packed_deepseek_v4 import (
 )
 from dflash_async.targets.packed_dense import PackedDenseForward
 from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
-from dflash_async.targets.packed_mla import PackedMLAForward
+from dflash_async.targets.packed_mla import PackedMLAForward, grouped_topk
 from dflash_async.targets.packed_moe_window import (
     MoeWindowLayers,
     PackedWindowMoeForward,
@@ -171,10 +171,13 @@ class DensePath:
 @dataclass(frozen=True)
 class MLAPath:
     """targets/packed_mla.py with the family's attention block (DeepSeek-V3's MLA, named
-    packed_mla; GLM-4.5's partial-rotary GQA, named packed_moe) and the grouped-router MoE."""
+    packed_mla; GLM-4.5's partial-rotary GQA, named packed_moe), its grouped router (sigmoid
+    `grouped_topk` by default) and its per-position query scale (Mistral 4's; None: none)."""
 
     attention_block: Callable
     name: str
+    router: Callable = grouped_topk
+    query_scale: Callable | None = None
     needs_cuda = False
 
     def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
@@ -188,6 +191,8 @@ class MLAPath:
             attention_block=self.attention_block,
             attention=attention,
             compile=compile,
+            router=self.router,
+            query_scale=self.query_scale,
             layers=layers,
         )
         how = f"{model_type}: {attention} document-causal attention, compile={compile}"

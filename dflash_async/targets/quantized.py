@@ -41,10 +41,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_async.kernels.fp8_format import FP8_DTYPE, FP8_MAX  # a block's amax lands on 448
 from dflash_async.targets.config_readers import quant_method_of, text_config_of
+from dflash_async.targets.generic_config import text_causal_lm_class
 from dflash_async.targets.resolve import TargetError
 
 FP8_BLOCK = (128, 128)  # the served checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8)
@@ -247,7 +247,7 @@ def load_dequantized(
             for pattern, prefix in wrapper_keys.items()
             if re.match(pattern, name)
         }
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text), None)
+    causal_lm = text_causal_lm_class(text)
     if causal_lm is None:
         raise TargetError(f"a quantized {config.model_type} target has no text CausalLM class")
     return causal_lm.from_pretrained(None, config=text, state_dict=state, dtype=dtype)

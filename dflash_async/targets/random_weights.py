@@ -48,12 +48,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from dflash_async.targets.config_readers import is_wrapper, text_config_of
+from dflash_async.targets.generic_config import text_causal_lm_class
 from dflash_async.targets.loading import NON_TEXT_PARTS, WRAPPER_KEYS, text_model
 from dflash_async.targets.resolve import TargetError
 
@@ -86,8 +84,10 @@ def random_config(folder: Path) -> PretrainedConfig:
 
 
 def meta_target(config: PretrainedConfig, *, dtype: torch.dtype) -> PreTrainedModel:
-    """The text CausalLM of `config` on the meta device (no memory, no init)."""
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    """The text CausalLM of `config` on the meta device (no memory, no init): transformers'
+    causal-LM class, or for a text model registered only as image-text-to-text (Mistral 4's
+    Mistral4ForCausalLM) that one."""
+    causal_lm = text_causal_lm_class(config)
     if causal_lm is None:
         raise TargetError(
             f"DFLASH_TARGET__WEIGHTS=random: model_type {config.model_type!r} has no text "
@@ -122,7 +122,7 @@ def meta_model(folder: Path, *, dtype: torch.dtype, images: bool = False) -> Pre
     else the wrapper without its tower."""
     config = folder_config(folder)
     text = text_config_of(config)
-    if is_wrapper(config) and (images or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING):
+    if is_wrapper(config) and (images or text_causal_lm_class(text) is None):
         return meta_wrapper(config, dtype=dtype, tower=images)
     return meta_target(text, dtype=dtype)
 

@@ -28,7 +28,7 @@ from dflash_async.settings.env import repo_root
 from dflash_async.settings.recipe import TrainSettings
 
 pytestmark = pytest.mark.timeout(120)
-COMMANDS = ("run", "settings", "bench", "regenerate", "eval", "calibrate")
+COMMANDS = ("run", "settings", "bench", "regenerate", "eval", "calibrate", "export")
 
 # The CLI's own main() with the 4th pack's target forward failing: an internal error mid-run.
 FAILING_RUN = """

@@ -33,7 +33,7 @@ from dflash_async.settings.env import load_settings
 from dflash_async.targets.loading import load_target
 from dflash_async.targets.tiny import tiny_tokenizer
 
-# slow: 40 cases, about 40 s in all on two CPU cores (each a few seconds or less)
+# slow: 50 cases, about 50 s in all on two CPU cores (each a few seconds or less)
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),

@@ -25,7 +25,8 @@ LAYERS = [0, 1]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
-    return {kind: save_tiny_target(root / kind, kind) for kind in ("qwen3", "qwen3_moe", "gpt_oss")}
+    kinds = ("qwen3", "qwen3_moe", "gpt_oss", "mistral4")
+    return {kind: save_tiny_target(root / kind, kind) for kind in kinds}
 
 
 def _features(folder: Path, **options: str) -> torch.Tensor:
@@ -46,6 +47,16 @@ def test_an_fp8_checkpoint_loads_with_exactly_the_features_of_its_dequantized_re
     method: str, tiny: dict[str, Path], tmp_path: Path
 ) -> None:
     folder, reference = fp8_checkpoint(tiny["qwen3"], tmp_path, method=method)
+    torch.testing.assert_close(_features(folder), _features(reference), rtol=0, atol=0)
+
+
+def test_an_fp8_mistral4_checkpoint_loads_as_its_text_model_with_its_references_features(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """Mistral 4's text model is registered as image-text-to-text only (as released, its FP8
+    checkpoint): the dequantized weights still load into Mistral4ForCausalLM."""
+    folder, reference = fp8_checkpoint(tiny["mistral4"], tmp_path)
+    assert type(load_target(folder, device="cpu")).__name__ == "Mistral4ForCausalLM"
     torch.testing.assert_close(_features(folder), _features(reference), rtol=0, atol=0)
 
 
