@@ -143,6 +143,26 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=32,
         ),
+        # windows of SLIDING_WINDOW, CSA blocks of 2 rows (the indexer keeping 2, 16 heads as
+        # dsa's), HCA blocks of 4: a prompt holds several of each; hash then top-k routing
+        "deepseek_v4": dict(
+            num_key_value_heads=1,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe"],
+            index_topk=2,
+            index_n_heads=16,
+            index_head_dim=16,
+        ),
         "longcat_flash": dict(
             num_hidden_layers=4,  # num_layers 2: each listed layer holds two sublayers
             ffn_hidden_size=128,
@@ -273,6 +293,7 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "muse_glimmer": ("MuseGlimmerConfig", "muse_glimmer_text"),
     "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
     "nemotron_h": ("NemotronHConfig", None),
+    "deepseek_v4": ("DeepseekV4Config", None),
 }
 
 

@@ -116,6 +116,16 @@ FIXUPS: dict[str, dict[str, Any] | Excluded] = {
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
     "deepseek_v32": _DSA,
+    # its packed forward's windows, compressed blocks (CSA 2 rows, HCA 4) and indexer (keeping
+    # 2) within a record's length (the defaults: windows of 128, HCA blocks of 128)
+    "deepseek_v4": dict(
+        sliding_window=4,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        index_topk=2,
+        index_n_heads=4,
+        index_head_dim=16,
+    ),
     # its vision tower's default MoE schedule (per-layer settings) names 42 layers: one dense
     # layer here; both towers' adapters must match the tiny widths
     "dots3_note": dict(

@@ -370,6 +370,7 @@ _NEWER_SHAPES = {
     "muse-glimmer-30b": "MuseGlimmerTextConfig",
     "muse-spark-4l": "MuseSparkTextConfig",
     "nemotron-h-8b": "NemotronHConfig",
+    "deepseek-v4-flash-8l": "DeepseekV4Config",
 }
 
 
@@ -385,8 +386,9 @@ def unavailable_shapes() -> dict[str, str]:
 
 
 def _sparse_attention_shapes(transformers) -> dict[str, PretrainedConfig | tuple]:
-    """The DeepSeek Sparse Attention shapes (MLA + lightning indexer) the installed transformers
-    has a config class for (`unavailable_shapes` names the others)."""
+    """The sparse-attention shapes (DeepSeek Sparse Attention: MLA + lightning indexer; DeepSeek-V4:
+    compressed blocks under an indexer) the installed transformers has a config class for
+    (`unavailable_shapes` names the others)."""
     shapes: dict[str, PretrainedConfig | tuple] = {}
     if hasattr(transformers, "DeepseekV32Config"):
         # DeepSeek-V3.2 (transformers' defaults: 61 layers, hidden 7168, MLA 128 heads, 256
@@ -418,6 +420,21 @@ def _sparse_attention_shapes(transformers) -> dict[str, PretrainedConfig | tuple
         # ~9.9B; per-layer speed is the same
         shapes["glm-5-8l"] = transformers.GlmMoeDsaConfig(
             num_hidden_layers=8, tie_word_embeddings=False
+        )
+    if hasattr(transformers, "DeepseekV4Config"):
+        # DeepSeek-V4-Flash (transformers' defaults are its shape: 43 layers, hidden 4096, 64
+        # heads of 512 sharing one K=V head, 4 hyper-connection streams, windows of 128, 256
+        # experts top 6 + 1 shared, the first 3 hash-routed, an indexer of 64 heads x 128 keeping
+        # 512 blocks; its layers: 2 sliding-window ones, then CSA (blocks of 4) and HCA (blocks
+        # of 128) alternating). TRUNCATED to its first 8 layers (2 sliding, 3 CSA, 3 HCA; 53.8B of
+        # its 284B parameters, 108 GB in bf16): one layer is ~6.6B (13.2 GB), so 8 layers and the
+        # embedding and lm_head fit a 140 GB GPU with room for a pack's activations (9 would be
+        # 121 GB); per-layer speed is the same. Its compressed branches' yarn RoPE scaling is
+        # left at the default rope (the speed is the same)
+        layer_types = ["sliding_attention"] * 2
+        layer_types += ["compressed_sparse_attention", "heavily_compressed_attention"] * 3
+        shapes["deepseek-v4-flash-8l"] = transformers.DeepseekV4Config(
+            num_hidden_layers=8, layer_types=layer_types, tie_word_embeddings=False
         )
     return shapes
 

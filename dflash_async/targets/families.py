@@ -5,17 +5,18 @@ model_types and every other one the generic path can run (anything else exits 2 
 `unsupported_reason`); the README's target table is generated from it (forward.py's
 `architecture_table`); `select_target_forward` takes the family's packed path from it.
 
-A Family carries its README label and planned forward, its options for the shared config
-readers (targets/config_readers.py), its packed path with the pieces that forward needs
-(targets/paths.py: the window layer function, the MoE-window qkv and router, the MLA attention
-block, the sparse-attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's
-short-convolution and Nemotron-H's Mamba-2 paths take none), what exact decoding must do with its cache (`Decoding`), and
-the quantization formats only it is read in. Multimodal wrappers (`*ForConditionalGeneration`)
-train on their language model alone on text data (targets/loading.py): their entry names that
-model's model_type and repeats its forward, since the forward is chosen by the text config's
-model_type (on image data the wrapper runs whole, per document: targets/multimodal.py).
+A Family carries its README label and planned forward, its options for the shared config readers
+(targets/config_readers.py), its packed path with the pieces that forward needs (targets/paths.py:
+the window layer function, the MoE-window qkv and router, the MLA attention block, the sparse-
+attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's short-convolution
+path, Nemotron-H's Mamba-2 path and DeepSeek-V4's take none), what exact decoding must do with its
+cache (`Decoding`), and the quantization formats only it is read in. Multimodal wrappers
+(`*ForConditionalGeneration`) train on their language model alone on text data (targets/loading.py):
+their entry names that model's model_type and repeats its forward, since the forward is chosen by
+the text config's model_type (on image data the wrapper runs whole, per document:
+targets/multimodal.py).
 
-`STREAM_TAPS` names the generic-path model_types whose layers return several residual streams
+`STREAM_TAPS` names the model_types whose layers return several residual streams
 per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
 targets/altup.py);
 `LAYER_COUNTS` those whose listed decoder layers are not `num_hidden_layers` many.
@@ -80,6 +81,7 @@ from dflash_async.targets.packed_window import (
     sandwich_layer,
 )
 from dflash_async.targets.paths import (
+    DeepseekV4Path,
     DensePath,
     DSAPath,
     HybridPath,
@@ -132,7 +134,8 @@ class Family:
     quant_methods: quant_methods read for this family only (gpt-oss's MXFP4 experts).
     documents_alone: the HF fallback runs each document alone, unpadded (targets/generic.py),
       not in right-padded batches (the generic family: padding is exact only where the
-      attention mask is known to hide it).
+      attention mask is known to hide it; DeepSeek-V4: its taps are STREAM_TAPS collapses,
+      which only the generic forward's hooks take).
     """
 
     label: str
@@ -396,6 +399,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             forward=MambaPath(),
             decoding=Decoding(linear_state=True),
         ),
+        "deepseek_v4": Family(
+            label="DeepSeek-V4 (hyper-connections, compressed sparse attention)",
+            planned="packed hyper-connection MoE (document-causal sliding windows, compressed "
+            "blocks per document under the indexer's top-k)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=DeepseekV4Path(),
+            # its cache holds the compressors' buffers, which eval/'s rollback does not cut
+            decoding=Decoding(recompute=True),
+            # where the packed path refuses: the generic forward, whose taps collapse the
+            # streams as STREAM_TAPS says (the padded fallback's hooks take raw layer outputs)
+            documents_alone=True,
+        ),
     }
 )
 
@@ -415,11 +431,11 @@ GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
 
 
 # model_type -> how a tap turns a layer's output into one hidden-size feature per token, for the
-# generic-path types whose layers return several residual streams per token: hyper-connections
+# types whose layers return several residual streams per token: hyper-connections
 # (targets/hyper_connections.py) and Gemma 3n's AltUp predictions (targets/altup.py), each
 # collapsed into the tensor the model itself reads from them next. Every other type's tap is the
-# layer's output itself. Read by the training forward's hooks (targets/generic.py) and the
-# decoding hooks (eval/speculative.py).
+# layer's output itself. Read by the training forward's hooks (targets/generic.py), DeepSeek-V4's
+# packed forward (targets/packed_deepseek_v4.py) and the decoding hooks (eval/speculative.py).
 StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
 STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
     {

@@ -27,6 +27,10 @@ extents on the host; the packed paths never look at it.
   and document-causal attention, on any device (`targets/packed_short_conv.py`).
 - `packed_mamba`: Nemotron-H, its Mamba-2 mixers by a chunked SSD per document in plain torch
   and document-causal attention, on any device (`targets/packed_mamba.py`).
+- `packed_deepseek_v4`: DeepSeek-V4, its hyper-connection streams, sliding windows and
+  compressed blocks per document under the indexer's selection, in plain torch on any device
+  (`targets/packed_deepseek_v4.py`); where it refuses, the generic forward (each document
+  alone), whose taps collapse the streams; not split into stages.
 - MoE experts: on CUDA the packed paths run every fused HF experts module as
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
   1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);
@@ -88,6 +92,7 @@ class HFPaddedForward:
 
 
 GENERIC_HOW = "no family here; the generic HF forward, each document alone and unpadded"
+ALONE_HOW = "the generic HF forward, each document alone and unpadded"
 
 
 def architecture_table() -> str:
@@ -143,10 +148,14 @@ def select_target_forward(
     if cuda_graph:
         path = _graphed(path, _device(model, layers), split=layers is not None)
     if layers is not None and path.stage is None:
+        which = (
+            "the HF fallback ({}), which runs the whole model's own forward"
+            if path.name == "hf"
+            else f"{path.name} ({{}}), which hands on no [1, T, d] hidden states"
+        ).format(path.reason)
         raise SettingsError(
-            f"DFLASH_TARGET__STAGES > 1: the target's forward is the HF fallback ({path.reason}), "
-            "which runs the whole model's own forward and cannot be split by layers; use "
-            "DFLASH_TARGET__STAGES=1"
+            f"DFLASH_TARGET__STAGES > 1: the target's forward is {which} and cannot be split "
+            "by layers; use DFLASH_TARGET__STAGES=1"
         )
     return path
 
@@ -205,11 +214,14 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
     path = family.forward
     if is_hybrid(model) and not family.decoding.linear_state:
         path = NoPackedPath(hybrid=True)  # linear-attention layers of a family without them
-    if family.documents_alone:  # the generic family: no packed path, any decoder layout
+    if family.documents_alone and isinstance(path, NoPackedPath):  # the generic family
         forward = GenericForward(model, layer_ids, max_batch_tokens)
         return TargetPath(forward, "hf", f"model_type {model_type!r}: {GENERIC_HOW}")
     inner = text_model(model)
     refusal = path.refusal(inner, device, model_type=model_type, packed_hybrid=packed_hybrid)
+    if refusal and family.documents_alone:  # its fallback: HF on each document alone
+        forward = GenericForward(model, layer_ids, max_batch_tokens)
+        return TargetPath(forward, "hf", f"{refusal}; {ALONE_HOW}")
     if refusal:
         return TargetPath(HFPaddedForward(model, layer_ids, max_batch_tokens), "hf", refusal)
     return path.build(

@@ -1,8 +1,8 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
 (dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
-short convolutions, Mamba-2, none), each with the condition it runs under (`refusal`: None, or the HF
-fallback's reason) and its factory (`build`), given the pieces of one family. targets/families.py
-gives every family one of these;
+short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed attention, none), each
+with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory
+(`build`), given the pieces of one family. targets/families.py gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
@@ -20,6 +20,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dflash_async.targets.packed_deepseek_v4 import (
+    PackedDeepseekV4Forward,
+    deepseek_v4_layout_problem,
+)
 from dflash_async.targets.packed_dense import PackedDenseForward
 from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
 from dflash_async.targets.packed_mamba import PackedMambaForward, mamba_layout_problem
@@ -55,7 +59,7 @@ class FeatureForward(Protocol):
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
     `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
-    `packed_short_conv`, `packed_mamba`, `hf`) and why."""
+    `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -346,6 +350,35 @@ class MambaPath:
             f"attention, compile={compile}"
         )
         return _packed(forward, self.name, how)
+
+
+@dataclass(frozen=True)
+class DeepseekV4Path:
+    """targets/packed_deepseek_v4.py (DeepSeek-V4): hyper-connection streams, sliding windows,
+    compressed blocks per document with the indexer's selection, sinks, hash and top-k routers;
+    the same torch code on any device. A split target's stages are not run (`stage` None: the
+    streams are not the [1, T, d] hidden a stage hands on)."""
+
+    name = "packed_deepseek_v4"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        from dflash_async.targets.families import stream_tap  # the table imports this module
+
+        problem = deepseek_v4_layout_problem(inner)
+        if problem is None and stream_tap(inner.config) is None:
+            problem = "no STREAM_TAPS entry to collapse its streams by"
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        from dflash_async.targets.families import stream_tap  # the table imports this module
+
+        forward = PackedDeepseekV4Forward(inner, layer_ids, tap=stream_tap(inner.config))
+        how = (
+            f"{model_type}: document-causal sliding windows and compressed blocks per document "
+            "(torch, chunks of query rows)"
+        )
+        return TargetPath(PackedCall(forward), self.name, how, None)
 
 
 _HYBRID_OFF = "the packed varlen forward is turned off (DFLASH_TARGET__PACKED_HYBRID=false)"

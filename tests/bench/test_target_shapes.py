@@ -1,8 +1,9 @@
-"""The benchmark shapes (bench/target_shapes.py): each builds (on the meta device, no memory)
-through the class the benchmark builds it with, within one 140 GB GPU in bf16, captures distinct
-layers it has, and belongs to a family with a packed forward; the sparse-attention and Muse ones
-leave room for a pack's activations; a shape whose config class the installed transformers lacks
-is named by `unavailable_shapes` with the reason (an older transformers), never a crash."""
+"""The benchmark shapes (bench/target_shapes.py): each builds (on the meta device, no memory) through
+the class the benchmark builds it with, within one 140 GB GPU in bf16, captures distinct layers it
+has, and belongs to a family with a packed forward; the sparse-attention (the sparse-MLA forward's,
+DeepSeek-V4's) and Muse ones leave room for a pack's activations; a shape whose config class the
+installed transformers lacks is named by `unavailable_shapes` with the reason (an older
+transformers), never a crash."""
 
 from __future__ import annotations
 
@@ -23,14 +24,23 @@ GPU_BYTES = 140e9
 WEIGHT_BYTES = 120e9  # leaves 20 GB for a pack's activations (packed_dsa's masks: 0.5 GB at 16384)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3.2-7l", "glm-5-8l"])
-def test_a_sparse_attention_shape_fits_one_gpu_or_is_skipped_with_a_reason(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("deepseek-v3.2-7l", "packed_dsa"),
+        ("glm-5-8l", "packed_dsa"),
+        ("deepseek-v4-flash-8l", "packed_deepseek_v4"),
+    ],
+)
+def test_a_sparse_attention_shape_fits_one_gpu_or_is_skipped_with_a_reason(
+    name: str, path: str
+) -> None:
     if name in unavailable_shapes():
         assert name not in shape_configs() and "has no" in unavailable_shapes()[name]
         pytest.skip(unavailable_shapes()[name])
     config, layer_ids = shape_configs()[name]
     assert len(set(layer_ids)) == len(layer_ids) and max(layer_ids) < config.num_hidden_layers
-    assert family_of(config).forward.name == "packed_dsa"
+    assert family_of(config).forward.name == path
     with torch.device("meta"):  # sized without memory
         model = AutoModelForCausalLM.from_config(config)
     weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
@@ -89,6 +99,7 @@ class _Without(types.ModuleType):
         ("qwen3-vl-30b-a3b", "Qwen3VLMoeConfig"),
         ("mistral-small-4-16l", "Mistral4Config"),
         ("nemotron-h-8b", "NemotronHConfig"),
+        ("deepseek-v4-flash-8l", "DeepseekV4Config"),
     ],
 )
 def test_a_shape_of_a_missing_config_class_is_skipped_with_its_reason(
