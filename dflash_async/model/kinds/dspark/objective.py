@@ -245,7 +245,7 @@ class DSparkObjective(DFlashObjective):
         )
         # the chunk pass as the ce_kernel setting chose it: kernels/ce_l1_kernel.py's Triton
         # kernel on a GPU (`auto` or `triton`: equal to the closed form in its GPU test and, at
-        # SpecForge's geometry, 104.8 against 108.8 ms a step at 11.0 against 21.9 GiB peak,
+        # SpecForge's geometry, 104.8 against 108.8 ms a step, 20.1 against 32.2 GiB peak,
         # BENCHMARKS.md), else the closed form (compiled where the step is); the
         # drafter_kernels_chosen line logs which
         self.rows = self.ce_pass(
