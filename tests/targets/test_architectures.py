@@ -1,7 +1,7 @@
 """Every supported target architecture trains and decodes losslessly on the CPU.
 
 One tiny random target per model_type (tests/arch_targets.py: 2 layers, hidden 64, the built-in
-tiny tokenizer), each run in-process for a few steps with the tiny settings of tiny_run.py and
+tiny tokenizer), each run in-process for 10 steps with the tiny settings of tiny_run.py and
 an evaluation at the end: the run exits 0 and logs its `eval` (lossless-checked), no
 `eval_failed`. The mask token is left unset, so start-up finds it in the target's tokenizer. A
 model_type the installed transformers lacks is skipped with a reason.
@@ -54,13 +54,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def arch_env(shared: dict[str, str], target: Path, output_dir: Path) -> dict[str, str]:
-    """tiny_env's run for `target` (mask token unset), 3 steps, one evaluation at the end."""
+    """tiny_env's run for `target` (mask token unset), 10 steps, one evaluation at the end."""
     env = tiny_env({"target": str(target), "data": shared["data"], "mask": ""}, output_dir)
     del env["DFLASH_DRAFTER__MASK_TOKEN_ID"]
     return env | {
         "DFLASH_TARGET__NUM_FEATURES": "2",
         "DFLASH_TARGET__TARGET_LAYER_IDS": "0,1",
-        "DFLASH_TRAIN__MAX_STEPS": "3",
+        "DFLASH_TRAIN__MAX_STEPS": "10",
         "DFLASH_TRAIN__SAVE_EVERY": "0",
         "DFLASH_EVAL__PROMPTS_PATH": shared["prompts"],
         "DFLASH_EVAL__NUM_PROMPTS": "2",
@@ -91,7 +91,7 @@ async def test_every_architecture_trains_and_decodes_losslessly(
     code, events = await run_logged(arch_env(shared, target, tmp_path / "out"))
     failed = [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
     assert code == 0 and not failed, failed
-    assert len([e for e in events if e["event"] == "step"]) == 3
+    assert len([e for e in events if e["event"] == "step"]) == 10
     (final,) = [e for e in events if e["event"] == "eval"]
     assert final["num_samples"] == 2 and final["tau"] >= 1
 
