@@ -85,7 +85,6 @@ def export_config_json(
     5); block_size both top-level (docs/DFLASH.md s.7) and inside dflash_config (z-lab's reader).
     max_position_embeddings is the target's (Qwen3: 40960); the drafter does not limit it.
     """
-    n = config.num_hidden_layers
     kind = kind_of(config.kind)
     dflash_config = {
         "mask_token_id": config.mask_token_id,
@@ -101,8 +100,24 @@ def export_config_json(
     return {
         "architectures": [kind.architecture],
         "model_type": kind.model_type,
+        **qwen3_layer_fields(config, max_position_embeddings=max_position_embeddings),
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        **kind.top_level_fields(config),
+        "dflash_config": dflash_config,
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+    }
+
+
+def qwen3_layer_fields(config: DrafterConfig, *, max_position_embeddings: int) -> dict[str, Any]:
+    """The Qwen3Config fields of the drafter's layers (every export format writes them): sizes,
+    norm, RoPE, vocabulary and the attention layout (`_layer_fields`)."""
+    return {
         "hidden_size": config.hidden_size,
-        "num_hidden_layers": n,
+        "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
@@ -117,14 +132,6 @@ def export_config_json(
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         **_layer_fields(config),
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
-        **kind.top_level_fields(config),
-        "dflash_config": dflash_config,
-        "dtype": "bfloat16",
-        "torch_dtype": "bfloat16",
     }
 
 
@@ -144,14 +151,14 @@ def _layer_fields(config: DrafterConfig) -> dict[str, Any]:
     return fields
 
 
-def _drafter_tensors(drafter: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def drafter_tensors(drafter: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Named trainable tensors of a module (buffers such as RoPE tables are not exported) or of
     a state dict; torch.compile's `_orig_mod.` prefix is removed."""
     items = drafter.named_parameters() if isinstance(drafter, nn.Module) else drafter.items()
     return {name.replace("_orig_mod.", ""): t for name, t in items}
 
 
-def _check_names_and_shapes(
+def check_names_and_shapes(
     tensors: Mapping[str, torch.Tensor], config: DrafterConfig, where: str
 ) -> None:
     expected = expected_weight_shapes(config)
@@ -188,11 +195,11 @@ def export_drafter(
     An existing `out_dir` is replaced only if it is an earlier export (or empty).
     """
     out_dir = Path(out_dir)
-    tensors = _drafter_tensors(drafter)
+    tensors = drafter_tensors(drafter)
     extra = sorted(tensors.keys() - expected_weight_shapes(config).keys())
     if extra:
         raise ValueError(f"export_drafter: tensors not in the servable format: {extra}")
-    _check_names_and_shapes(tensors, config, "export_drafter")
+    check_names_and_shapes(tensors, config, "export_drafter")
     # Sync point: device -> host copies; fp32 master weights become bf16.
     bf16 = {
         name: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
@@ -238,7 +245,7 @@ def load_drafter_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Te
             "drafter_export_keys_dropped", path=str(weights_path), dropped=dropped
         )
     tensors = {name: t for name, t in stored.items() if name in expected}
-    _check_names_and_shapes(tensors, config, str(weights_path))
+    check_names_and_shapes(tensors, config, str(weights_path))
     return config, tensors
 
 

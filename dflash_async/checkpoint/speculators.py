@@ -38,9 +38,10 @@ from dflash_async.checkpoint.export import (
     CONFIG_NAME,
     TRANSFORM_DEFAULTS,
     WEIGHTS_NAME,
-    _check_names_and_shapes,
-    _drafter_tensors,
+    check_names_and_shapes,
+    drafter_tensors,
     expected_weight_shapes,
+    qwen3_layer_fields,
     read_weights,
 )
 from dflash_async.log import get_logger
@@ -90,28 +91,9 @@ def speculators_config_json(
     loads its embedding, lm_head and final norm from there; None: name none)."""
     check_exportable(config)
     model_type, architecture = speculators_types()[config.kind]
-    n = config.num_hidden_layers
     layer = {
         "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": n,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": n,
-        "layer_types": [FULL_ATTENTION] * n,
+        **qwen3_layer_fields(config, max_position_embeddings=max_position_embeddings),
     }
     return {
         "speculators_model_type": model_type,
@@ -163,11 +145,11 @@ def export_speculators(
     config_json = speculators_config_json(
         config, verifier=verifier, verifier_architectures=verifier_architectures
     )
-    tensors = _drafter_tensors(drafter)
+    tensors = drafter_tensors(drafter)
     extra = sorted(tensors.keys() - expected_weight_shapes(config).keys())
     if extra:
         raise ValueError(f"export_speculators: tensors not in the format: {extra}")
-    _check_names_and_shapes(tensors, config, "export_speculators")
+    check_names_and_shapes(tensors, config, "export_speculators")
     bf16 = {  # sync point for device tensors: device -> host copies
         name: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
         for name, t in sorted(tensors.items())
@@ -258,5 +240,5 @@ def load_speculators_export(folder: Path) -> tuple[DrafterConfig, dict[str, torc
     if unknown:
         raise ValueError(f"{weights_path}: tensors not in the format: {unknown}")
     tensors = {name: t for name, t in stored.items() if name not in frozen}
-    _check_names_and_shapes(tensors, config, str(weights_path))
+    check_names_and_shapes(tensors, config, str(weights_path))
     return config, tensors
