@@ -222,6 +222,23 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             num_experts_per_tok=2,
             mlp_layer_types=["dense", "sparse"],
         ),
+        # Inkling 2: a sliding then a full-attention layer, one block residual each; the
+        # unembedding as wide as the tiny vocabulary
+        "inkling2_text": dict(
+            unpadded_vocab_size=vocab,
+            head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=16,
+            sliding_window_size=SLIDING_WINDOW,
+            d_rel=8,
+            rel_extent=8,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_layers_per_attn_res_block=1,
+            layer_types=["hybrid_sliding", "hybrid"],
+        ),
     }
     return c | table[model_type]
 
@@ -260,6 +277,13 @@ def _vision(model_type: str) -> dict[str, Any]:
         ),
         "muse_glimmer": muse,
         "muse_spark": muse,
+        "inkling2": dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            text_hidden_size=64,
+            projection_hidden_dim=32,
+        ),
     }[model_type]
 
 
@@ -294,6 +318,8 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
     "nemotron_h": ("NemotronHConfig", None),
     "deepseek_v4": ("DeepseekV4Config", None),
+    "inkling2_text": ("Inkling2TextConfig", None),
+    "inkling2": ("Inkling2Config", "inkling2_text"),
 }
 
 
@@ -307,6 +333,7 @@ def _wrapper_options(model_type: str, vocab: int) -> dict[str, Any]:
         "kimi_k25": {"projection_hidden_size": 32},  # its projector's norm: the tower's width
         "muse_glimmer": muse,
         "muse_spark": muse | {"audio_config": audio},
+        "inkling2": {"image_token_id": vocab - 1},
     }.get(model_type, {})
 
 

@@ -9,7 +9,7 @@ A Family carries its README label and planned forward, its options for the share
 (targets/config_readers.py), its packed path with the pieces that forward needs (targets/paths.py:
 the window layer function, the MoE-window qkv and router, the MLA attention block, the sparse-
 attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's short-convolution
-path, Nemotron-H's Mamba-2 path and DeepSeek-V4's take none), what exact decoding must do with its
+path, Nemotron-H's Mamba-2 path, DeepSeek-V4's and Inkling 2's take none), what exact decoding must do with its
 cache (`Decoding`), and the quantization formats only it is read in. Multimodal wrappers
 (`*ForConditionalGeneration`) train on their language model alone on text data (targets/loading.py):
 their entry names that model's model_type and repeats its forward, since the forward is chosen by
@@ -85,6 +85,7 @@ from dflash_async.targets.paths import (
     DensePath,
     DSAPath,
     HybridPath,
+    InklingPath,
     MambaPath,
     MLAPath,
     MoeWindowPath,
@@ -230,6 +231,19 @@ _MUSE_SPARK_TEXT = Family(
     reader=ConfigReader(),
     forward=WindowPath(WindowLayers(muse_spark_layer, SPARK_PARTS, per_layer_kinds=True)),
     decoding=Decoding(sliding_window=True),
+)
+_INKLING2_TEXT = Family(
+    label="Inkling 2 language model",
+    planned="packed block-residual MoE (convolutions per document, document-causal attention "
+    "with relative position bias and sinks)",
+    # the generic family's reader, as before this entry: the drafter's shape unchanged
+    reader=ConfigReader(),
+    forward=InklingPath(),
+    # HF's cache pairs each layer's keys with its convolution windows, and the relative position
+    # bias reads the cache's offsets: decoded by recomputation, as on the generic path
+    decoding=Decoding(recompute=True),
+    # where the packed path refuses: each document alone, as on the generic path
+    documents_alone=True,
 )
 
 # model_type (of config.json, wrappers included) -> its Family, in the README's order.
@@ -411,6 +425,10 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             # where the packed path refuses: the generic forward, whose taps collapse the
             # streams as STREAM_TAPS says (the padded fallback's hooks take raw layer outputs)
             documents_alone=True,
+        ),
+        "inkling2_text": _INKLING2_TEXT,
+        "inkling2": _INKLING2_TEXT.wrapped(
+            label="Inkling 2 multimodal wrapper", language_model="inkling2_text"
         ),
     }
 )

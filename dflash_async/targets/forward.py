@@ -31,6 +31,11 @@ extents on the host; the packed paths never look at it.
   compressed blocks per document under the indexer's selection, in plain torch on any device
   (`targets/packed_deepseek_v4.py`); where it refuses, the generic forward (each document
   alone), whose taps collapse the streams; not split into stages.
+- `packed_inkling`: Inkling 2's language model (`inkling2_text`, the `inkling2` wrapper's), its
+  short and dynamic convolutions per document, document-causal attention with the relative
+  position bias and per-token sinks, block residuals, in plain torch on any device
+  (`targets/packed_inkling.py`); where it refuses, the generic forward (each document alone);
+  not split into stages.
 - MoE experts: on CUDA the packed paths run every fused HF experts module as
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
   1.36-1.55x the MoE shapes' packed tokens/s with HF's experts (BENCHMARKS.md, 2026-12-03);

@@ -1,6 +1,7 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
 (dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
-short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed attention, none), each
+short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed attention, Inkling 2's
+block residuals and biased attention, none), each
 with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory
 (`build`), given the pieces of one family. targets/families.py gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
@@ -26,6 +27,10 @@ from dflash_async.targets.packed_deepseek_v4 import (
 )
 from dflash_async.targets.packed_dense import PackedDenseForward
 from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
+from dflash_async.targets.packed_inkling import (
+    PackedInklingForward,
+    inkling_layout_problem,
+)
 from dflash_async.targets.packed_mamba import PackedMambaForward, mamba_layout_problem
 from dflash_async.targets.packed_mla import PackedMLAForward, grouped_topk
 from dflash_async.targets.packed_moe_window import (
@@ -59,7 +64,7 @@ class FeatureForward(Protocol):
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
     `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
-    `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `hf`) and why."""
+    `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `packed_inkling`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -377,6 +382,29 @@ class DeepseekV4Path:
         how = (
             f"{model_type}: document-causal sliding windows and compressed blocks per document "
             "(torch, chunks of query rows)"
+        )
+        return TargetPath(PackedCall(forward), self.name, how, None)
+
+
+@dataclass(frozen=True)
+class InklingPath:
+    """targets/packed_inkling.py (Inkling 2's language model): short and dynamic convolutions per
+    document, document-causal attention with the relative position bias and per-token sinks, the
+    block residuals; the same torch code on any device. Not split into stages (`stage` None: the
+    block states are more than the [1, T, d] hidden a stage hands on)."""
+
+    name = "packed_inkling"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        problem = inkling_layout_problem(inner)
+        return f"{model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        forward = PackedInklingForward(inner, layer_ids)
+        how = (
+            f"{model_type}: convolutions per document, document-causal attention with the "
+            "relative position bias and sinks (torch, chunks of query rows)"
         )
         return TargetPath(PackedCall(forward), self.name, how, None)
 
