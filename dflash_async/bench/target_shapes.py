@@ -350,6 +350,19 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
         )
     shapes.update(_sparse_attention_shapes(transformers))
     shapes.update(_muse_shapes(transformers))
+    if hasattr(transformers, "Inkling2TextConfig"):
+        # Inkling 2's language model. No published config.json was read: transformers' defaults,
+        # documented as thinkingmachines/Inkling-2-Small-MXFP8's (48 layers, hidden 4608, 48
+        # heads of 128 with 8 KV heads in both kinds, 5 sliding (1024) : 1 full layer, 384
+        # experts of width 2304, top 8; a 201024-token embedding, 200058 unembedded; 593.7B
+        # parameters). TRUNCATED to 4 layers, three sliding then one full, so both kinds run:
+        # a layer is ~12.3B parameters (24.6 GB in bf16), 4 layers with the embedding and
+        # lm_head 51.2B, 102 GB, what fits a 140 GB GPU with room for a pack's activations (5
+        # would be 127 GB); per-layer speed is the same
+        config = transformers.Inkling2TextConfig(
+            num_hidden_layers=4, layer_types=["hybrid_sliding"] * 3 + ["hybrid"]
+        )
+        shapes["inkling-2-small-4l"] = (config, (0, 1, 2, 3))
     return {
         name: shape
         if isinstance(shape, tuple)
@@ -371,6 +384,7 @@ _NEWER_SHAPES = {
     "muse-spark-4l": "MuseSparkTextConfig",
     "nemotron-h-8b": "NemotronHConfig",
     "deepseek-v4-flash-8l": "DeepseekV4Config",
+    "inkling-2-small-4l": "Inkling2TextConfig",
 }
 
 

@@ -1,7 +1,7 @@
 """The benchmark shapes (bench/target_shapes.py): each builds (on the meta device, no memory) through
 the class the benchmark builds it with, within one 140 GB GPU in bf16, captures distinct layers it
 has, and belongs to a family with a packed forward; the sparse-attention (the sparse-MLA forward's,
-DeepSeek-V4's) and Muse ones leave room for a pack's activations; a shape whose config class the
+DeepSeek-V4's), Muse and Inkling 2 ones leave room for a pack's activations; a shape whose config class the
 installed transformers lacks is named by `unavailable_shapes` with the reason (an older
 transformers), never a crash."""
 
@@ -100,6 +100,7 @@ class _Without(types.ModuleType):
         ("mistral-small-4-16l", "Mistral4Config"),
         ("nemotron-h-8b", "NemotronHConfig"),
         ("deepseek-v4-flash-8l", "DeepseekV4Config"),
+        ("inkling-2-small-4l", "Inkling2TextConfig"),
     ],
 )
 def test_a_shape_of_a_missing_config_class_is_skipped_with_its_reason(
@@ -119,6 +120,24 @@ def test_a_muse_shape_fits_one_gpu_and_takes_the_packed_window_forward(name: str
     config, layer_ids = shape_configs()[name]
     assert len(set(layer_ids)) == len(layer_ids) and max(layer_ids) < config.num_hidden_layers
     assert family_of(config).forward.name == "packed_window"
+    with torch.device("meta"):
+        model = bench_model(config, dtype=torch.bfloat16)
+    weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
+    assert weights < WEIGHT_BYTES < GPU_BYTES, weights
+
+
+def test_the_inkling_shape_runs_both_layer_kinds_fits_one_gpu_and_takes_the_packed_forward() -> (
+    None
+):
+    """Inkling 2 Small truncated to 4 layers (three sliding, one full), with room for a pack."""
+    name = "inkling-2-small-4l"
+    if name in unavailable_shapes():
+        assert name not in shape_configs() and "has no" in unavailable_shapes()[name]
+        pytest.skip(unavailable_shapes()[name])
+    config, layer_ids = shape_configs()[name]
+    assert layer_ids == (0, 1, 2, 3) and config.num_hidden_layers == 4
+    assert config.layer_types == ["hybrid_sliding"] * 3 + ["hybrid"]
+    assert family_of(config).forward.name == "packed_inkling"
     with torch.device("meta"):
         model = bench_model(config, dtype=torch.bfloat16)
     weights = 2 * sum(p.numel() for p in model.parameters())  # bf16
