@@ -201,12 +201,6 @@ def attention(attn: nn.Module, x, kx, vx, positions, doc_ids, spans) -> torch.Te
     return output_gate(attn.o_proj, out.transpose(1, 2).reshape(*x.shape[:-1], -1), x)
 
 
-@torch.compiler.disable
-def eager_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The HF MoE block on x [1, T, d], never compiled (its experts dispatch by routing)."""
-    return mlp(x)
-
-
 def inkling_layer(layer: nn.Module, hidden, block_states, positions, doc_ids, spans):
     """One decoder layer on hidden [1, T, d] with the block states [1, T, n, d] before it (HF's
     order: block residual inputs, attention, convolution, residual or new block, MoE input, MoE,
@@ -230,7 +224,7 @@ def inkling_layer(layer: nn.Module, hidden, block_states, positions, doc_ids, sp
     else:
         residual = h = hidden.float() + h
     h = layer.mlp_input(block_states, h)[0]
-    h = eager_mlp(layer.mlp, layer.post_attention_layernorm(h).to(dtype))
+    h = layer.mlp(layer.post_attention_layernorm(h).to(dtype))
     h = short_conv(layer.post_mlp_convolution, h, doc_ids)
     return (residual + h).to(dtype)
 

@@ -229,10 +229,9 @@ def test_it_is_never_split_into_stages(inkling) -> None:
 
 @pytest.mark.gpu
 def test_gpu_packed_rows_equal_each_document_alone() -> None:
-    """fp32 on CUDA (no TF32), the product's path (select_target_forward on a CUDA model: the
+    """fp32 on CUDA (TF32 off, torch's default), the product's path (select_target_forward on a CUDA model: the
     same torch code, T = 256, chunks of 128 query rows across documents), against HF on CUDA per
     document. Bound 1e-5: CUDA's matmuls sum in other orders than the CPU's."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = _model().cuda()
     docs = _documents(5, lengths=(70, 100, 3, 50))
     path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
