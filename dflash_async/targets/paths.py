@@ -1,6 +1,7 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
 (dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
-short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed attention, none), each
+Kimi Delta Attention, short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed
+attention, none), each
 with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory
 (`build`), given the pieces of one family. targets/families.py gives every family one of these;
 targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
@@ -59,7 +60,7 @@ class FeatureForward(Protocol):
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
     `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
-    `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `hf`) and why."""
+    `packed_kda`, `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `hf`) and why."""
 
     forward: FeatureForward
     name: str
@@ -421,6 +422,37 @@ class HybridPath:
             layers=layers,
         )
         how = f"{model_type}: {kernels.name} varlen, {attention} document-causal attention"
+        return TargetPath(forward, self.name, how, forward.stage)
+
+
+@dataclass(frozen=True)
+class KDAPath:
+    """targets/packed_kda.py (Kimi-Linear): KDA layers per document (flash-linear-attention's
+    varlen chunk_kda on CUDA, HF's torch chunks per document elsewhere or without fla), NoPE
+    MLA document-causal, grouped-router MoE; turned off with the packed hybrid forward."""
+
+    name = "packed_kda"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        from dflash_async.targets.packed_kda import kda_layout_problem
+
+        problem = _HYBRID_OFF if not packed_hybrid else kda_layout_problem(inner)
+        return f"hybrid {model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        from dflash_async.targets.packed_kda import PackedKDAForward, fla_kda, torch_kda
+
+        device = next(inner.parameters()).device
+        fla = device.type == "cuda" and importlib.util.find_spec("fla") is not None
+        kernel = fla_kda() if fla else torch_kda()
+        forward = PackedKDAForward(
+            inner, layer_ids, kernel=kernel, attention=attention, compile=compile, layers=layers
+        )
+        how = (
+            f"{model_type}: KDA by {kernel.name}, convolutions per document, {attention} "
+            f"document-causal attention, compile={compile}"
+        )
         return TargetPath(forward, self.name, how, forward.stage)
 
 
