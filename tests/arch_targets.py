@@ -163,6 +163,27 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
             index_n_heads=16,
             index_head_dim=16,
         ),
+        # KDA then NoPE MLA (each head its own keys), a dense MLP then an MoE block
+        "kimi_linear": dict(
+            intermediate_size=128,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            num_expert_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            linear_head_dim=16,
+            linear_num_heads=2,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"],
+        ),
         "longcat_flash": dict(
             num_hidden_layers=4,  # num_layers 2: each listed layer holds two sublayers
             ffn_hidden_size=128,
@@ -293,6 +314,7 @@ ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "muse_glimmer": ("MuseGlimmerConfig", "muse_glimmer_text"),
     "muse_spark": ("MuseSparkConfig", "muse_spark_text"),
     "nemotron_h": ("NemotronHConfig", None),
+    "kimi_linear": ("KimiLinearConfig", None),
     "deepseek_v4": ("DeepseekV4Config", None),
 }
 
