@@ -469,7 +469,8 @@ class NoPackedPath:
         if not self.hybrid:
             return f"model_type {model_type!r} has no packed forward here"
         problem = (
-            "only Qwen3.5, Qwen3.5-MoE and Qwen3-Next layers have a packed varlen forward here"
+            "only Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Kimi-Linear layers have a packed varlen "
+            "forward here"
             if packed_hybrid
             else _HYBRID_OFF
         )
