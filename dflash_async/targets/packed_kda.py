@@ -31,6 +31,11 @@ Ours besides: the order of the projections around the kernel; the norms, project
 RMSNorm, MLP and experts are the HF modules. On CUDA the KDA parts before and after the kernel
 and the MLA block are torch.compile'd functions taking the layer as an argument; the kernel and
 the MoE block run eagerly between them.
+
+Sync point: the segment boundaries come from the host (the pack's document lengths), so the torch
+kernel's loop reads no device value. fla's `chunk_kda` takes no precomputed chunk table: it builds
+one from `cu_seqlens_cpu` on the host and copies it to the device in every KDA layer (from
+pageable memory: a blocking copy), where packed_hybrid hands its kernel a pinned table.
 """
 
 from __future__ import annotations
