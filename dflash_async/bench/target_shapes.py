@@ -348,6 +348,23 @@ def shape_configs() -> dict[str, tuple[PretrainedConfig, tuple[int, ...]]]:
             max_position_embeddings=8192,
             tie_word_embeddings=False,
         )
+    if hasattr(transformers, "KimiLinearConfig"):  # see unavailable_shapes
+        # Kimi-Linear-48B-A3B (transformers' defaults are its published config.json: hidden 2304,
+        # 27 layers, NoPE MLA of 32 heads with 512-wide latents, 256 experts of width 1024 top 8
+        # + 1 shared past one dense layer; KDA of 32 heads x 128, convolutions 4 wide), its 7 MLA
+        # layers where the checkpoint's linear_attn_config lists them (1-indexed), the other 20
+        # KDA. Whole: 49.1B parameters, 98 GB in bf16, which one 140 GB GPU holds
+        full_attention = [4, 8, 12, 16, 20, 24, 27]
+        shapes["kimi-linear-48b-a3b"] = transformers.KimiLinearConfig(
+            linear_attn_config=dict(
+                full_attn_layers=full_attention,
+                kda_layers=[i for i in range(1, 28) if i not in full_attention],
+                num_heads=32,
+                head_dim=128,
+                short_conv_kernel_size=4,
+            ),
+            tie_word_embeddings=False,
+        )
     shapes.update(_sparse_attention_shapes(transformers))
     shapes.update(_muse_shapes(transformers))
     if hasattr(transformers, "Inkling2TextConfig"):
@@ -383,6 +400,7 @@ _NEWER_SHAPES = {
     "muse-glimmer-30b": "MuseGlimmerTextConfig",
     "muse-spark-4l": "MuseSparkTextConfig",
     "nemotron-h-8b": "NemotronHConfig",
+    "kimi-linear-48b-a3b": "KimiLinearConfig",
     "deepseek-v4-flash-8l": "DeepseekV4Config",
     "inkling-2-small-4l": "Inkling2TextConfig",
 }

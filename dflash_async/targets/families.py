@@ -9,12 +9,12 @@ A Family carries its README label and planned forward, its options for the share
 (targets/config_readers.py), its packed path with the pieces that forward needs (targets/paths.py:
 the window layer function, the MoE-window qkv and router, the MLA attention block, the sparse-
 attention indexer's RoPE, the M-RoPE flag of the dense and hybrid paths; LFM2's short-convolution
-path, Nemotron-H's Mamba-2 path, DeepSeek-V4's and Inkling 2's take none), what exact decoding must do with its
-cache (`Decoding`), and the quantization formats only it is read in. Multimodal wrappers
-(`*ForConditionalGeneration`) train on their language model alone on text data (targets/loading.py):
-their entry names that model's model_type and repeats its forward, since the forward is chosen by
-the text config's model_type (on image data the wrapper runs whole, per document:
-targets/multimodal.py).
+path, Kimi-Linear's KDA path, Nemotron-H's Mamba-2 path, DeepSeek-V4's and Inkling 2's take none),
+what exact decoding must do with its cache (`Decoding`), and the quantization formats only it is
+read in. Multimodal wrappers (`*ForConditionalGeneration`) train on their language model alone on
+text data (targets/loading.py): their entry names that model's model_type and repeats its forward,
+since the forward is chosen by the text config's model_type (on image data the wrapper runs whole,
+per document: targets/multimodal.py).
 
 `STREAM_TAPS` names the model_types whose layers return several residual streams
 per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
@@ -86,6 +86,7 @@ from dflash_async.targets.paths import (
     DSAPath,
     HybridPath,
     InklingPath,
+    KDAPath,
     MambaPath,
     MLAPath,
     MoeWindowPath,
@@ -107,7 +108,7 @@ class Decoding:
       LFM2's short convolutions too: HF caches each as a linear-attention layer whose one
       state is its conv window, which the same snapshot and restore make exact; and
       Nemotron-H's Mamba-2 mixers, cached as linear-attention layers of a conv window and an
-      SSM state.
+      SSM state; Kimi-Linear's KDA layers, of a conv window and a recurrent state.
     sliding_window: sliding-window layers, whose HF cache drops keys a rollback would uncover:
       `decoding_cache` gives them plain growing layers (the mask still applies the window).
     recompute: no cache at all: every target forward of the decoder runs the whole sequence
@@ -411,6 +412,18 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             # the generic family's reader, as before this entry: the drafter's shape unchanged
             reader=ConfigReader(),
             forward=MambaPath(),
+            decoding=Decoding(linear_state=True),
+        ),
+        # decoding: HF caches each KDA layer as a linear-attention layer (its conv window and
+        # recurrent state) and each MLA layer's latents in a plain growing layer, which
+        # linear_state's snapshot, restore and crop make exact (not recompute)
+        "kimi_linear": Family(
+            label="Kimi-Linear (KDA hybrid, MLA)",
+            planned="packed KDA hybrid (flash-linear-attention varlen chunk_kda on CUDA, HF's torch "
+            "chunks per document elsewhere; NoPE MLA document-causal, grouped-router MoE)",
+            # the generic family's reader, as before this entry: the drafter's shape unchanged
+            reader=ConfigReader(),
+            forward=KDAPath(),
             decoding=Decoding(linear_state=True),
         ),
         "deepseek_v4": Family(

@@ -25,6 +25,10 @@ extents on the host; the packed paths never look at it.
 - `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`targets/packed_moe_window.py`).
 - `packed_short_conv`: LFM2 and LFM2-MoE, their short convolutions per document in plain torch
   and document-causal attention, on any device (`targets/packed_short_conv.py`).
+- `packed_kda`: Kimi-Linear, its KDA layers per document (flash-linear-attention's varlen
+  `chunk_kda` on CUDA, HF's torch chunks one document at a time elsewhere), NoPE MLA document-
+  causal and the grouped-router MoE (`targets/packed_kda.py`), unless turned off
+  (`packed_hybrid=False`).
 - `packed_mamba`: Nemotron-H, its Mamba-2 mixers by a chunked SSD per document in plain torch
   and document-causal attention, on any device (`targets/packed_mamba.py`).
 - `packed_deepseek_v4`: DeepSeek-V4, its hyper-connection streams, sliding windows and

@@ -84,6 +84,18 @@ def chunk_table(cuts: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
     return np.stack([segment, within], axis=1).astype(np.int64)
 
 
+def pack_segments(lengths: np.ndarray, T: int, device) -> Segments:
+    """A pack's segments: each document (`lengths`, host), then the padding rows as one."""
+    cuts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if cuts[-1] < T:
+        cuts = np.append(cuts, T)
+    host, chunks = torch.from_numpy(cuts), torch.from_numpy(chunk_table(cuts))
+    if device.type == "cuda":  # fresh pinned blocks: the allocator guards them (see produce)
+        host, chunks = host.pin_memory(), chunks.pin_memory()
+    to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+    return Segments(to_device(host), host, to_device(chunks))
+
+
 @dataclass(frozen=True)
 class HybridKernels:
     """conv(x [1,T,C], weight [C,W], segments) -> silu(causal conv) [1,T,C] per segment;
@@ -246,17 +258,7 @@ class PackedHybridForward:
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)
         self._next_delta_in = wrap(next_delta_inputs)
 
-    @staticmethod
-    def _segments(lengths: np.ndarray, T: int, device) -> Segments:
-        """Each document, then the padding rows as one segment."""
-        cuts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        if cuts[-1] < T:
-            cuts = np.append(cuts, T)
-        host, chunks = torch.from_numpy(cuts), torch.from_numpy(chunk_table(cuts))
-        if device.type == "cuda":  # fresh pinned blocks: the allocator guards them (see produce)
-            host, chunks = host.pin_memory(), chunks.pin_memory()
-        to_device = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return Segments(to_device(host), host, to_device(chunks))
+    _segments = staticmethod(pack_segments)
 
     def _delta_layer(self, layer, hidden, segments: Segments):
         gdn = layer.linear_attn

@@ -66,7 +66,8 @@ def mla_attention(
     LoRA scales where it has them (LongCat-Flash: q times mla_scale_q_lora before RoPE, the
     normed kv latent times mla_scale_kv_lora); RoPE interleaved unless the config says not.
     `query_scale` [1, 1, T, 1]: each query row, after RoPE, multiplied by it (Mistral 4's
-    `llama4_query_scale`); None: by nothing."""
+    `llama4_query_scale`); None: by nothing. cos None: no RoPE at all (Kimi-Linear's NoPE
+    MLA: the rope dims pass as they are, k's shared by all heads)."""
     T, nope, r = x.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
     rope = _rope_interleaved if getattr(attn.config, "rope_interleave", True) else _rope
     q = _mla_query(attn, x)  # [1, H, T, nope+r]
@@ -81,8 +82,11 @@ def mla_attention(
     kv = attn.kv_b_proj(latent)  # [1, T, H*(nope+v)]
     kv = kv.view(1, T, -1, nope + attn.v_head_dim).transpose(1, 2)  # [1, H, T, nope+v]
     k_nope, v = kv.split([nope, attn.v_head_dim], dim=-1)
-    k_rope = rope(k_rope.view(1, 1, T, r), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
-    q = torch.cat([q[..., :nope], rope(q[..., nope:], cos, sin)], dim=-1)
+    k_rope = k_rope.view(1, 1, T, r)
+    if cos is not None:
+        k_rope = rope(k_rope, cos, sin)
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], cos, sin)], dim=-1)
+    k_rope = k_rope.expand(-1, k_nope.shape[1], -1, -1)
     if query_scale is not None:
         q = q * query_scale.to(q.dtype)
     k = torch.cat([k_nope, k_rope], dim=-1)  # [1, H, T, nope+r]

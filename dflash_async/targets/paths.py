@@ -1,10 +1,10 @@
 """targets/paths.py owns the packed target forwards as choices: one kind of path per packed forward
 (dense, MoE, MLA, sparse MLA, shortcut MoE, sliding window, MoE with windows and sinks, hybrid,
-short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed attention, Inkling 2's
-block residuals and biased attention, none), each
-with the condition it runs under (`refusal`: None, or the HF fallback's reason) and its factory
-(`build`), given the pieces of one family. targets/families.py gives every family one of these;
-targets/forward.py (`select_target_forward`) asks it, so no path names a model_type.
+Kimi Delta Attention, short convolutions, Mamba-2, DeepSeek-V4's hyper-connections and compressed
+attention, Inkling 2's block residuals and biased attention, none), each with the condition it
+runs under (`refusal`: None, or the HF fallback's reason) and its factory (`build`), given the
+pieces of one family. targets/families.py gives every family one of these; targets/forward.py
+(`select_target_forward`) asks it, so no path names a model_type.
 
 A path works on the decoder stack (`inner`, the module owning `layers`; its `config` is the text
 config), never on a multimodal wrapper around it. The reasons and the `how` strings are the ones
@@ -63,7 +63,7 @@ class FeatureForward(Protocol):
 @dataclass
 class TargetPath:
     """The chosen forward, its name (`packed_dense`, `packed_moe`, `packed_mla`, `packed_dsa`,
-    `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`,
+    `packed_shortcut_moe`, `packed_window`, `packed_moe_window`, `packed_hybrid`, `packed_kda`,
     `packed_short_conv`, `packed_mamba`, `packed_deepseek_v4`, `packed_inkling`, `hf`) and why."""
 
     forward: FeatureForward
@@ -453,6 +453,37 @@ class HybridPath:
 
 
 @dataclass(frozen=True)
+class KDAPath:
+    """targets/packed_kda.py (Kimi-Linear): KDA layers per document (flash-linear-attention's
+    varlen chunk_kda on CUDA, HF's torch chunks per document elsewhere or without fla), NoPE
+    MLA document-causal, grouped-router MoE; turned off with the packed hybrid forward."""
+
+    name = "packed_kda"
+    needs_cuda = False
+
+    def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
+        from dflash_async.targets.packed_kda import kda_layout_problem
+
+        problem = _HYBRID_OFF if not packed_hybrid else kda_layout_problem(inner)
+        return f"hybrid {model_type}: {problem}" if problem else None
+
+    def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
+        from dflash_async.targets.packed_kda import PackedKDAForward, fla_kda, torch_kda
+
+        device = next(inner.parameters()).device
+        fla = device.type == "cuda" and importlib.util.find_spec("fla") is not None
+        kernel = fla_kda() if fla else torch_kda()
+        forward = PackedKDAForward(
+            inner, layer_ids, kernel=kernel, attention=attention, compile=compile, layers=layers
+        )
+        how = (
+            f"{model_type}: KDA by {kernel.name}, convolutions per document, {attention} "
+            f"document-causal attention, compile={compile}"
+        )
+        return TargetPath(forward, self.name, how, forward.stage)
+
+
+@dataclass(frozen=True)
 class NoPackedPath:
     """No packed forward: the HF fallback runs the family (`hybrid`: its layers are linear-
     attention ones no family here has a packed forward for)."""
@@ -465,7 +496,8 @@ class NoPackedPath:
         if not self.hybrid:
             return f"model_type {model_type!r} has no packed forward here"
         problem = (
-            "only Qwen3.5, Qwen3.5-MoE and Qwen3-Next layers have a packed varlen forward here"
+            "only Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Kimi-Linear layers have a packed varlen "
+            "forward here"
             if packed_hybrid
             else _HYBRID_OFF
         )

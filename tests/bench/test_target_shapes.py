@@ -80,6 +80,25 @@ def test_the_nemotron_h_shape_is_the_8b_model_and_takes_the_packed_mamba_forward
     assert sum(p.numel() for p in model.parameters()) == 8_100_852_736
 
 
+def test_the_kimi_linear_shape_is_the_whole_48b_model_and_takes_the_packed_kda_forward() -> None:
+    """Kimi-Linear-48B-A3B whole: 20 KDA and 7 MLA layers, 49,122,675,072 parameters, whose
+    bf16 weights (98 GB) one GPU of GPU_BYTES holds."""
+    from collections import Counter
+
+    name = "kimi-linear-48b-a3b"
+    if name in unavailable_shapes():
+        assert name not in shape_configs() and "KimiLinearConfig" in unavailable_shapes()[name]
+        pytest.skip(unavailable_shapes()[name])
+    config, layer_ids = shape_configs()[name]
+    assert max(layer_ids) < config.num_hidden_layers == 27
+    assert Counter(config.layer_types) == {"linear_attention": 20, "full_attention": 7}
+    assert family_of(config).forward.name == "packed_kda"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == 49_122_675_072 and 2 * count < GPU_BYTES
+
+
 class _Without(types.ModuleType):
     """transformers as an older version is: without the config class `missing`."""
 
@@ -99,6 +118,7 @@ class _Without(types.ModuleType):
         ("qwen3-vl-30b-a3b", "Qwen3VLMoeConfig"),
         ("mistral-small-4-16l", "Mistral4Config"),
         ("nemotron-h-8b", "NemotronHConfig"),
+        ("kimi-linear-48b-a3b", "KimiLinearConfig"),
         ("deepseek-v4-flash-8l", "DeepseekV4Config"),
         ("inkling-2-small-4l", "Inkling2TextConfig"),
     ],

@@ -8,7 +8,7 @@ is saved as a random target folder with the built-in tiny tokenizer and trained 
 line; a type in the zoo's exclusion table is skipped with its reason. README's count and lists
 are generated from the same table (benchmarks/readme_causal_lms.py) and checked here.
 
-slow: 175 runs of 1-10 s (a wrapper or a state-space model the longest): 156 s in all on two CPU
+slow: 176 runs of 1-10 s (a wrapper or a state-space model the longest): 156 s in all on two CPU
 cores, 362 s while other jobs shared them (2026-12-06).
 """
 

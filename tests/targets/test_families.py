@@ -68,9 +68,14 @@ def test_every_family_has_every_part_and_a_wrapper_runs_its_language_models_forw
                 assert getattr(family, field.name) is not None, (kind, field.name)
         assert family.label and family.planned, kind
         assert family.forward.name and isinstance(family.forward.needs_cuda, bool), kind
-        # the packed hybrid, short-convolution and Mamba-2 families' caches hold convolution
-        # states
-        linear = family.forward.name in ("packed_hybrid", "packed_short_conv", "packed_mamba")
+        # the packed hybrid, KDA, short-convolution and Mamba-2 families' caches hold
+        # convolution states
+        linear = family.forward.name in (
+            "packed_hybrid",
+            "packed_kda",
+            "packed_short_conv",
+            "packed_mamba",
+        )
         assert family.decoding.linear_state == linear, kind
         if family.language_model is not None:
             text = FAMILIES[family.language_model]
