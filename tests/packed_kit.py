@@ -42,13 +42,14 @@ def run_packed(
 
 
 def run_path(
-    path, docs: Documents, *, budget: int, width: int, device: str = "cpu"
+    forward, docs: Documents, *, budget: int, width: int, device: str = "cpu"
 ) -> torch.Tensor:
-    """What a selected path's forward (its host lengths too) writes for the pack of `docs`."""
+    """What a path's forward (ids, positions, doc ids, out and the host lengths: a selected
+    path's `forward`) writes for the pack of `docs`."""
     layout = layout_pack(docs, budget).to(device)
     out = nan_features(rows=budget, width=width, device=device)
     lengths = np.array([len(ids) for ids, _ in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
     return out
 
 
@@ -67,7 +68,7 @@ def selected_path_features(
         model, layer_ids, token_budget=budget, max_batch_tokens=max_batch_tokens
     )
     assert path.name == name, path.reason
-    return run_path(path, docs, budget=budget, width=width)
+    return run_path(path.forward, docs, budget=budget, width=width)
 
 
 def staged_features(

@@ -233,7 +233,7 @@ def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_stre
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "hf" and "a layout it lacks" in path.reason, path.reason
     assert "each document alone" in path.reason
-    out = run_path(path, docs, budget=TOKEN_BUDGET, width=WIDTH)
+    out = run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 

@@ -230,5 +230,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     )
     assert path.name == "packed_short_conv" and "flex" in path.reason, path.reason
     docs = _documents(lengths=(70, 100, 3, 50), seed=5)
-    out = run_path(path, docs, budget=256, width=WIDTH, device="cuda")
+    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)

@@ -319,5 +319,5 @@ def test_gpu_selected_path_rows_equal_each_document_alone() -> None:
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
     path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
     assert path.name == "packed_shortcut_moe" and "CompiledExperts" in path.reason, path.reason
-    out = run_path(path, docs, budget=256, width=WIDTH, device="cuda")
+    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)
