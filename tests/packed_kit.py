@@ -9,7 +9,11 @@ forwards, mutants, tolerances and their derivations) stays in its test file.
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -169,3 +173,21 @@ def distance_to_hf(model, docs: Documents, packed: torch.Tensor, *, layer_ids) -
     """Largest |packed - HF| over the real rows, each document alone through `model`; asserts
     the padding rows are zero."""
     return max_deviation(packed, alone_features(model, docs, layer_ids=layer_ids))
+
+
+def mutant_module(module: ModuleType, *edits: tuple[str, str], every: bool = False) -> ModuleType:
+    """`module` built again from its source with each (old, new) of `edits` applied, as the
+    module `<its name>_mutant`. `old` must occur exactly once, or (`every`) at least once, every
+    occurrence replaced."""
+    source = inspect.getsource(module)
+    for old, new in edits:
+        assert (old in source) if every else (source.count(old) == 1), old
+        source = source.replace(old, new)
+    name = f"{module.__name__.rsplit('.', 1)[-1]}_mutant"
+    mutant = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = mutant  # its dataclasses look their module up while it is executed
+    try:
+        exec(compile(source, name, "exec"), mutant.__dict__)
+    finally:
+        del sys.modules[name]
+    return mutant

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-)
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack
@@ -72,14 +66,14 @@ def _family(kind: str) -> PretrainedConfig:
     return Qwen3Config(**_SMALL)
 
 
-_documents = partial(documents, lengths=LENGTHS)
+_documents = partial(kit.documents, lengths=LENGTHS)
 _assert_rows_equal_each_document_alone = partial(
-    assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
 )
 
 
 def _packed_features(forward, docs) -> torch.Tensor:
-    return run_packed(
+    return kit.run_packed(
         forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * forward.hidden_size
     )
 
@@ -95,7 +89,7 @@ def test_selected_cpu_path_of_each_dense_family_is_packed_and_exact(kind: str) -
     model = random_target(_family(kind), seed=1)
     name = "packed_moe" if kind == "qwen3_moe" else "packed_dense"
     docs = _documents(vocab=300, seed=2)
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model, docs, name=name, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64
     )
     _assert_rows_equal_each_document_alone(model, docs, packed)
@@ -106,7 +100,7 @@ def test_hf_fallback_path_is_exact_on_the_packed_layout(tiny_model) -> None:
 
     forward = HFPaddedForward(tiny_model, LAYER_IDS, max_batch_tokens=24)  # several batches
     docs = _documents(vocab=tiny_model.config.vocab_size, seed=4)
-    out = run_path(forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 128)
+    out = kit.run_path(forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 128)
     _assert_rows_equal_each_document_alone(tiny_model, docs, out)
     forward.features.close()
 
@@ -180,8 +174,8 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     T = 256 (flex tiles of 128) with documents crossing tile edges."""
     model = random_target(tiny_target_config(tiny_tokenizer()), seed=3).cuda()
     forward = PackedDenseForward(text_model(model), LAYER_IDS, attention="flex", compile=compile)
-    docs = documents(vocab=1000, lengths=(70, 100, 3, 50), seed=5)
-    out = run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 128, device="cuda")
+    docs = kit.documents(vocab=1000, lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 128, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 

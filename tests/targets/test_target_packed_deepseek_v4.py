@@ -27,21 +27,12 @@ gaps near 1e-5. The mutants below move some row by 0.77 to 3.5, far beyond the t
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
 from functools import partial
 from types import MappingProxyType
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-)
 from tap_kit import generic_features
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV4Config
@@ -130,13 +121,16 @@ def _generic_alone(model, ids: torch.Tensor) -> torch.Tensor:
     return generic_features(model, LAYER_IDS, ids)[0]
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS, seed=4)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS, seed=4)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 _assert_rows_equal_each_document_alone = partial(
-    assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL, features=_generic_alone
+    kit.assert_rows_equal_each_document_alone,
+    layer_ids=LAYER_IDS,
+    atol=ATOL,
+    features=_generic_alone,
 )
 _selected = partial(  # asserted packed
-    selected_path_features,
+    kit.selected_path_features,
     name="packed_deepseek_v4",
     layer_ids=LAYER_IDS,
     budget=TOKEN_BUDGET,
@@ -233,7 +227,7 @@ def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_stre
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "hf" and "a layout it lacks" in path.reason, path.reason
     assert "each document alone" in path.reason
-    out = run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -267,18 +261,7 @@ def test_chunks_of_query_rows_keep_every_row_equal_to_its_document_alone() -> No
 
 def _mutant(*edits: tuple[str, str]):
     """packed_deepseek_v4 with each `old` of `edits` (every occurrence) replaced by its `new`."""
-    source = inspect.getsource(packed_deepseek_v4)
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    name = "packed_deepseek_v4_mutant"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    sys.modules[name] = module  # its dataclasses look their module up while it is executed
-    try:
-        exec(compile(source, name, "exec"), module.__dict__)
-    finally:
-        del sys.modules[name]
-    return module
+    return kit.mutant_module(packed_deepseek_v4, *edits, every=True)
 
 
 _MIX = "mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)"

@@ -22,20 +22,11 @@ initializer_range 0.1 (as the MLA test) and 8 indexer heads, so that an index sc
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_flex_writes_the_sdpa_features,
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    selected_path_features,
-    staged_features,
-)
 from target_kit import capture_features
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV32Config, GlmMoeDsaConfig, PretrainedConfig
@@ -130,10 +121,10 @@ def _model(config: PretrainedConfig, seed: int = 2):
     return model
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS, seed=3)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS, seed=3)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 _assert_rows_equal_each_document_alone = partial(
-    assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
 )
 
 
@@ -197,7 +188,7 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
     model, docs = _model(VARIANTS[kind]()), _documents()
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model, docs, name="packed_dsa", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert "packed sparse MLA" in planned_path(kind)
@@ -210,7 +201,7 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(variant
     may not start on a shared layer (its selection is the previous stage's)."""
     model, docs = _model(VARIANTS[variant]()), _documents()
     splits = (range(0, 2), range(2, 5))
-    out = staged_features(
+    out = kit.staged_features(
         model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, _packed(_forward(model), docs))
@@ -244,19 +235,14 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     model, docs = _flex_case(kind)
     gap, sparse_rows = _edge_gaps(model, docs, FLEX_TOPK)
     assert sparse_rows > 0 and gap >= MARGIN, (gap, sparse_rows)
-    assert_flex_writes_the_sdpa_features(
+    kit.assert_flex_writes_the_sdpa_features(
         lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
     )
 
 
 def _mutant(old: str, new: str):
     """packed_dsa with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_dsa)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_dsa_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_dsa_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_dsa, (old, new))
 
 
 _VISIBLE = 'scores = scores.masked_fill(~visible[s:e, :e], float("-inf"))'
@@ -325,5 +311,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     model, docs = _flex_case(kind)
     model = model.cuda()
     forward = _forward(model, attention="flex", compile=compile)
-    packed = run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    packed = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, packed)

@@ -23,9 +23,9 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import distance_to_hf, documents, run_path
 from transformers import AutoModelForImageTextToText, DeepseekV3ForCausalLM, Kimi_K25Config
 
 from dflash_async.targets import loading
@@ -113,8 +113,8 @@ def folder(wrapper, tmp_path_factory) -> Path:
     return path
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_distance_to_hf = partial(distance_to_hf, layer_ids=LAYER_IDS)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _run(model, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
@@ -122,7 +122,7 @@ def _run(model, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.
     chosen by the language model's config)."""
     path = select_target_forward(model, LAYER_IDS, token_budget=budget, max_batch_tokens=budget)
     assert path.name == "packed_mla" and path.reason.startswith("deepseek_v3:"), path.reason
-    return run_path(path.forward, docs, budget=budget, width=WIDTH, device=device)
+    return kit.run_path(path.forward, docs, budget=budget, width=WIDTH, device=device)
 
 
 def test_kimi_k25_is_the_deepseek_v3_family_wrapped() -> None:

@@ -26,21 +26,11 @@ elsewhere); the third document (2 rows) is shorter than the convolution.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_flex_writes_the_sdpa_features,
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-    staged_features,
-)
 from transformers import NemotronHConfig
 
 from dflash_async.targets import packed_mamba
@@ -116,10 +106,10 @@ def _model(config: NemotronHConfig, seed: int = 1):
     return model
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 _assert_rows_equal_each_document_alone = partial(
-    assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
 )
 
 
@@ -137,7 +127,7 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 
 def test_selected_cpu_path_is_packed_and_exact() -> None:
     model, docs = _model(VARIANTS["nemotron_h_moe"](), seed=2), _documents(seed=3)
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model, docs, name="packed_mamba", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert "packed" in planned_path("nemotron_h")
@@ -148,7 +138,7 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward() -> No
     """A split target (targets/split.py): layers [0, 3) then [3, 6), hidden handed over."""
     model, docs = _model(VARIANTS["nemotron_h_moe"]()), _documents()
     splits = (range(0, 3), range(3, 6))
-    out = staged_features(
+    out = kit.staged_features(
         model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, _packed(_forward(model), docs))
@@ -159,7 +149,7 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu() -> None:
     T = 256 with documents across tile edges; same 1e-5 bound (summation order only)."""
     model = _model(VARIANTS["nemotron_h"]())
     docs = _documents(lengths=(70, 100, 3, 50), seed=5)
-    assert_flex_writes_the_sdpa_features(
+    kit.assert_flex_writes_the_sdpa_features(
         lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
     )
 
@@ -204,12 +194,7 @@ def test_document_ssd_equals_the_recurrence_run_row_by_row(
 
 def _mutant(old: str, new: str):
     """packed_mamba with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_mamba)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_mamba_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_mamba_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_mamba, (old, new))
 
 
 # name -> (old, new, the variant it runs on, the first document it breaks)
@@ -287,5 +272,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(
     )
     assert path.name == "packed_mamba" and "flex" in path.reason, path.reason
     docs = _documents(lengths=(70, 100, 3, 50), seed=5)
-    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)

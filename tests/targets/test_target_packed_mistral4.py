@@ -22,20 +22,11 @@ the softmax 2.3).
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_flex_writes_the_sdpa_features,
-    distance_to_hf,
-    documents,
-    run_packed,
-    run_path,
-    staged_features,
-)
 from transformers import (
     AutoModelForImageTextToText,
     Mistral3Config,
@@ -107,9 +98,9 @@ def model():
     return random_target(_config(), seed=1)
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
-_distance_to_hf = partial(distance_to_hf, layer_ids=LAYER_IDS)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _forward(model, module=packed_mla, attention: str = "sdpa", compile: bool = False, **over):
@@ -148,7 +139,7 @@ def test_mistral4_plans_and_selects_the_packed_mla_path_with_its_router_and_scal
 def test_every_packed_row_of_a_mistral4_target_equals_its_document_alone_through_hf(model) -> None:
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     docs = _documents()
-    out = run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
     assert _distance_to_hf(model, docs, out) < ATOL
 
 
@@ -157,7 +148,7 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(model) 
     from the positions itself."""
     docs = _documents()
     splits = (range(0, 3), range(3, 5))
-    out = staged_features(
+    out = kit.staged_features(
         model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, _packed(_forward(model), docs))
@@ -167,7 +158,7 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(model) -> None:
     """The GPU path's attention (flex over tiles of 128) run eagerly on the CPU, T = 256 with
     documents across tile edges; same 1e-5 bound (summation order only)."""
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    assert_flex_writes_the_sdpa_features(
+    kit.assert_flex_writes_the_sdpa_features(
         lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
     )
 
@@ -209,12 +200,7 @@ def _pack_positions(config, positions: torch.Tensor) -> torch.Tensor:
 
 def _mutant(old: str, new: str):
     """packed_mla with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_mla)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_mla_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_mla_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_mla, (old, new))
 
 
 MUTANTS = {
@@ -252,5 +238,5 @@ def test_gpu_flex_packed_mistral4_rows_equal_each_document_alone(compile: bool) 
     )
     assert path.name == "packed_mla" and "flex" in path.reason, path.reason
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     assert _distance_to_hf(model, docs, out) < ATOL

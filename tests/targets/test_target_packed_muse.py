@@ -35,19 +35,12 @@ from __future__ import annotations
 import copy
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
 import transformers
 from arch_targets import _text as arch_text
 from arch_targets import tiny_config
-from packed_kit import (
-    alone_features,
-    documents,
-    max_deviation,
-    run_packed,
-    selected_path_features,
-    staged_features,
-)
 from transformers import AutoModelForImageTextToText
 
 from dflash_async.targets import packed_muse, packed_window
@@ -103,13 +96,13 @@ def muse(request):
     return _model(request.param)
 
 
-_documents = partial(documents, lengths=LENGTHS)
-_alone = partial(alone_features, layer_ids=LAYER_IDS)
+_documents = partial(kit.documents, lengths=LENGTHS)
+_alone = partial(kit.alone_features, layer_ids=LAYER_IDS)
 
 
 def _packed(model, docs, layer_ids=LAYER_IDS) -> torch.Tensor:
     """The selected CPU path's features (asserted packed_window) for the pack of `docs`."""
-    return selected_path_features(
+    return kit.selected_path_features(
         model,
         docs,
         name="packed_window",
@@ -151,7 +144,7 @@ def _choice_margin(model, docs) -> float:
 def test_every_packed_row_equals_its_document_run_alone_through_hf(muse) -> None:
     docs = _documents(vocab=muse.config.vocab_size)
     assert _choice_margin(muse, docs) > 1
-    assert max_deviation(_packed(muse, docs), _alone(muse, docs)) < ATOL
+    assert kit.max_deviation(_packed(muse, docs), _alone(muse, docs)) < ATOL
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -163,8 +156,8 @@ def test_flex_path_through_flex_attentions_cpu_reference_is_exact_too(muse) -> N
     forward = PackedWindowForward(inner, LAYER_IDS, family=family, attention="flex", compile=False)
     docs = _documents(vocab=muse.config.vocab_size, seed=5, lengths=(70, 100, 3, 50))
     assert _choice_margin(muse, docs) > 1
-    out = run_packed(forward, docs, budget=256, width=WIDTH)
-    assert max_deviation(out, _alone(muse, docs)) < ATOL
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH)
+    assert kit.max_deviation(out, _alone(muse, docs)) < ATOL
 
 
 def _window_across_documents(doc_ids, window=None, rows=64):
@@ -244,7 +237,7 @@ def test_parity_check_catches_the_mutant(monkeypatch, kind: str, mutant: str) ->
     docs = _documents(vocab=model.config.vocab_size)
     alone = _alone(model, docs)
     _mutate(monkeypatch, model, mutant)
-    assert max_deviation(_packed(model, docs), alone) > _MUTANT_GAP
+    assert kit.max_deviation(_packed(model, docs), alone) > _MUTANT_GAP
 
 
 def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch) -> None:
@@ -261,7 +254,7 @@ def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch
     _patch_modules(monkeypatch, model, "TopkRouter", partial(_router, normalise=False))
     assert float((layer.mlp(x) - moe).abs().max()) > _MUTANT_GAP  # the MoE output moves
     torch.testing.assert_close(layer.post_feedforward_layernorm(layer.mlp(x)), normed)
-    assert max_deviation(_packed(model, docs), alone) < ATOL  # the features do not
+    assert kit.max_deviation(_packed(model, docs), alone) < ATOL  # the features do not
 
 
 def test_the_cuda_paths_experts_swap_keeps_sparks_experts_which_norm_each_output() -> None:
@@ -276,7 +269,7 @@ def test_two_stages_of_the_layer_range_give_the_whole_forward(muse) -> None:
     docs = _documents(vocab=muse.config.vocab_size, seed=3)
     whole = _packed(muse, docs)
     splits = (range(0, 2), range(2, 4))
-    out = staged_features(
+    out = kit.staged_features(
         muse, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, whole)
@@ -292,7 +285,7 @@ def test_the_multimodal_wrapper_runs_its_text_layers_packed_and_exact(kind: str)
     docs = _documents(vocab=model.config.text_config.vocab_size, seed=4)
     layer_ids = (0, 1)
     packed = _packed(model, docs, layer_ids)
-    assert max_deviation(packed, _alone(model, docs, layer_ids=layer_ids)) < ATOL
+    assert kit.max_deviation(packed, _alone(model, docs, layer_ids=layer_ids)) < ATOL
 
 
 @pytest.mark.gpu
@@ -312,5 +305,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     )
     docs = _documents(vocab=model.config.vocab_size, seed=8, lengths=(70, 100, 3, 50))
     assert _choice_margin(model, docs) > 1
-    out = run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
-    assert max_deviation(out, _alone(model, docs)) < ATOL
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import distance_to_hf, documents, run_path
 from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig, Qwen3VLMoeTextConfig
 
 from dflash_async.data.packing import layout_pack
@@ -100,9 +100,9 @@ def wrapper():
     return _wrapper()
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_run = partial(run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
-_distance_to_hf = partial(distance_to_hf, layer_ids=LAYER_IDS)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_run = partial(kit.run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _path(model, budget: int = TOKEN_BUDGET, **options):

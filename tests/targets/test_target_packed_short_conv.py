@@ -19,21 +19,11 @@ is shorter than the convolution.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
-from packed_kit import (
-    assert_flex_writes_the_sdpa_features,
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-    staged_features,
-)
 from transformers import Lfm2Config, Lfm2MoeConfig, PretrainedConfig
 
 from dflash_async.data.packing import layout_pack
@@ -97,10 +87,10 @@ def _model(config: PretrainedConfig, seed: int = 1):
     return model
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 _assert_rows_equal_each_document_alone = partial(
-    assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
 )
 
 
@@ -119,7 +109,7 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 @pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
 def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
     model, docs = _model(VARIANTS[kind](), seed=2), _documents(seed=3)
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model, docs, name="packed_short_conv", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert "packed" in planned_path(kind)
@@ -131,7 +121,7 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(kind: s
     """A split target (targets/split.py): layers [0, 3) then [3, 5), hidden handed over."""
     model, docs = _model(VARIANTS[kind]()), _documents()
     splits = (range(0, 3), range(3, 5))
-    out = staged_features(
+    out = kit.staged_features(
         model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, _packed(_forward(model), docs))
@@ -143,19 +133,14 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     T = 256 with documents across tile edges; same 1e-5 bound (summation order only)."""
     model = _model(VARIANTS[kind]())
     docs = _documents(lengths=(70, 100, 3, 50), seed=5)
-    assert_flex_writes_the_sdpa_features(
+    kit.assert_flex_writes_the_sdpa_features(
         lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
     )
 
 
 def _mutant(old: str, new: str):
     """packed_short_conv with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_short_conv)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_short_conv_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_short_conv_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_short_conv, (old, new))
 
 
 # name -> (old, new, the variant it runs on, the first document it breaks)
@@ -230,5 +215,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     )
     assert path.name == "packed_short_conv" and "flex" in path.reason, path.reason
     docs = _documents(lengths=(70, 100, 3, 50), seed=5)
-    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)

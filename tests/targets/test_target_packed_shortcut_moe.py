@@ -20,23 +20,13 @@ weights 1.6). Positions counted over the pack are the one wrong forward no parit
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from packed_kit import (
-    assert_flex_writes_the_sdpa_features,
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-    staged_features,
-)
 
 from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_shortcut_moe
@@ -129,8 +119,8 @@ def _model(config, seed: int = 1):
     return model
 
 
-_documents = partial(documents, vocab=VOCAB, lengths=LENGTHS)
-_packed = partial(run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 
 
 def _router_margins(model, ids: torch.Tensor) -> float:
@@ -161,7 +151,7 @@ def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) ->
     for j, (ids, _) in enumerate(docs):
         ids = torch.as_tensor(ids, device=packed.device)[None]
         assert _router_margins(model, ids) > ROUTER_MARGIN, f"a router near-tie in document {j}"
-    assert_rows_equal_each_document_alone(model, docs, packed, layer_ids=LAYER_IDS, atol=ATOL)
+    kit.assert_rows_equal_each_document_alone(model, docs, packed, layer_ids=LAYER_IDS, atol=ATOL)
 
 
 def _forward(model, module=packed_shortcut_moe, attention: str = "sdpa", compile: bool = False):
@@ -179,7 +169,7 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 def test_selected_cpu_path_is_the_packed_shortcut_moe_and_exact() -> None:
     model, docs = _model(_config(), seed=2), _documents(seed=2)
     name = "packed_shortcut_moe"
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model, docs, name=name, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert "packed" in planned_path("longcat_flash")
@@ -190,7 +180,7 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward() -> No
     """A split target (targets/split.py): layers [0, 2) then [2, 3), hidden handed over."""
     model, docs = _model(_config()), _documents()
     splits = (range(0, 2), range(2, 3))
-    out = staged_features(
+    out = kit.staged_features(
         model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, _packed(_forward(model), docs))
@@ -202,7 +192,7 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu() -> None:
     edges; same 1e-5 bound (summation order only)."""
     model = _model(_config())
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    assert_flex_writes_the_sdpa_features(
+    kit.assert_flex_writes_the_sdpa_features(
         lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
     )
 
@@ -219,14 +209,7 @@ def test_compiled_experts_run_the_zero_experts_stand_in_rows_exactly() -> None:
 
 def _mutant(*edits: tuple[str, str]):
     """packed_shortcut_moe with the one occurrence of each `old` in its source replaced."""
-    source = inspect.getsource(packed_shortcut_moe)
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    spec = importlib.util.spec_from_loader("packed_shortcut_moe_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source, "packed_shortcut_moe_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_shortcut_moe, *edits)
 
 
 _SECOND_ATTENTION = (
@@ -307,7 +290,7 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     model = _model(_config()).cuda()
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
     forward = _forward(model, attention="flex", compile=compile)
-    out = run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -319,5 +302,5 @@ def test_gpu_selected_path_rows_equal_each_document_alone() -> None:
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
     path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
     assert path.name == "packed_shortcut_moe" and "CompiledExperts" in path.reason, path.reason
-    out = run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)

@@ -20,18 +20,11 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 from arch_targets import _text as arch_text
 from arch_targets import tiny_config
-from packed_kit import (
-    assert_rows_equal_each_document_alone,
-    documents,
-    run_packed,
-    run_path,
-    selected_path_features,
-    staged_features,
-)
 from target_kit import capture_features
 from transformers import AutoModelForImageTextToText
 
@@ -87,21 +80,21 @@ def window_model(request):
     return _model(kind, **overrides)
 
 
-_documents = partial(documents, lengths=LENGTHS)
-_run = partial(run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
+_documents = partial(kit.documents, lengths=LENGTHS)
+_run = partial(kit.run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
 
 
 def _assert_rows_equal_each_document_alone(model, docs, packed, layer_ids=LAYER_IDS) -> None:
     gemma4 = model.config.model_type == "gemma4_text"
     atol = ATOL_GEMMA4 if gemma4 else ATOL
-    assert_rows_equal_each_document_alone(
+    kit.assert_rows_equal_each_document_alone(
         model, docs, packed, layer_ids=layer_ids, atol=atol, rtol=RTOL
     )
 
 
 def test_selected_cpu_path_is_packed_and_every_row_equals_its_document_alone(window_model):
     docs = _documents(vocab=window_model.config.vocab_size)
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         window_model,
         docs,
         name="packed_window",
@@ -128,7 +121,7 @@ def test_two_stages_of_the_layer_range_give_the_whole_forward(window_model) -> N
     )
     whole = _run(path.forward, docs)
     splits = (range(0, 2), range(2, 4))
-    out = staged_features(
+    out = kit.staged_features(
         window_model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
     )
     assert torch.equal(out, whole)
@@ -219,7 +212,7 @@ def test_gemma3_multimodal_wrapper_runs_its_text_layers_packed_and_exact() -> No
         model = AutoModelForImageTextToText.from_config(tiny_config("gemma3")).eval()
     layer_ids = (0, 1)
     docs = _documents(vocab=model.config.text_config.vocab_size - 1, seed=5)  # below the image
-    packed = selected_path_features(
+    packed = kit.selected_path_features(
         model,
         docs,
         name="packed_window",
@@ -246,7 +239,7 @@ def test_flex_path_through_flex_attentions_cpu_reference_equals_each_document_al
     window = family_of(inner.config).forward.layers
     forward = PackedWindowForward(inner, LAYER_IDS, family=window, attention="flex", compile=False)
     docs = _documents(vocab=model.config.vocab_size, lengths=(70, 100, 3, 50), seed=5)
-    out = run_packed(forward, docs, budget=256, width=WIDTH)
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH)
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 

@@ -20,10 +20,10 @@ import copy
 import dataclasses
 from functools import partial
 
+import packed_kit as kit
 import pytest
 import torch
 from arch_targets import SLIDING_WINDOW, tiny_config
-from packed_kit import alone_features, documents, max_deviation, run_packed, run_path
 
 from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_moe_window as pmw
@@ -50,13 +50,13 @@ def model():
     return random_target(config, seed=1)
 
 
-_docs = partial(documents, lengths=LENGTHS)
-_alone = partial(alone_features, layer_ids=LAYER_IDS)
+_docs = partial(kit.documents, lengths=LENGTHS)
+_alone = partial(kit.alone_features, layer_ids=LAYER_IDS)
 
 
 def _packed(forward, docs, token_budget: int = TOKEN_BUDGET) -> torch.Tensor:
     width = len(LAYER_IDS) * forward.hidden_size
-    return run_packed(forward, docs, budget=token_budget, width=width)
+    return kit.run_packed(forward, docs, budget=token_budget, width=width)
 
 
 def _family(model) -> pmw.MoeWindowLayers:
@@ -81,7 +81,7 @@ def _forward(model, attention: str = "sdpa", layers: range | None = None):
 
 def test_every_packed_gpt_oss_row_equals_its_document_run_alone_through_hf(model) -> None:
     docs = _docs(vocab=model.config.vocab_size)
-    assert max_deviation(_packed(_forward(model), docs), _alone(model, docs)) < ATOL
+    assert kit.max_deviation(_packed(_forward(model), docs), _alone(model, docs)) < ATOL
 
 
 def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) -> None:
@@ -89,7 +89,7 @@ def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) ->
     mask_mod and LSE sinks, at T = 128 (one flex tile)."""
     docs = _docs(vocab=model.config.vocab_size, seed=3)
     packed = _packed(_forward(model, "flex"), docs, token_budget=128)
-    assert max_deviation(packed, _alone(model, docs)) < ATOL
+    assert kit.max_deviation(packed, _alone(model, docs)) < ATOL
 
 
 def _window_off_by_one(doc_ids, window, rows):
@@ -116,7 +116,7 @@ def test_parity_check_catches_the_mutant(model, monkeypatch, mutant: str) -> Non
     name, replacement = MUTANTS[mutant]
     monkeypatch.setattr(pmw, name, replacement)
     docs = _docs(vocab=model.config.vocab_size)
-    assert max_deviation(_packed(_forward(model), docs), _alone(model, docs)) > _MUTANT_GAP
+    assert kit.max_deviation(_packed(_forward(model), docs), _alone(model, docs)) > _MUTANT_GAP
 
 
 def test_flex_window_mask_mod_spells_the_dense_window_rule() -> None:
@@ -155,8 +155,8 @@ def test_selected_cpu_path_of_gpt_oss_is_packed_and_exact(model) -> None:
     assert path.name == "packed_moe_window" and path.stage is not None, path.reason
     assert planned_path("gpt_oss").startswith("packed MoE with sliding windows")
     docs = _docs(vocab=model.config.vocab_size, seed=2)
-    out = run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
-    assert max_deviation(out, _alone(model, docs)) < ATOL
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL
 
 
 # MiniMax-M2: no windows, no sinks; its own q/k norms, partial RoPE and sigmoid router.
@@ -181,13 +181,13 @@ def minimax():
 
 def test_every_packed_minimax_m2_row_equals_its_document_run_alone_through_hf(minimax) -> None:
     docs = _docs(vocab=minimax.config.vocab_size, seed=5)
-    assert max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) < ATOL
+    assert kit.max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) < ATOL
 
 
 def test_flex_path_of_minimax_m2_is_exact_too(minimax) -> None:
     docs = _docs(vocab=minimax.config.vocab_size, seed=6)
     packed = _packed(_forward(minimax, "flex"), docs, token_budget=128)
-    assert max_deviation(packed, _alone(minimax, docs)) < ATOL
+    assert kit.max_deviation(packed, _alone(minimax, docs)) < ATOL
 
 
 def _minimax_choice_without_bias(moe, x):
@@ -213,15 +213,15 @@ MINIMAX_MUTANTS = {
 def test_parity_check_catches_the_minimax_router_mutant(minimax, monkeypatch, mutant) -> None:
     monkeypatch.setattr(pmw, "minimax_route", MINIMAX_MUTANTS[mutant])
     docs = _docs(vocab=minimax.config.vocab_size, seed=5)
-    assert max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) > _MUTANT_GAP
+    assert kit.max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) > _MUTANT_GAP
 
 
 def test_selected_cpu_path_of_minimax_m2_is_packed_and_exact(minimax) -> None:
     path = select_target_forward(minimax, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "packed_moe_window" and path.stage is not None, path.reason
     docs = _docs(vocab=minimax.config.vocab_size, seed=7)
-    out = run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
-    assert max_deviation(out, _alone(minimax, docs)) < ATOL
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
+    assert kit.max_deviation(out, _alone(minimax, docs)) < ATOL
 
 
 @pytest.mark.gpu
@@ -235,6 +235,6 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(request, kind: str, comp
     forward = pmw.PackedWindowMoeForward(
         text_model(model), LAYER_IDS, family=_family(model), attention="flex", compile=compile
     )
-    docs = documents(vocab=300, lengths=(70, 100, 3, 50), seed=8)
-    out = run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 64, device="cuda")
-    assert max_deviation(out, _alone(model, docs)) < ATOL
+    docs = kit.documents(vocab=300, lengths=(70, 100, 3, 50), seed=8)
+    out = kit.run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 64, device="cuda")
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL
