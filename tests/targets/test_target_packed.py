@@ -10,13 +10,14 @@ position off by the document's offset) moves features by O(0.1) or more.
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_dense
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
@@ -65,55 +66,41 @@ def _family(kind: str) -> PretrainedConfig:
     return Qwen3Config(**_SMALL)
 
 
-def _documents(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, vocab, n), np.ones(n, dtype=bool)) for n in LENGTHS]
+_documents = partial(kit.documents, lengths=LENGTHS)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+)
 
 
-def _packed_features(forward, docs, token_budget: int = TOKEN_BUDGET) -> torch.Tensor:
-    layout = layout_pack(docs, token_budget)
-    width = len(LAYER_IDS) * forward.hidden_size
-    out = torch.full((token_budget, width), float("nan"))  # poisoned: every row must be written
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+def _packed_features(forward, docs) -> torch.Tensor:
+    return kit.run_packed(
+        forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * forward.hidden_size
+    )
 
 
 def test_every_packed_row_equals_its_document_run_alone_through_hf(tiny_model) -> None:
     forward = PackedDenseForward(text_model(tiny_model), LAYER_IDS, attention="sdpa", compile=False)
-    docs = _documents(tiny_model.config.vocab_size)
+    docs = _documents(vocab=tiny_model.config.vocab_size)
     _assert_rows_equal_each_document_alone(tiny_model, docs, _packed_features(forward, docs))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "qwen3_moe"])
 def test_selected_cpu_path_of_each_dense_family_is_packed_and_exact(kind: str) -> None:
     model = random_target(_family(kind), seed=1)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == ("packed_moe" if kind == "qwen3_moe" else "packed_dense")
-    docs = _documents(300, seed=2)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-    lengths = np.array(LENGTHS)
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    name = "packed_moe" if kind == "qwen3_moe" else "packed_dense"
+    docs = _documents(vocab=300, seed=2)
+    packed = kit.selected_path_features(
+        model, docs, name=name, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64
+    )
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 def test_hf_fallback_path_is_exact_on_the_packed_layout(tiny_model) -> None:
     from dflash_async.targets.forward import HFPaddedForward
 
     forward = HFPaddedForward(tiny_model, LAYER_IDS, max_batch_tokens=24)  # several batches
-    docs = _documents(tiny_model.config.vocab_size, seed=4)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 128), float("nan"))
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    docs = _documents(vocab=tiny_model.config.vocab_size, seed=4)
+    out = kit.run_path(forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 128)
     _assert_rows_equal_each_document_alone(tiny_model, docs, out)
     forward.features.close()
 
@@ -173,7 +160,7 @@ def test_rotary_embedding_gets_the_positions_restarting_in_every_document(tiny_m
     hook = inner.rotary_emb.register_forward_hook(lambda m, args, out: seen.append(args[1]))
     try:
         forward = PackedDenseForward(inner, LAYER_IDS, attention="sdpa", compile=False)
-        docs = _documents(tiny_model.config.vocab_size)
+        docs = _documents(vocab=tiny_model.config.vocab_size)
         _packed_features(forward, docs)
     finally:
         hook.remove()
@@ -187,11 +174,8 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     T = 256 (flex tiles of 128) with documents crossing tile edges."""
     model = random_target(tiny_target_config(tiny_tokenizer()), seed=3).cuda()
     forward = PackedDenseForward(text_model(model), LAYER_IDS, attention="flex", compile=compile)
-    rng = np.random.default_rng(5)
-    docs = [(rng.integers(0, 1000, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, len(LAYER_IDS) * 128), float("nan"), device="cuda")
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
+    docs = kit.documents(vocab=1000, lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 128, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -205,7 +189,7 @@ def _moe_features(model, *, routed: bool) -> torch.Tensor:
             text_model(model), LAYER_IDS, attention="sdpa", compile=False, moe_eager=True
         )
         assert forward._routed == routed
-        return _packed_features(forward, _documents(300, seed=2))
+        return _packed_features(forward, _documents(vocab=300, seed=2))
 
 
 @pytest.mark.parametrize("renormalised", [True, False])

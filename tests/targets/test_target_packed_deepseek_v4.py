@@ -27,19 +27,16 @@ gaps near 1e-5. The mutants below move some row by 0.77 to 3.5, far beyond the t
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
+from functools import partial
 from types import MappingProxyType
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 from tap_kit import generic_features
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV4Config
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.errors import SettingsError
 from dflash_async.targets import families, packed_deepseek_v4, paths
 from dflash_async.targets.families import planned_path, stream_tap
@@ -57,6 +54,7 @@ VOCAB = 300
 EXPERTS, TOP_K = 8, 2
 INDEX_TOPK = 2
 HIDDEN = 32
+WIDTH = len(LAYER_IDS) * HIDDEN  # the features' width
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -118,29 +116,26 @@ def _model(config, seed: int = 2):
     return model
 
 
-def _documents(lengths=LENGTHS, seed: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
+def _generic_alone(model, ids: torch.Tensor) -> torch.Tensor:
+    """The generic path's features [n, k*d] of the document `ids` [1, n], the streams collapsed."""
+    return generic_features(model, LAYER_IDS, ids)[0]
 
 
-def _width() -> int:
-    return len(LAYER_IDS) * HIDDEN
-
-
-def _packed(forward, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    layout = layout_pack(docs, budget).to(device)
-    out = torch.full((budget, _width()), float("nan"), device=device)  # poisoned
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = generic_features(model, LAYER_IDS, ids)[0]  # [n, k*d], the streams collapsed
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS, seed=4)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone,
+    layer_ids=LAYER_IDS,
+    atol=ATOL,
+    features=_generic_alone,
+)
+_selected = partial(  # asserted packed
+    kit.selected_path_features,
+    name="packed_deepseek_v4",
+    layer_ids=LAYER_IDS,
+    budget=TOKEN_BUDGET,
+    width=WIDTH,
+)
 
 
 def _forward(model, module=packed_deepseek_v4):
@@ -217,13 +212,9 @@ def test_exact_ties_at_the_indexers_edge_are_broken_as_hf_breaks_them() -> None:
 
 def test_selected_cpu_path_is_packed_and_exact() -> None:
     model, docs = _model(VARIANTS["deepseek_v4"]()), _documents()
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_deepseek_v4", path.reason
+    packed = _selected(model, docs)
     assert "compressed blocks per document" in planned_path("deepseek_v4")
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_streams(
@@ -236,9 +227,7 @@ def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_stre
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "hf" and "a layout it lacks" in path.reason, path.reason
     assert "each document alone" in path.reason
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -250,12 +239,7 @@ def test_the_packed_taps_follow_the_families_stream_tap_as_the_generic_ones_do(
     mean = MappingProxyType({"deepseek_v4": lambda model, layers, index: lambda s: s.mean(-2)})
     monkeypatch.setattr(families, "STREAM_TAPS", mean)
     model, docs = _model(VARIANTS["deepseek_v4"]()), _documents()
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_deepseek_v4", path.reason
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, _selected(model, docs))
 
 
 def test_a_split_target_is_refused_in_one_line() -> None:
@@ -277,18 +261,7 @@ def test_chunks_of_query_rows_keep_every_row_equal_to_its_document_alone() -> No
 
 def _mutant(*edits: tuple[str, str]):
     """packed_deepseek_v4 with each `old` of `edits` (every occurrence) replaced by its `new`."""
-    source = inspect.getsource(packed_deepseek_v4)
-    for old, new in edits:
-        assert old in source, old
-        source = source.replace(old, new)
-    name = "packed_deepseek_v4_mutant"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    sys.modules[name] = module  # its dataclasses look their module up while it is executed
-    try:
-        exec(compile(source, name, "exec"), module.__dict__)
-    finally:
-        del sys.modules[name]
-    return module
+    return kit.mutant_module(packed_deepseek_v4, *edits, every=True)
 
 
 _MIX = "mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)"

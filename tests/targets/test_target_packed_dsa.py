@@ -22,17 +22,15 @@ initializer_range 0.1 (as the MLA test) and 8 indexer heads, so that an index sc
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 from target_kit import capture_features
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV32Config, GlmMoeDsaConfig, PretrainedConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_dsa
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -79,6 +77,7 @@ _COMMON = dict(
     index_n_heads=8,
     index_head_dim=16,  # RoPE on its first 8 dims (qk_rope_head_dim), the other 8 pass
 )
+WIDTH = len(LAYER_IDS) * _COMMON["hidden_size"]  # the features' width
 _YARN = dict(
     rope_type="yarn",
     rope_theta=10000.0,
@@ -122,29 +121,11 @@ def _model(config: PretrainedConfig, seed: int = 2):
     return model
 
 
-def _documents(lengths=LENGTHS, seed: int = 3) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
-
-
-def _width() -> int:
-    return len(LAYER_IDS) * _COMMON["hidden_size"]
-
-
-def _packed(forward, docs, budget: int = TOKEN_BUDGET) -> torch.Tensor:
-    layout = layout_pack(docs, budget)
-    out = torch.full((budget, _width()), float("nan"))  # the slot's buffer, poisoned
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS, seed=3)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+)
 
 
 def _forward(model, module=packed_dsa, attention: str = "sdpa", compile: bool = False):
@@ -207,13 +188,11 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
     model, docs = _model(VARIANTS[kind]()), _documents()
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_dsa", path.reason
+    packed = kit.selected_path_features(
+        model, docs, name="packed_dsa", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert "packed sparse MLA" in planned_path(kind)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v32", "glm_moe_dsa_shared"])
@@ -221,15 +200,10 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(variant
     """A split target (targets/split.py): layers [0, 2) then [2, 5), hidden handed over; a stage
     may not start on a shared layer (its selection is the previous stage's)."""
     model, docs = _model(VARIANTS[variant]()), _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = torch.full((TOKEN_BUDGET, _width()), float("nan"))
-    hidden = None
-    for layers in (range(0, 2), range(2, 5)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 2), range(2, 5))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
     if variant == "glm_moe_dsa_shared":
         with pytest.raises(ValueError, match="layer 3: that layer shares"):
@@ -250,7 +224,7 @@ def test_chunks_of_query_rows_keep_every_row_equal_to_its_document_alone(variant
 
 def _flex_case(kind: str):
     model = _model(VARIANTS[kind]().__class__(**(_COMMON | {"index_topk": FLEX_TOPK})))
-    return model, _documents(FLEX_LENGTHS, seed=6)
+    return model, _documents(lengths=FLEX_LENGTHS, seed=6)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
@@ -261,18 +235,14 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     model, docs = _flex_case(kind)
     gap, sparse_rows = _edge_gaps(model, docs, FLEX_TOPK)
     assert sparse_rows > 0 and gap >= MARGIN, (gap, sparse_rows)
-    sdpa, flex = (_packed(_forward(model, attention=a), docs, 256) for a in ("sdpa", "flex"))
-    torch.testing.assert_close(flex, sdpa, atol=ATOL, rtol=0)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def _mutant(old: str, new: str):
     """packed_dsa with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_dsa)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_dsa_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_dsa_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_dsa, (old, new))
 
 
 _VISIBLE = 'scores = scores.masked_fill(~visible[s:e, :e], float("-inf"))'
@@ -341,7 +311,5 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     model, docs = _flex_case(kind)
     model = model.cuda()
     forward = _forward(model, attention="flex", compile=compile)
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, _width()), float("nan"), device="cuda")
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    packed = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    _assert_rows_equal_each_document_alone(model, docs, packed)

@@ -20,15 +20,14 @@ mutant moves features by 5.5.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import AutoModelForImageTextToText, DeepseekV3ForCausalLM, Kimi_K25Config
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import loading
 from dflash_async.targets.families import FAMILIES
 from dflash_async.targets.forward import select_target_forward
@@ -41,6 +40,7 @@ LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2, 4)  # a dense layer (first_k_dense_replace=1) and two MoE layers
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 
 
 def _config() -> Kimi_K25Config:
@@ -113,9 +113,8 @@ def folder(wrapper, tmp_path_factory) -> Path:
     return path
 
 
-def _documents(seed: int = 0, lengths=LENGTHS) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _run(model, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
@@ -123,24 +122,7 @@ def _run(model, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.
     chosen by the language model's config)."""
     path = select_target_forward(model, LAYER_IDS, token_budget=budget, max_batch_tokens=budget)
     assert path.name == "packed_mla" and path.reason.startswith("deepseek_v3:"), path.reason
-    layout = layout_pack(docs, budget).to(device)
-    out = torch.full((budget, len(LAYER_IDS) * 64), float("nan"), device=device)  # all written
-    lengths = np.array([len(ids) for ids, _ in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
-    return out
-
-
-def _distance_to_hf(wrapper, docs, packed: torch.Tensor) -> float:
-    """Largest |packed - HF| over the real rows, each document alone through the HF wrapper's
-    language model; asserts the padding rows are zero."""
-    offsets = pack_row_offsets(np.array([len(ids) for ids, _ in docs]))
-    worst = 0.0
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(wrapper, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        worst = max(worst, (packed[offsets[j] : offsets[j + 1]] - alone).abs().max().item())
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return worst
+    return kit.run_path(path.forward, docs, budget=budget, width=WIDTH, device=device)
 
 
 def test_kimi_k25_is_the_deepseek_v3_family_wrapped() -> None:

@@ -26,16 +26,13 @@ elsewhere); the third document (2 rows) is shorter than the convolution.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import NemotronHConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_mamba
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -49,6 +46,7 @@ TOKEN_BUDGET = 48  # 40 real rows + 8 padding rows
 CHUNK = 8
 LAYER_IDS = (0, 2, 5)  # a Mamba mixer, an attention (or MoE) block and the last Mamba mixer
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 M, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 
 _COMMON = dict(
@@ -108,29 +106,11 @@ def _model(config: NemotronHConfig, seed: int = 1):
     return model
 
 
-def _documents(lengths=LENGTHS, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
-
-
-def _nan_features(rows: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    """The slot's buffer, poisoned: every row must be written."""
-    return torch.full((rows, len(LAYER_IDS) * 64), float("nan"), device=device)
-
-
-def _packed(forward, docs, budget: int = TOKEN_BUDGET) -> torch.Tensor:
-    layout = layout_pack(docs, budget)
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, _nan_features(budget))
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+)
 
 
 def _forward(model, module=packed_mamba, attention: str = "sdpa"):
@@ -147,27 +127,20 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 
 def test_selected_cpu_path_is_packed_and_exact() -> None:
     model, docs = _model(VARIANTS["nemotron_h_moe"](), seed=2), _documents(seed=3)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_mamba", path.reason
+    packed = kit.selected_path_features(
+        model, docs, name="packed_mamba", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert "packed" in planned_path("nemotron_h")
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = _nan_features()
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 def test_two_chained_stages_write_the_same_features_as_the_whole_forward() -> None:
     """A split target (targets/split.py): layers [0, 3) then [3, 6), hidden handed over."""
     model, docs = _model(VARIANTS["nemotron_h_moe"]()), _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = _nan_features()
-    hidden = None
-    for layers in (range(0, 3), range(3, 6)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 3), range(3, 6))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
@@ -175,9 +148,10 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu() -> None:
     """The GPU path's attention (flex, its BlockMask over tiles of 128) run eagerly on the CPU,
     T = 256 with documents across tile edges; same 1e-5 bound (summation order only)."""
     model = _model(VARIANTS["nemotron_h"]())
-    docs = _documents((70, 100, 3, 50), seed=5)
-    outs = [_packed(_forward(model, attention=a), docs, 256) for a in ("sdpa", "flex")]
-    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def _sequential_ssd(x, dt, A, B, C, starts) -> torch.Tensor:
@@ -220,12 +194,7 @@ def test_document_ssd_equals_the_recurrence_run_row_by_row(
 
 def _mutant(old: str, new: str):
     """packed_mamba with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_mamba)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_mamba_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_mamba_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_mamba, (old, new))
 
 
 # name -> (old, new, the variant it runs on, the first document it breaks)
@@ -302,9 +271,6 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(
         model, LAYER_IDS, token_budget=256, max_batch_tokens=256, compile=compile
     )
     assert path.name == "packed_mamba" and "flex" in path.reason, path.reason
-    docs = _documents((70, 100, 3, 50), seed=5)
-    layout = layout_pack(docs, 256).to("cuda")
-    out = _nan_features(256, "cuda")
-    lengths = np.array([len(d[0]) for d in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)

@@ -22,13 +22,11 @@ the softmax 2.3).
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import (
     AutoModelForImageTextToText,
     Mistral3Config,
@@ -36,7 +34,6 @@ from transformers import (
     PretrainedConfig,
 )
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_mla
 from dflash_async.targets.families import FAMILIES, planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -49,6 +46,7 @@ LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2, 4)  # a dense layer (first_k_dense_replace=1) and two MoE layers
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 PERIOD = 4  # original_max_position_embeddings: the scale's step (see the module docstring)
 
 
@@ -100,9 +98,9 @@ def model():
     return random_target(_config(), seed=1)
 
 
-def _documents(seed: int = 0, lengths=LENGTHS) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _forward(model, module=packed_mla, attention: str = "sdpa", compile: bool = False, **over):
@@ -123,25 +121,6 @@ def _forward(model, module=packed_mla, attention: str = "sdpa", compile: bool = 
     )
 
 
-def _packed(forward, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    layout = layout_pack(docs, budget).to(device)
-    out = torch.full((budget, len(LAYER_IDS) * 64), float("nan"), device=device)  # all written
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-
-
-def _distance_to_hf(model, docs, packed: torch.Tensor) -> float:
-    """Largest |packed - HF| over the real rows (each document alone through HF); asserts the
-    padding rows are zero."""
-    offsets = pack_row_offsets(np.array([len(ids) for ids, _ in docs]))
-    worst = 0.0
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        worst = max(worst, (packed[offsets[j] : offsets[j + 1]] - alone).abs().max().item())
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return worst
-
-
 def test_the_scale_steps_at_every_period_and_is_one_before_the_first() -> None:
     scale = packed_mla.llama4_query_scale(_config(), torch.arange(13))[0, 0, :, 0]
     steps = 1 + 0.1 * torch.log(1 + torch.tensor([0.0] * 4 + [1.0] * 4 + [2.0] * 4 + [3.0]))
@@ -160,9 +139,7 @@ def test_mistral4_plans_and_selects_the_packed_mla_path_with_its_router_and_scal
 def test_every_packed_row_of_a_mistral4_target_equals_its_document_alone_through_hf(model) -> None:
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     docs = _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=WIDTH)
     assert _distance_to_hf(model, docs, out) < ATOL
 
 
@@ -170,15 +147,10 @@ def test_two_chained_stages_write_the_same_features_as_the_whole_forward(model) 
     """A split target (targets/split.py): layers [0, 3) then [3, 5); each stage takes the scale
     from the positions itself."""
     docs = _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-    hidden = None
-    for layers in (range(0, 3), range(3, 5)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 3), range(3, 5))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
@@ -186,9 +158,9 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(model) -> None:
     """The GPU path's attention (flex over tiles of 128) run eagerly on the CPU, T = 256 with
     documents across tile edges; same 1e-5 bound (summation order only)."""
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    sdpa = _packed(_forward(model), docs, 256)
-    flex = _packed(_forward(model, attention="flex"), docs, 256)
-    torch.testing.assert_close(flex, sdpa, atol=ATOL, rtol=0)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def test_a_mistral3_wrapper_loads_its_mistral4_language_model_alone_and_packs_exactly(
@@ -228,12 +200,7 @@ def _pack_positions(config, positions: torch.Tensor) -> torch.Tensor:
 
 def _mutant(old: str, new: str):
     """packed_mla with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_mla)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_mla_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_mla_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_mla, (old, new))
 
 
 MUTANTS = {
@@ -271,8 +238,5 @@ def test_gpu_flex_packed_mistral4_rows_equal_each_document_alone(compile: bool) 
     )
     assert path.name == "packed_mla" and "flex" in path.reason, path.reason
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
-    lengths = np.array([len(ids) for ids, _ in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     assert _distance_to_hf(model, docs, out) < ATOL

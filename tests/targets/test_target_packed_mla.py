@@ -14,19 +14,15 @@ softmax-normalised 0.6).
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_mla
 from dflash_async.targets.families import family_of, planned_path
-from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -36,6 +32,7 @@ LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2, 4)  # a dense layer (first_k_dense_replace=1) and two MoE layers
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -110,29 +107,11 @@ def _model(config: PretrainedConfig, seed: int = 1):
     return model
 
 
-def _documents(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in LENGTHS]
-
-
-def _nan_features() -> torch.Tensor:
-    """The slot's buffer, poisoned: every row must be written."""
-    return torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-
-
-def _packed(forward, docs) -> torch.Tensor:
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, _nan_features())
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+)
 
 
 def _block(model, module=packed_mla):
@@ -142,13 +121,13 @@ def _block(model, module=packed_mla):
     return getattr(module, block.__name__)
 
 
-def _forward(model, module=packed_mla):
+def _forward(model, module=packed_mla, attention: str = "sdpa", compile: bool = False):
     return module.PackedMLAForward(
         text_model(model),
         LAYER_IDS,
         attention_block=_block(model, module),
-        attention="sdpa",
-        compile=False,
+        attention=attention,
+        compile=compile,
     )
 
 
@@ -161,28 +140,22 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
 def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
     model, docs = _model(VARIANTS[kind](), seed=2), _documents(seed=3)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == ("packed_mla" if kind == "deepseek_v3" else "packed_moe"), path.reason
+    name = "packed_mla" if kind == "deepseek_v3" else "packed_moe"
+    packed = kit.selected_path_features(
+        model, docs, name=name, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert "packed" in planned_path(kind)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = _nan_features()
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
 def test_two_chained_stages_write_the_same_features_as_the_whole_forward(kind: str) -> None:
     """A split target (targets/split.py): layers [0, 3) then [3, 5), hidden handed over."""
     model, docs = _model(VARIANTS[kind]()), _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = _nan_features()
-    hidden = None
-    for layers in (range(0, 3), range(3, 5)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 3), range(3, 5))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
@@ -191,31 +164,16 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     """The GPU path's attention (flex, its BlockMask over tiles of 128) run eagerly on the CPU:
     flex takes MLA's value dim (16) narrower than q/k's (24). T = 256 with documents across tile
     edges; same 1e-5 bound (summation order only)."""
-    model, rng = _model(VARIANTS[kind]()), np.random.default_rng(5)
-    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
-    layout = layout_pack(docs, 256)
-    outs = []
-    for attention in ("sdpa", "flex"):
-        forward = packed_mla.PackedMLAForward(
-            text_model(model),
-            LAYER_IDS,
-            attention_block=_block(model),
-            attention=attention,
-            compile=False,
-        )
-        out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
-        outs.append(forward(layout.input_ids, layout.position_ids, layout.doc_ids, out))
-    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    model = _model(VARIANTS[kind]())
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def _mutant(old: str, new: str):
     """packed_mla with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_mla)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_mla_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_mla_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_mla, (old, new))
 
 
 MUTANTS = {
@@ -253,16 +211,7 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     """fp32 on CUDA (no TF32), flex over T = 256 (tiles of 128) with documents across tile edges;
     q/k (24) and v (16) head dims differ for MLA. Same 1e-5 bound as the CPU."""
     model = _model(VARIANTS[kind]()).cuda()
-    forward = packed_mla.PackedMLAForward(
-        text_model(model),
-        LAYER_IDS,
-        attention_block=_block(model),
-        attention="flex",
-        compile=compile,
-    )
-    rng = np.random.default_rng(5)
-    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    forward = _forward(model, attention="flex", compile=compile)
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    packed = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    _assert_rows_equal_each_document_alone(model, docs, packed)

@@ -16,14 +16,15 @@ rows) moves features by far more (unequal rows: 0.027 with these small random we
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import AutoModelForImageTextToText, Qwen3VLConfig, Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets.families import FAMILIES
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import text_model
@@ -36,6 +37,7 @@ LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2, 3)
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 HEAD_DIM = 16  # 8 rotary frequencies, split t/h/w by the sections below
 SECTIONS = [4, 2, 2]  # Qwen3-VL-8B's [24, 20, 20] of 64 frequencies, scaled to 8
 
@@ -76,31 +78,9 @@ def wrapper():
     return _wrapper()
 
 
-def _documents(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in LENGTHS]
-
-
-def _run(path, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    layout = layout_pack(docs, budget).to(device)
-    out = torch.full((budget, len(LAYER_IDS) * 64), float("nan"), device=device)  # all written
-    lengths = np.array([len(ids) for ids, _ in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
-    return out
-
-
-def _distance_to_hf(model, docs, packed: torch.Tensor) -> float:
-    """Largest |packed - HF| over the real rows (each document alone through the whole HF
-    wrapper, text only); asserts the padding rows are zero."""
-    offsets = pack_row_offsets(np.array([len(ids) for ids, _ in docs]))
-    worst = 0.0
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        worst = max(worst, (rows - alone).abs().max().item())
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return worst
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_run = partial(kit.run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +115,7 @@ def test_every_packed_row_of_a_qwen3_vl_target_equals_its_document_alone_through
     path = select_target_forward(wrapper, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "packed_dense" and path.reason.startswith("qwen3_vl_text:")
     docs = _documents(seed=1)
-    assert _distance_to_hf(wrapper, docs, _run(path, docs)) < ATOL
+    assert _distance_to_hf(wrapper, docs, _run(path.forward, docs)) < ATOL
 
 
 def test_unequal_position_rows_are_caught_by_the_comparison(wrapper, monkeypatch) -> None:
@@ -148,7 +128,7 @@ def test_unequal_position_rows_are_caught_by_the_comparison(wrapper, monkeypatch
     path = select_target_forward(wrapper, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     docs = _documents(seed=1)
     # measured 0.027 (small random weights keep attention near uniform): 2700x the tolerance
-    assert _distance_to_hf(wrapper, docs, _run(path, docs)) > 100 * ATOL
+    assert _distance_to_hf(wrapper, docs, _run(path.forward, docs)) > 100 * ATOL
 
 
 def test_the_mrope_gets_three_equal_rows_restarting_in_every_document(wrapper) -> None:
@@ -163,7 +143,7 @@ def test_the_mrope_gets_three_equal_rows_restarting_in_every_document(wrapper) -
             wrapper, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64
         )
         docs = _documents()
-        _run(path, docs)
+        _run(path.forward, docs)
     finally:
         hook.remove()
     restarting = layout_pack(docs, TOKEN_BUDGET).position_ids
@@ -181,7 +161,8 @@ def test_gpu_flex_compiled_qwen3_vl_rows_equal_each_document_alone(cuda_graph: b
         model, LAYER_IDS, token_budget=256, max_batch_tokens=256, cuda_graph=cuda_graph
     )
     assert path.name == "packed_dense" and "flex" in path.reason
-    rng = np.random.default_rng(5)
-    docs = [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
     for _ in range(2):  # a CUDA graph is captured on the first call and replayed on the second
-        assert _distance_to_hf(model, docs, _run(path, docs, 256, "cuda")) < ATOL
+        assert (
+            _distance_to_hf(model, docs, _run(path.forward, docs, budget=256, device="cuda")) < ATOL
+        )

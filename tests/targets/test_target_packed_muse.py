@@ -35,19 +35,16 @@ from __future__ import annotations
 import copy
 from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 import transformers
 from arch_targets import _text as arch_text
 from arch_targets import tiny_config
-from target_kit import capture_features
 from transformers import AutoModelForImageTextToText
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets import packed_muse, packed_window
 from dflash_async.targets.families import family_of, planned_path
-from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import text_model
 from dflash_async.targets.packed_dense import KeySpans, first_visible_key
@@ -67,6 +64,7 @@ TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 1, 2, 3)
 KINDS = ("muse_glimmer", "muse_spark")
 _SPARK_MLPS = ["sparse", "dense", "sparse", "sparse"]
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 
 
 def _model(kind: str, seed: int = 1):
@@ -98,41 +96,20 @@ def muse(request):
     return _model(request.param)
 
 
-def _documents(vocab: int, seed: int = 0, lengths=LENGTHS) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, vocab, n), np.ones(n, dtype=bool)) for n in lengths]
-
-
-def _alone(model, docs, layer_ids=LAYER_IDS) -> list[torch.Tensor]:
-    device = next(model.parameters()).device
-    rows = []
-    for ids, _ in docs:
-        ids = torch.as_tensor(ids, device=device)[None]
-        rows.append(capture_features(model, ids, torch.ones_like(ids), layer_ids)[0].cpu())
-    return rows
-
-
-def _max_deviation(packed: torch.Tensor, alone: list[torch.Tensor]) -> float:
-    """Largest |packed row - document-alone row| (padding rows must be exactly zero)."""
-    packed = packed.cpu()
-    offsets = pack_row_offsets(np.array([len(a) for a in alone]))
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return max(
-        float((packed[offsets[j] : offsets[j + 1]] - a).abs().max()) for j, a in enumerate(alone)
-    )
-
-
-def _run(path, docs, *, width: int, budget: int = TOKEN_BUDGET) -> torch.Tensor:
-    layout = layout_pack(docs, budget)
-    out = torch.full((budget, width), float("nan"))  # every row written
-    lengths = np.array([len(ids) for ids, _ in docs])
-    return path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+_documents = partial(kit.documents, lengths=LENGTHS)
+_alone = partial(kit.alone_features, layer_ids=LAYER_IDS)
 
 
 def _packed(model, docs, layer_ids=LAYER_IDS) -> torch.Tensor:
-    path = select_target_forward(model, layer_ids, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_window", path.reason
-    return _run(path, docs, width=len(layer_ids) * 64)
+    """The selected CPU path's features (asserted packed_window) for the pack of `docs`."""
+    return kit.selected_path_features(
+        model,
+        docs,
+        name="packed_window",
+        layer_ids=layer_ids,
+        budget=TOKEN_BUDGET,
+        width=len(layer_ids) * 64,
+    )
 
 
 def _choice_margin(model, docs) -> float:
@@ -165,9 +142,9 @@ def _choice_margin(model, docs) -> float:
 
 
 def test_every_packed_row_equals_its_document_run_alone_through_hf(muse) -> None:
-    docs = _documents(muse.config.vocab_size)
+    docs = _documents(vocab=muse.config.vocab_size)
     assert _choice_margin(muse, docs) > 1
-    assert _max_deviation(_packed(muse, docs), _alone(muse, docs)) < ATOL
+    assert kit.max_deviation(_packed(muse, docs), _alone(muse, docs)) < ATOL
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -177,12 +154,10 @@ def test_flex_path_through_flex_attentions_cpu_reference_is_exact_too(muse) -> N
     inner = text_model(muse)
     family = family_of(inner.config).forward.layers
     forward = PackedWindowForward(inner, LAYER_IDS, family=family, attention="flex", compile=False)
-    docs = _documents(muse.config.vocab_size, seed=5, lengths=(70, 100, 3, 50))
+    docs = _documents(vocab=muse.config.vocab_size, seed=5, lengths=(70, 100, 3, 50))
     assert _choice_margin(muse, docs) > 1
-    layout = layout_pack(docs, 256)
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-    assert _max_deviation(out, _alone(muse, docs)) < ATOL
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH)
+    assert kit.max_deviation(out, _alone(muse, docs)) < ATOL
 
 
 def _window_across_documents(doc_ids, window=None, rows=64):
@@ -259,10 +234,10 @@ def test_parity_check_catches_the_mutant(monkeypatch, kind: str, mutant: str) ->
     """HF's rows first, then the mutant patched into what the packed path runs (a module's
     forward patched for the norm and the router: the packed path calls HF's modules there)."""
     model = _model(kind)
-    docs = _documents(model.config.vocab_size)
+    docs = _documents(vocab=model.config.vocab_size)
     alone = _alone(model, docs)
     _mutate(monkeypatch, model, mutant)
-    assert _max_deviation(_packed(model, docs), alone) > _MUTANT_GAP
+    assert kit.max_deviation(_packed(model, docs), alone) > _MUTANT_GAP
 
 
 def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch) -> None:
@@ -271,7 +246,7 @@ def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch
     (input-scaled: norm((1 + w) * x)) divides any per-token scale out (to its eps, 1e-8). So the
     features cannot tell, and the parity test checks the router by its choice and weights."""
     model = _model("muse_spark")
-    docs = _documents(model.config.vocab_size)
+    docs = _documents(vocab=model.config.vocab_size)
     alone = _alone(model, docs)
     layer = text_model(model).layers[0]  # a MoE layer
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
@@ -279,7 +254,7 @@ def test_spark_features_do_not_depend_on_the_routers_renormalisation(monkeypatch
     _patch_modules(monkeypatch, model, "TopkRouter", partial(_router, normalise=False))
     assert float((layer.mlp(x) - moe).abs().max()) > _MUTANT_GAP  # the MoE output moves
     torch.testing.assert_close(layer.post_feedforward_layernorm(layer.mlp(x)), normed)
-    assert _max_deviation(_packed(model, docs), alone) < ATOL  # the features do not
+    assert kit.max_deviation(_packed(model, docs), alone) < ATOL  # the features do not
 
 
 def test_the_cuda_paths_experts_swap_keeps_sparks_experts_which_norm_each_output() -> None:
@@ -291,18 +266,12 @@ def test_the_cuda_paths_experts_swap_keeps_sparks_experts_which_norm_each_output
 
 def test_two_stages_of_the_layer_range_give_the_whole_forward(muse) -> None:
     """A split target (targets/split.py): layers [0, 2) then [2, 4) write the same features."""
-    docs = _documents(muse.config.vocab_size, seed=3)
+    docs = _documents(vocab=muse.config.vocab_size, seed=3)
     whole = _packed(muse, docs)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full_like(whole, float("nan"))
-    hidden = None
-    for layers in (range(0, 2), range(2, 4)):
-        path = select_target_forward(
-            muse, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = path.stage(
-            hidden, layout.input_ids, layout.position_ids, layout.doc_ids, out, LENGTHS
-        )
+    splits = (range(0, 2), range(2, 4))
+    out = kit.staged_features(
+        muse, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, whole)
 
 
@@ -313,10 +282,10 @@ def test_the_multimodal_wrapper_runs_its_text_layers_packed_and_exact(kind: str)
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(tiny_config(kind)).eval()
     assert planned_path(kind) == planned_path(f"{kind}_text")
-    docs = _documents(model.config.text_config.vocab_size, seed=4)
+    docs = _documents(vocab=model.config.text_config.vocab_size, seed=4)
     layer_ids = (0, 1)
     packed = _packed(model, docs, layer_ids)
-    assert _max_deviation(packed, _alone(model, docs, layer_ids)) < ATOL
+    assert kit.max_deviation(packed, _alone(model, docs, layer_ids=layer_ids)) < ATOL
 
 
 @pytest.mark.gpu
@@ -334,9 +303,7 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     forward = PackedWindowForward(
         inner, LAYER_IDS, family=family, attention="flex", compile=compile
     )
-    docs = _documents(model.config.vocab_size, seed=8, lengths=(70, 100, 3, 50))
+    docs = _documents(vocab=model.config.vocab_size, seed=8, lengths=(70, 100, 3, 50))
     assert _choice_margin(model, docs) > 1
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-    assert _max_deviation(out, _alone(model, docs)) < ATOL
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL

@@ -25,13 +25,14 @@ weights not renormalised 1.0).
 
 from __future__ import annotations
 
-import numpy as np
+from functools import partial
+
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig, Qwen3VLMoeTextConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_hybrid_moe
 from dflash_async.targets.families import FAMILIES
 from dflash_async.targets.forward import select_target_forward
@@ -45,6 +46,7 @@ LENGTHS = (7, 12, 5, 9)  # four documents, the first not the longest
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2, 3)
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 SECTIONS = [4, 2, 2]  # Qwen3-VL-30B-A3B's [24, 20, 20] of 64 frequencies, scaled to 8
 
 
@@ -98,36 +100,15 @@ def wrapper():
     return _wrapper()
 
 
-def _documents(seed: int = 0, lengths=LENGTHS) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_run = partial(kit.run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
+_distance_to_hf = partial(kit.distance_to_hf, layer_ids=LAYER_IDS)
 
 
 def _path(model, budget: int = TOKEN_BUDGET, **options):
     return select_target_forward(
         model, LAYER_IDS, token_budget=budget, max_batch_tokens=budget, **options
     )
-
-
-def _run(path, docs, budget: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    layout = layout_pack(docs, budget).to(device)
-    out = torch.full((budget, len(LAYER_IDS) * 64), float("nan"), device=device)  # all written
-    lengths = np.array([len(ids) for ids, _ in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
-    return out
-
-
-def _distance_to_hf(model, docs, packed: torch.Tensor) -> float:
-    """Largest |packed - HF| over the real rows (each document alone through the HF wrapper's
-    language model, text only); asserts the padding rows are zero."""
-    offsets = pack_row_offsets(np.array([len(ids) for ids, _ in docs]))
-    worst = 0.0
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        worst = max(worst, (packed[offsets[j] : offsets[j + 1]] - alone).abs().max().item())
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return worst
 
 
 def test_both_qwen3_vl_moe_model_types_plan_the_packed_moe_path_with_mrope() -> None:
@@ -147,15 +128,15 @@ def test_every_packed_row_of_a_qwen3_vl_moe_target_equals_its_document_alone_thr
     forward = path.forward.packed
     assert forward._routed == (variant == "every_layer_moe")  # the router ours, or HF's block
     docs = _documents(seed=1)
-    assert _distance_to_hf(model, docs, _run(path, docs)) < ATOL
+    assert _distance_to_hf(model, docs, _run(path.forward, docs)) < ATOL
 
 
 def test_one_position_row_is_the_same_rope_as_three_equal_rows(wrapper, monkeypatch) -> None:
     """M-RoPE replaced by 1-D RoPE (positions [1, T]): the same features, bit for bit."""
     docs = _documents(seed=1)
-    mrope = _run(_path(wrapper), docs)
+    mrope = _run(_path(wrapper).forward, docs)
     monkeypatch.setattr(PackedDenseForward, "rope_positions", lambda self, p: p[None])
-    assert torch.equal(_run(_path(wrapper), docs), mrope)
+    assert torch.equal(_run(_path(wrapper).forward, docs), mrope)
 
 
 def _unequal_rows(self, p):
@@ -180,7 +161,7 @@ MUTANTS = {
 def test_the_parity_check_catches_a_mutant_forward(wrapper, monkeypatch, mutant: str) -> None:
     docs = _documents(seed=1)
     monkeypatch.setattr(*MUTANTS[mutant])
-    assert _distance_to_hf(wrapper, docs, _run(_path(wrapper), docs)) > 100 * ATOL
+    assert _distance_to_hf(wrapper, docs, _run(_path(wrapper).forward, docs)) > 100 * ATOL
 
 
 def test_the_mrope_gets_three_equal_rows_restarting_in_every_document(wrapper) -> None:
@@ -189,7 +170,7 @@ def test_the_mrope_gets_three_equal_rows_restarting_in_every_document(wrapper) -
     hook = inner.rotary_emb.register_forward_hook(lambda m, args, out: seen.append(args[1]))
     try:
         docs = _documents()
-        _run(_path(wrapper), docs)
+        _run(_path(wrapper).forward, docs)
     finally:
         hook.remove()
     restarting = layout_pack(docs, TOKEN_BUDGET).position_ids
@@ -213,4 +194,6 @@ def test_gpu_flex_compiled_qwen3_vl_moe_rows_equal_each_document_alone(
     assert ("not graphed (torch.float32 experts" in path.reason) == cuda_graph, path.reason
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
     for _ in range(2):  # a CUDA graph is captured on the first call and replayed on the second
-        assert _distance_to_hf(model, docs, _run(path, docs, 256, "cuda")) < ATOL
+        assert (
+            _distance_to_hf(model, docs, _run(path.forward, docs, budget=256, device="cuda")) < ATOL
+        )

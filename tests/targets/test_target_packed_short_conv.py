@@ -19,16 +19,14 @@ is shorter than the convolution.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
-from target_kit import capture_features
 from transformers import Lfm2Config, Lfm2MoeConfig, PretrainedConfig
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_short_conv
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -41,6 +39,7 @@ LENGTHS = (7, 12, 2, 9)  # four documents, the first not the longest, one shorte
 TOKEN_BUDGET = 40  # 30 real rows + 10 padding rows
 LAYER_IDS = (0, 2, 4)  # a convolution (dense MLP in LFM2-MoE), an attention and a later layer
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 # attention second, so that every later layer sees the positions of every document
 LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
 
@@ -88,29 +87,11 @@ def _model(config: PretrainedConfig, seed: int = 1):
     return model
 
 
-def _documents(lengths=LENGTHS, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
-
-
-def _nan_features(rows: int = TOKEN_BUDGET, device: str = "cpu") -> torch.Tensor:
-    """The slot's buffer, poisoned: every row must be written."""
-    return torch.full((rows, len(LAYER_IDS) * 64), float("nan"), device=device)
-
-
-def _packed(forward, docs) -> torch.Tensor:
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, _nan_features())
-
-
-def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
+_assert_rows_equal_each_document_alone = partial(
+    kit.assert_rows_equal_each_document_alone, layer_ids=LAYER_IDS, atol=ATOL
+)
 
 
 def _forward(model, module=packed_short_conv, attention: str = "sdpa"):
@@ -128,28 +109,21 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 @pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
 def test_selected_cpu_path_is_packed_and_exact(kind: str) -> None:
     model, docs = _model(VARIANTS[kind](), seed=2), _documents(seed=3)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_short_conv", path.reason
+    packed = kit.selected_path_features(
+        model, docs, name="packed_short_conv", layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert "packed" in planned_path(kind)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = _nan_features()
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
 def test_two_chained_stages_write_the_same_features_as_the_whole_forward(kind: str) -> None:
     """A split target (targets/split.py): layers [0, 3) then [3, 5), hidden handed over."""
     model, docs = _model(VARIANTS[kind]()), _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = _nan_features()
-    hidden = None
-    for layers in (range(0, 3), range(3, 5)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 3), range(3, 5))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
@@ -158,23 +132,15 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu(kind: str) -> N
     """The GPU path's attention (flex, its BlockMask over tiles of 128) run eagerly on the CPU,
     T = 256 with documents across tile edges; same 1e-5 bound (summation order only)."""
     model = _model(VARIANTS[kind]())
-    layout = layout_pack(_documents((70, 100, 3, 50), seed=5), 256)
-    outs = []
-    for attention in ("sdpa", "flex"):
-        out = _nan_features(256)
-        forward = _forward(model, attention=attention)
-        outs.append(forward(layout.input_ids, layout.position_ids, layout.doc_ids, out))
-    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def _mutant(old: str, new: str):
     """packed_short_conv with the one occurrence of `old` in its source replaced by `new`."""
-    source = inspect.getsource(packed_short_conv)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader("packed_short_conv_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), "packed_short_conv_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_short_conv, (old, new))
 
 
 # name -> (old, new, the variant it runs on, the first document it breaks)
@@ -248,9 +214,6 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
         model, LAYER_IDS, token_budget=256, max_batch_tokens=256, compile=compile
     )
     assert path.name == "packed_short_conv" and "flex" in path.reason, path.reason
-    docs = _documents((70, 100, 3, 50), seed=5)
-    layout = layout_pack(docs, 256).to("cuda")
-    out = _nan_features(256, "cuda")
-    lengths = np.array([len(d[0]) for d in docs])
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, lengths)
+    docs = _documents(lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)

@@ -20,17 +20,15 @@ weights 1.6). Positions counted over the pack are the one wrong forward no parit
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from target_kit import capture_features
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_shortcut_moe
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -65,6 +63,7 @@ TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (0, 2)  # listed layers (num_hidden_layers counts 6 sublayers)
 D = 64
 VOCAB = 300
+WIDTH = len(LAYER_IDS) * D  # the features' width
 
 
 def _config(**over):
@@ -120,19 +119,8 @@ def _model(config, seed: int = 1):
     return model
 
 
-def _documents(seed: int = 0, lengths=LENGTHS) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, n), np.ones(n, dtype=bool)) for n in lengths]
-
-
-def _nan_features(rows: int = TOKEN_BUDGET) -> torch.Tensor:
-    """The slot's buffer, poisoned: every row must be written."""
-    return torch.full((rows, len(LAYER_IDS) * D), float("nan"))
-
-
-def _packed(forward, docs) -> torch.Tensor:
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, _nan_features())
+_documents = partial(kit.documents, vocab=VOCAB, lengths=LENGTHS)
+_packed = partial(kit.run_packed, budget=TOKEN_BUDGET, width=WIDTH)
 
 
 def _router_margins(model, ids: torch.Tensor) -> float:
@@ -158,14 +146,12 @@ def _router_margins(model, ids: torch.Tensor) -> float:
 
 
 def _assert_rows_equal_each_document_alone(model, docs, packed: torch.Tensor) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
+    """No router near-tie in any document alone (ROUTER_MARGIN), and every packed row equal to
+    its document's."""
     for j, (ids, _) in enumerate(docs):
         ids = torch.as_tensor(ids, device=packed.device)[None]
         assert _router_margins(model, ids) > ROUTER_MARGIN, f"a router near-tie in document {j}"
-        alone = capture_features(model, ids, torch.ones_like(ids), LAYER_IDS)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=ATOL, rtol=0, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+    kit.assert_rows_equal_each_document_alone(model, docs, packed, layer_ids=LAYER_IDS, atol=ATOL)
 
 
 def _forward(model, module=packed_shortcut_moe, attention: str = "sdpa", compile: bool = False):
@@ -182,27 +168,21 @@ def test_every_packed_row_equals_its_document_run_alone_through_hf(variant: str)
 
 def test_selected_cpu_path_is_the_packed_shortcut_moe_and_exact() -> None:
     model, docs = _model(_config(), seed=2), _documents(seed=2)
-    path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_shortcut_moe", path.reason
+    name = "packed_shortcut_moe"
+    packed = kit.selected_path_features(
+        model, docs, name=name, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert "packed" in planned_path("longcat_flash")
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = _nan_features()
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    _assert_rows_equal_each_document_alone(model, docs, out)
+    _assert_rows_equal_each_document_alone(model, docs, packed)
 
 
 def test_two_chained_stages_write_the_same_features_as_the_whole_forward() -> None:
     """A split target (targets/split.py): layers [0, 2) then [2, 3), hidden handed over."""
     model, docs = _model(_config()), _documents()
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
-    out = _nan_features()
-    hidden = None
-    for layers in (range(0, 2), range(2, 3)):
-        stage = select_target_forward(
-            model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = stage.stage(hidden, *args, out, np.array(LENGTHS))
+    splits = (range(0, 2), range(2, 3))
+    out = kit.staged_features(
+        model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, _packed(_forward(model), docs))
 
 
@@ -212,16 +192,9 @@ def test_flex_attention_path_writes_the_sdpa_features_on_the_cpu() -> None:
     edges; same 1e-5 bound (summation order only)."""
     model = _model(_config())
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    layout = layout_pack(docs, 256)
-    outs = []
-    for attention in ("sdpa", "flex"):
-        out = _nan_features(256)
-        outs.append(
-            _forward(model, attention=attention)(
-                layout.input_ids, layout.position_ids, layout.doc_ids, out
-            )
-        )
-    torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=0)
+    kit.assert_flex_writes_the_sdpa_features(
+        lambda attention: _forward(model, attention=attention), docs, width=WIDTH, atol=ATOL
+    )
 
 
 def test_compiled_experts_run_the_zero_experts_stand_in_rows_exactly() -> None:
@@ -236,14 +209,7 @@ def test_compiled_experts_run_the_zero_experts_stand_in_rows_exactly() -> None:
 
 def _mutant(*edits: tuple[str, str]):
     """packed_shortcut_moe with the one occurrence of each `old` in its source replaced."""
-    source = inspect.getsource(packed_shortcut_moe)
-    for old, new in edits:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    spec = importlib.util.spec_from_loader("packed_shortcut_moe_mutant", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    exec(compile(source, "packed_shortcut_moe_mutant", "exec"), module.__dict__)
-    return module
+    return kit.mutant_module(packed_shortcut_moe, *edits)
 
 
 _SECOND_ATTENTION = (
@@ -323,11 +289,8 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     q/k (24) and v (16) head dims differ. Same 1e-5 bound as the CPU."""
     model = _model(_config()).cuda()
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
-    layout = layout_pack(docs, 256).to("cuda")
-    out = _nan_features(256).cuda()
-    _forward(model, attention="flex", compile=compile)(
-        layout.input_ids, layout.position_ids, layout.doc_ids, out
-    )
+    forward = _forward(model, attention="flex", compile=compile)
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -339,9 +302,5 @@ def test_gpu_selected_path_rows_equal_each_document_alone() -> None:
     docs = _documents(seed=5, lengths=(70, 100, 3, 50))
     path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
     assert path.name == "packed_shortcut_moe" and "CompiledExperts" in path.reason, path.reason
-    layout = layout_pack(docs, 256).to("cuda")
-    out = _nan_features(256).cuda()
-    path.forward(
-        layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array([70, 100, 3, 50])
-    )
+    out = kit.run_path(path.forward, docs, budget=256, width=WIDTH, device="cuda")
     _assert_rows_equal_each_document_alone(reference, docs, out)

@@ -17,7 +17,10 @@ measured: over two orders of magnitude above either bound.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 from arch_targets import _text as arch_text
@@ -45,6 +48,7 @@ ATOL_GEMMA4 = 1e-4  # its sharp softmax: see the module docstring
 LENGTHS = (7, 12, 5, 9)  # three of the four longer than SLIDING_WINDOW
 TOKEN_BUDGET = 40  # 33 real rows + 7 padding rows
 LAYER_IDS = (1, 2, 3)
+WIDTH = len(LAYER_IDS) * 64  # the features' width: hidden 64 per listed layer
 KINDS = ("mistral", "gemma3_text", "gemma4_text")
 # case -> (model_type, config overrides): Gemma 4 with and without values = keys on full layers
 CASES = {kind: (kind, {}) for kind in KINDS} | {
@@ -76,65 +80,50 @@ def window_model(request):
     return _model(kind, **overrides)
 
 
-def _documents(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, vocab, n), np.ones(n, dtype=bool)) for n in LENGTHS]
-
-
-def _run(path, docs, layer_ids=LAYER_IDS) -> torch.Tensor:
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(layer_ids) * 64), float("nan"))  # every row written
-    return path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, LENGTHS)
+_documents = partial(kit.documents, lengths=LENGTHS)
+_run = partial(kit.run_path, budget=TOKEN_BUDGET, width=WIDTH)  # a path's forward on the pack
 
 
 def _assert_rows_equal_each_document_alone(model, docs, packed, layer_ids=LAYER_IDS) -> None:
-    offsets = pack_row_offsets(np.array([len(d[0]) for d in docs]))
     gemma4 = model.config.model_type == "gemma4_text"
     atol = ATOL_GEMMA4 if gemma4 else ATOL
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device=packed.device)[None]
-        alone = capture_features(model, ids, torch.ones_like(ids), layer_ids)[0]  # [n, k*d]
-        rows = packed[offsets[j] : offsets[j + 1]]
-        torch.testing.assert_close(rows, alone, atol=atol, rtol=RTOL, msg=f"document {j}")
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
+    kit.assert_rows_equal_each_document_alone(
+        model, docs, packed, layer_ids=layer_ids, atol=atol, rtol=RTOL
+    )
 
 
 def test_selected_cpu_path_is_packed_and_every_row_equals_its_document_alone(window_model):
-    path = select_target_forward(
-        window_model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64
+    docs = _documents(vocab=window_model.config.vocab_size)
+    packed = kit.selected_path_features(
+        window_model,
+        docs,
+        name="packed_window",
+        layer_ids=LAYER_IDS,
+        budget=TOKEN_BUDGET,
+        width=WIDTH,
     )
-    assert path.name == "packed_window", path.reason
-    docs = _documents(window_model.config.vocab_size)
-    _assert_rows_equal_each_document_alone(window_model, docs, _run(path, docs))
+    _assert_rows_equal_each_document_alone(window_model, docs, packed)
 
 
 def test_mistral_windows_every_layer_even_when_its_config_lists_layer_types() -> None:
     """HF's Mistral picks its mask from `sliding_window` alone and ignores `layer_types`."""
     model = random_target(_config("mistral", layer_types=[FULL, SLIDING] * 2), seed=1)
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    docs = _documents(model.config.vocab_size, seed=6)
-    _assert_rows_equal_each_document_alone(model, docs, _run(path, docs))
+    docs = _documents(vocab=model.config.vocab_size, seed=6)
+    _assert_rows_equal_each_document_alone(model, docs, _run(path.forward, docs))
 
 
 def test_two_stages_of_the_layer_range_give_the_whole_forward(window_model) -> None:
     """A split target (targets/split.py): layers [0, 2) then [2, 4) write the same features."""
-    docs = _documents(window_model.config.vocab_size, seed=3)
-    whole = _run(
-        select_target_forward(
-            window_model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64
-        ),
-        docs,
+    docs = _documents(vocab=window_model.config.vocab_size, seed=3)
+    path = select_target_forward(
+        window_model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64
     )
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full_like(whole, float("nan"))
-    hidden = None
-    for layers in (range(0, 2), range(2, 4)):
-        path = select_target_forward(
-            window_model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64, layers=layers
-        )
-        hidden = path.stage(
-            hidden, layout.input_ids, layout.position_ids, layout.doc_ids, out, LENGTHS
-        )
+    whole = _run(path.forward, docs)
+    splits = (range(0, 2), range(2, 4))
+    out = kit.staged_features(
+        window_model, docs, splits=splits, layer_ids=LAYER_IDS, budget=TOKEN_BUDGET, width=WIDTH
+    )
     assert torch.equal(out, whole)
 
 
@@ -222,10 +211,16 @@ def test_gemma3_multimodal_wrapper_runs_its_text_layers_packed_and_exact() -> No
         torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(tiny_config("gemma3")).eval()
     layer_ids = (0, 1)
-    path = select_target_forward(model, layer_ids, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
-    assert path.name == "packed_window", path.reason
-    docs = _documents(model.config.text_config.vocab_size - 1, seed=5)  # below the image token
-    _assert_rows_equal_each_document_alone(model, docs, _run(path, docs, layer_ids), layer_ids)
+    docs = _documents(vocab=model.config.text_config.vocab_size - 1, seed=5)  # below the image
+    packed = kit.selected_path_features(
+        model,
+        docs,
+        name="packed_window",
+        layer_ids=layer_ids,
+        budget=TOKEN_BUDGET,
+        width=len(layer_ids) * 64,
+    )
+    _assert_rows_equal_each_document_alone(model, docs, packed, layer_ids)
 
 
 def test_readme_table_says_the_window_families_are_packed() -> None:
@@ -243,14 +238,8 @@ def test_flex_path_through_flex_attentions_cpu_reference_equals_each_document_al
     inner = text_model(model)
     window = family_of(inner.config).forward.layers
     forward = PackedWindowForward(inner, LAYER_IDS, family=window, attention="flex", compile=False)
-    rng = np.random.default_rng(5)
-    docs = [
-        (rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool))
-        for n in (70, 100, 3, 50)
-    ]
-    layout = layout_pack(docs, 256)
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"))
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
+    docs = _documents(vocab=model.config.vocab_size, lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_packed(forward, docs, budget=256, width=WIDTH)
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
@@ -278,9 +267,8 @@ def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
 
     kind, overrides = CASES[case]
     model = _model(kind, **overrides)
-    rng = np.random.default_rng(5)
     lengths = (70, 100, 3, 50)
-    docs = [(rng.integers(0, model.config.vocab_size, n), np.ones(n, dtype=bool)) for n in lengths]
+    docs = _documents(vocab=model.config.vocab_size, lengths=lengths, seed=5)
     offsets = pack_row_offsets(np.array(lengths))
     ref = [
         capture_features(

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from functools import partial
 
-import numpy as np
+import packed_kit as kit
 import pytest
 import torch
 from arch_targets import SLIDING_WINDOW, tiny_config
-from target_kit import capture_features
 
-from dflash_async.data.packing import layout_pack, pack_row_offsets
+from dflash_async.data.packing import layout_pack
 from dflash_async.targets import packed_moe_window as pmw
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
@@ -50,31 +50,13 @@ def model():
     return random_target(config, seed=1)
 
 
-def _docs(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, vocab, n), np.ones(n, dtype=bool)) for n in LENGTHS]
+_docs = partial(kit.documents, lengths=LENGTHS)
+_alone = partial(kit.alone_features, layer_ids=LAYER_IDS)
 
 
 def _packed(forward, docs, token_budget: int = TOKEN_BUDGET) -> torch.Tensor:
-    layout = layout_pack(docs, token_budget)
-    out = torch.full((token_budget, len(LAYER_IDS) * forward.hidden_size), float("nan"))
-    return forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-
-
-def _alone(model, docs) -> list[torch.Tensor]:
-    return [
-        capture_features(model, torch.as_tensor(ids)[None], torch.ones(1, len(ids)), LAYER_IDS)[0]
-        for ids, _ in docs
-    ]
-
-
-def _max_deviation(packed: torch.Tensor, alone: list[torch.Tensor]) -> float:
-    """Largest |packed row - document-alone row| (padding rows must be exactly zero)."""
-    offsets = pack_row_offsets(np.array([len(a) for a in alone]))
-    assert torch.equal(packed[offsets[-1] :], torch.zeros_like(packed[offsets[-1] :]))
-    return max(
-        float((packed[offsets[j] : offsets[j + 1]] - a).abs().max()) for j, a in enumerate(alone)
-    )
+    width = len(LAYER_IDS) * forward.hidden_size
+    return kit.run_packed(forward, docs, budget=token_budget, width=width)
 
 
 def _family(model) -> pmw.MoeWindowLayers:
@@ -98,16 +80,16 @@ def _forward(model, attention: str = "sdpa", layers: range | None = None):
 
 
 def test_every_packed_gpt_oss_row_equals_its_document_run_alone_through_hf(model) -> None:
-    docs = _docs(model.config.vocab_size)
-    assert _max_deviation(_packed(_forward(model), docs), _alone(model, docs)) < ATOL
+    docs = _docs(vocab=model.config.vocab_size)
+    assert kit.max_deviation(_packed(_forward(model), docs), _alone(model, docs)) < ATOL
 
 
 def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) -> None:
     """flex_attention runs eagerly on the CPU (slow, exact): the GPU path's block mask,
     mask_mod and LSE sinks, at T = 128 (one flex tile)."""
-    docs = _docs(model.config.vocab_size, seed=3)
+    docs = _docs(vocab=model.config.vocab_size, seed=3)
     packed = _packed(_forward(model, "flex"), docs, token_budget=128)
-    assert _max_deviation(packed, _alone(model, docs)) < ATOL
+    assert kit.max_deviation(packed, _alone(model, docs)) < ATOL
 
 
 def _window_off_by_one(doc_ids, window, rows):
@@ -133,8 +115,8 @@ MUTANTS = {
 def test_parity_check_catches_the_mutant(model, monkeypatch, mutant: str) -> None:
     name, replacement = MUTANTS[mutant]
     monkeypatch.setattr(pmw, name, replacement)
-    docs = _docs(model.config.vocab_size)
-    assert _max_deviation(_packed(_forward(model), docs), _alone(model, docs)) > _MUTANT_GAP
+    docs = _docs(vocab=model.config.vocab_size)
+    assert kit.max_deviation(_packed(_forward(model), docs), _alone(model, docs)) > _MUTANT_GAP
 
 
 def test_flex_window_mask_mod_spells_the_dense_window_rule() -> None:
@@ -156,7 +138,7 @@ def test_flex_window_mask_mod_spells_the_dense_window_rule() -> None:
 
 
 def test_two_stages_of_a_split_gpt_oss_write_what_the_whole_forward_writes(model) -> None:
-    docs = _docs(model.config.vocab_size)
+    docs = _docs(vocab=model.config.vocab_size)
     whole = _packed(_forward(model), docs)
     layout = layout_pack(docs, TOKEN_BUDGET)
     args = (layout.input_ids, layout.position_ids, layout.doc_ids)
@@ -172,11 +154,9 @@ def test_selected_cpu_path_of_gpt_oss_is_packed_and_exact(model) -> None:
     path = select_target_forward(model, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "packed_moe_window" and path.stage is not None, path.reason
     assert planned_path("gpt_oss").startswith("packed MoE with sliding windows")
-    docs = _docs(model.config.vocab_size, seed=2)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    assert _max_deviation(out, _alone(model, docs)) < ATOL
+    docs = _docs(vocab=model.config.vocab_size, seed=2)
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL
 
 
 # MiniMax-M2: no windows, no sinks; its own q/k norms, partial RoPE and sigmoid router.
@@ -200,14 +180,14 @@ def minimax():
 
 
 def test_every_packed_minimax_m2_row_equals_its_document_run_alone_through_hf(minimax) -> None:
-    docs = _docs(minimax.config.vocab_size, seed=5)
-    assert _max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) < ATOL
+    docs = _docs(vocab=minimax.config.vocab_size, seed=5)
+    assert kit.max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) < ATOL
 
 
 def test_flex_path_of_minimax_m2_is_exact_too(minimax) -> None:
-    docs = _docs(minimax.config.vocab_size, seed=6)
+    docs = _docs(vocab=minimax.config.vocab_size, seed=6)
     packed = _packed(_forward(minimax, "flex"), docs, token_budget=128)
-    assert _max_deviation(packed, _alone(minimax, docs)) < ATOL
+    assert kit.max_deviation(packed, _alone(minimax, docs)) < ATOL
 
 
 def _minimax_choice_without_bias(moe, x):
@@ -232,18 +212,16 @@ MINIMAX_MUTANTS = {
 @pytest.mark.parametrize("mutant", sorted(MINIMAX_MUTANTS))
 def test_parity_check_catches_the_minimax_router_mutant(minimax, monkeypatch, mutant) -> None:
     monkeypatch.setattr(pmw, "minimax_route", MINIMAX_MUTANTS[mutant])
-    docs = _docs(minimax.config.vocab_size, seed=5)
-    assert _max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) > _MUTANT_GAP
+    docs = _docs(vocab=minimax.config.vocab_size, seed=5)
+    assert kit.max_deviation(_packed(_forward(minimax), docs), _alone(minimax, docs)) > _MUTANT_GAP
 
 
 def test_selected_cpu_path_of_minimax_m2_is_packed_and_exact(minimax) -> None:
     path = select_target_forward(minimax, LAYER_IDS, token_budget=TOKEN_BUDGET, max_batch_tokens=64)
     assert path.name == "packed_moe_window" and path.stage is not None, path.reason
-    docs = _docs(minimax.config.vocab_size, seed=7)
-    layout = layout_pack(docs, TOKEN_BUDGET)
-    out = torch.full((TOKEN_BUDGET, len(LAYER_IDS) * 64), float("nan"))
-    path.forward(layout.input_ids, layout.position_ids, layout.doc_ids, out, np.array(LENGTHS))
-    assert _max_deviation(out, _alone(minimax, docs)) < ATOL
+    docs = _docs(vocab=minimax.config.vocab_size, seed=7)
+    out = kit.run_path(path.forward, docs, budget=TOKEN_BUDGET, width=len(LAYER_IDS) * 64)
+    assert kit.max_deviation(out, _alone(minimax, docs)) < ATOL
 
 
 @pytest.mark.gpu
@@ -257,18 +235,6 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(request, kind: str, comp
     forward = pmw.PackedWindowMoeForward(
         text_model(model), LAYER_IDS, family=_family(model), attention="flex", compile=compile
     )
-    rng = np.random.default_rng(8)
-    docs = [(rng.integers(0, 300, n), np.ones(n, dtype=bool)) for n in (70, 100, 3, 50)]
-    layout = layout_pack(docs, 256).to("cuda")
-    out = torch.full((256, len(LAYER_IDS) * 64), float("nan"), device="cuda")
-    forward(layout.input_ids, layout.position_ids, layout.doc_ids, out)
-    alone = [
-        capture_features(
-            model,
-            torch.as_tensor(ids, device="cuda")[None],
-            torch.ones(1, len(ids), device="cuda"),
-            LAYER_IDS,
-        )[0]
-        for ids, _ in docs
-    ]
-    assert _max_deviation(out.cpu(), [a.cpu() for a in alone]) < ATOL
+    docs = kit.documents(vocab=300, lengths=(70, 100, 3, 50), seed=8)
+    out = kit.run_packed(forward, docs, budget=256, width=len(LAYER_IDS) * 64, device="cuda")
+    assert kit.max_deviation(out, _alone(model, docs)) < ATOL
