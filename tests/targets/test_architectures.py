@@ -40,6 +40,7 @@ pytestmark = [
     pytest.mark.usefixtures("single_thread"),
 ]
 RUN_DEADLINE_S = 60
+ARCH_STEPS = 10  # the training steps of arch_env's run
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,14 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def arch_env(shared: dict[str, str], target: Path, output_dir: Path) -> dict[str, str]:
-    """tiny_env's run for `target` (mask token unset), 10 steps, one evaluation at the end."""
+    """tiny_env's run for `target` (mask token unset), ARCH_STEPS steps, one evaluation at the
+    end."""
     env = tiny_env({"target": str(target), "data": shared["data"], "mask": ""}, output_dir)
     del env["DFLASH_DRAFTER__MASK_TOKEN_ID"]
     return env | {
         "DFLASH_TARGET__NUM_FEATURES": "2",
         "DFLASH_TARGET__TARGET_LAYER_IDS": "0,1",
-        "DFLASH_TRAIN__MAX_STEPS": "10",
+        "DFLASH_TRAIN__MAX_STEPS": str(ARCH_STEPS),
         "DFLASH_TRAIN__SAVE_EVERY": "0",
         "DFLASH_EVAL__PROMPTS_PATH": shared["prompts"],
         "DFLASH_EVAL__NUM_PROMPTS": "2",
@@ -91,7 +93,7 @@ async def test_every_architecture_trains_and_decodes_losslessly(
     code, events = await run_logged(arch_env(shared, target, tmp_path / "out"))
     failed = [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
     assert code == 0 and not failed, failed
-    assert len([e for e in events if e["event"] == "step"]) == 10
+    assert len([e for e in events if e["event"] == "step"]) == ARCH_STEPS
     (final,) = [e for e in events if e["event"] == "eval"]
     assert final["num_samples"] == 2 and final["tau"] >= 1
 

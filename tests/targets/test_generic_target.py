@@ -187,7 +187,7 @@ async def test_a_generic_state_space_target_trains_and_its_run_evaluates_lossles
     """Mamba through the whole run: 3 steps, then the in-run evaluation (reference decoder,
     recomputation), lossless-checked against greedy decoding; no eval_failed."""
     from target_kit import save_random_target
-    from test_architectures import arch_env, run_logged
+    from test_architectures import ARCH_STEPS, arch_env, run_logged
     from tiny_run import write_pretokenized
 
     from dflash_async.targets.tiny import tiny_tokenizer
@@ -203,7 +203,7 @@ async def test_a_generic_state_space_target_trains_and_its_run_evaluates_lossles
     code, events = await run_logged(env | {"DFLASH_DRAFTER__MASK_TOKEN_ID": "5"})
     failed = [e for e in events if e["event"] in ("eval_failed", "eval_skipped")]
     assert code == 0 and not failed, failed
-    assert len([e for e in events if e["event"] == "step"]) == 3
+    assert len([e for e in events if e["event"] == "step"]) == ARCH_STEPS
     (final,) = [e for e in events if e["event"] == "eval"]
     assert final["num_samples"] == 2 and final["tau"] >= 1
 
@@ -214,7 +214,7 @@ async def test_a_generic_state_space_target_trains_and_its_run_evaluates_lossles
 async def test_a_text_model_registered_only_as_image_text_to_text_trains(tmp_path: Path) -> None:
     """Mistral 4's text model (Mistral4ForCausalLM) is in transformers' image-text-to-text
     mapping only: start-up accepts it and loading builds it through that auto class."""
-    from test_architectures import arch_env, run_logged
+    from test_architectures import ARCH_STEPS, arch_env, run_logged
     from tiny_run import write_pretokenized
     from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
@@ -231,7 +231,7 @@ async def test_a_text_model_registered_only_as_image_text_to_text_trains(tmp_pat
     env = arch_env({"data": str(data), "prompts": ""}, tmp_path / "mistral4", tmp_path / "out")
     env |= {"DFLASH_DRAFTER__MASK_TOKEN_ID": "5", "DFLASH_EVAL__AT_END": "false"}
     code, events = await run_logged(env)
-    assert code == 0 and len([e for e in events if e["event"] == "step"]) == 3
+    assert code == 0 and len([e for e in events if e["event"] == "step"]) == ARCH_STEPS
 
 
 def _mistral4_shape() -> dict:

@@ -247,7 +247,7 @@ def test_quantize_accepts_none_and_fp8_only() -> None:
 async def test_a_quantized_target_trains_and_logs_its_weight_format(
     kind: str, weight_format: str, tiny: dict[str, Path], tmp_path: Path
 ) -> None:
-    from test_architectures import arch_env, run_logged
+    from test_architectures import ARCH_STEPS, arch_env, run_logged
     from tiny_run import write_pretokenized
 
     from dflash_async.targets.tiny import tiny_tokenizer
@@ -265,6 +265,6 @@ async def test_a_quantized_target_trains_and_logs_its_weight_format(
         env["DFLASH_TARGET__QUANTIZE"] = "fp8"
     code, events = await run_logged(env)
     assert code == 0
-    assert len([e for e in events if e["event"] == "step"]) == 3
+    assert len([e for e in events if e["event"] == "step"]) == ARCH_STEPS
     (loaded,) = [e for e in events if e["event"] == "target_weights_loaded"]
     assert loaded["weight_format"] == weight_format and loaded["dequantized"] is True
