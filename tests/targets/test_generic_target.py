@@ -184,7 +184,7 @@ def test_generic_targets_decode_losslessly_by_recomputation(model_type: str) -> 
 async def test_a_generic_state_space_target_trains_and_its_run_evaluates_losslessly(
     tmp_path: Path,
 ) -> None:
-    """Mamba through the whole run: 3 steps, then the in-run evaluation (reference decoder,
+    """Mamba through the whole run: ARCH_STEPS steps, then the in-run evaluation (reference decoder,
     recomputation), lossless-checked against greedy decoding; no eval_failed."""
     from target_kit import save_random_target
     from test_architectures import ARCH_STEPS, arch_env, run_logged
