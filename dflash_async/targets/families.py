@@ -49,13 +49,13 @@ from dflash_async.targets.hyper_connections import (
     fed_forward_collapse,
     gated_residual_collapse,
 )
-from dflash_async.targets.packed_dense import _rope
+from dflash_async.targets.packed_dense import rope_half
 from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed_mla import (
-    _rope_interleaved,
     llama4_query_scale,
     mla_attention_block,
     partial_rotary_attention_block,
+    rope_interleaved,
     softmax_grouped_topk,
 )
 from dflash_async.targets.packed_moe_window import (
@@ -384,14 +384,14 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             label="DeepSeek-V3.2 (MLA, sparse attention)",
             planned=_DSA_WORDS,
             reader=ConfigReader(latent_attention=True),
-            forward=DSAPath(indexer_rope=_rope),  # the indexer's RoPE: rotate_half
+            forward=DSAPath(indexer_rope=rope_half),  # the indexer's RoPE: rotate_half
             decoding=Decoding(recompute=True),
         ),
         "glm_moe_dsa": Family(
             label="GLM-5 (MLA, sparse attention)",
             planned=_DSA_WORDS,
             reader=ConfigReader(latent_attention=True),
-            forward=DSAPath(indexer_rope=_rope_interleaved),  # interleaved pairs
+            forward=DSAPath(indexer_rope=rope_interleaved),  # interleaved pairs
             decoding=Decoding(recompute=True),
         ),
         # no text CausalLM class: the wrappers load whole, their towers dropped (loading.py)

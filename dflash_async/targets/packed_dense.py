@@ -101,7 +101,7 @@ def sdpa_mask(
     return mask
 
 
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tiles_in_order(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[nq, nk] bool -> (counts [1,1,nq] int32, indices [1,1,nq,nk] int32), set tiles first."""
     counts = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
@@ -145,8 +145,8 @@ def document_causal_block_mask(
         return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
 
     return BlockMask.from_kv_blocks(
-        *_ordered(some & ~full),
-        *_ordered(full),
+        *tiles_in_order(some & ~full),
+        *tiles_in_order(full),
         BLOCK_SIZE=tile,
         mask_mod=mask_mod,
         seq_lengths=(T, T),
@@ -158,7 +158,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (HF's non-interleaved rotate_half form); x [1, H, T, hd], cos [1, T, hd]."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
@@ -205,7 +205,7 @@ def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.T
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head
         q, k = attn.q_norm(q), attn.k_norm(k)
     v = v.transpose(1, 2)  # [1, Hkv, T, hd]
-    q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+    q, k = rope_half(q.transpose(1, 2), cos, sin), rope_half(k.transpose(1, 2), cos, sin)
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
     return hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
 

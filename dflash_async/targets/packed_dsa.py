@@ -50,12 +50,12 @@ from dflash_async.targets.packed_dense import (
     SDPA_QUERY_ROWS,
     BlockMask,
     PackedDenseForward,
-    _ordered,
     attend_flex,
     document_causal_mask,
     mask_padding,
+    tiles_in_order,
 )
-from dflash_async.targets.packed_mla import _rope_interleaved, moe_mlp_block
+from dflash_async.targets.packed_mla import moe_mlp_block, rope_interleaved
 
 # Query rows per indexer chunk: its scores are [rows, index_n_heads, T] fp32 (see the module doc).
 INDEX_QUERY_ROWS = 128
@@ -125,8 +125,8 @@ def selected_block_mask(allowed: torch.Tensor, tile: int = FLEX_TILE) -> BlockMa
         return allowed[q_idx, kv_idx]
 
     return BlockMask.from_kv_blocks(
-        *_ordered(some & ~full),
-        *_ordered(full),
+        *tiles_in_order(some & ~full),
+        *tiles_in_order(full),
         BLOCK_SIZE=tile,
         mask_mod=mask_mod,
         seq_lengths=(T, T),
@@ -164,10 +164,8 @@ def dsa_attention_block(layer: nn.Module, hidden, x, q_resid, cos, sin, mask, at
     kv = attn.kv_b_proj(attn.kv_a_layernorm(latent))  # [1, T, H*(nope+v)]
     kv = kv.view(1, T, -1, nope + attn.v_head_dim).transpose(1, 2)  # [1, H, T, nope+v]
     k_nope, v = kv.split([nope, attn.v_head_dim], dim=-1)
-    k_rope = _rope_interleaved(k_rope.view(1, 1, T, r), cos, sin).expand(
-        -1, k_nope.shape[1], -1, -1
-    )
-    q = torch.cat([q[..., :nope], _rope_interleaved(q[..., nope:], cos, sin)], dim=-1)
+    k_rope = rope_interleaved(k_rope.view(1, 1, T, r), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+    q = torch.cat([q[..., :nope], rope_interleaved(q[..., nope:], cos, sin)], dim=-1)
     k = torch.cat([k_nope, k_rope], dim=-1)  # [1, H, T, nope+r]
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, v]
     return hidden + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import _rope
+from dflash_async.targets.packed_dense import rope_half
 
 
 def gemma4_layout_problem(config) -> str | None:
@@ -34,10 +34,10 @@ def gemma4_attention(layer: nn.Module, x, cos, sin, mask, attend) -> torch.Tenso
     """Gemma 4 self-attention of the normed x [1, T, d] -> o_proj output [1, T, d]."""
     attn = layer.self_attn
     shape = (1, x.shape[1], -1, attn.head_dim)
-    q = _rope(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)  # [1,H,T,hd]
+    q = rope_half(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)  # [1,H,T,hd]
     raw = attn.k_proj(x).view(shape)  # [1, T, Hkv, hd]
     v = attn.v_proj(x).view(shape) if attn.v_proj is not None else raw  # k_eq_v: the raw keys
-    k = _rope(attn.k_norm(raw).transpose(1, 2), cos, sin)  # [1, Hkv, T, hd]
+    k = rope_half(attn.k_norm(raw).transpose(1, 2), cos, sin)  # [1, Hkv, T, hd]
     out = attend(q, k, attn.v_norm(v).transpose(1, 2), mask, attn.scaling)  # [1, H, T, hd]
     return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 

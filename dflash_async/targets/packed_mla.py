@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import PackedDenseForward, _rope
+from dflash_async.targets.packed_dense import PackedDenseForward, rope_half
 
 
-def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3)... each rotated by one frequency,
     output de-interleaved (evens' rotation first), as HF's apply_rotary_pos_emb_interleave.
     x [1, H, T, r], cos/sin [1, T, r] (cat(freqs, freqs): the first half holds each pair's angle)."""
@@ -69,7 +69,7 @@ def mla_attention(
     `llama4_query_scale`); None: by nothing. cos None: no RoPE at all (Kimi-Linear's NoPE
     MLA: the rope dims pass as they are, k's shared by all heads)."""
     T, nope, r = x.shape[1], attn.qk_nope_head_dim, attn.qk_rope_head_dim
-    rope = _rope_interleaved if getattr(attn.config, "rope_interleave", True) else _rope
+    rope = rope_interleaved if getattr(attn.config, "rope_interleave", True) else rope_half
     q = _mla_query(attn, x)  # [1, H, T, nope+r]
     q_scale = getattr(attn, "mla_scale_q_lora", None)
     if q_scale is not None:
@@ -107,7 +107,7 @@ def mla_attention_block(
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (rotate_half) on the first cos.shape[-1] dims of x [1, H, T, hd]; the rest passes."""
     r = cos.shape[-1]
-    return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    return torch.cat([rope_half(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 def partial_rotary_attention_block(layer: nn.Module, hidden, cos, sin, mask, attend):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import _rope
+from dflash_async.targets.packed_dense import rope_half
 from dflash_async.targets.packed_window import SANDWICH_PARTS
 
 GLIMMER_PARTS = SANDWICH_PARTS
@@ -52,7 +52,7 @@ def gated_attention(attn: nn.Module, x, cos, sin, mask, attend) -> torch.Tensor:
     k = attn.qk_norm(attn.k_proj(x).view(shape).transpose(1, 2))  # [1, Hkv, T, hd]
     v = attn.v_proj(x).view(shape).transpose(1, 2)
     if uses_rope(attn):
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)
     out = attend(q, k, v, mask, attn.scaling).transpose(1, 2)  # [1, T, H, hd]
     o_norm = getattr(attn, "o_norm", None)  # Spark's, per head
     if o_norm is not None:

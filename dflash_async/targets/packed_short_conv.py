@@ -36,12 +36,12 @@ from dflash_async.targets.fp8.fp8_linear import project
 from dflash_async.targets.packed_dense import (
     MLP_ROWS,
     PackedRange,
-    _rope,
     attend_flex,
     attend_sdpa,
     document_causal_block_mask,
     mask_padding,
     moe_residual,
+    rope_half,
     sdpa_mask,
 )
 
@@ -117,7 +117,7 @@ def attention_block(layer: nn.Module, hidden, cos, sin, mask, attend) -> torch.T
     shape = (1, hidden.shape[1], -1, attn.head_dim)
     q, k, v = (p.view(shape) for p in project((attn.q_proj, attn.k_proj, attn.v_proj), x))
     q, k = attn.q_layernorm(q).transpose(1, 2), attn.k_layernorm(k).transpose(1, 2)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # [1, H, T, hd], [1, Hkv, T, hd]
+    q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)  # [1, H, T, hd], [1, Hkv, T, hd]
     out = attend(q, k, v.transpose(1, 2), mask, attn.scaling)  # [1, H, T, hd]
     return hidden + attn.out_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
 

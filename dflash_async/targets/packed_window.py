@@ -33,7 +33,6 @@ from torch import nn
 from dflash_async.targets.packed_dense import (
     FLEX_TILE,
     PackedRange,
-    _rope,
     attend_flex,
     attend_sdpa,
     attention_block,
@@ -41,6 +40,7 @@ from dflash_async.targets.packed_dense import (
     document_causal_mask,
     mask_padding,
     mlp_block,
+    rope_half,
     sdpa_mask,
 )
 
@@ -125,7 +125,7 @@ def attention_core(layer: nn.Module, x, cos, sin, mask, attend) -> torch.Tensor:
     shape = (1, x.shape[1], -1, attn.head_dim)
     q, k = attn.q_norm(attn.q_proj(x).view(shape)), attn.k_norm(attn.k_proj(x).view(shape))
     v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, T, hd]
-    q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+    q, k = rope_half(q.transpose(1, 2), cos, sin), rope_half(k.transpose(1, 2), cos, sin)
     out = attend(q, k, v, mask, attn.scaling)  # [1, H, T, hd]
     return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 

@@ -35,8 +35,8 @@ from dflash_async.targets import packed_dsa
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import _rope
-from dflash_async.targets.packed_mla import _rope_interleaved
+from dflash_async.targets.packed_dense import rope_half
+from dflash_async.targets.packed_mla import rope_interleaved
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -294,7 +294,7 @@ def test_the_parity_check_catches_the_other_familys_indexer_rope(variant: str) -
     """DeepSeek-V3.2's indexer turns rotate_half halves, GLM-5's interleaved pairs."""
     model, docs = _model(VARIANTS[variant]()), _documents()
     ours = family_of(text_model(model).config).forward.indexer_rope
-    other = _rope_interleaved if ours is _rope else _rope
+    other = rope_interleaved if ours is rope_half else rope_half
     broken = packed_dsa.PackedDSAForward(
         text_model(model), LAYER_IDS, indexer_rope=other, attention="sdpa", compile=False
     )
