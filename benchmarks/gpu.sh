@@ -27,6 +27,10 @@
 #   target       `bench target`: HF against packed per family, bf16 against FP8, CUDA graph;
 #                fp32 parity of the packed families; the Qwen3-30B-A3B forward's kernels; the
 #                target split into stages on one GPU
+#   families-a   `bench target --reference generic`: the packed forward of each 2026 family against the
+#   families-b   generic path (each document alone), at its published shape or the layers that fit
+#                (bench/target_shapes.py); a shape whose config class the installed transformers
+#                lacks is skipped with the reason (put transformers >= 5.25 and its needs in .whl/)
 #   pipeline     `run` co-located on one GPU (random Qwen3-8B target bf16 and FP8, Qwen3.5-9B,
 #                Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B FP8 drawn in the run), split over two GPUs
 #   report       a 200-step co-located run and its report (the folder committed as docs/report/)
@@ -50,7 +54,7 @@
 #                peak memory). Needs torchvision (Qwen3-VL's processor).
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests target-tests drafter dspark kernels research memory target pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
+parts="tests target-tests drafter dspark kernels research memory target families-a families-b pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -160,6 +164,14 @@ for which in "$@"; do
     part "a target split into stages on one GPU"
     limited 300 python3 benchmarks/split_chain_gpu.py --stages 2,3 --packs 20 \
       | tee "$out/split_chain.jsonl"
+    ;;
+  families-a)
+    target 560 --shapes lfm2-2.6b,lfm2-8b-a1b,nemotron-h-8b,kimi-linear-48b-a3b,qwen3-vl-30b-a3b,muse-glimmer-30b,mistral-small-4-16l \
+      --reference generic --experts compiled
+    ;;
+  families-b)
+    target 560 --shapes deepseek-v3.2-7l,glm-5-8l,kimi-k2.5-4l,muse-spark-4l,deepseek-v4-flash-8l,inkling-2-small-4l,longcat-flash-3l \
+      --reference generic --experts compiled
     ;;
   pipeline)
     random_target

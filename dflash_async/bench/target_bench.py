@@ -2,7 +2,9 @@
 
 For each shape (random weights built in memory on the GPU, bf16), one pack of T tokens of
 documents with chat-like lengths (lognormal, mean ~700) in the fixed drafter layout goes through
-1. the HF reference: right-padded 2-D batches of whole documents (`HFPaddedForward`), and
+1. a reference (`--reference`, REFERENCES): HF's forward on right-padded 2-D batches of whole
+   documents (`hf`, HFPaddedForward), or the generic path a family without a packed forward
+   takes (`generic`, GenericForward: each group of equal-length documents alone), and
 2. the path `select_target_forward` picks (packed, compiled, document-causal),
 each writing the captured layers' features [T, k*d]. Printed per path: tokens/s, MFU against the
 measured H200 bf16 peak (780 TFLOP/s, docs/GPU.md), the first-call (compile) seconds, the max
@@ -36,6 +38,7 @@ from dflash_async.targets.config_readers import experts_per_token
 from dflash_async.targets.forward import HFPaddedForward, select_target_forward
 from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
 from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls
+from dflash_async.targets.generic import GenericForward
 from dflash_async.targets.generic_config import causal_lm_auto_class
 from dflash_async.targets.grouped_experts import CompiledExperts
 from dflash_async.targets.loading import decoder_layers, text_config, text_model
@@ -162,6 +165,13 @@ def weight_bytes(model: torch.nn.Module, layer_ids: list[int]) -> tuple[int, int
     return total([model]), total(held)
 
 
+# --reference name -> the reference forward (model, layer_ids, max_batch_tokens) it times
+REFERENCES = {
+    "hf": lambda model, ids, tokens: HFPaddedForward(model, ids, max_batch_tokens=tokens),
+    "generic": lambda model, ids, tokens: GenericForward(model, ids, tokens),
+}
+
+
 def bench_shape(
     name: str,
     *,
@@ -172,8 +182,9 @@ def bench_shape(
     experts: tuple[str, ...] = ("hf",),
     experts_ways: tuple[str, ...] = ("default",),
     cuda_graph: bool = False,
+    reference: str = "hf",
 ) -> list[dict]:
-    """One row per `quantize` entry for this shape: `none` (bf16: HF reference and the fast
+    """One row per `quantize` entry for this shape: `none` (bf16: the reference and the fast
     path) and `fp8` (the same model's decoder matmuls swapped into targets/fp8/fp8_linear.py's
     e4m3 row-wise linears and experts, the fast path again). The bf16 row always runs: FP8's
     feature error is measured against its fast path's features, next to bf16's own noise (its
@@ -183,7 +194,8 @@ def bench_shape(
     row per entry, the FP8 experts run that way ("default": as constructed; else
     one of fp8_experts.WAYS). `cuda_graph`: every fast path timed again replayed from one CUDA
     graph (targets/graphed.py, DFLASH_TARGET__CUDA_GRAPH), as "graph" in the same row, with the
-    memory its graph holds."""
+    memory its graph holds. `reference`: the REFERENCES entry timed first, its row under that
+    key (`row["reference"]` names it)."""
     config, layer_ids = shape_configs()[name]
     with torch.device("cuda"):
         torch.manual_seed(seed)
@@ -245,9 +257,11 @@ def bench_shape(
             target["graph"]["features_equal"] = bool(torch.equal(graphed, out))
         return out
 
-    reference = measure(row, "hf", HFPaddedForward(model, layer_ids, max_batch_tokens=token_budget))
+    row["reference"] = reference  # the key of its measurement in the row
+    reference_forward = REFERENCES[reference](model, layer_ids, token_budget)
+    reference_out = measure(row, reference, reference_forward)
     fast = measure_fast(row, model, "hf")
-    _differences(row, fast, reference)
+    _differences(row, fast, reference_out)
     rows = [row]
     if "compiled" in experts:
         torch._dynamo.reset()
@@ -263,7 +277,7 @@ def bench_shape(
         rows.append(compiled)
     fp8_modes = [q for q in ("fp8", "fp8-fast") if q in quantize]
     if fp8_modes:
-        del reference
+        del reference_out
         torch._dynamo.reset()  # drop the bf16 graphs (and anything they hold) before the swap
         counts = swap_fp8_matmuls(text_model(model).layers, device=torch.device("cuda"))
         for mode, way in itertools.product(fp8_modes, experts_ways):  # fp8-fast: fast accumulation
@@ -326,6 +340,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="time every fast path also replayed from one CUDA graph",
     )
+    parser.add_argument(
+        "--reference",
+        choices=sorted(REFERENCES),
+        default="hf",
+        help="the reference row: HF on padded batches (hf) or the generic path's documents "
+        "alone (generic)",
+    )
     options = parser.parse_args(argv)
     quantize = _listed(parser, options.quantize, "--quantize", ("none", "fp8", "fp8-fast"))
     experts = _listed(parser, options.experts, "--experts", ("hf", "compiled"))
@@ -345,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
             experts=experts,
             experts_ways=ways,
             cuda_graph=options.cuda_graph,
+            reference=options.reference,
         ):
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -352,13 +374,13 @@ def main(argv: list[str] | None = None) -> None:
     table = [
         f"MFU against {peak:.0f} TFLOP/s, the measured H200 bf16 matmul peak (docs/GPU.md), for "
         "FP8 rows too; fp8 and +cx (compiled experts) rows: diff against the bf16 fast path, "
-        "bf16 noise = bf16 fast vs HF",
-        f"{'shape':<15}{'quant':<9}{'experts':<8}{'path':<11}{'HF tok/s':>10}{'MFU':>6}"
+        f"bf16 noise = bf16 fast vs the reference ({options.reference})",
+        f"{'shape':<15}{'quant':<9}{'experts':<8}{'path':<11}{'ref tok/s':>10}{'MFU':>6}"
         f"{'fast tok/s':>11}{'MFU':>6}{'compile s':>10}{'weights GB':>11}{'held GB':>8}"
         f"{'max|diff|':>10}{'max|ref|':>9}{'rel diff':>9}{'bf16 noise':>11}",
     ]
     for r in rows:
-        hf = r.get("hf", {"tokens_per_s": "-", "mfu": "-"})
+        hf = r.get(r.get("reference", "hf"), {"tokens_per_s": "-", "mfu": "-"})
         noise = f"{r['bf16_rel_diff']:.2g}" if "bf16_rel_diff" in r else "-"
         quant, way = r["quantize"] + "+cx" * (r.get("experts") == "compiled"), r.get("experts_way")
         table.append(

@@ -1,4 +1,5 @@
-"""bench target's weight accounting: counted from the model's tensors, not the allocator."""
+"""bench target's weight accounting (counted from the model's tensors, not the allocator), its
+FLOP count and its reference forwards."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_async.bench.target_bench import weight_bytes
+from dflash_async.bench.target_bench import REFERENCES, weight_bytes
+from dflash_async.data.packing import layout_pack
 
 
 def _model(*, tied: bool) -> Qwen3ForCausalLM:
@@ -107,3 +109,23 @@ def test_forward_flops_count_every_attention_sublayer_of_a_layer():
         if p.ndim >= 2
     )
     assert weights == want
+
+
+def test_both_references_write_the_same_features_for_a_pack() -> None:
+    """`--reference hf` (padded batches) and `generic` (documents alone) are both exact: on one
+    pack of documents of unequal lengths they agree to fp32 rounding (1e-5: the same matmuls on
+    the same rows, padded keys masked to exact zeros; features of order 1), padding rows zero."""
+    import numpy as np
+
+    model = _model(tied=False).eval()
+    rng = np.random.default_rng(0)
+    lengths = np.array([7, 12, 5])
+    docs = [(rng.integers(0, 96, n), np.ones(n, dtype=bool)) for n in lengths]
+    layout = layout_pack(docs, 32)
+    args = (layout.input_ids, layout.position_ids, layout.doc_ids)
+    outs = {}
+    for name, make in sorted(REFERENCES.items()):
+        outs[name] = torch.full((32, 2 * 32), float("nan"))
+        make(model, (1, 3), 32)(*args, outs[name], lengths)
+    assert torch.equal(outs["hf"][24:], torch.zeros(8, 64))  # 24 real rows
+    torch.testing.assert_close(outs["generic"], outs["hf"], rtol=0, atol=1e-5)
