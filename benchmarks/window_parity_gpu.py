@@ -32,7 +32,7 @@ def part1(device: str = "cuda") -> None:
     from dflash_async.data.packing import layout_pack, pack_row_offsets
     from dflash_async.targets.families import family_of
     from dflash_async.targets.loading import text_model
-    from dflash_async.targets.packed_window import PackedWindowForward
+    from dflash_async.targets.packed.window import PackedWindowForward
     from dflash_async.targets.paths import PackedCall
 
     for case, (kind, overrides) in CASES.items():
@@ -117,7 +117,7 @@ def part2() -> None:
     from dflash_async.targets.families import family_of
     from dflash_async.targets.forward import HFPaddedForward
     from dflash_async.targets.loading import text_model
-    from dflash_async.targets.packed_window import PackedWindowForward
+    from dflash_async.targets.packed.window import PackedWindowForward
     from dflash_async.targets.paths import PackedCall
 
     config, layer_ids = shape_configs()["gemma3-12b"]

@@ -49,16 +49,16 @@ from dflash_async.targets.hyper_connections import (
     fed_forward_collapse,
     gated_residual_collapse,
 )
-from dflash_async.targets.packed_dense import rope_half
-from dflash_async.targets.packed_gemma4 import gemma4_layer, gemma4_layout_problem
-from dflash_async.targets.packed_mla import (
+from dflash_async.targets.packed.dense import rope_half
+from dflash_async.targets.packed.gemma4 import gemma4_layer, gemma4_layout_problem
+from dflash_async.targets.packed.mla import (
     llama4_query_scale,
     mla_attention_block,
     partial_rotary_attention_block,
     rope_interleaved,
     softmax_grouped_topk,
 )
-from dflash_async.targets.packed_moe_window import (
+from dflash_async.targets.packed.moe_window import (
     MoeWindowLayers,
     gpt_oss_layer_problem,
     gpt_oss_qkv,
@@ -67,13 +67,13 @@ from dflash_async.targets.packed_moe_window import (
     minimax_qkv,
     minimax_route,
 )
-from dflash_async.targets.packed_muse import (
+from dflash_async.targets.packed.muse import (
     GLIMMER_PARTS,
     SPARK_PARTS,
     muse_glimmer_layer,
     muse_spark_layer,
 )
-from dflash_async.targets.packed_window import (
+from dflash_async.targets.packed.window import (
     PRE_NORM_PARTS,
     SANDWICH_PARTS,
     WindowLayers,
@@ -466,7 +466,7 @@ GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
 # (targets/hyper_connections.py) and Gemma 3n's AltUp predictions (targets/altup.py), each
 # collapsed into the tensor the model itself reads from them next. Every other type's tap is the
 # layer's output itself. Read by the training forward's hooks (targets/generic.py), DeepSeek-V4's
-# packed forward (targets/packed_deepseek_v4.py) and the decoding hooks (eval/speculative.py).
+# packed forward (targets/packed/deepseek_v4.py) and the decoding hooks (eval/speculative.py).
 StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
 STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
     {

@@ -7,38 +7,38 @@ rows zero). `lengths` (host numpy) is read only by the HF fallback, which needs 
 extents on the host; the packed paths never look at it.
 
 - `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x and Qwen3-VL's language model on text data (its
-  M-RoPE given three equal position rows) (`targets/packed_dense.py`); flex + compile on CUDA,
+  M-RoPE given three equal position rows) (`targets/packed/dense.py`); flex + compile on CUDA,
   SDPA in chunks of query rows on the CPU (no [T, T] mask).
 - `packed_moe`: Qwen3-MoE and Qwen3-VL-MoE's language model (its M-RoPE as Qwen3-VL's), the same
   packed forward with the HF MoE block (its grouped experts) run eagerly between compiled
-  attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed_mla.py`
+  attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed/mla.py`
   (partial-rotary attention, grouped top-k router with shared experts).
 - `packed_mla`: DeepSeek-V3 / Kimi-K2.x / Moonlight (`deepseek_v3`, Kimi K2.5's language model),
-  multi-head latent attention and the grouped-router MoE (`targets/packed_mla.py`); Mistral 4
+  multi-head latent attention and the grouped-router MoE (`targets/packed/mla.py`); Mistral 4
   the same with a softmax router and Llama 4's per-position query scale.
 - `packed_window`: Mistral, Gemma 3 and Gemma 4 text, Muse Glimmer and Muse Spark's language
-  models, sliding windows in the document-causal mask (`targets/packed_window.py`; Muse's layers
-  `targets/packed_muse.py`).
+  models, sliding windows in the document-causal mask (`targets/packed/window.py`; Muse's layers
+  `targets/packed/muse.py`).
 - `packed_hybrid`: Qwen3.5, Qwen3.5-MoE and Qwen3-Next on CUDA with flash-linear-attention
-  (`targets/packed_hybrid.py`, its MoE block `targets/packed_hybrid_moe.py`), unless turned off
+  (`targets/packed/hybrid.py`, its MoE block `targets/packed/hybrid_moe.py`), unless turned off
   (`packed_hybrid=False`).
-- `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`targets/packed_moe_window.py`).
+- `packed_moe_window`: gpt-oss (sliding windows, sinks), MiniMax-M2 (`targets/packed/moe_window.py`).
 - `packed_short_conv`: LFM2 and LFM2-MoE, their short convolutions per document in plain torch
-  and document-causal attention, on any device (`targets/packed_short_conv.py`).
+  and document-causal attention, on any device (`targets/packed/short_conv.py`).
 - `packed_kda`: Kimi-Linear, its KDA layers per document (flash-linear-attention's varlen
   `chunk_kda` on CUDA, HF's torch chunks one document at a time elsewhere), NoPE MLA document-
-  causal and the grouped-router MoE (`targets/packed_kda.py`), unless turned off
+  causal and the grouped-router MoE (`targets/packed/kda.py`), unless turned off
   (`packed_hybrid=False`).
 - `packed_mamba`: Nemotron-H, its Mamba-2 mixers by a chunked SSD per document in plain torch
-  and document-causal attention, on any device (`targets/packed_mamba.py`).
+  and document-causal attention, on any device (`targets/packed/mamba.py`).
 - `packed_deepseek_v4`: DeepSeek-V4, its hyper-connection streams, sliding windows and
   compressed blocks per document under the indexer's selection, in plain torch on any device
-  (`targets/packed_deepseek_v4.py`); where it refuses, the generic forward (each document
+  (`targets/packed/deepseek_v4.py`); where it refuses, the generic forward (each document
   alone), whose taps collapse the streams; not split into stages.
 - `packed_inkling`: Inkling 2's language model (`inkling2_text`, the `inkling2` wrapper's), its
   short and dynamic convolutions per document, document-causal attention with the relative
   position bias and per-token sinks, block residuals, in plain torch on any device
-  (`targets/packed_inkling.py`); where it refuses, the generic forward (each document alone);
+  (`targets/packed/inkling.py`); where it refuses, the generic forward (each document alone);
   not split into stages.
 - MoE experts: on CUDA the packed paths run every fused HF experts module as
   `targets/grouped_experts.py`'s CompiledExperts (HF's math, its sort/gate/combine compiled):
@@ -66,7 +66,7 @@ from dflash_async.targets.families import FAMILIES, GENERIC, GENERIC_ROW, family
 from dflash_async.targets.generic import GenericForward
 from dflash_async.targets.grouped_experts import CompiledExperts, swap_compiled_experts
 from dflash_async.targets.loading import TargetFeatures, is_hybrid, text_config, text_model
-from dflash_async.targets.packed_dense import FLEX_TILE, PackedDenseForward
+from dflash_async.targets.packed.dense import FLEX_TILE, PackedDenseForward
 from dflash_async.targets.paths import NoPackedPath, TargetPath
 
 

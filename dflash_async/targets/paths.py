@@ -21,32 +21,32 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_deepseek_v4 import (
+from dflash_async.targets.packed.deepseek_v4 import (
     PackedDeepseekV4Forward,
     deepseek_v4_layout_problem,
 )
-from dflash_async.targets.packed_dense import PackedDenseForward
-from dflash_async.targets.packed_dsa import PackedDSAForward, dsa_layout_problem
-from dflash_async.targets.packed_inkling import (
+from dflash_async.targets.packed.dense import PackedDenseForward
+from dflash_async.targets.packed.dsa import PackedDSAForward, dsa_layout_problem
+from dflash_async.targets.packed.inkling import (
     PackedInklingForward,
     inkling_layout_problem,
 )
-from dflash_async.targets.packed_mamba import PackedMambaForward, mamba_layout_problem
-from dflash_async.targets.packed_mla import PackedMLAForward, grouped_topk
-from dflash_async.targets.packed_moe_window import (
+from dflash_async.targets.packed.mamba import PackedMambaForward, mamba_layout_problem
+from dflash_async.targets.packed.mla import PackedMLAForward, grouped_topk
+from dflash_async.targets.packed.moe_window import (
     MoeWindowLayers,
     PackedWindowMoeForward,
     layout_problem,
 )
-from dflash_async.targets.packed_short_conv import (
+from dflash_async.targets.packed.short_conv import (
     PackedShortConvForward,
     short_conv_layout_problem,
 )
-from dflash_async.targets.packed_shortcut_moe import (
+from dflash_async.targets.packed.shortcut_moe import (
     PackedShortcutMoeForward,
     shortcut_parts_problem,
 )
-from dflash_async.targets.packed_window import (
+from dflash_async.targets.packed.window import (
     PackedWindowForward,
     WindowLayers,
     window_layout_problem,
@@ -145,7 +145,7 @@ def _packed(forward, name: str, how: str) -> TargetPath:
 @dataclass(frozen=True)
 class DensePath:
     """packed_dense (Qwen3, Qwen2/2.5, Llama) or, with `moe_eager`, packed_moe (Qwen3-MoE: the HF
-    MoE block run eagerly between compiled attention blocks): targets/packed_dense.py. `mrope`:
+    MoE block run eagerly between compiled attention blocks): targets/packed/dense.py. `mrope`:
     the family's rotary takes one position row per grid axis (Qwen3-VL's language model)."""
 
     moe_eager: bool = False
@@ -176,7 +176,7 @@ class DensePath:
 
 @dataclass(frozen=True)
 class MLAPath:
-    """targets/packed_mla.py with the family's attention block (DeepSeek-V3's MLA, named
+    """targets/packed/mla.py with the family's attention block (DeepSeek-V3's MLA, named
     packed_mla; GLM-4.5's partial-rotary GQA, named packed_moe), its grouped router (sigmoid
     `grouped_topk` by default) and its per-position query scale (Mistral 4's; None: none)."""
 
@@ -207,7 +207,7 @@ class MLAPath:
 
 @dataclass(frozen=True)
 class ShortcutMoePath:
-    """targets/packed_shortcut_moe.py: two MLA attention + MLP sublayers and a shortcut MoE with
+    """targets/packed/shortcut_moe.py: two MLA attention + MLP sublayers and a shortcut MoE with
     zero experts per decoder layer (LongCat-Flash)."""
 
     name = "packed_shortcut_moe"
@@ -227,7 +227,7 @@ class ShortcutMoePath:
 
 @dataclass(frozen=True)
 class DSAPath:
-    """targets/packed_dsa.py (DeepSeek-V3.2, GLM-5): MLA under the lightning indexer's top-k
+    """targets/packed/dsa.py (DeepSeek-V3.2, GLM-5): MLA under the lightning indexer's top-k
     selection, with the family's indexer RoPE (rotate_half or interleaved pairs)."""
 
     indexer_rope: Callable
@@ -256,7 +256,7 @@ class DSAPath:
 
 @dataclass(frozen=True)
 class WindowPath:
-    """targets/packed_window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text, Muse
+    """targets/packed/window.py with the family's `WindowLayers` (Mistral, Gemma 3/4 text, Muse
     Glimmer and Spark text)."""
 
     layers: WindowLayers
@@ -284,7 +284,7 @@ class WindowPath:
 
 @dataclass(frozen=True)
 class MoeWindowPath:
-    """targets/packed_moe_window.py with the family's qkv and router (gpt-oss, MiniMax-M2)."""
+    """targets/packed/moe_window.py with the family's qkv and router (gpt-oss, MiniMax-M2)."""
 
     layers: MoeWindowLayers
     name = "packed_moe_window"
@@ -309,7 +309,7 @@ class MoeWindowPath:
 
 @dataclass(frozen=True)
 class ShortConvPath:
-    """targets/packed_short_conv.py (LFM2, LFM2-MoE): short convolutions per document in plain
+    """targets/packed/short_conv.py (LFM2, LFM2-MoE): short convolutions per document in plain
     torch and document-causal attention, on any device."""
 
     name = "packed_short_conv"
@@ -336,7 +336,7 @@ class ShortConvPath:
 
 @dataclass(frozen=True)
 class MambaPath:
-    """targets/packed_mamba.py (Nemotron-H): Mamba-2 mixers by a chunked SSD per document in plain
+    """targets/packed/mamba.py (Nemotron-H): Mamba-2 mixers by a chunked SSD per document in plain
     torch and document-causal attention, on any device."""
 
     name = "packed_mamba"
@@ -359,7 +359,7 @@ class MambaPath:
 
 @dataclass(frozen=True)
 class DeepseekV4Path:
-    """targets/packed_deepseek_v4.py (DeepSeek-V4): hyper-connection streams, sliding windows,
+    """targets/packed/deepseek_v4.py (DeepSeek-V4): hyper-connection streams, sliding windows,
     compressed blocks per document with the indexer's selection, sinks, hash and top-k routers;
     the same torch code on any device. A split target's stages are not run (`stage` None: the
     streams are not the [1, T, d] hidden a stage hands on)."""
@@ -388,7 +388,7 @@ class DeepseekV4Path:
 
 @dataclass(frozen=True)
 class InklingPath:
-    """targets/packed_inkling.py (Inkling 2's language model): short and dynamic convolutions per
+    """targets/packed/inkling.py (Inkling 2's language model): short and dynamic convolutions per
     document, document-causal attention with the relative position bias and per-token sinks, the
     block residuals; the same torch code on any device. Not split into stages (`stage` None: the
     block states are more than the [1, T, d] hidden a stage hands on)."""
@@ -414,7 +414,7 @@ _HYBRID_OFF = "the packed varlen forward is turned off (DFLASH_TARGET__PACKED_HY
 
 @dataclass(frozen=True)
 class HybridPath:
-    """targets/packed_hybrid.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on CUDA with
+    """targets/packed/hybrid.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on CUDA with
     flash-linear-attention; `mrope`: the family's rotary takes one position row per grid axis."""
 
     mrope: bool
@@ -431,12 +431,12 @@ class HybridPath:
             return f"flash-linear-attention kernels need CUDA (device is {device.type})"
         if importlib.util.find_spec("fla") is None:
             return "flash-linear-attention is not installed (pip install '.[hybrid]')"
-        from dflash_async.targets.packed_hybrid import hybrid_layout_problem
+        from dflash_async.targets.packed.hybrid import hybrid_layout_problem
 
         return hybrid_layout_problem(inner)
 
     def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
-        from dflash_async.targets.packed_hybrid import PackedHybridForward, fla_kernels
+        from dflash_async.targets.packed.hybrid import PackedHybridForward, fla_kernels
 
         kernels = fla_kernels()
         forward = PackedHybridForward(
@@ -454,7 +454,7 @@ class HybridPath:
 
 @dataclass(frozen=True)
 class KDAPath:
-    """targets/packed_kda.py (Kimi-Linear): KDA layers per document (flash-linear-attention's
+    """targets/packed/kda.py (Kimi-Linear): KDA layers per document (flash-linear-attention's
     varlen chunk_kda on CUDA, HF's torch chunks per document elsewhere or without fla), NoPE
     MLA document-causal, grouped-router MoE; turned off with the packed hybrid forward."""
 
@@ -462,13 +462,13 @@ class KDAPath:
     needs_cuda = False
 
     def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
-        from dflash_async.targets.packed_kda import kda_layout_problem
+        from dflash_async.targets.packed.kda import kda_layout_problem
 
         problem = _HYBRID_OFF if not packed_hybrid else kda_layout_problem(inner)
         return f"hybrid {model_type}: {problem}" if problem else None
 
     def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
-        from dflash_async.targets.packed_kda import PackedKDAForward, fla_kda, torch_kda
+        from dflash_async.targets.packed.kda import PackedKDAForward, fla_kda, torch_kda
 
         device = next(inner.parameters()).device
         fla = device.type == "cuda" and importlib.util.find_spec("fla") is not None

@@ -21,7 +21,9 @@ from dflash_async.targets.config_readers import text_config_of
 from dflash_async.targets.families import FAMILIES, family_of
 
 GPU_BYTES = 140e9
-WEIGHT_BYTES = 120e9  # leaves 20 GB for a pack's activations (packed_dsa's masks: 0.5 GB at 16384)
+WEIGHT_BYTES = (
+    120e9  # leaves 20 GB for a pack's activations (packed/dsa.py's masks: 0.5 GB at 16384)
+)
 
 
 @pytest.mark.parametrize(

@@ -183,7 +183,7 @@ def test_only_bf16_compiled_experts_are_replayed_from_a_cuda_graph(dtype: torch.
     graph is refused, saying why, for any other experts dtype (checked on the CPU: the choice
     reads the dtype only)."""
     from dflash_async.targets.forward import _grouped_experts_sync
-    from dflash_async.targets.packed_dense import PackedDenseForward
+    from dflash_async.targets.packed.dense import PackedDenseForward
 
     model = random_target(_qwen3_moe(), seed=0).to(dtype)
     swap_compiled_experts(text_model(model).layers, compile=False)

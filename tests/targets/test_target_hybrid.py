@@ -26,7 +26,7 @@ from transformers import Qwen3_5TextConfig
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_hybrid import (
+from dflash_async.targets.packed.hybrid import (
     HybridKernels,
     PackedHybridForward,
     Segments,

@@ -27,11 +27,11 @@ from test_target_hybrid import REFERENCE, _documents, _packed, _per_document_err
 from transformers import Qwen3_5MoeTextConfig
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_hybrid_moe
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_hybrid import (
+from dflash_async.targets.packed import hybrid_moe as packed_hybrid_moe
+from dflash_async.targets.packed.hybrid import (
     HybridKernels,
     PackedHybridForward,
     Segments,

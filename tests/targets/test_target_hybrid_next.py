@@ -17,10 +17,10 @@ from test_target_hybrid import REFERENCE
 from test_target_hybrid_moe import ATOL, LAYER_IDS, MUTANT_MIN, TOKEN_BUDGET, _errors, _one_segment
 from transformers import Qwen3NextConfig
 
-from dflash_async.targets import packed_hybrid_moe
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target
+from dflash_async.targets.packed import hybrid_moe as packed_hybrid_moe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

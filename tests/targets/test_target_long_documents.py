@@ -17,15 +17,16 @@ import torch
 from transformers import MistralConfig, Qwen3Config
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_dense, packed_window
 from dflash_async.targets.families import family_of
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed import dense as packed_dense
+from dflash_async.targets.packed import window as packed_window
+from dflash_async.targets.packed.dense import (
     KeySpans,
     PackedDenseForward,
     document_causal_mask,
 )
-from dflash_async.targets.packed_window import PackedWindowForward, window_causal_mask
+from dflash_async.targets.packed.window import PackedWindowForward, window_causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

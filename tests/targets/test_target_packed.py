@@ -18,10 +18,10 @@ import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_dense
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed import dense as packed_dense
+from dflash_async.targets.packed.dense import (
     PackedDenseForward,
     document_causal_block_mask,
     document_causal_mask,
@@ -208,7 +208,7 @@ def test_the_packed_moe_router_computes_what_the_hf_block_computes_bit_for_bit(
 def test_the_packed_moe_router_comparison_catches_a_router_that_never_renormalises(
     monkeypatch,
 ) -> None:
-    from dflash_async.targets import packed_hybrid_moe
+    from dflash_async.targets.packed import hybrid_moe as packed_hybrid_moe
 
     route = packed_hybrid_moe.route
 

@@ -1,4 +1,4 @@
-"""The packed DeepSeek-V4 forward (targets/packed_deepseek_v4.py) equals each document run alone
+"""The packed DeepSeek-V4 forward (targets/packed/deepseek_v4.py) equals each document run alone
 through HF, row for row: the generic path's features of the document alone (its hooks collapse
 each tapped layer's residual streams by STREAM_TAPS, targets/hyper_connections.py), so a drafter
 trained on either path reads the same tensor.
@@ -38,10 +38,11 @@ from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV4Config
 
 from dflash_async.errors import SettingsError
-from dflash_async.targets import families, packed_deepseek_v4, paths
+from dflash_async.targets import families, paths
 from dflash_async.targets.families import planned_path, stream_tap
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import deepseek_v4 as packed_deepseek_v4
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -1,4 +1,4 @@
-"""The packed sparse-MLA forward (targets/packed_dsa.py) equals each document run alone through HF,
+"""The packed sparse-MLA forward (targets/packed/dsa.py) equals each document run alone through HF,
 row for row, for DeepSeek-V3.2 and GLM-5 (GLM-MoE-DSA) targets, whose attention sees only the keys
 the lightning indexer selects per query.
 
@@ -31,12 +31,12 @@ from target_kit import capture_features
 from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV32Config, GlmMoeDsaConfig, PretrainedConfig
 
-from dflash_async.targets import packed_dsa
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import rope_half
-from dflash_async.targets.packed_mla import rope_interleaved
+from dflash_async.targets.packed import dsa as packed_dsa
+from dflash_async.targets.packed.dense import rope_half
+from dflash_async.targets.packed.mla import rope_interleaved
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

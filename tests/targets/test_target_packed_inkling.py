@@ -1,4 +1,4 @@
-"""The packed Inkling 2 forward (targets/packed_inkling.py) equals each document run alone through
+"""The packed Inkling 2 forward (targets/packed/inkling.py) equals each document run alone through
 HF, row for row, padding rows zero, in one chunk of query rows or in many; and the parity check
 catches a short convolution or a dynamic one reading across a document boundary, the log scale
 taken at pack positions instead of the document's, the relative position bias dropped, the L2
@@ -36,9 +36,9 @@ from target_kit import capture_features
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.errors import SettingsError
-from dflash_async.targets import packed_inkling
 from dflash_async.targets.families import FAMILIES, family_of
 from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.packed import inkling as packed_inkling
 
 pytestmark = [
     pytest.mark.usefixtures("one_intra_op_thread"),

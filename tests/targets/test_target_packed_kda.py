@@ -1,4 +1,4 @@
-"""The packed Kimi-Linear forward (targets/packed_kda.py) equals each document run alone through HF,
+"""The packed Kimi-Linear forward (targets/packed/kda.py) equals each document run alone through HF,
 row for row: KDA convolutions and delta-rule states per document, NoPE MLA document-causal, the
 grouped-router MoE.
 
@@ -31,10 +31,10 @@ from target_kit import capture_features
 from transformers import KimiLinearConfig, PretrainedConfig
 
 from dflash_async.data.packing import layout_pack, pack_row_offsets
-from dflash_async.targets import packed_kda
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import kda as packed_kda
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

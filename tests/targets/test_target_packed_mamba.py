@@ -1,4 +1,4 @@
-"""The packed Nemotron-H forward (targets/packed_mamba.py) equals each document run alone through
+"""The packed Nemotron-H forward (targets/packed/mamba.py) equals each document run alone through
 HF, row for row: Mamba-2 mixers with their convolution and state-space state reset in every
 document, attention without positions document-causal, MLP and MoE blocks row-wise.
 
@@ -33,10 +33,10 @@ import pytest
 import torch
 from transformers import NemotronHConfig
 
-from dflash_async.targets import packed_mamba
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import mamba as packed_mamba
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

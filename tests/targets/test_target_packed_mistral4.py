@@ -1,4 +1,4 @@
-"""Mistral 4 on the packed MLA forward (targets/packed_mla.py): DeepSeek-V3's latent attention with
+"""Mistral 4 on the packed MLA forward (targets/packed/mla.py): DeepSeek-V3's latent attention with
 its queries multiplied by Llama 4's position-dependent scale (`llama4_query_scale`), and a
 softmax-scored grouped router (`softmax_grouped_topk`). Every packed row equals its document run
 alone through HF's Mistral4ForCausalLM; the scale is taken at the positions restarting in every
@@ -34,10 +34,10 @@ from transformers import (
     PretrainedConfig,
 )
 
-from dflash_async.targets import packed_mla
 from dflash_async.targets.families import FAMILIES, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import load_target, random_target, text_model
+from dflash_async.targets.packed import mla as packed_mla
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -1,4 +1,4 @@
-"""The packed MLA / grouped-router MoE forward (targets/packed_mla.py) equals each document run
+"""The packed MLA / grouped-router MoE forward (targets/packed/mla.py) equals each document run
 alone through HF, row for row, for DeepSeek-V3 (MLA) and GLM-4.5 (partial-rotary GQA) targets.
 
 Tolerance 1e-5 in fp32, as tests/targets/test_target_packed.py derives it: both sides run the same
@@ -21,9 +21,9 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, Glm4MoeConfig, PretrainedConfig
 
-from dflash_async.targets import packed_mla
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import mla as packed_mla
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -28,7 +28,7 @@ from dflash_async.data.packing import layout_pack
 from dflash_async.targets.families import FAMILIES
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import text_model
-from dflash_async.targets.packed_dense import PackedDenseForward
+from dflash_async.targets.packed.dense import PackedDenseForward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -1,4 +1,4 @@
-"""The packed Muse forward (targets/packed_muse.py's layers in targets/packed_window.py) equals each
+"""The packed Muse forward (targets/packed/muse.py's layers in targets/packed/window.py) equals each
 document run alone through HF, row for row, for Muse Glimmer's and Muse Spark's language models,
 and the parity check catches the attention gate dropped, the centered (1 + w) norms replaced by
 plain RMSNorms, the window crossing documents, and on Spark the residual gates dropped, the
@@ -43,12 +43,13 @@ from arch_targets import _text as arch_text
 from arch_targets import tiny_config
 from transformers import AutoModelForImageTextToText
 
-from dflash_async.targets import packed_muse, packed_window
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import text_model
-from dflash_async.targets.packed_dense import KeySpans, first_visible_key
-from dflash_async.targets.packed_window import FULL, SLIDING, PackedWindowForward
+from dflash_async.targets.packed import muse as packed_muse
+from dflash_async.targets.packed import window as packed_window
+from dflash_async.targets.packed.dense import KeySpans, first_visible_key
+from dflash_async.targets.packed.window import FULL, SLIDING, PackedWindowForward
 
 pytestmark = [
     pytest.mark.usefixtures("one_intra_op_thread"),

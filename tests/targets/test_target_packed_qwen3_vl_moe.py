@@ -6,7 +6,7 @@ a softmax top-k router and fused experts) with Qwen3-VL's interleaved M-RoPE, wh
 positions (three equal rows) is 1-D RoPE (tests/targets/test_target_packed_mrope.py proves that
 for the rotary both share); its deepstack inputs apply at image positions only. Its router is
 Qwen3-MoE's but for the switch: it has no `norm_topk_prob` and always renormalises the top k, as
-`packed_hybrid_moe.route` does for a router without the switch; its block is in packed_dense's
+`packed_hybrid_moe.route` does for a router without the switch; its block is in packed/dense.py's
 ROUTED_BLOCKS, so the router is ours, compiled with the attention on CUDA, and the experts the
 HF module's own call. With `mlp_only_layers` some layers are dense MLPs and every MoE block then
 runs whole, eagerly (the `moe_eager` path).
@@ -33,11 +33,11 @@ import torch
 from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig, Qwen3VLMoeTextConfig
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_hybrid_moe
 from dflash_async.targets.families import FAMILIES
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import text_model
-from dflash_async.targets.packed_dense import PackedDenseForward
+from dflash_async.targets.packed import hybrid_moe as packed_hybrid_moe
+from dflash_async.targets.packed.dense import PackedDenseForward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

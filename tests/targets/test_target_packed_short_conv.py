@@ -1,4 +1,4 @@
-"""The packed LFM2 / LFM2-MoE forward (targets/packed_short_conv.py) equals each document run alone
+"""The packed LFM2 / LFM2-MoE forward (targets/packed/short_conv.py) equals each document run alone
 through HF, row for row: short convolutions per document, document-causal attention, RoPE
 positions restarting per document, LFM2-MoE's sigmoid router.
 
@@ -27,10 +27,10 @@ import torch
 from transformers import Lfm2Config, Lfm2MoeConfig, PretrainedConfig
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_short_conv
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import short_conv as packed_short_conv
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

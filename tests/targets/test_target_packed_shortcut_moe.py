@@ -1,4 +1,4 @@
-"""The packed shortcut-MoE forward (targets/packed_shortcut_moe.py, LongCat-Flash) equals each
+"""The packed shortcut-MoE forward (targets/packed/shortcut_moe.py, LongCat-Flash) equals each
 document run alone through HF, row for row, at the listed layers' outputs (the generic path's
 taps), with the padding rows zero.
 
@@ -29,11 +29,11 @@ import torch.nn.functional as F
 import transformers
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_shortcut_moe
 from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.grouped_experts import swap_compiled_experts
 from dflash_async.targets.loading import random_target, text_model
+from dflash_async.targets.packed import shortcut_moe as packed_shortcut_moe
 
 LongcatFlashConfig = getattr(transformers, "LongcatFlashConfig", None)  # not in older versions
 # transformers 5.17 keeps the zero experts inside the experts module: the packed path refuses

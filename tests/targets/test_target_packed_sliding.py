@@ -1,4 +1,4 @@
-"""The packed sliding-window forward (targets/packed_window.py) equals each document run alone
+"""The packed sliding-window forward (targets/packed/window.py) equals each document run alone
 through HF, row for row, for Mistral (a window on every layer), Gemma 3 and Gemma 4 text (local
 and full layers interleaved, each with its own RoPE table).
 
@@ -32,8 +32,8 @@ from dflash_async.data.packing import layout_pack, pack_row_offsets
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import document_causal_mask
-from dflash_async.targets.packed_window import (
+from dflash_async.targets.packed.dense import document_causal_mask
+from dflash_async.targets.packed.window import (
     FULL,
     SLIDING,
     PackedWindowForward,

@@ -26,12 +26,12 @@ import torch
 from arch_targets import SLIDING_WINDOW, tiny_config
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets import packed_moe_window as pmw
 from dflash_async.targets.families import family_of, planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_dense import KeySpans, first_visible_key
-from dflash_async.targets.packed_window import window_causal_mask
+from dflash_async.targets.packed import moe_window as pmw
+from dflash_async.targets.packed.dense import KeySpans, first_visible_key
+from dflash_async.targets.packed.window import window_causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

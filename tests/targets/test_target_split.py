@@ -31,7 +31,7 @@ from dflash_async.stages.produce import TargetSpec
 from dflash_async.stages.read import PlannedPack
 from dflash_async.targets.forward import TargetPath, select_target_forward
 from dflash_async.targets.loading import random_target, text_model
-from dflash_async.targets.packed_hybrid import PackedHybridForward
+from dflash_async.targets.packed.hybrid import PackedHybridForward
 from dflash_async.targets.split import LayerSizes, split_layers
 
 pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"), pytest.mark.timeout(60)]

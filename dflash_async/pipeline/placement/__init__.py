@@ -341,7 +341,7 @@ def target_bytes(
     """(weights, activations) of the frozen target's forward in bytes: one layer's transient
     tensors at `batch_tokens` (no backward, no lm_head: early exit) and the staging pack. A
     packed forward runs the whole pack at once: its batch_tokens is the token budget; its MLP
-    runs `mlp_rows` rows at a time (targets/packed_dense.MLP_ROWS)."""
+    runs `mlp_rows` rows at a time (targets/packed/dense.py: MLP_ROWS)."""
     transient = batch_tokens * 4 * hidden * 2 + min(batch_tokens, mlp_rows) * 3 * ffn * 2
     staging = token_budget * feature_width * 2  # bf16 features, a captured last layer included
     return weight_bytes, transient + staging

@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.data.packing import document_starts
-from dflash_async.targets import packed_hybrid_moe  # its `route`, the same for Qwen3-MoE
 from dflash_async.targets.fp8.fp8_linear import project  # q, k, v: an FP8 input quantized once
+from dflash_async.targets.packed import (
+    hybrid_moe as packed_hybrid_moe,  # its `route`, the same for Qwen3-MoE
+)
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -121,7 +123,7 @@ def document_causal_block_mask(
     doc_ids: torch.Tensor, tile: int = FLEX_TILE, *, window: int | None = None
 ) -> BlockMask:
     """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0); with
-    a `window`, also q - k < window (sliding-window layers: targets/packed_window.py).
+    a `window`, also q - k < window (sliding-window layers: targets/packed/window.py).
 
     Documents are contiguous, so row q sees exactly the keys [lo(q), q], lo(q) its document's
     start (or q - window + 1). A key tile is "full" for a query tile when every row of it sees
@@ -373,7 +375,7 @@ class PackedDenseForward(PackedRange):
 
     def layer_inputs(self, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-pack tensors the layer function takes as keywords besides the rotary tables, made
-        from the positions [T] once per stage (a subclass's: packed_mla's query scale); none."""
+        from the positions [T] once per stage (a subclass's: packed/mla.py's query scale); none."""
         return {}
 
     @torch.no_grad()

@@ -6,12 +6,12 @@ mixer ("linear_attention"), grouped-query attention without positional encoding
 ("full_attention"), a squared-ReLU MLP ("mlp") or a sigmoid-routed MoE block ("moe"). A pack of
 documents end to end equals each document alone when nothing crosses a boundary:
 - the Mamba-2 mixer's causal depthwise convolution reads, at row t, only the earlier rows of t's
-  own document (packed_short_conv's `document_conv`);
+  own document (packed/short_conv.py's `document_conv`);
 - its selective state-space recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t (per head; the
   output C_t h_t + D x_t) starts from a zero state in every document: the decay into each
   document's first row is zero (its log, -inf), so no state flows across a boundary
   (`document_ssd`);
-- attention is document-causal, by packed_dense's rule and implementations (SDPA under key spans
+- attention is document-causal, by packed/dense.py's rule and implementations (SDPA under key spans
   on the CPU, flex's BlockMask on CUDA); it has no positions, so position_ids go unused;
 - the MLP and MoE blocks are row-wise: HF's modules run on the pack as they are.
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.data.packing import document_starts
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     MLP_ROWS,
     PackedRange,
     attend_flex,
@@ -53,7 +53,7 @@ from dflash_async.targets.packed_dense import (
     mask_padding,
     sdpa_mask,
 )
-from dflash_async.targets.packed_short_conv import document_conv
+from dflash_async.targets.packed.short_conv import document_conv
 
 # Rows of one SSD piece: its in-chunk decay and score tensors are rows x chunk x heads fp32 each
 # (at chunk 128, 128 heads: 268 MB per tensor)
@@ -261,7 +261,7 @@ class PackedMambaForward(PackedRange):
         self._mlp = wrap(feed_forward_block)
 
     def mask(self, doc_ids: torch.Tensor):
-        """The attention layers' mask for `doc_ids` [T] (packed_dense's rule, on its device)."""
+        """The attention layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
         return sdpa_mask(doc_ids, rows=self.query_rows)

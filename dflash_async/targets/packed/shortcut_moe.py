@@ -2,14 +2,14 @@
 decoder layer holds two MLA attention + dense MLP sublayers and one MoE whose router may also
 choose zero-computation (identity) experts.
 
-It is `PackedDenseForward` (targets/packed_dense.py: the pack layout, per-document positions, the
+It is `PackedDenseForward` (targets/packed/dense.py: the pack layout, per-document positions, the
 document-causal SDPA key spans on the CPU or flex BlockMask on CUDA, the layer range and `stage()`
 of a split target, the feature columns and zeroed padding rows) with this layer function, which
 runs the HF modules of one layer as its own forward does:
 - sublayer 1: h = x + attention_0(norm_a0(x)); m = norm_m0(h); h = h + mlps_0(m);
 - the shortcut MoE reads m, the first sublayer's post-attention norm (not the layer's output);
 - sublayer 2: h = h + attention_1(norm_a1(h)); out = h + mlps_1(norm_m1(h)) + moe(m).
-The attention is packed_mla's `mla_attention` (the module's LoRA scales, interleaved RoPE). The
+The attention is packed/mla.py's `mla_attention` (the module's LoRA scales, interleaved RoPE). The
 tap of a listed layer is `out`, the layer's output, as the generic path's hooks take it.
 
 The router (`zero_expert_route`): softmax of the fp32 logits over the routed and the zero experts
@@ -21,7 +21,7 @@ any experts implementation (HF's, CompiledExperts on CUDA) runs unchanged: a zer
 exact zero, at the price of those rows' products.
 
 The attention sublayer may be compiled (CUDA: one compilation, the modules are arguments); the
-MoE runs eagerly after it (data-dependent routing), as packed_mla's does.
+MoE runs eagerly after it (data-dependent routing), as packed/mla.py's does.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import PackedDenseForward
-from dflash_async.targets.packed_mla import mla_attention
+from dflash_async.targets.packed.dense import PackedDenseForward
+from dflash_async.targets.packed.mla import mla_attention
 
 _PARTS = {"self_attn", "mlps", "mlp", "input_layernorm", "post_attention_layernorm"}
 

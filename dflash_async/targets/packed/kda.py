@@ -10,14 +10,14 @@ state crosses a boundary:
   SiLU), a per-channel forget gate g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) and
   beta = sigmoid(b_proj(x)) feed the gated delta rule (q, k L2-normalised in it); its output
   passes a gated RMSNorm per head (gate g_b(g_a(x)), sigmoid) and o_proj. The convolution reads
-  only rows of the row's own document (packed_short_conv's `document_conv`, plain torch on any
+  only rows of the row's own document (packed/short_conv.py's `document_conv`, plain torch on any
   device) and the delta rule's state starts at zero in every document: the kernel gets the
-  segments (each document, then the padding as one more, as packed_hybrid's `pack_segments`);
-- MLA: packed_mla's `mla_attention` under packed_dense's document-causal rule (SDPA under key
+  segments (each document, then the padding as one more, as packed/hybrid.py's `pack_segments`);
+- MLA: packed/mla.py's `mla_attention` under packed/dense.py's document-causal rule (SDPA under key
   spans on the CPU, flex's BlockMask on CUDA). Kimi-Linear's MLA has no RoPE (the model has no
   rotary module): it reads no positions at all, so positions need not restart per document;
 - MoE: HF's KimiLinearTopkRouter is DeepSeek-V3's rule (sigmoid scores, score-correction bias,
-  groups, renormalised top k times routed_scaling_factor), so packed_mla's `moe_mlp_block` with
+  groups, renormalised top k times routed_scaling_factor), so packed/mla.py's `moe_mlp_block` with
   `grouped_topk` runs it, with the HF experts and shared experts.
 
 The delta-rule kernel (`KdaKernel`) is passed in:
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     PackedRange,
     attend_flex,
     attend_sdpa,
@@ -57,9 +57,9 @@ from dflash_async.targets.packed_dense import (
     mask_padding,
     sdpa_mask,
 )
-from dflash_async.targets.packed_hybrid import Segments, pack_segments
-from dflash_async.targets.packed_mla import grouped_topk, mla_attention, moe_mlp_block
-from dflash_async.targets.packed_short_conv import document_conv
+from dflash_async.targets.packed.hybrid import Segments, pack_segments
+from dflash_async.targets.packed.mla import grouped_topk, mla_attention, moe_mlp_block
+from dflash_async.targets.packed.short_conv import document_conv
 
 _KDA_PARTS = (
     "q_proj",
@@ -201,7 +201,7 @@ class PackedKDAForward(PackedRange):
     `attention` is "sdpa" (query chunks under key spans: CPU, any T) or "flex" (CUDA,
     T % 128 == 0); `kernel` the delta rule (`fla_kda` on CUDA, `torch_kda` elsewhere);
     `compile` wraps the KDA parts around the kernel and the MLA block in torch.compile (CUDA).
-    Called with the pack's host `lengths`, as packed_hybrid's forward: the segments come from
+    Called with the pack's host `lengths`, as packed/hybrid.py's forward: the segments come from
     them, not from a device sync. `stage()` runs a layer range (a split target); every
     convolution and recurrent state lives within one layer, so a stage boundary cuts nothing.
     """
@@ -224,7 +224,7 @@ class PackedKDAForward(PackedRange):
         self._mla = wrap(mla_block)
 
     def mask(self, doc_ids: torch.Tensor):
-        """The MLA layers' mask for `doc_ids` [T] (packed_dense's rule, on its device)."""
+        """The MLA layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
         return sdpa_mask(doc_ids, rows=self.query_rows)

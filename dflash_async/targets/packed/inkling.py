@@ -8,12 +8,12 @@ residual, runs a sigmoid-routed MoE of soft-capped experts (the HF block, eagerl
 its output. What mixes tokens is ours, each restarting in every document:
 - the short convolutions (causal, depthwise, `conv_kernel_size` taps): after attention and after
   the MoE, and over the keys and values of the sliding-window layers, read only rows of their
-  own document (packed_short_conv's `document_conv`), then (out + x) / sqrt(K + 1);
+  own document (packed/short_conv.py's `document_conv`), then (out + x) / sqrt(K + 1);
 - the full-attention layers' dynamic convolutions of the keys and values: per token and KV head,
   taps static_weight + weight_proj(input), over the same own-document rows
   (`dynamic_document_conv`), then (out + x) / sqrt(2K + 1);
 - attention is document-causal (sliding layers: q - k < sliding_window_size too) under
-  packed_dense's key spans, in chunks of query rows against the keys they may see, with explicit
+  packed/dense.py's key spans, in chunks of query rows against the keys they may see, with explicit
   logits (`attend_biased`): q @ k * scaling, plus the relative position bias, masked, with each
   token's per-head sink logit (sink_proj(x)) in the softmax denominator, HF's eager order. The
   bias of query q and key k is rel[q, h, q - k] for 0 <= q - k < rel_extent (zero beyond), where
@@ -42,13 +42,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     KeySpans,
     PackedRange,
     document_causal_spans,
     mask_padding,
 )
-from dflash_async.targets.packed_short_conv import document_conv
+from dflash_async.targets.packed.short_conv import document_conv
 
 SLIDING, FULL = "hybrid_sliding", "hybrid"
 _LAYER_TYPES = frozenset({SLIDING, FULL})
@@ -231,7 +231,7 @@ def inkling_layer(layer: nn.Module, hidden, block_states, positions, doc_ids, sp
 
 class PackedInklingForward(PackedRange):
     """Features of a packed layout for Inkling 2's language model (module docstring). A
-    PackedRange (packed_dense.py) of the whole range up to the last captured layer; the same
+    PackedRange (packed/dense.py) of the whole range up to the last captured layer; the same
     torch code on every device (`attention` is accepted and not used)."""
 
     def __init__(

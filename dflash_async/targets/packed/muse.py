@@ -1,5 +1,5 @@
-"""targets/packed_muse.py owns the Muse text decoder layers of the packed sliding-window forward
-(`targets/packed_window.py` runs them, with its per-kind masks and one RoPE table): Muse Glimmer's
+"""targets/packed/muse.py owns the Muse text decoder layers of the packed sliding-window forward
+(`targets/packed/window.py` runs them, with its per-kind masks and one RoPE table): Muse Glimmer's
 (`muse_glimmer_layer`) and Muse Spark's (`muse_spark_layer`), and the parts every such layer must
 have (`GLIMMER_PARTS`, `SPARK_PARTS`).
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import rope_half
-from dflash_async.targets.packed_window import SANDWICH_PARTS
+from dflash_async.targets.packed.dense import rope_half
+from dflash_async.targets.packed.window import SANDWICH_PARTS
 
 GLIMMER_PARTS = SANDWICH_PARTS
 SPARK_PARTS = SANDWICH_PARTS | {"post_attention_residual_gate", "post_feedforward_residual_gate"}

@@ -1,4 +1,4 @@
-"""targets/packed_moe_window.py owns the packed forward of MoE targets with sliding-window layers
+"""targets/packed/moe_window.py owns the packed forward of MoE targets with sliding-window layers
 and learned attention sinks, gpt-oss (`gpt_oss`), and of MiniMax-M2 (`minimax_m2`: neither, but
 its own router and q/k norms). One pack in, its features written in place.
 
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     KeySpans,
     PackedRange,
     mask_padding,
     rotate_half,
 )
-from dflash_async.targets.packed_dense import sdpa_mask as window_spans
-from dflash_async.targets.packed_window import window_block_mask
+from dflash_async.targets.packed.dense import sdpa_mask as window_spans
+from dflash_async.targets.packed.window import window_block_mask
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -203,7 +203,7 @@ def layout_problem(text_model: nn.Module, *, family: MoeWindowLayers) -> str | N
 
 class PackedWindowMoeForward(PackedRange):
     """Features of a packed layout for gpt-oss or MiniMax-M2 (module docstring), whose qkv and
-    router `family` gives; a PackedRange (packed_dense.py: the call, the layer range,
+    router `family` gives; a PackedRange (packed/dense.py: the call, the layer range,
     `attention`) whose `compile` wraps the attention blocks (the MoE runs eagerly between them)."""
 
     def __init__(

@@ -10,7 +10,7 @@ each document alone when nothing crosses a boundary:
 - the convolution at row t reads row t - s (s < width) only where that row belongs to t's
   document (equal doc_ids): every document's convolution starts from zero history, as it does
   alone (`document_conv`);
-- attention is document-causal, by packed_dense's rule and implementations (SDPA under key spans
+- attention is document-causal, by packed/dense.py's rule and implementations (SDPA under key spans
   on the CPU, flex's BlockMask on CUDA): none of its own;
 - RoPE takes the layout's positions, which restart at 0 in every document.
 
@@ -21,7 +21,7 @@ compiles with the rest of the layer. Ours besides: the attention core (q/k norms
 MoE router (`sigmoid_route`); the norms, projections, MLP and routed experts are HF's modules.
 On CUDA each layer's token mixer with its MLP (or with the MoE norm and router) is one
 torch.compile'd function taking the layer as an argument; the experts run eagerly after it, as in
-packed_dense's MoE path.
+packed/dense.py's MoE path.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.targets.fp8.fp8_linear import project
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     MLP_ROWS,
     PackedRange,
     attend_flex,
@@ -196,7 +196,7 @@ class PackedShortConvForward(PackedRange):
         self._dense_layer, self._mix_and_route = wrap(dense_layer), wrap(mix_and_route)
 
     def mask(self, doc_ids: torch.Tensor):
-        """The attention layers' mask for `doc_ids` [T] (packed_dense's rule, on its device)."""
+        """The attention layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
         if self.attention == "flex":
             return document_causal_block_mask(doc_ids)
         return sdpa_mask(doc_ids, rows=self.query_rows)

@@ -1,8 +1,8 @@
-"""The packed target forward for sparse-attention MLA MoE decoders (targets/packed_dsa.py):
+"""The packed target forward for sparse-attention MLA MoE decoders (targets/packed/dsa.py):
 DeepSeek-V3.2 and GLM-5 (GLM-MoE-DSA), each attention layer an MLA whose queries see only the
 `index_topk` keys a lightning indexer selects for them.
 
-It is `PackedDenseForward` (targets/packed_dense.py: the pack layout, positions restarting per
+It is `PackedDenseForward` (targets/packed/dense.py: the pack layout, positions restarting per
 document, the layer range and `stage()` of a split target, the feature columns and zeroed padding
 rows) with its own attention rule, computed per layer:
 - the indexer, as HF's: q = wq_b(q_resid) [T, Hi, Di] (q_resid = q_a_layernorm(q_a_proj(x)), the
@@ -19,11 +19,11 @@ rows) with its own attention rule, computed per layer:
 - GLM-5's "shared" layers (`indexer_types`) have no indexer and reuse the previous layer's
   selection, as HF passes its top-k down the stack; a stage of a split target must therefore
   start on a layer with an indexer (`ValueError` otherwise);
-- the MLA attention is packed_mla's (RoPE always on interleaved pairs here: these configs have no
+- the MLA attention is packed/mla.py's (RoPE always on interleaved pairs here: these configs have no
   `rope_interleave`), attended under `allowed`: SDPA in chunks of SDPA_QUERY_ROWS query rows
   against the keys [0, end of chunk) (any device), or flex on CUDA with a BlockMask whose tiles
   are the ones `allowed` touches and whose mask_mod reads `allowed` itself;
-- the MLP is packed_mla's (dense first layers, grouped-router MoE with shared experts).
+- the MLP is packed/mla.py's (dense first layers, grouped-router MoE with shared experts).
 The top-k is discrete: two keys whose scores are within rounding of each other at a row's edge
 may be chosen differently here and in the document alone (in bf16 more often than in fp32), as
 they may by HF's own forward of the document at another length; elsewhere the rows are equal up
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     FLEX_TILE,
     SDPA_QUERY_ROWS,
     BlockMask,
@@ -55,7 +55,7 @@ from dflash_async.targets.packed_dense import (
     mask_padding,
     tiles_in_order,
 )
-from dflash_async.targets.packed_mla import moe_mlp_block, rope_interleaved
+from dflash_async.targets.packed.mla import moe_mlp_block, rope_interleaved
 
 # Query rows per indexer chunk: its scores are [rows, index_n_heads, T] fp32 (see the module doc).
 INDEX_QUERY_ROWS = 128

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     attend_flex,
     attend_sdpa,
     document_causal_block_mask,
@@ -48,7 +48,7 @@ from dflash_async.targets.packed_dense import (
     rotate_half,
     stage_columns,
 )
-from dflash_async.targets.packed_hybrid_moe import MoeBlock, moe_layout_problem
+from dflash_async.targets.packed.hybrid_moe import MoeBlock, moe_layout_problem
 
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 # Qwen3-Next's Gated DeltaNet: q, k, v, z fused in one projection grouped per key head, b and a in

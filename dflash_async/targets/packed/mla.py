@@ -1,8 +1,8 @@
-"""The packed target forward for DeepSeek-V3-style MoE decoders (targets/packed_mla.py): multi-head
+"""The packed target forward for DeepSeek-V3-style MoE decoders (targets/packed/mla.py): multi-head
 latent attention (DeepSeek-V3, Kimi-K2.x, Moonlight, Mistral 4) and GLM-4.5's partial-rotary GQA,
 all with a grouped top-k router and shared experts.
 
-It is `PackedDenseForward` (targets/packed_dense.py: the pack layout, the document-causal SDPA mask
+It is `PackedDenseForward` (targets/packed/dense.py: the pack layout, the document-causal SDPA mask
 on the CPU or flex BlockMask on CUDA, the layer range and `stage()` of a split target, the feature
 columns and zeroed padding rows) with a different layer function:
 - attention, DeepSeek-V3 MLA: q from q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj (q_lora_rank);
@@ -14,7 +14,7 @@ columns and zeroed padding rows) with a different layer function:
   queries by Llama 4's position-dependent scale (`llama4_query_scale`, a per-pack input of the
   layer: `PackedMLAForward.layer_inputs`), from the positions restarting in every document, which
   are the ones each document has alone;
-- attention, GLM-4.5: packed_dense's GQA block with RoPE on the first rotary dims only (cos/sin are
+- attention, GLM-4.5: packed/dense.py's GQA block with RoPE on the first rotary dims only (cos/sin are
   partial_rotary_factor * head_dim wide), after the optional per-head q/k norms;
 - MLP: the first `first_k_dense_replace` layers are the HF dense MLP; the MoE layers route here
   (the family's router, the HF TopkRouter's rule spelt out from its weights, sync-free:
@@ -23,8 +23,8 @@ columns and zeroed padding rows) with a different layer function:
   configured experts implementation: the grouped path where set) plus the shared experts. The
   routers are ours so that one MoE block serves every family.
 The attention may be compiled (CUDA); the MoE runs eagerly after it (data-dependent routing), as
-packed_dense's Qwen3-MoE does. `mla_attention`, the MLA core before its residual add, also serves
-LongCat-Flash's sublayers (targets/packed_shortcut_moe.py), with the LoRA scales its modules hold.
+packed/dense.py's Qwen3-MoE does. `mla_attention`, the MLA core before its residual add, also serves
+LongCat-Flash's sublayers (targets/packed/shortcut_moe.py), with the LoRA scales its modules hold.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import PackedDenseForward, rope_half
+from dflash_async.targets.packed.dense import PackedDenseForward, rope_half
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""targets/packed_window.py owns the packed forward of dense sliding-window decoders: Mistral (one
+"""targets/packed/window.py owns the packed forward of dense sliding-window decoders: Mistral (one
 window on every layer), Gemma 3 text (interleaved local/full layers, sandwich norms, a RoPE
-base per layer kind), Gemma 4 text (its layer: `targets/packed_gemma4.py`) and Muse Glimmer and
-Spark's language models (their gated-attention layers: `targets/packed_muse.py`), on the same
-fixed pack layout as `targets/packed_dense.py`.
+base per layer kind), Gemma 4 text (its layer: `targets/packed/gemma4.py`) and Muse Glimmer and
+Spark's language models (their gated-attention layers: `targets/packed/muse.py`), on the same
+fixed pack layout as `targets/packed/dense.py`.
 
 The window is part of the document-causal rule: row q sees key k iff doc(k) == doc(q), k <= q and
 q - k < window (HF's `sliding_window_overlay`: kv_idx > q_idx - window), so each row sees the keys
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import (
+from dflash_async.targets.packed.dense import (
     FLEX_TILE,
     PackedRange,
     attend_flex,
@@ -79,7 +79,7 @@ def window_causal_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tenso
 
 
 def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLEX_TILE):
-    """The rule of `window_causal_mask` as a flex BlockMask (packed_dense's, with the window)."""
+    """The rule of `window_causal_mask` as a flex BlockMask (packed/dense.py's, with the window)."""
     return document_causal_block_mask(doc_ids, tile, window=window)
 
 
@@ -147,7 +147,7 @@ class PackedWindowForward(PackedRange):
     """Features of a packed layout for Mistral / Gemma 3 / Gemma 4 / Muse text (see the module
     docstring): `family` says how its layers run (targets/families.py has each family's).
 
-    A PackedRange (packed_dense.py: the call, the layer range, `attention`) whose `compile`
+    A PackedRange (packed/dense.py: the call, the layer range, `attention`) whose `compile`
     wraps the layer function.
     """
 

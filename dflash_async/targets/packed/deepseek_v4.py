@@ -1,7 +1,7 @@
-"""targets/packed_deepseek_v4.py owns the packed target forward of DeepSeek-V4 (`deepseek_v4`): one
+"""targets/packed/deepseek_v4.py owns the packed target forward of DeepSeek-V4 (`deepseek_v4`): one
 pack in, its features written in place, every row what its document gives alone through HF.
 
-The layout is packed_dense's (input_ids, position_ids restarting at 0 per document, doc_ids, -1
+The layout is packed/dense.py's (input_ids, position_ids restarting at 0 per document, doc_ids, -1
 padding last); the layers are the HF modules, run here in HF's order, with the attention core and
 the compressors' block layout ours. What is per document, and where it lives:
 - hyper-connections: each layer's `attn_hc` / `ffn_hc` (HF modules, row-wise) collapse the
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed_dense import mask_padding, stage_columns
+from dflash_async.targets.packed.dense import mask_padding, stage_columns
 
 QUERY_ROWS = 128  # query rows per attention chunk (see the module doc)
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update

@@ -1,5 +1,5 @@
-"""targets/packed_gemma4.py owns the Gemma 4 text decoder layer of the packed sliding-window forward
-(`targets/packed_window.py` runs it, with its masks and a RoPE table per layer kind) and the list
+"""targets/packed/gemma4.py owns the Gemma 4 text decoder layer of the packed sliding-window forward
+(`targets/packed/window.py` runs it, with its masks and a RoPE table per layer kind) and the list
 of Gemma 4 features that forward does not run (`gemma4_layout_problem`).
 
 What differs from Gemma 3 (all read from the HF modules): a wider head on full layers (its own
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_async.targets.packed_dense import rope_half
+from dflash_async.targets.packed.dense import rope_half
 
 
 def gemma4_layout_problem(config) -> str | None:

@@ -1,0 +1,1 @@
+"""The packed target forwards, one module per kind of decoder layer (targets/paths.py chooses)."""
