@@ -1,6 +1,7 @@
 """What the tests of a generic-path target's taps share: the generic forward's features of one
 document, and two decoding checks by recomputation on a tiny fp32 target (tests/targets/
-test_altup.py, test_hyper_connections.py, test_sublayer_counts.py, test_padded_unembedding.py).
+test_altup.py, test_hyper_connections.py, test_sublayer_counts.py, test_padded_unembedding.py),
+and the reference those taps are held to: what the model itself reads next (`inputs_read`).
 
 - a random drafter reads the tapped features at every step: speculative decoding must give
   greedy's tokens;
@@ -33,6 +34,31 @@ def generic_features(target, layer_ids: Sequence[int], ids: torch.Tensor) -> tor
         return forward.features(ids)
     finally:
         forward.close()
+
+
+def inputs_read(
+    target, ids: torch.Tensor, readers: Sequence[torch.nn.Module]
+) -> list[torch.Tensor]:
+    """The first input each module of `readers` receives in the target's forward on `ids`
+    [1, n] (forward pre-hooks): what the model feeds forward into them, from inside its forward."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        return lambda module, args: seen.__setitem__(i, args[0].detach().clone())
+
+    handles = [m.register_forward_pre_hook(keep(i)) for i, m in enumerate(readers)]
+    try:
+        with torch.no_grad():
+            target(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in range(len(readers))]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, *, rtol: float) -> bool:
+    """Largest |got - want| within `rtol` of the largest |want|."""
+    return bool((got - want).abs().max() <= rtol * want.abs().max())
 
 
 def prompts() -> list[list[int]]:

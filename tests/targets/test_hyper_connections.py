@@ -20,7 +20,9 @@ from conftest import randomize_
 from tap_kit import (
     assert_a_random_drafter_decodes_greedily,
     assert_partly_right_drafts_stay_greedy,
+    close,
     generic_features,
+    inputs_read,
 )
 
 from dflash_async.eval.speculative import (
@@ -83,28 +85,14 @@ def _ids() -> torch.Tensor:
 
 def _reference(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the model reads from layer 0's and layer 1's output streams, from inside its forward."""
-    seen: dict[str, torch.Tensor] = {}
-    layers = decoder_layers(target)
-
-    def keep(name):
-        return lambda module, args: seen.__setitem__(name, args[0].detach().clone())
-
     layer_reader, final_reader = READERS[target.config.model_type]
-    handles = [
-        layer_reader(layers[1]).register_forward_pre_hook(keep("layer 1 reads")),
-        final_reader(target).register_forward_pre_hook(keep("final norm reads")),
-    ]
-    try:
-        with torch.no_grad():
-            target(input_ids=ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["layer 1 reads"], seen["final norm reads"]
+    readers = (layer_reader(decoder_layers(target)[1]), final_reader(target))
+    after_0, after_1 = inputs_read(target, ids, readers)
+    return after_0, after_1
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool((got - want).abs().max() <= RTOL * want.abs().max())
+    return close(got, want, rtol=RTOL)
 
 
 def test_the_training_tap_is_what_the_model_feeds_forward_from_each_layer(target):

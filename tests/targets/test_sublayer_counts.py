@@ -17,7 +17,9 @@ import torch
 from causal_lm_zoo import VOCAB, tiny_config
 from tap_kit import (
     assert_a_random_drafter_decodes_greedily,
+    close,
     generic_features,
+    inputs_read,
 )
 
 from dflash_async.eval.speculative import captured_layers
@@ -48,26 +50,13 @@ def _ids() -> torch.Tensor:
 
 def _reference(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's and layer 1's outputs as the model reads them next (layer 1, the final norm)."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def keep(name):
-        return lambda module, args: seen.__setitem__(name, args[0].detach().clone())
-
-    handles = [
-        target.model.layers[1].register_forward_pre_hook(keep("layer 1 reads")),
-        target.model.norm.register_forward_pre_hook(keep("final norm reads")),
-    ]
-    try:
-        with torch.no_grad():
-            target(input_ids=ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["layer 1 reads"], seen["final norm reads"]
+    readers = (target.model.layers[1], target.model.norm)
+    after_0, after_1 = inputs_read(target, ids, readers)
+    return after_0, after_1
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool((got - want).abs().max() <= RTOL * want.abs().max())
+    return close(got, want, rtol=RTOL)
 
 
 def test_the_drafter_counts_and_taps_the_layers_the_model_lists(target):
