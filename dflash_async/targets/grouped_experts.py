@@ -1,7 +1,8 @@
 """The MoE experts call of a packed target with the work around its grouped products compiled.
 
-Owns the routing layout an experts module computes in (`sort_by_expert`, `combine`) and
-`CompiledExperts`, a drop-in for a fused HF experts module (gate_up_proj [E, 2I, d], down_proj
+Owns the routing layout an experts module computes in (`sort_by_expert`, `combine`), which HF
+experts modules the drop-ins compute exactly (`experts_problem`: this one and the FP8 experts)
+and `CompiledExperts`, a drop-in for a fused HF experts module (gate_up_proj [E, 2I, d], down_proj
 [E, d, I], no biases, the default gate act(g) * u) that keeps HF's math and order of operations:
 rows sorted by expert, two grouped products (`torch._grouped_mm` on CUDA), the routing weights on
 the down projection's rows, the rows put back in token order and summed over k.
@@ -27,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from dflash_async.kernels.fp8_format import FP8_DTYPE
 
 
 def expert_order(
@@ -162,11 +165,37 @@ def gated(h: torch.Tensor, act_fn: Callable) -> torch.Tensor:
     return act_fn(gate) * up
 
 
+def experts_problem(experts: nn.Module) -> str | None:
+    """None when `CompiledExperts` and the FP8 experts (targets/fp8/fp8_experts.py) compute exactly what this HF experts module does: fused
+    [gate; up] weights [E, 2I, d] and down [E, d, I] in a float dtype (not e4m3 already), no
+    biases, the default gate act(g) * u."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return f"{type(experts).__name__} has no fused gate_up_proj / down_proj"
+    if FP8_DTYPE in (gate_up.dtype, down.dtype):  # Fp8Experts: HF's names, e4m3 values
+        return f"{type(experts).__name__} already holds e4m3 weights"
+    flags = {
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+        "has_gate": True,
+    }
+    for flag, wanted in flags.items():
+        if getattr(experts, flag, wanted) != wanted:
+            return f"{type(experts).__name__} has {flag}={not wanted}"
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"{type(experts).__name__} has its own gating (clamped SwiGLU)"
+    return None
+
+
 class CompiledExperts(nn.Module):
     """HF's fused experts call `(hidden [T, d], top_k_index [T, k], top_k_weights [T, k]) ->
     [T, d]` on the same weight tensors (shared, not copied), with `sort_by_expert`, the gate and
     `combine` each one torch.compile'd function where `compile` (default: on CUDA); the grouped
-    products stay eager. Build it only where `fp8_experts.experts_problem(experts)` is None.
+    products stay eager. Build it only where `experts_problem(experts)` is None.
     `takes_residual`: forward's `residual` [T, d] is added to the output inside the compiled
     combine (the packed forwards pass the decoder layer's residual stream; `combine`)."""
 
@@ -189,10 +218,8 @@ class CompiledExperts(nn.Module):
 
 def swap_compiled_experts(layers: nn.Module, *, compile: bool | None = None) -> dict[str, int]:
     """Replace every fused HF experts module under `layers` that `CompiledExperts` computes
-    exactly (fp8_experts.experts_problem None: not FP8 experts, whose e4m3 weights carry HF's
+    exactly (`experts_problem` None: not FP8 experts, whose e4m3 weights carry HF's
     names) by one; the others stay. Returns counts."""
-    from dflash_async.targets.fp8.fp8_experts import experts_problem
-
     counts = {"swapped": 0, "kept": 0}
     for name, module in list(layers.named_modules()):
         parent_name, _, last = name.rpartition(".")

@@ -4,7 +4,8 @@ with e4m3 row-wise expert weights, in three ways (its docstring), and the groupe
 
 The format is targets/fp8/fp8_linear.py's (weights per output row, activations per token on the
 device); targets/fp8/fp8_routed.py and fp8_moe_kernel.py own the routed kernel, fp8_gate_kernel.py the
-gate and row kernels, grouped_experts.py the routing layout and the combine.
+gate and row kernels, grouped_experts.py the routing layout, the combine and which HF experts modules either
+drop-in computes exactly (`experts_problem`).
 
 CPU-GPU syncs: none (the routing offsets and the block table stay on the device), except the
 per-expert loop `_grouped_loop` (offs.tolist(), one sync per call), used only where
@@ -19,10 +20,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dflash_async.kernels.fp8_format import FAST_ACCUM, FP8_DTYPE, quantize_rows, rowwise_mm
+from dflash_async.kernels.fp8_format import FAST_ACCUM, quantize_rows, rowwise_mm
 from dflash_async.kernels.fp8_moe_launch import DOWN_LAUNCH, GATE_UP_LAUNCH, launch_problem
 from dflash_async.targets.fp8.fp8_routed import routed_reference, routed_rows
-from dflash_async.targets.grouped_experts import combine, gated, sort_by_expert, sum_over_k
+from dflash_async.targets.grouped_experts import (
+    combine,
+    gated,
+    sort_by_expert,
+    sum_over_k,
+)
 
 GROUPED_KERNEL = "scaled_grouped_mm_rowwise"
 
@@ -72,32 +78,6 @@ def grouped_kernel(device: torch.device) -> tuple[Callable, str]:
     if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
         return _grouped_native, GROUPED_KERNEL
     return _grouped_loop, "scaled_mm_rowwise_per_expert_loop"
-
-
-def experts_problem(experts: nn.Module) -> str | None:
-    """None when `Fp8Experts` computes exactly what this HF experts module does: fused
-    [gate; up] weights [E, 2I, d] and down [E, d, I] in a float dtype (not e4m3 already), no
-    biases, the default gate act(g) * u."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return f"{type(experts).__name__} has no fused gate_up_proj / down_proj"
-    if FP8_DTYPE in (gate_up.dtype, down.dtype):  # Fp8Experts: HF's names, e4m3 values
-        return f"{type(experts).__name__} already holds e4m3 weights"
-    flags = {
-        "has_bias": False,
-        "is_transposed": False,
-        "is_concatenated": True,
-        "has_post_expert_norm": False,
-        "has_gate": True,
-    }
-    for flag, wanted in flags.items():
-        if getattr(experts, flag, wanted) != wanted:
-            return f"{type(experts).__name__} has {flag}={not wanted}"
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return f"{type(experts).__name__} has its own gating (clamped SwiGLU)"
-    return None
 
 
 def is_silu(act_fn: Callable) -> bool:

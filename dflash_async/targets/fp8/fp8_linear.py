@@ -40,7 +40,8 @@ from dflash_async.kernels.fp8_format import (
     rowwise_kernel_problem,
     rowwise_mm,
 )
-from dflash_async.targets.fp8.fp8_experts import GROUPED_KERNEL, Fp8Experts, experts_problem
+from dflash_async.targets.fp8.fp8_experts import GROUPED_KERNEL, Fp8Experts
+from dflash_async.targets.grouped_experts import experts_problem
 from dflash_async.targets.quantized import (
     _ROUTERS as ROUTERS,  # kept bf16, as served checkpoints do
 )
