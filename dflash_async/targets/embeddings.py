@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_async.targets.resolve import TargetError
+from dflash_async.targets.tensor_files import tensor_files
 
 # Text models (`model.*`), multimodal wrappers as transformers 5 lays them out
 # (`model.language_model.*`: Qwen3.5, Qwen3-VL) and as Gemma 3's checkpoints do
@@ -39,25 +40,11 @@ FINAL_NORM_NAMES = (
 )
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    names = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
-
-
 def load_frozen_embeddings(
     folder: str, *, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embed_tokens and lm_head weights [V, d] (the same tensor when tied)."""
-    files = _weight_files(Path(folder))
+    files = tensor_files(Path(folder))
 
     def read(names: tuple[str, ...]) -> torch.Tensor | None:
         name = next((n for n in names if n in files), None)
@@ -107,7 +94,7 @@ def padded_unembedding(lm_head: torch.Tensor, *, output_rows: int, vocab: int) -
 def load_final_norm(folder: str, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The weight [d] of the target's final norm (the one before its lm_head): what a drafter
     kind that reads the target's own next-token distribution puts its last layer through."""
-    files = _weight_files(Path(folder))
+    files = tensor_files(Path(folder))
     name = next((n for n in FINAL_NORM_NAMES if n in files), None)
     if name is None:
         raise TargetError(

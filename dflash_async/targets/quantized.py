@@ -46,6 +46,7 @@ from dflash_async.kernels.fp8_format import FP8_DTYPE, FP8_MAX  # a block's amax
 from dflash_async.targets.config_readers import quant_method_of, text_config_of
 from dflash_async.targets.generic_config import text_causal_lm_class
 from dflash_async.targets.resolve import TargetError
+from dflash_async.targets.tensor_files import tensor_files
 
 FP8_BLOCK = (128, 128)  # the served checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8)
 _ROUTERS = frozenset({"gate", "router"})  # MoE routers: kept in bf16 by served FP8 checkpoints
@@ -146,9 +147,7 @@ class _Tensors:
     """Every tensor name of a safetensors checkpoint, read one at a time."""
 
     def __init__(self, folder: Path) -> None:
-        from dflash_async.targets.embeddings import _weight_files
-
-        self.files = _weight_files(folder)
+        self.files = tensor_files(folder)
 
     def names(self) -> list[str]:
         return list(self.files)
