@@ -52,9 +52,9 @@ from dflash_async.eval.sampling import Sampler
 from dflash_async.eval.selector import draft_confidence, draft_tokens, sampled_draft_tokens
 from dflash_async.model.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash_async.model.drafter_config import DrafterConfig
-from dflash_async.targets.families import stream_tap
 from dflash_async.targets.generic import layer_input, layer_output
 from dflash_async.targets.loading import decoder_layers, text_config
+from dflash_async.targets.stream_taps import stream_tap
 
 
 class BlockDrafter(Protocol):
@@ -185,7 +185,7 @@ def captured_layers(target: PreTrainedModel, layer_ids: Sequence[int]) -> Iterat
     layers (Qwen3-VL's deepstack visual features) is in it, as in the multimodal target
     forward's features (targets/multimodal.py); for every other model the same tensor. A type
     whose layers return several residual streams per token is collapsed by its STREAM_TAPS entry
-    (targets/families.py), as the training forward's hooks do (targets/generic.py)."""
+    (targets/stream_taps.py), as the training forward's hooks do (targets/generic.py)."""
     outputs: dict[int, Any] = {}
     layers = decoder_layers(target)
     tap = stream_tap(text_config(target))

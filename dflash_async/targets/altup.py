@@ -11,8 +11,8 @@ reads), so it is a function of layer i's output alone and is the tensor the mode
 from it. Taking one prediction, or their mean, is neither.
 
 Both the training forward's hooks (targets/generic.py) and the decoding hooks
-(eval/speculative.py `captured_layers`) apply it; the families table (targets/families.py
-`STREAM_TAPS`) names the model_types that use it.
+(eval/speculative.py `captured_layers`) apply it; `STREAM_TAPS`
+(targets/stream_taps.py) names the model_types that use it.
 """
 
 from __future__ import annotations

@@ -16,10 +16,8 @@ text data (targets/loading.py): their entry names that model's model_type and re
 since the forward is chosen by the text config's model_type (on image data the wrapper runs whole,
 per document: targets/multimodal.py).
 
-`STREAM_TAPS` names the model_types whose layers return several residual streams
-per token (hyper-connections, AltUp) and how a tap collapses them (targets/hyper_connections.py,
-targets/altup.py);
-`LAYER_COUNTS` those whose listed decoder layers are not `num_hidden_layers` many.
+`LAYER_COUNTS` names the model_types whose listed decoder layers are not `num_hidden_layers` many
+(how a tap collapses several residual streams per token is targets/stream_taps.py's table).
 
 Adding a family: one entry in `FAMILIES` (and, if its layers are new, their reader options or the
 pieces of its packed forward).
@@ -28,14 +26,11 @@ pieces of its packed forward).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from torch import nn
-
-from dflash_async.targets.altup import active_prediction_collapse
 from dflash_async.targets.config_readers import (
     SUPPORTED_QUANT_METHODS,
     ConfigReader,
@@ -44,11 +39,6 @@ from dflash_async.targets.config_readers import (
     quant_method_of,
 )
 from dflash_async.targets.generic_config import generic_problem
-from dflash_async.targets.hyper_connections import (
-    Collapse,
-    fed_forward_collapse,
-    gated_residual_collapse,
-)
 from dflash_async.targets.packed.dense import rope_half
 from dflash_async.targets.packed.gemma4 import gemma4_layer, gemma4_layout_problem
 from dflash_async.targets.packed.mla import (
@@ -461,23 +451,6 @@ GENERIC = Family(
 GENERIC_ROW = "*"  # the README's model_type cell of the GENERIC row
 
 
-# model_type -> how a tap turns a layer's output into one hidden-size feature per token, for the
-# types whose layers return several residual streams per token: hyper-connections
-# (targets/hyper_connections.py) and Gemma 3n's AltUp predictions (targets/altup.py), each
-# collapsed into the tensor the model itself reads from them next. Every other type's tap is the
-# layer's output itself. Read by the training forward's hooks (targets/generic.py), DeepSeek-V4's
-# packed forward (targets/packed/deepseek_v4.py) and the decoding hooks (eval/speculative.py).
-StreamTap = Callable[[nn.Module, nn.ModuleList, int], Collapse]
-STREAM_TAPS: Mapping[str, StreamTap] = MappingProxyType(
-    {
-        "deepseek_v4": fed_forward_collapse,
-        "hy_v4": fed_forward_collapse,
-        "qwen4_exp_text": gated_residual_collapse,
-        "gemma3n_text": active_prediction_collapse,
-    }
-)
-
-
 # model_type -> the config field that counts the decoder layers the model lists, for the types
 # whose `num_hidden_layers` counts something else: LongCat-Flash's layers each hold two attention
 # + MLP sublayers and its num_hidden_layers is 2 x num_layers (its model_type's own hidden-state
@@ -491,11 +464,6 @@ def decoder_layer_count(config: Any) -> int:
     0..n-1): its LAYER_COUNTS field, else num_hidden_layers."""
     field = LAYER_COUNTS.get(getattr(config, "model_type", None), "num_hidden_layers")
     return int(getattr(config, field))
-
-
-def stream_tap(config: Any) -> StreamTap | None:
-    """The STREAM_TAPS entry of `config`'s model_type (a text config), None for the others."""
-    return STREAM_TAPS.get(getattr(config, "model_type", None))
 
 
 def family_of(config: Any) -> Family:

@@ -9,8 +9,7 @@ The features are the raw outputs of the tapped decoder layers (forward hooks, as
 takes them; never HF's `hidden_states`, whose last entry is final-norm'd in many families), and
 the forward stops at the last tapped layer where every layer runs once per forward. A type whose
 layers return several residual streams per token (hyper-connections) has each tapped output
-collapsed by its entry in the families table's STREAM_TAPS (targets/hyper_connections.py), as
-the decoding hooks do.
+collapsed by its STREAM_TAPS entry (targets/stream_taps.py), as the decoding hooks do.
 
 The decoder layers are found without knowing the family (`find_decoder_layers`: the outermost
 `nn.ModuleList` of `num_hidden_layers` modules of one class, or as many as the families table's
@@ -34,8 +33,9 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
-from dflash_async.targets.families import decoder_layer_count, stream_tap
+from dflash_async.targets.families import decoder_layer_count
 from dflash_async.targets.resolve import TargetError
+from dflash_async.targets.stream_taps import stream_tap
 
 PROBE_TOKENS = 12  # probe length: past any short convolution or local window at tiny size
 PROBE_CHANGED = 4  # the probe's trailing tokens replaced to test causality

@@ -14,8 +14,8 @@ serving engines' capture for these families is not checked here.
 
 Both the training forward's hooks (targets/generic.py) and the decoding hooks
 (eval/speculative.py `captured_layers`) apply the same collapse, so the drafter trains and
-decodes on the same tensor. The families table (targets/families.py `STREAM_TAPS`) names
-the model_types that use it.
+decodes on the same tensor. `STREAM_TAPS` (targets/stream_taps.py) names the
+model_types that use it.
 """
 
 from __future__ import annotations

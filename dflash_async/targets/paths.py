@@ -51,6 +51,7 @@ from dflash_async.targets.packed.window import (
     WindowLayers,
     window_layout_problem,
 )
+from dflash_async.targets.stream_taps import stream_tap
 
 _ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})  # no length-dependent update
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -368,16 +369,12 @@ class DeepseekV4Path:
     needs_cuda = False
 
     def refusal(self, inner, device, *, model_type, packed_hybrid) -> str | None:
-        from dflash_async.targets.families import stream_tap  # the table imports this module
-
         problem = deepseek_v4_layout_problem(inner)
         if problem is None and stream_tap(inner.config) is None:
             problem = "no STREAM_TAPS entry to collapse its streams by"
         return f"{model_type}: {problem}" if problem else None
 
     def build(self, inner, layer_ids, *, model_type, attention, compile, layers) -> TargetPath:
-        from dflash_async.targets.families import stream_tap  # the table imports this module
-
         forward = PackedDeepseekV4Forward(inner, layer_ids, tap=stream_tap(inner.config))
         how = (
             f"{model_type}: document-causal sliding windows and compressed blocks per document "

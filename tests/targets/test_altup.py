@@ -28,7 +28,7 @@ from tap_kit import (
 from dflash_async.eval.speculative import (
     captured_layers,
 )
-from dflash_async.targets import families
+from dflash_async.targets import stream_taps
 from dflash_async.targets.loading import decoder_layers, random_target
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -96,7 +96,7 @@ def test_the_decoding_tap_is_the_training_tap(target):
 def test_a_tap_that_does_not_collapse_as_the_model_does_is_caught(target, mutant, monkeypatch):
     kind = target.config.model_type
     wrong = MappingProxyType({kind: lambda model, layers, index: mutant})
-    monkeypatch.setattr(families, "STREAM_TAPS", wrong)
+    monkeypatch.setattr(stream_taps, "STREAM_TAPS", wrong)
     ids = _ids()
     want = torch.cat(_reference(target, ids), dim=-1)
     got = generic_features(target, LAYERS, ids)

@@ -38,11 +38,12 @@ from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV4Config
 
 from dflash_async.errors import SettingsError
-from dflash_async.targets import families, paths
-from dflash_async.targets.families import planned_path, stream_tap
+from dflash_async.targets import paths, stream_taps
+from dflash_async.targets.families import planned_path
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 from dflash_async.targets.packed import deepseek_v4 as packed_deepseek_v4
+from dflash_async.targets.stream_taps import stream_tap
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -232,13 +233,13 @@ def test_a_refused_config_takes_the_generic_forward_whose_taps_collapse_the_stre
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
-def test_the_packed_taps_follow_the_families_stream_tap_as_the_generic_ones_do(
+def test_the_packed_taps_follow_the_stream_taps_table_as_the_generic_ones_do(
     monkeypatch,
 ) -> None:
-    """One table says how a tap collapses the streams (families.STREAM_TAPS): with another
+    """One table says how a tap collapses the streams (stream_taps.STREAM_TAPS): with another
     collapse there (the streams' mean), the packed rows still equal the generic path's."""
     mean = MappingProxyType({"deepseek_v4": lambda model, layers, index: lambda s: s.mean(-2)})
-    monkeypatch.setattr(families, "STREAM_TAPS", mean)
+    monkeypatch.setattr(stream_taps, "STREAM_TAPS", mean)
     model, docs = _model(VARIANTS["deepseek_v4"]()), _documents()
     _assert_rows_equal_each_document_alone(model, docs, _selected(model, docs))
 

@@ -7,7 +7,7 @@ the compressors' block layout ours. What is per document, and where it lives:
 - hyper-connections: each layer's `attn_hc` / `ffn_hc` (HF modules, row-wise) collapse the
   `hc_mult` residual streams into the block's input and give the `post` / `comb` weights that
   expand its output and mix the streams (`decoder_layer`). A tap is the stream collapse the
-  generic path takes, the family's STREAM_TAPS entry (targets/families.py; DeepSeek-V4's is
+  generic path takes, the model_type's STREAM_TAPS entry (targets/stream_taps.py; DeepSeek-V4's is
   targets/hyper_connections.py `fed_forward_collapse`: the next layer's `attn_hc`, or `hc_head`
   after the last layer), applied to the same streams;
 - RoPE: the model's rotary (`main` for sliding-window layers, `compress` for the others) at the
@@ -279,7 +279,7 @@ def deepseek_v4_layout_problem(inner: nn.Module) -> str | None:
 class PackedDeepseekV4Forward:
     """The features of a packed layout for a DeepSeek-V4 decoder (see the module doc): the
     captured layers' stream collapses written into their columns, padding rows zero. `tap`:
-    the family's STREAM_TAPS entry, (model, layers, index) -> that layer's collapse. The
+    the model_type's STREAM_TAPS entry, (model, layers, index) -> that layer's collapse. The
     layers run up to the last captured one; no compile (the block layout and selection are
     data-dependent), the same code on any device."""
 
