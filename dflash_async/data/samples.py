@@ -1,7 +1,7 @@
 """The read stage's product: the data path -> filtered, tokenized, memory-mapped samples.
 
 `load_samples` resolves the files (formats.py), looks the result up in the cache (cache.py) and
-otherwise streams every record through tokenization.py, appending each chunk's kept samples to
+otherwise streams every record through tokenize_all.py, appending each chunk's kept samples to
 array files: the corpus is never a Python list. Samples are filtered with counted reasons (bad
 record, truncated last line, empty, no assistant turn, too long -> truncated or dropped, fewer
 than 2 x block_size supervised tokens), logged once as `data_loaded`. A bad record is a DataError
@@ -30,7 +30,8 @@ from dflash_async.data.formats import (
     parse_role_map,
     resolve_files,
 )
-from dflash_async.data.tokenization import EncodeOptions, encode_all
+from dflash_async.data.tokenization import EncodeOptions
+from dflash_async.data.tokenize_all import encode_all
 
 DROP_REASONS = (
     "bad_record",

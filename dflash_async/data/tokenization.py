@@ -1,4 +1,5 @@
-"""Tokenization: raw records -> filtered token ids and assistant-only loss masks, in parallel.
+"""Tokenization of one chunk of records: raw records -> filtered token ids and assistant-only loss
+masks (`encode_chunk`).
 
 Records travel in chunks. Per chunk, every chat is rendered and character-masked by
 dflash_async.data.chat (the template renders dominate the cost), then all renderings of the chunk
@@ -7,26 +8,21 @@ derived from its offsets exactly as `encode_chat` does one at a time. The filter
 fewer than 2 x block_size supervised tokens) run in the same pass, so a chunk comes back as three
 flat arrays plus its counts: nothing per record crosses a process boundary.
 
-With `workers > 1` chunks go to spawned processes (tokenize_pool.py), a bounded number in
-flight, results taken in file order; the first bad record in file order is the one reported. A
-data set of a few chunks stays in this process.
+A whole data set is encoded by tokenize_all.py (`encode_all`): with `workers > 1` chunks go to
+spawned processes (tokenize_pool.py), a bounded number in flight, results taken in file order;
+the first bad record in file order is the one reported. A data set of a few chunks stays in
+this process.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
-from itertools import chain, islice
+from itertools import chain
 from typing import Any
 
 import jinja2
 import numpy as np
-from tqdm import tqdm
 
 from dflash_async.data.chat import (
     ChatMaskError,
@@ -35,15 +31,12 @@ from dflash_async.data.chat import (
     supervised_turns,
     token_mask,
 )
-from dflash_async.data.fast_bpe import FastBPE, check_tokenizer, fast_candidate, proof_why
+from dflash_async.data.fast_bpe import FastBPE
 from dflash_async.data.fast_mask import qwen3_char_mask
-from dflash_async.data.fast_template import choose_renderer, render_qwen3
+from dflash_async.data.fast_template import render_qwen3
 from dflash_async.data.formats import BadRecord, TruncatedRecord, chat_messages, parse_record
 
 Raw = tuple[str, Any]  # (where, raw record) from formats.iter_raw_records
-PROGRESS_EVERY_S = 10.0  # seconds between progress events when stderr is not a terminal
-FAST_RENDER_SAMPLE = 32  # records of the run checked against jinja before the fast renderer
-FAST_ENCODE_SAMPLE = 32  # renderings of the run checked against HF before the fast encoder
 
 
 @dataclass(frozen=True)
@@ -92,7 +85,7 @@ def raw_text_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def _render(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) -> tuple:
+def render_record(raw: Any, tokenizer: Any, options: EncodeOptions, fast_render: Any) -> tuple:
     """One raw record -> ("chat", text, char_mask) | ("ok", ids, mask) | (count name, why)."""
     try:
         record = parse_record(raw)
@@ -165,43 +158,6 @@ def direct_backend(tokenizer: Any) -> Any:
     return None
 
 
-@dataclass
-class BackendOnly:
-    """What a tokenizer process reads of a tokenizer whose backend tokenize_batch calls: it
-    pickles without transformers, so a process that renders with fast_template never imports
-    transformers (~1 s of start-up per process). The backend travels as its JSON and is built
-    on first use (~0.6 s for a 150k vocabulary): a process whose texts the fast encoder takes
-    never builds it."""
-
-    backend_json: str  # tokenizers.Tokenizer.to_str()
-    chat_template: Any
-    name_or_path: str
-    split_special_tokens: bool
-    size: int  # len(tokenizer): the vocabulary with added tokens
-
-    @cached_property
-    def backend_tokenizer(self) -> Any:  # tokenizers.Tokenizer
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_str(self.backend_json)
-
-    def __len__(self) -> int:
-        return self.size
-
-
-def _for_workers(tokenizer: Any) -> Any:
-    backend = direct_backend(tokenizer)
-    if backend is None:
-        return tokenizer
-    return BackendOnly(
-        backend.to_str(),
-        getattr(tokenizer, "chat_template", None),
-        str(getattr(tokenizer, "name_or_path", "")),
-        bool(getattr(tokenizer, "split_special_tokens", False)),
-        len(tokenizer),
-    )
-
-
 def _flat_offsets(offsets: list[tuple[int, int]]) -> np.ndarray:
     """[L, 2] int64 offsets; fromiter over the flattened pairs is ~3x faster than asarray."""
     flat = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
@@ -219,7 +175,7 @@ def encode_chunk(
     """Render, tokenize (one batched call), mask and filter the records of one chunk. With
     `defer`, renderings `fast_encode` refuses are left in `pending` (tokenize_pool.finish_chunk)
     rather than encoded here with `tokenizer`."""
-    rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in chunk]
+    rendered = [render_record(raw, tokenizer, options, fast_render) for _, raw in chunk]
     texts = [r[1] for r in rendered if r[0] == "chat"]
     if defer and fast_encode is not None:
         encoded = iter(fast_encode.encode_batch(texts))
@@ -239,7 +195,7 @@ def encode_chunk(
             if status in ("bad_record", "truncated_last_line"):
                 bad.append((where, result[1]))
             continue
-        kept = _filtered(result[1], result[2], options, counts)
+        kept = filtered(result[1], result[2], options, counts)
         if kept is not None:
             ids_list.append(kept[0])
             mask_list.append(kept[1])
@@ -253,7 +209,7 @@ def encode_chunk(
     )
 
 
-def _filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts: Counter):
+def filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts: Counter):
     """The sample cut to max_len (or None if dropped), counting why it changed or went."""
     if len(ids) > options.max_len:
         counts[f"too_long_{'dropped' if options.too_long == 'drop' else 'truncated'}"] += 1
@@ -264,160 +220,3 @@ def _filtered(ids: np.ndarray, mask: np.ndarray, options: EncodeOptions, counts:
         counts["too_few_supervised"] += 1
         return None
     return ids, mask
-
-
-def encode_all(
-    records: Iterable[Raw],
-    tokenizer: Any,
-    options: EncodeOptions,
-    *,
-    workers: int,
-    chunk_records: int,
-    log: Any,
-    progress_every_s: float = PROGRESS_EVERY_S,
-) -> Iterator[ChunkResult]:
-    """encode_chunk of every chunk of `records`, in order; parallel once there are > 2 chunks."""
-    chunks = _chunked(iter(records), chunk_records)
-    first = list(islice(chunks, 3))
-    fast_render = _fast_renderer(first, tokenizer, options, log)
-    texts = _first_renderings(first, tokenizer, options, fast_render)
-    if workers > 1 and len(first) > 2:
-        from dflash_async.data.tokenize_pool import encode_in_pool  # it imports this module
-
-        for_workers = _for_workers(tokenizer)
-        spec_json = getattr(for_workers, "backend_json", None)
-        fast_encode, verdict, proving = _fast_encoder_proving(texts, tokenizer, log, spec_json)
-        try:
-            results = encode_in_pool(
-                chain(first, chunks),
-                for_workers,
-                options,
-                workers=workers,
-                fast=(fast_render, fast_encode),
-                verdict=verdict,
-                parent_tokenizer=tokenizer,
-            )
-            yield from _with_progress(results, log, progress_every_s)
-        finally:
-            proving.shutdown(wait=False)
-        return
-    fast = (fast_render, _fast_encoder(texts, tokenizer, log))
-    results = (encode_chunk(c, tokenizer, options, *fast) for c in chain(first, chunks))
-    yield from _with_progress(results, log, progress_every_s)
-
-
-def _fast_renderer(chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, log: Any):
-    """fast_template's renderer if it renders like jinja on probes and the first SAMPLE chats."""
-    sample = []
-    for _, raw in islice(chain.from_iterable(chunks), FAST_RENDER_SAMPLE):
-        try:
-            sample.append(chat_messages(parse_record(raw), dict(options.role_map)))
-        except (BadRecord, TruncatedRecord):
-            continue
-    if not sample:  # pre-tokenized data, or nothing readable: jinja reports what is wrong
-        return None
-    try:
-        template = chat_template_of(tokenizer)
-    except ChatMaskError:
-        return None
-    fast_render, why = choose_renderer(template, sample, enable_thinking=options.enable_thinking)
-    log.info(
-        "chat_renderer_chosen",
-        renderer="jinja" if fast_render is None else "python_qwen3",
-        checked_records=len(sample),
-        **({"why": why} if why else {}),
-    )
-    return fast_render
-
-
-def _first_renderings(
-    chunks: list[list[Raw]], tokenizer: Any, options: EncodeOptions, fast_render: Any
-) -> list[str]:
-    """The run's first SAMPLE chat renderings: what the fast encoder is compared on."""
-    first = islice(chain.from_iterable(chunks), FAST_ENCODE_SAMPLE)
-    rendered = [_render(raw, tokenizer, options, fast_render) for _, raw in first]
-    return [r[1] for r in rendered if r[0] == "chat"]
-
-
-_NO_BACKEND = "the tokenizer has truncation, padding or no fast backend"
-
-
-def _fast_encoder(texts: list[str], tokenizer: Any, log: Any) -> FastBPE | None:
-    """fast_bpe's encoder if it is proven to encode as the tokenizer and gives the tokenizer's
-    ids and offsets on the run's first renderings; logs which encoder and why. Its checks cost
-    ~1 s once (less for a small vocabulary, ~2.5 s for a 150k one)."""
-    if not texts:  # pre-tokenized data, or nothing readable: nothing to check it on
-        return None
-    backend = direct_backend(tokenizer)
-    fast, why = (None, _NO_BACKEND) if backend is None else check_tokenizer(backend)
-    return _compared(fast, why, texts, tokenizer, log)
-
-
-def _fast_encoder_proving(texts: list[str], tokenizer: Any, log: Any, spec_json: Any) -> tuple:
-    """_fast_encoder for tokenizer processes: (the candidate encoder, a Future of whether it may
-    be used or None, the thread proving it): the proof runs while the processes start."""
-    proving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-fast-bpe-proof")
-    backend = direct_backend(tokenizer)
-    if not texts:
-        return None, None, proving
-    fast, why, spec = (
-        (None, _NO_BACKEND, {}) if backend is None else fast_candidate(backend, spec_json=spec_json)
-    )
-
-    def decide() -> bool:
-        failed = proof_why(fast, spec) if fast is not None else why
-        return _compared(None if failed else fast, failed, texts, tokenizer, log) is not None
-
-    if fast is None:  # refused already: log it now, nothing to wait for
-        decide()
-        return None, None, proving
-    return fast, proving.submit(decide), proving
-
-
-def _compared(fast: FastBPE | None, why: str, texts: list[str], tokenizer: Any, log: Any):
-    """`fast` if it gives the tokenizer's ids and offsets on `texts` (else None); logs which."""
-    checked = 0
-    if fast is not None:  # texts it leaves to HF (None) are not compared
-        pairs = zip(fast.encode_batch(texts), tokenize_batch(tokenizer, texts), strict=True)
-        for i, (got, want) in enumerate(pairs):
-            checked += got is not None
-            if got is not None and not all(map(np.array_equal, got, want)):
-                fast, why = None, f"rendering {i} of the run encodes to other ids or offsets"
-                break
-    log.info(
-        "tokenizer_chosen",
-        encoder="huggingface" if fast is None else "tiktoken",
-        checked_records=checked,
-        **({"why": why} if why else {}),
-    )
-    return fast
-
-
-def _chunked(records: Iterator[Raw], size: int) -> Iterator[list[Raw]]:
-    while chunk := list(islice(records, size)):
-        yield chunk
-
-
-def _with_progress(
-    results: Iterator[ChunkResult], log: Any, every_s: float
-) -> Iterator[ChunkResult]:
-    """A tqdm bar on a terminal, else a `tokenization_progressed` event every `every_s`."""
-    on_tty = sys.stderr.isatty()
-    started = last = time.perf_counter()
-    records = samples = 0
-    with tqdm(unit="rec", desc="tokenizing", disable=not on_tty) as bar:
-        for result in results:
-            records += result.counts["records"]
-            samples += len(result.lengths)
-            bar.update(result.counts["records"])
-            now = time.perf_counter()
-            if not on_tty and now - last >= every_s:
-                log.info(
-                    "tokenization_progressed",
-                    records=records,
-                    samples=samples,
-                    elapsed_s=round(now - started, 1),
-                    records_per_s=round(records / max(now - started, 1e-9), 1),
-                )
-                last = now
-            yield result

@@ -1,4 +1,4 @@
-"""The tokenizer processes of tokenization.encode_all: spawned, a bounded number of chunks in
+"""The tokenizer processes of tokenize_all.encode_all: spawned, a bounded number of chunks in
 flight, results in file order, and an encoder verdict that may arrive after they started.
 
 Spawn, not fork: the parent runs an event loop and device threads. The fast encoder's proof
@@ -18,6 +18,8 @@ import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -27,10 +29,51 @@ from dflash_async.data.tokenization import (
     ChunkResult,
     EncodeOptions,
     Raw,
-    _filtered,
+    direct_backend,
     encode_chunk,
+    filtered,
     tokenize_batch,
 )
+
+
+@dataclass
+class BackendOnly:
+    """What a tokenizer process reads of a tokenizer whose backend tokenize_batch calls: it
+    pickles without transformers, so a process that renders with fast_template never imports
+    transformers (~1 s of start-up per process). The backend travels as its JSON and is built
+    on first use (~0.6 s for a 150k vocabulary): a process whose texts the fast encoder takes
+    never builds it."""
+
+    backend_json: str  # tokenizers.Tokenizer.to_str()
+    chat_template: Any
+    name_or_path: str
+    split_special_tokens: bool
+    size: int  # len(tokenizer): the vocabulary with added tokens
+
+    @cached_property
+    def backend_tokenizer(self) -> Any:  # tokenizers.Tokenizer
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.backend_json)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def worker_tokenizer(tokenizer: Any) -> Any:
+    """What the tokenizer processes are given of `tokenizer`: a `BackendOnly` where its backend
+    gives what the plain call gives, else the tokenizer itself."""
+    backend = direct_backend(tokenizer)
+    if backend is None:
+        return tokenizer
+    return BackendOnly(
+        backend.to_str(),
+        getattr(tokenizer, "chat_template", None),
+        str(getattr(tokenizer, "name_or_path", "")),
+        bool(getattr(tokenizer, "split_special_tokens", False)),
+        len(tokenizer),
+    )
+
 
 # Per-process state of a tokenizer worker, set once by the pool initializer so the tokenizer is
 # pickled once per process rather than once per chunk. Only spawned worker processes set it.
@@ -85,7 +128,7 @@ def finish_chunk(result: ChunkResult, tokenizer: Any, options: EncodeOptions) ->
     for (at, _, char_mask), (ids, offsets) in zip(result.pending, encoded, strict=True):
         keep_up_to(at)
         done = at
-        kept = _filtered(ids, token_mask(char_mask, offsets), options, result.counts)
+        kept = filtered(ids, token_mask(char_mask, offsets), options, result.counts)
         if kept is not None:
             ids_list.append(kept[0])
             mask_list.append(kept[1])

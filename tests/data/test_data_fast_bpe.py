@@ -16,10 +16,11 @@ from fixtures.chat_tokenizer import QWEN_SPLIT, qwen3_like_tokenizer, qwen_style
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from dflash_async.data import fast_bpe, tokenization
+from dflash_async.data import fast_bpe, tokenize_all
 from dflash_async.data.fast_bpe import check_tokenizer
 from dflash_async.data.samples import DataOptions, encode_options
-from dflash_async.data.tokenization import encode_all, encode_chunk, tokenize_batch
+from dflash_async.data.tokenization import encode_chunk, tokenize_batch
+from dflash_async.data.tokenize_all import encode_all
 from dflash_async.targets.tiny import tiny_tokenizer
 
 pytest.importorskip("tiktoken")
@@ -285,12 +286,12 @@ def test_an_encoder_that_differs_on_the_runs_first_records_is_not_used(monkeypat
     """Passing every static check is not enough: the run's first renderings must encode alike.
     Here the encoder of another tokenizer stands in for one that passed wrongly."""
     wrong, _ = check_tokenizer(qwen3_like_tokenizer().backend_tokenizer)
-    monkeypatch.setattr(tokenization, "check_tokenizer", lambda backend: (wrong, ""))
+    monkeypatch.setattr(tokenize_all, "check_tokenizer", lambda backend: (wrong, ""))
     log = EventLog()
     got = run_encode_all(qwen_style, log)
     chosen = log.of("tokenizer_chosen")
     assert chosen["encoder"] == "huggingface" and "rendering 0" in chosen["why"]
-    monkeypatch.setattr(tokenization, "check_tokenizer", lambda backend: (None, "off"))
+    monkeypatch.setattr(tokenize_all, "check_tokenizer", lambda backend: (None, "off"))
     for a, b in zip(got, run_encode_all(qwen_style, EventLog()), strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
 
@@ -319,17 +320,17 @@ def test_processes_that_start_before_the_proof_give_what_one_process_gives(monke
     fast = run_in_processes(tokenizer, log)
     assert log.of("tokenizer_chosen")["encoder"] == "tiktoken"
     assert_same_chunks(fast, run_encode_all(tokenizer, EventLog()) * 2)
-    monkeypatch.setattr(tokenization, "proof_why", lambda fast, spec: "refused for the test")
+    monkeypatch.setattr(tokenize_all, "proof_why", lambda fast, spec: "refused for the test")
     log = EventLog()
     refused = run_in_processes(tokenizer, log)
     chosen = log.of("tokenizer_chosen")
     assert chosen["encoder"] == "huggingface" and chosen["why"] == "refused for the test"
-    monkeypatch.setattr(tokenization, "check_tokenizer", lambda backend: (None, "off"))
+    monkeypatch.setattr(tokenize_all, "check_tokenizer", lambda backend: (None, "off"))
     assert_same_chunks(refused, run_encode_all(tokenizer, EventLog()) * 2)
     # the HF path and the fast one agree here, so the test would pass without the redo: the
     # mutant encoder below differs, and its chunks must not reach the output
     wrong, _ = check_tokenizer(qwen_style_tokenizer().backend_tokenizer)
-    monkeypatch.setattr(tokenization, "fast_candidate", lambda backend, **_: (wrong, "", {}))
+    monkeypatch.setattr(tokenize_all, "fast_candidate", lambda backend, **_: (wrong, "", {}))
     assert_same_chunks(
         run_in_processes(tokenizer, EventLog()), run_encode_all(tokenizer, EventLog()) * 2
     )

@@ -11,7 +11,7 @@ from data_samples import CHATS, EventLog, chat_records
 from dflash_async.data.chat import encode_chat
 from dflash_async.data.formats import chat_messages
 from dflash_async.data.samples import DataOptions, encode_options, load_samples
-from dflash_async.data.tokenization import encode_all
+from dflash_async.data.tokenize_all import encode_all
 
 
 def mixed_records() -> list[dict]:
