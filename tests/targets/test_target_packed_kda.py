@@ -239,8 +239,8 @@ MUTANTS = {
         0,
     ),
     "mla_attends_across_documents": (
-        "return sdpa_mask(doc_ids, rows=self.query_rows)",
-        "return sdpa_mask(torch.zeros_like(doc_ids), rows=self.query_rows)",
+        "mask = self.mask(doc_ids)",
+        "mask = self.mask(torch.zeros_like(doc_ids))",
         1,
     ),
 }

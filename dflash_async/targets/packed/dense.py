@@ -25,7 +25,7 @@ or MoE block): only the attention core is ours, in two implementations of one ru
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -263,9 +263,16 @@ def moe_residual(experts: nn.Module, hidden, x, weights, indices, tokens=None) -
     return hidden + experts(x, indices, weights)[None]
 
 
+def compiled(fn: Callable, *, compile: bool) -> Callable:
+    """`fn` under torch.compile with static shapes where `compile` (CUDA), else `fn` itself."""
+    return torch.compile(fn, dynamic=False) if compile else fn
+
+
 class PackedRange:
     """What every packed forward of a layer range shares: the attention argument ("sdpa": key
-    spans in query chunks, CPU, any T; "flex": CUDA, T % 128 == 0), the captured layer ids, the range it runs
+    spans in query chunks, CPU, any T; "flex": CUDA, T % 128 == 0) with its attention call and
+    its document-causal mask (`mask`; a family with windows or sinks builds its own), the
+    captured layer ids, the range it runs
     (`layers`: a split target's stage, targets/split.py; default up to the last captured
     layer) and its modules, the embedding and rotary modules, the column block of each
     captured layer in the range, `__call__` as the whole range's `stage`, and the copy of a
@@ -297,6 +304,13 @@ class PackedRange:
         self._columns = stage_columns(self.layer_ids, self.layers)  # layer -> column block
         self.attention = attention
         self.query_rows = SDPA_QUERY_ROWS  # query rows per SDPA call on the "sdpa" path
+        self._attend = attend_flex if attention == "flex" else attend_sdpa
+
+    def mask(self, doc_ids: torch.Tensor):
+        """The document-causal mask of `attention` for `doc_ids` [T] (built on its device)."""
+        if self.attention == "flex":
+            return document_causal_block_mask(doc_ids)
+        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     def layer_modules(self) -> list[nn.Module]:
         """The decoder layers this range runs, in order."""
@@ -351,20 +365,13 @@ class PackedDenseForward(PackedRange):
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         self._mrope = mrope
-        self._attend = attend_flex if attention == "flex" else attend_sdpa
         self._moe_eager = moe_eager
         routed = {type(layer.mlp).__name__ for layer in self._layers.values()} <= ROUTED_BLOCKS
         self._routed = moe_eager and routed
         layer_fn = attention_block if moe_eager else _whole_layer
         if self._routed:
             layer_fn = attention_and_route
-        self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
-
-    def mask(self, doc_ids: torch.Tensor):
-        """The attention mask this forward uses for `doc_ids` [T] (built on its device)."""
-        if self.attention == "flex":
-            return document_causal_block_mask(doc_ids)
-        return sdpa_mask(doc_ids, rows=self.query_rows)
+        self._layer_fn = compiled(layer_fn, compile=compile)
 
     def rope_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """The rotary's position input for `position_ids` [T]: [3, 1, T], three equal rows, for

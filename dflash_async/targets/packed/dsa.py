@@ -51,6 +51,7 @@ from dflash_async.targets.packed.dense import (
     BlockMask,
     PackedDenseForward,
     attend_flex,
+    compiled,
     document_causal_mask,
     mask_padding,
     tiles_in_order,
@@ -213,8 +214,7 @@ class PackedDSAForward(PackedDenseForward):
             )
         self._indexer_rope = indexer_rope
         self.index_rows = INDEX_QUERY_ROWS  # query rows per indexer chunk
-        block = dsa_attention_block
-        self._block = torch.compile(block, dynamic=False) if compile else block
+        self._block = compiled(dsa_attention_block, compile=compile)
 
     def attention_mask(self, allowed: torch.Tensor):
         """The mask `attend` takes for the allowed [T, T] rule (a BlockMask for flex)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 from dflash_async.targets.packed.dense import (
     attend_flex,
     attend_sdpa,
+    compiled,
     document_causal_block_mask,
     document_causal_mask,
     mask_padding,
@@ -252,7 +254,7 @@ class PackedHybridForward:
         self._columns = stage_columns(self.layer_ids, self.layers)
         self._flex = attention == "flex"
         self._attend = attend_flex if self._flex else attend_sdpa
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        wrap = partial(compiled, compile=compile)
         self._attention, self._dense_mlp = wrap(_gated_attention_mlp), wrap(mlp_block)
         self._attention_only, self._moe = wrap(gated_attention_block), MoeBlock(wrap)
         self._delta_in, self._delta_out = wrap(delta_inputs), wrap(delta_output)

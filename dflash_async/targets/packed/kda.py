@@ -43,6 +43,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -51,11 +52,8 @@ from torch import nn
 
 from dflash_async.targets.packed.dense import (
     PackedRange,
-    attend_flex,
-    attend_sdpa,
-    document_causal_block_mask,
+    compiled,
     mask_padding,
-    sdpa_mask,
 )
 from dflash_async.targets.packed.hybrid import Segments, pack_segments
 from dflash_async.targets.packed.mla import grouped_topk, mla_attention, moe_mlp_block
@@ -218,16 +216,9 @@ class PackedKDAForward(PackedRange):
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
         self.kernel = kernel
-        self._attend = attend_flex if attention == "flex" else attend_sdpa
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        wrap = partial(compiled, compile=compile)
         self._kda_in, self._kda_out = wrap(kda_inputs), wrap(kda_output)
         self._mla = wrap(mla_block)
-
-    def mask(self, doc_ids: torch.Tensor):
-        """The MLA layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
-        if self.attention == "flex":
-            return document_causal_block_mask(doc_ids)
-        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""

@@ -38,6 +38,7 @@ functions; the MoE block runs eagerly (its routing is data-dependent), as in pac
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,8 @@ from dflash_async.data.packing import document_starts
 from dflash_async.targets.packed.dense import (
     MLP_ROWS,
     PackedRange,
-    attend_flex,
-    attend_sdpa,
-    document_causal_block_mask,
+    compiled,
     mask_padding,
-    sdpa_mask,
 )
 from dflash_async.targets.packed.short_conv import document_conv
 
@@ -254,17 +252,10 @@ class PackedMambaForward(PackedRange):
         super().__init__(
             text_model, layer_ids, attention=attention, layers=layers, embed=text_model.embeddings
         )
-        self._attend = attend_flex if attention == "flex" else attend_sdpa
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        wrap = partial(compiled, compile=compile)
         self._mamba_inputs, self._ssd_piece = wrap(mamba_inputs), wrap(ssd_piece)
         self._mamba_output, self._attention = wrap(mamba_output), wrap(attention_block)
         self._mlp = wrap(feed_forward_block)
-
-    def mask(self, doc_ids: torch.Tensor):
-        """The attention layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
-        if self.attention == "flex":
-            return document_causal_block_mask(doc_ids)
-        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     def _mamba(self, layer, hidden, doc_ids, starts) -> torch.Tensor:
         mixer = layer.mixer

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed.dense import PackedDenseForward, rope_half
+from dflash_async.targets.packed.dense import PackedDenseForward, compiled, rope_half
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -215,10 +215,9 @@ class PackedMLAForward(PackedDenseForward):
         layers: range | None = None,
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, compile=False, layers=layers)
-        block = attention_block
-        if compile:
-            block = torch.compile(block, dynamic=False)
-        self._layer_fn = partial(_layer, attention=block, router=router)
+        self._layer_fn = partial(
+            _layer, attention=compiled(attention_block, compile=compile), router=router
+        )
         self._config = text_model.config
         self._query_scale = query_scale
 

@@ -41,6 +41,7 @@ from torch import nn
 from dflash_async.targets.packed.dense import (
     KeySpans,
     PackedRange,
+    compiled,
     mask_padding,
     rotate_half,
 )
@@ -222,9 +223,7 @@ class PackedWindowMoeForward(PackedRange):
         }
         self._qkv, self._route = family.qkv, family.route
         self._attend = attend_flex_sinks if attention == "flex" else attend_dense_sinks
-        self._attention_fn = (
-            torch.compile(attention_block, dynamic=False) if compile else attention_block
-        )
+        self._attention_fn = compiled(attention_block, compile=compile)
 
     def masks(self, doc_ids: torch.Tensor) -> dict[int | None, object]:
         """window (None: full attention) -> the mask of that window, for this range's layers."""

@@ -27,6 +27,7 @@ packed/dense.py's MoE path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +37,10 @@ from dflash_async.targets.fp8.fp8_linear import project
 from dflash_async.targets.packed.dense import (
     MLP_ROWS,
     PackedRange,
-    attend_flex,
-    attend_sdpa,
-    document_causal_block_mask,
+    compiled,
     mask_padding,
     moe_residual,
     rope_half,
-    sdpa_mask,
 )
 
 _CONV_PARTS = ("in_proj", "conv", "out_proj")
@@ -191,15 +189,8 @@ class PackedShortConvForward(PackedRange):
         rotary = getattr(text_model, "rotary_emb", None)
         rotary = text_model.pos_emb if rotary is None else rotary  # LFM2-MoE's name for it
         super().__init__(text_model, layer_ids, attention=attention, layers=layers, rotary=rotary)
-        self._attend = attend_flex if attention == "flex" else attend_sdpa
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        wrap = partial(compiled, compile=compile)
         self._dense_layer, self._mix_and_route = wrap(dense_layer), wrap(mix_and_route)
-
-    def mask(self, doc_ids: torch.Tensor):
-        """The attention layers' mask for `doc_ids` [T] (packed/dense.py's rule, on its device)."""
-        if self.attention == "flex":
-            return document_causal_block_mask(doc_ids)
-        return sdpa_mask(doc_ids, rows=self.query_rows)
 
     @torch.no_grad()
     def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.targets.packed.dense import PackedDenseForward
+from dflash_async.targets.packed.dense import PackedDenseForward, compiled
 from dflash_async.targets.packed.mla import mla_attention
 
 _PARTS = {"self_attn", "mlps", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -112,7 +112,5 @@ class PackedShortcutMoeForward(PackedDenseForward):
         layers: range | None = None,
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, compile=False, layers=layers)
-        sublayer = attention_sublayer
-        if compile:
-            sublayer = torch.compile(sublayer, dynamic=False)
+        sublayer = compiled(attention_sublayer, compile=compile)
         self._layer_fn = partial(shortcut_layer, attention=sublayer)

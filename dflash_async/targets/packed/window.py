@@ -33,9 +33,8 @@ from torch import nn
 from dflash_async.targets.packed.dense import (
     FLEX_TILE,
     PackedRange,
-    attend_flex,
-    attend_sdpa,
     attention_block,
+    compiled,
     document_causal_block_mask,
     document_causal_mask,
     mask_padding,
@@ -167,9 +166,7 @@ class PackedWindowForward(PackedRange):
         kinds = layer_kinds(config, per_layer=family.per_layer_kinds)
         self._kinds = {i: kinds[i] for i in self.layers}  # layer -> its attention kind
         self._per_kind_rope = isinstance(getattr(self._rotary, "rope_type", None), dict)
-        self._attend = attend_flex if attention == "flex" else attend_sdpa
-        layer_fn = family.layer
-        self._layer_fn = torch.compile(layer_fn, dynamic=False) if compile else layer_fn
+        self._layer_fn = compiled(family.layer, compile=compile)
 
     def kind_window(self, kind: str) -> int | None:
         """The window of a layer kind: the config's on sliding layers, none on full ones."""
