@@ -1,7 +1,7 @@
 """Drafter quality on a real trained target: decoded tau beside the teacher-forced estimates.
 
     python benchmarks/real_target_quality.py --target PATH [--corpus FILE] [--steps N] \\
-        [--device cpu|cuda:0] [--out DIR] [--kinds dflash,dflash2]
+        [--device cpu|cuda:0] [--out DIR] [--kinds dflash,dflash2] [--matmuls default,fp8]
 
 1. Corpus (skipped with --corpus, a pre-tokenized jsonl of `input_ids` + `loss_mask`): the target
    writes its own stories. Each opens with BOS and --opening tokens sampled at T = 1, then the
@@ -10,7 +10,9 @@
    OUT/corpus/ and read from there by a later call.
 2. Training: every drafter kind of the kinds table (or --kinds), `python -m dflash_async run` on
    the same corpus with the same settings and steps, each in OUT/<kind>/ (a finished run is read,
-   not run again).
+   not run again). `--matmuls default,fp8` trains each kind twice, the second time with the
+   drafter's linears in FP8 (DFLASH_TRAIN__FP8_MATMULS, a GPU with FP8 tensor cores), in
+   OUT/<kind>+fp8/: the same data, seed and steps, so the rows differ by the matmuls alone.
 3. Measures, per kind, on the held-out sequences (opening + greedy continuation): decoded tau at
    T = 0 and T = 1 (the reference speculative decoder, from the opening, --length minus the
    opening new tokens), and the teacher-forced figures of
@@ -100,13 +102,21 @@ def corpus(args, target) -> tuple[Path, list[list[int]]]:
     return train, rows
 
 
-def run_env(args, kind: str, data: Path) -> dict:
+MATMULS = {"default": {}, "fp8": {"DFLASH_TRAIN__FP8_MATMULS": "true"}}  # --matmuls -> settings
+
+
+def run_name(kind: str, matmuls: str) -> str:
+    """A run's folder and row name: the kind, with "+fp8" where its linears run in FP8."""
+    return kind if matmuls == "default" else f"{kind}+{matmuls}"
+
+
+def run_env(args, kind: str, matmuls: str, data: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cpu = args.device == "cpu"
     env |= {
-        "DFLASH_OUTPUT_DIR": str(args.out / kind),
+        "DFLASH_OUTPUT_DIR": str(args.out / run_name(kind, matmuls)),
         "DFLASH_TARGET__PATH": str(args.target),
         "DFLASH_TARGET__DTYPE": "float32",
         "DFLASH_TARGET__TARGET_LAYER_IDS": args.layer_ids,
@@ -135,7 +145,7 @@ def run_env(args, kind: str, data: Path) -> dict:
     }
     if args.mask_token_id is not None:
         env["DFLASH_DRAFTER__MASK_TOKEN_ID"] = str(args.mask_token_id)
-    return env
+    return env | MATMULS[matmuls]
 
 
 def steps_of(folder: Path) -> list[dict]:
@@ -146,26 +156,27 @@ def steps_of(folder: Path) -> list[dict]:
     return [e for e in events if e.get("event") == "step"]
 
 
-def train(args, kind: str, data: Path) -> tuple[list[dict], float | None]:
+def train(args, kind: str, matmuls: str, data: Path) -> tuple[list[dict], float | None]:
     """The run's step events and wall seconds (None: read from an earlier call)."""
-    folder = args.out / kind
+    name = run_name(kind, matmuls)
+    folder = args.out / name
     steps = steps_of(folder)
     if steps and steps[-1]["step"] == args.steps and (folder / "drafter").is_dir():
         return steps, None
     if folder.exists():
         raise SystemExit(f"{folder} holds something other than a finished {args.steps}-step run")
-    print(f"{kind}: python -m dflash_async run -> {folder}", file=sys.stderr, flush=True)
+    print(f"{name}: python -m dflash_async run -> {folder}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with (args.out / f"{kind}.stdout").open("w") as out:
+    with (args.out / f"{name}.stdout").open("w") as out:
         code = subprocess.call(
             [sys.executable, "-m", "dflash_async", "run"],
-            env=run_env(args, kind, data),
+            env=run_env(args, kind, matmuls, data),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     if code != 0:
-        raise SystemExit(f"{kind}: the run exited {code}; see {args.out / f'{kind}.stdout'}")
+        raise SystemExit(f"{name}: the run exited {code}; see {args.out / f'{name}.stdout'}")
     return steps_of(folder), time.perf_counter() - started
 
 
@@ -191,10 +202,10 @@ def decoded_tau(target, drafter, config, sequences, prefix: int, temperature: fl
     return sum(taus) / len(taus)
 
 
-def measure(args, target, kind: str, heldout: list[list[int]], training: list[list[int]]) -> dict:
+def measure(args, target, name: str, heldout: list[list[int]], training: list[list[int]]) -> dict:
     dtype = frozen_embeddings(target)[0].dtype
     device = frozen_embeddings(target)[0].device
-    drafter, config = load_drafter(args.out / kind / "drafter", device=device, dtype=dtype)
+    drafter, config = load_drafter(args.out / name / "drafter", device=device, dtype=dtype)
     embed, lm_head = frozen_embeddings(target)
     prefix = 1 + args.opening
     row = {}
@@ -218,6 +229,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/real_target_quality"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--matmuls", default="default", help="default, fp8 or both (comma)")
     parser.add_argument("--stories", type=int, default=3000)
     parser.add_argument("--heldout", type=int, default=32)
     parser.add_argument("--train-sequences", type=int, default=16)
@@ -238,13 +250,17 @@ def main() -> None:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise SystemExit(f"--kinds: unknown {unknown}; the kinds table has {list(KINDS)}")
+    matmuls = [m for m in args.matmuls.split(",") if m]
+    if not matmuls or set(matmuls) - set(MATMULS):
+        raise SystemExit(f"--matmuls: {args.matmuls!r}; give some of {list(MATMULS)}")
     target = load_target(args.target, device=args.device, dtype=torch.float32)
     data, heldout = corpus(args, target)
     lines = data.read_text().splitlines()[: args.train_sequences]
     training = [json.loads(x)["input_ids"] for x in lines]
     rows = {}
-    for kind in kinds:
-        steps, wall = train(args, kind, data)
+    for kind, matmul in [(k, m) for k in kinds for m in matmuls]:
+        name = run_name(kind, matmul)
+        steps, wall = train(args, kind, matmul, data)
         last = steps[-LAST_STEPS:]
         row = {
             "steps": steps[-1]["step"],
@@ -252,8 +268,8 @@ def main() -> None:
             "step_tau_hat": sum(s["tau_hat"] for s in last) / len(last),
             "step_acc": sum(s["acc"] for s in last) / len(last),
         }
-        rows[kind] = row | measure(args, target, kind, heldout, training)
-        print(json.dumps({kind: rows[kind]}), file=sys.stderr, flush=True)
+        rows[name] = row | measure(args, target, name, heldout, training)
+        print(json.dumps({name: rows[name]}), file=sys.stderr, flush=True)
     versions = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
