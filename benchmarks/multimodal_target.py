@@ -1,17 +1,18 @@
 """Target throughput on image+text packs: a Qwen3-VL-shaped wrapper (random weights, built in
-memory) run by the multimodal target forward (targets/multimodal.py: the wrapper's HF forward per
-document with its vision inputs), beside the same forward on text-only packs of the same
-document lengths.
+memory) run by each image+text forward (targets/multimodal.py's `multimodal_path`: `packed`,
+the whole pack in one pass, targets/packed/image_text.py, as `run` chooses it; `per_document`,
+the wrapper's HF forward per document with its vision inputs), beside the same forward on
+text-only packs of the same document lengths.
 
     python benchmarks/multimodal_target.py [--shape qwen3-vl-8b] [--token-budget 16384]
-        [--image-side 448] [--repeats 3] [--device cuda]
+        [--image-side 448] [--repeats 3] [--device cuda] [--paths packed,per_document]
 
 Documents are chat-like (lognormal lengths around 700 tokens, as `bench target`), each with one
 image of image-side x image-side pixels (448: a 28x28 grid of 16-pixel patches, 196 tokens after
 the 2x2 merge) after its first tokens. Inputs are made without a processor: random text ids
 below the special tokens, the image's placeholder tokens, random pixel values of the patch
 width the tower takes, the grid and the per-token types, which is all the forward reads.
-Prints one JSON line per case: tokens/s, images/s, the median seconds of a pack and the first
+Prints one JSON line per path and case: tokens/s, images/s, the median seconds of a pack and the first
 call's, on a GPU the peak allocated memory so far; the image row adds `pixel_inputs_s`, the host seconds of computing the pack's pixel
 inputs from PNG files (what `run` does per pack when it stages it). `--shape tiny --device cpu` is the smoke test's (seconds on a CPU).
 """
@@ -29,7 +30,7 @@ import torch
 from dflash_async.bench.target_bench import document_lengths
 from dflash_async.data.packing import layout_pack
 from dflash_async.model.drafter_config import default_target_layer_ids
-from dflash_async.targets.multimodal import MultimodalForward
+from dflash_async.targets.multimodal import multimodal_path
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 
@@ -146,7 +147,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--features", type=int, default=5, help="captured layers")
+    parser.add_argument("--paths", default="packed,per_document")
     args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or set(paths) - {"packed", "per_document"}:
+        raise SystemExit(f"--paths {args.paths!r}: some of packed, per_document")
     from transformers import AutoModelForImageTextToText
 
     device = torch.device(args.device)
@@ -156,8 +161,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with device:
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
     layers = default_target_layer_ids(config.text_config.num_hidden_layers, args.features)
-    forward = MultimodalForward(model, layers)
     lengths = document_lengths(args.token_budget, seed=0)
+    rows = []
+    for which in paths:
+        chosen = multimodal_path(
+            model, layers, token_budget=args.token_budget, packed=which == "packed"
+        )
+        try:
+            rows += measure(args, model, chosen, layers, lengths, device=device, dtype=dtype)
+        finally:
+            chosen.forward.close()
+    return rows
+
+
+def measure(args, model, chosen, layers, lengths, *, device, dtype) -> list[dict]:
+    """One JSON line per case (image+text, text-only packs) of the chosen path's forward."""
+    config = model.config
+    forward = chosen.forward
     width = len(layers) * config.text_config.hidden_size
     rows = []
     for case, images in (("image+text", True), ("text-only", False)):
@@ -187,6 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tokens = int(lengths.sum())
         row = dict(
             case=case,
+            path=chosen.name,
             shape=args.shape,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             documents=len(lengths),
@@ -204,7 +225,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["pixel_inputs_s"] = round(pixel_inputs_s(count, args.image_side, args.repeats), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    forward.close()
     return rows
 
 

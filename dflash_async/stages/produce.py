@@ -99,7 +99,7 @@ def load_runner(
 ) -> TargetRunner:
     """Load the target on `device` as `spec` says, choose its forward and warm it up (the first
     call compiles). `images`: the data holds image records: the wrapper loads whole and runs
-    per document with each one's vision inputs (targets/multimodal.py).
+    packed or per document with each one's vision inputs (targets/multimodal.py).
 
     Call inside that device's worker thread, one worker at a time (torch.compile is not
     thread-safe). Logs the weight format, the fast-kernel preflight and the chosen `target_path`.
@@ -120,7 +120,7 @@ def load_runner(
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     if images:
-        chosen = multimodal_path(model, layer_ids)
+        chosen = multimodal_path(model, layer_ids, token_budget=spec.token_budget)
     else:
         chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
     param = next(model.parameters())

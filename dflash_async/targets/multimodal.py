@@ -1,5 +1,7 @@
 """The multimodal target forward: a wrapper (`*ForConditionalGeneration`: vision tower, merger,
-language model) run whole by its own HF forward on image+text packs, one document at a time.
+language model) run whole by its own HF forward on image+text packs, one document at a time;
+and the choice of the image+text path (`multimodal_path`): the packed one where the wrapper has
+it (targets/packed/image_text.py, checked against this one), else this one.
 
 Exact by construction, as the generic path (targets/generic.py) is for text: each document runs
 alone and unpadded with its own vision inputs (data/images.py), so the wrapper computes that
@@ -36,8 +38,14 @@ import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
+from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.generic import GenericForward, find_decoder_layers, layer_input
 from dflash_async.targets.loading import NON_TEXT_PARTS
+from dflash_async.targets.packed.image_text import (
+    PACKED_WRAPPERS,
+    PackedImageTextForward,
+    packed_image_text_problem,
+)
 from dflash_async.targets.paths import TargetPath
 from dflash_async.targets.resolve import TargetError
 
@@ -120,12 +128,34 @@ class MultimodalForward:
         self.generic.close()
 
 
-def multimodal_path(model: nn.Module, layer_ids: Sequence[int]) -> TargetPath:
-    """The TargetPath of image+text packs: MultimodalForward, named `hf_multimodal`."""
+def multimodal_path(
+    model: nn.Module, layer_ids: Sequence[int], *, token_budget: int, packed: bool = True
+) -> TargetPath:
+    """The TargetPath of image+text packs: the whole pack in one packed pass where the wrapper
+    has one and its language model takes the packed M-RoPE forward (`packed_image_text`,
+    targets/packed/image_text.py), else MultimodalForward (`hf_multimodal`), the reason saying
+    why. `packed=False`: MultimodalForward always (the reference)."""
+    problem = "packed=False" if not packed else None
+    if problem is None and model.config.model_type not in PACKED_WRAPPERS:
+        problem = f"{model.config.model_type!r} has no packed image+text forward"
+    if problem is None:  # the language model's packed forward, as for its text packs
+        text = select_target_forward(
+            model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget
+        )
+        inner = getattr(text.forward, "packed", None)
+        problem = packed_image_text_problem(model, inner)
+    if problem is None:
+        return TargetPath(
+            PackedImageTextForward(model, inner),
+            "packed_image_text",
+            f"image+text data: the vision tower once per pack, each document's 3-D positions, "
+            f"then {text.name} ({text.reason})",
+        )
     return TargetPath(
         MultimodalForward(model, layer_ids),
         "hf_multimodal",
-        "image+text data: the wrapper's HF forward per document with its vision inputs",
+        f"image+text data: the wrapper's HF forward per document with its vision inputs "
+        f"({problem})",
     )
 
 

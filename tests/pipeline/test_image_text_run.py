@@ -1,7 +1,8 @@
 """`run` on image+text data (CPU): a tiny multimodal target saved as a checkpoint folder, records
 of generated PNGs and answers; the read stage takes them through the target's processor (here
 the in-memory one of image_text_kit.py: AutoProcessor of Qwen3-VL needs torchvision for its
-video processor, absent here), the target loads whole and runs per document (`hf_multimodal`),
+video processor, absent here), the target loads whole and runs packed (`packed_image_text`, the
+Qwen3-VL wrappers) or per document (`hf_multimodal`, the others),
 ten steps train with finite losses, and the evaluation at the end decodes the data's image
 prompts losslessly. Data with images for a target without a vision tower,
 or with a setting the image path does not cover, is refused before any model loads.
@@ -24,6 +25,7 @@ from dflash_async.pipeline import startup
 from dflash_async.pipeline.specs import run_spec
 from dflash_async.settings.env import load_settings
 from dflash_async.targets import multimodal
+from dflash_async.targets.packed.image_text import PACKED_WRAPPERS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 90
@@ -82,7 +84,8 @@ async def test_run_trains_ten_steps_on_image_text_records(model_type, tmp_path, 
     (loaded,) = [e for e in events if e["event"] == "data_loaded"]
     assert loaded["images"] == 12 and loaded["samples"] == 12
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
-    assert chosen and all(e["target_path"] == "hf_multimodal" for e in chosen)
+    path = "packed_image_text" if model_type in PACKED_WRAPPERS else "hf_multimodal"
+    assert chosen and all(e["target_path"] == path for e in chosen)
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     assert all(math.isfinite(e["loss"]) and e["loss"] > 0 for e in steps)

@@ -3,7 +3,7 @@ written by benchmarks/make_random_target.py (--shape qwen3-vl-tiny: config, toke
 vision tokens, chat template, image and video processor configs; no weights):
 
 - `run` on generated image+text records draws the whole wrapper, vision tower included, runs it
-  per document (`hf_multimodal`), trains with finite losses and decodes the data's image
+  packed (`packed_image_text`: the tower once per pack), trains with finite losses and decodes the data's image
   prompts losslessly at the end; on text-only data the same folder trains too (the language
   model alone, no tower);
 - the wrapper drawn for image data holds the language model that text data draws, and the
@@ -116,7 +116,7 @@ async def test_run_trains_on_image_text_records_with_a_random_qwen3_vl(
     (drawn,) = [e for e in events if e["event"] == "target_weights_loaded"]
     assert drawn["layers_on_meta"] == 0 and not drawn["lm_head_on_meta"]
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
-    assert chosen and all(e["target_path"] == "hf_multimodal" for e in chosen)
+    assert chosen and all(e["target_path"] == "packed_image_text" for e in chosen)
     assert not [e for e in events if e["event"] == "eval_failed"]  # every sample lossless
     evaluated = [e for e in events if e["event"] == "eval"]
     assert len(evaluated) == evaluate

@@ -38,6 +38,7 @@ from dflash_async.targets.resolve import TargetError
 
 LAYERS = (1, 2)
 TOL = 1e-6
+PACKED_TOL = 1e-5
 MUTANT_GAP = 1e-3
 PAD = 7
 CPU = torch.device("cpu")
@@ -181,12 +182,17 @@ def test_causal_attention_inside_images_is_caught(bidirectional_target, tmp_path
     assert _gap(model, samples, vision) > MUTANT_GAP
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per_document", "packed_if_any"])
 @pytest.mark.parametrize("recomputed", [False, True], ids=["held", "recomputed"])
-def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_path, recomputed):
+def test_the_target_stage_fills_a_slot_with_each_documents_features(
+    target, tmp_path, recomputed, packed
+):
     """The target stage (stages/produce.py) on image+text samples: a pack of documents out of
     file order is staged with each document's own vision inputs (held, or computed again from
     the samples' renderings and image files, as `run` keeps them), and the slot holds the
-    layout and, at each document's rows, HF's features of that document alone."""
+    layout and, at each document's rows, HF's features of that document alone; by the path
+    `run` chooses too (the packed one for the Qwen3-VL wrappers: within PACKED_TOL, the
+    packed paths' fp32 tolerance, test_target_packed_image_text.py)."""
     processor, model = target
     listed = _samples(tmp_path, processor)
     samples = ImageTextSamples.of(listed, processor=processor if recomputed else None)
@@ -195,7 +201,7 @@ def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_
     width = len(LAYERS) * model.config.get_text_config().hidden_size
     runner = TargetRunner(
         model,
-        multimodal_path(model, LAYERS),
+        multimodal_path(model, LAYERS, token_budget=budget, packed=packed),
         PackedBatch.empty(budget, width, device=CPU, feature_dtype=torch.float32),
     )
     slot = PackedBatch.empty(budget, width, device=CPU, feature_dtype=torch.float32)
@@ -211,7 +217,8 @@ def test_the_target_stage_fills_a_slot_with_each_documents_features(target, tmp_
         assert np.array_equal(slot.input_ids[at : at + n].numpy(), listed[i].input_ids)
         assert np.array_equal(slot.loss_mask[at : at + n].numpy(), listed[i].loss_mask)
         reference = _reference(model, listed[i])
-        torch.testing.assert_close(slot.features[at : at + n], reference, atol=TOL, rtol=TOL)
+        tol = PACKED_TOL if runner.path.name == "packed_image_text" else TOL
+        torch.testing.assert_close(slot.features[at : at + n], reference, atol=tol, rtol=tol)
         at += n
     assert torch.equal(slot.features[at:], torch.zeros_like(slot.features[at:]))
 

@@ -312,6 +312,10 @@ class PackedRange:
             return document_causal_block_mask(doc_ids)
         return sdpa_mask(doc_ids, rows=self.query_rows)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [1, T, d] of `input_ids` [T]: the first stage's input."""
+        return self._embed(input_ids[None])
+
     def layer_modules(self) -> list[nn.Module]:
         """The decoder layers this range runs, in order."""
         return list(self._layers.values())
@@ -335,6 +339,16 @@ class PackedRange:
             features[:, j * d : (j + 1) * d].copy_(hidden[0])
 
 
+@dataclass(frozen=True)
+class VisualRows:
+    """A multimodal wrapper's additions to its first decoder layers' outputs on an image+text
+    pack: `adds[i]` [n, d] is added to layer i's output at the pack's image rows `rows` [n]
+    (Qwen3-VL's deepstack visual features, one tensor per layer that takes them)."""
+
+    rows: torch.Tensor
+    adds: Sequence[torch.Tensor]
+
+
 class PackedDenseForward(PackedRange):
     """Features of a packed layout for a dense or MoE HF decoder (see the module docstring).
 
@@ -349,7 +363,9 @@ class PackedDenseForward(PackedRange):
     row per grid axis (Qwen3-VL's interleaved M-RoPE). Text tokens have the three rows equal (HF
     expands [B, T] positions so), and then each frequency slot, whichever axis the sections give
     it, turns by the same angle position * inv_freq: the cos/sin are 1-D RoPE's at those
-    positions, and the deepstack inputs, which apply at image positions only, never arise.
+    positions, and the deepstack inputs, which apply at image positions only, never arise. On
+    image+text packs (packed/image_text.py) `stage` takes the embeddings with the images'
+    features, one position row per axis ([3, T]) and the deepstack additions (`visual`).
     """
 
     def __init__(
@@ -364,7 +380,7 @@ class PackedDenseForward(PackedRange):
         layers: range | None = None,
     ) -> None:
         super().__init__(text_model, layer_ids, attention=attention, layers=layers)
-        self._mrope = mrope
+        self.mrope = mrope  # the rotary takes one position row per grid axis
         self._moe_eager = moe_eager
         routed = {type(layer.mlp).__name__ for layer in self._layers.values()} <= ROUTED_BLOCKS
         self._routed = moe_eager and routed
@@ -375,8 +391,11 @@ class PackedDenseForward(PackedRange):
 
     def rope_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """The rotary's position input for `position_ids` [T]: [3, 1, T], three equal rows, for
-        an mrope; [1, T] otherwise."""
-        if self._mrope:
+        an mrope; [1, T] otherwise. An mrope's [3, T] (image+text packs, one row per grid axis:
+        packed/image_text.py) is taken as it is."""
+        if self.mrope and position_ids.dim() == 2:
+            return position_ids[:, None]
+        if self.mrope:
             return position_ids[None, None].expand(3, 1, -1)
         return position_ids[None]
 
@@ -386,15 +405,26 @@ class PackedDenseForward(PackedRange):
         return {}
 
     @torch.no_grad()
-    def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
+    def stage(
+        self,
+        hidden,
+        input_ids,
+        position_ids,
+        doc_ids,
+        features,
+        *,
+        visual: VisualRows | None = None,
+    ) -> torch.Tensor:
         """Run this forward's layer range on `hidden` [1, T, d] (None: embed `input_ids`, the
         first stage), write the columns of the captured layers in the range (padding rows
         zero), and return the range's output hidden states [1, T, d]. The mask and rotary
-        tables are rebuilt from the layout by every stage: the same ops, so the same values."""
+        tables are rebuilt from the layout by every stage: the same ops, so the same values.
+        `visual`: what the wrapper adds to the first layers' outputs at image rows (Qwen3-VL's
+        deepstack), added before those outputs are captured or passed on."""
         d = self.hidden_size
         mask = self.mask(doc_ids)
         if hidden is None:
-            hidden = self._embed(input_ids[None])  # [1, T, d]
+            hidden = self.embed(input_ids)  # [1, T, d]
         cos, sin = self._rotary(hidden, self.rope_positions(position_ids))  # [1, T, hd] each
         inputs = self.layer_inputs(position_ids)
         for i, layer in self._layers.items():
@@ -405,6 +435,8 @@ class PackedDenseForward(PackedRange):
                 hidden = self._layer_fn(layer, hidden, cos, sin, mask, self._attend, **inputs)
                 if self._moe_eager:
                     hidden = mlp_block(layer, hidden)
+            if visual is not None and i < len(visual.adds):
+                hidden = hidden.index_add(1, visual.rows, visual.adds[i][None])
             self.capture(i, hidden, features)
         mask_padding(features, doc_ids, self._columns.values(), d)
         return hidden

@@ -1,0 +1,207 @@
+"""The packed image+text forward (targets/packed/image_text.py) equals the wrapper's HF forward
+run on each document alone (targets/multimodal.py's MultimodalForward, itself checked against
+HF's `output_hidden_states` in test_multimodal_target.py), row for row, for both wrappers it
+takes (Qwen3-VL over a dense and over an MoE language model); `multimodal_path` chooses it for
+them and the per-document forward for the others, saying why.
+
+The pack: four documents (one image 96 high and 32 wide; two images; no image; the first's
+tokens with an image 32 high and 96 wide, so the same ids under other 3-D positions) and
+padding rows. Taps: layers 0 and 2 of 4; the tiny tower's deepstack feature is added to layer
+0's output, so layer 0's columns show whether it is added before the capture and layer 2's
+whether it reaches the layers after.
+
+Tolerance 1e-5 in fp32, as for the packed text paths (test_target_packed.py): both sides run
+the same modules on the same rows and differ only in summation order (SDPA in query chunks
+against HF's attention per document, the tower over all images at once against per image):
+measured 4.8e-8 on features of magnitude ~0.1. The mutants, each a real way to get this wrong,
+move the features by far more, MUTANT_GAP = 1e-3 (each measured gap is in its test's comment).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
+
+from dflash_async.data.images import read_image_samples
+from dflash_async.data.packing import layout_pack
+from dflash_async.targets.multimodal import multimodal_path
+from dflash_async.targets.packed.image_text import PACKED_WRAPPERS, PackedImageTextForward
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+LAYERS = (0, 2)
+ATOL = 1e-5  # see the module docstring
+MUTANT_GAP = 1e-3
+PAD = 7
+CPU = torch.device("cpu")
+OTHERS = sorted(set(MULTIMODAL) - PACKED_WRAPPERS)
+
+
+@pytest.fixture(scope="module", params=sorted(PACKED_WRAPPERS))
+def target(request):
+    return tiny_multimodal(request.param)
+
+
+def _samples(folder: Path, processor, *, text_only: bool = False):
+    """The four documents of the module doc (or the text document alone)."""
+    for i, size in enumerate(((96, 32), (32, 32), (48, 64), (32, 96))):
+        image(i, size).save(folder / f"{i}.png")
+    two = image_record(1, "1.png", images=2)
+    two["messages"][0]["content"][1]["image_url"]["url"] = "2.png"
+    text = {
+        "messages": [
+            {"role": "user", "content": "Hello there!"},
+            {"role": "assistant", "content": "I am fine, thank you. The sum is 42."},
+        ]
+    }
+    records = (
+        [text] if text_only else [image_record(0, "0.png"), two, text, image_record(0, "3.png")]
+    )
+    (folder / "d.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    samples, _ = read_image_samples(str(folder / "d.jsonl"), processor, max_len=512, block_size=2)
+    return samples
+
+
+def _features(model, samples, *, packed: bool) -> torch.Tensor:
+    """The pack's features [T, k*d] by the path `multimodal_path` gives (padding rows included)."""
+    lengths = [len(s) for s in samples]
+    budget = sum(lengths) + PAD
+    pack = layout_pack([(s.input_ids, s.loss_mask) for s in samples], budget)
+    width = len(LAYERS) * model.config.get_text_config().hidden_size
+    features = torch.full((budget, width), float("nan"))
+    path = multimodal_path(model, LAYERS, token_budget=budget, packed=packed)
+    assert path.name == ("packed_image_text" if packed else "hf_multimodal")
+    vision = [s.model_inputs(CPU, torch.float32) for s in samples]
+    try:
+        path.forward(pack.input_ids, pack.position_ids, pack.doc_ids, features, lengths, vision)
+    finally:
+        path.forward.close()
+    return features
+
+
+def _gap(model, samples) -> float:
+    """The largest feature difference between the packed path and the per-document one."""
+    reference = _features(model, samples, packed=False)
+    return float((_features(model, samples, packed=True) - reference).abs().max())
+
+
+def test_packed_image_text_features_equal_each_document_alone(target, tmp_path):
+    processor, model = target
+    samples = _samples(tmp_path, processor)
+    assert [s.num_images for s in samples] == [1, 2, 0, 1]
+    reference = _features(model, samples, packed=False)
+    features = _features(model, samples, packed=True)
+    torch.testing.assert_close(features, reference, atol=ATOL, rtol=0)
+    n = sum(len(s) for s in samples)
+    assert torch.equal(features[n:], torch.zeros_like(features[n:]))  # padding rows
+
+
+def test_a_pack_of_text_documents_runs_the_language_models_packed_forward(target, tmp_path):
+    processor, model = target
+    samples = _samples(tmp_path, processor, text_only=True)
+    assert _gap(model, samples) <= ATOL
+
+
+def test_dropped_image_features_are_caught(target, tmp_path, monkeypatch):
+    """The placeholders keep their token embeddings (measured gap 0.089-0.092)."""
+    processor, model = target
+    images = PackedImageTextForward._images
+
+    def dropped(self, inputs):
+        merged, deepstack = images(self, inputs)
+        return torch.zeros_like(merged), deepstack
+
+    monkeypatch.setattr(PackedImageTextForward, "_images", dropped)
+    assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
+
+
+@pytest.mark.parametrize("fault", ["dropped", "one_layer_late"])
+def test_deepstack_faults_are_caught(target, tmp_path, monkeypatch, fault):
+    """The tower's deepstack features left out, or added to the layer after the one that
+    takes them (measured gaps 0.093-0.095 and 0.083: layer 0's columns lack them either way)."""
+    processor, model = target
+    images = PackedImageTextForward._images
+
+    def mutant(self, inputs):
+        merged, deepstack = images(self, inputs)
+        if fault == "dropped":
+            return merged, []
+        return merged, [torch.zeros_like(deepstack[0]), *deepstack]
+
+    monkeypatch.setattr(PackedImageTextForward, "_images", mutant)
+    assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
+
+
+@pytest.mark.parametrize("fault", ["another_documents", "text_stream"])
+def test_position_faults_are_caught(target, tmp_path, monkeypatch, fault):
+    """Documents 0 and 3 (the same tokens, their images transposed) given each other's 3-D
+    positions; or every image document given 1-D positions on all three axes, the drafter's
+    stream (measured gaps 4.8e-3-5.2e-3 and 1.7e-2)."""
+    processor, model = target
+    samples = _samples(tmp_path, processor)
+    own = PackedImageTextForward._document_positions
+    swapped = [samples[i].model_inputs(CPU, torch.float32) for i in (3, 0)]  # 0 takes 3's, ...
+    grids = [v["image_grid_thw"] for v in reversed(swapped)]  # ... found by its own grid
+    ids = torch.as_tensor(samples[0].input_ids)
+    wrapper = SimpleNamespace(model=model)
+    assert not torch.equal(own(wrapper, ids, swapped[0]), own(wrapper, ids, swapped[1]))
+
+    def mutant(self, ids, inputs):
+        if fault == "text_stream":
+            return torch.arange(len(ids)).expand(3, -1)
+        for grid, other in zip(grids, swapped, strict=True):
+            if torch.equal(inputs["image_grid_thw"], grid):
+                return own(self, ids, other)
+        return own(self, ids, inputs)
+
+    monkeypatch.setattr(PackedImageTextForward, "_document_positions", mutant)
+    assert _gap(model, samples) > MUTANT_GAP
+
+
+@pytest.mark.parametrize("model_type", OTHERS)
+def test_other_wrappers_run_each_document_alone_and_say_why(model_type):
+    _, model = tiny_multimodal(model_type)
+    path = multimodal_path(model, LAYERS, token_budget=64)
+    try:
+        assert path.name == "hf_multimodal"
+        assert f"{model_type!r} has no packed image+text forward" in path.reason
+    finally:
+        path.forward.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", sorted(PACKED_WRAPPERS))
+def test_gpu_flex_compiled_packed_image_text_equals_each_document_alone(model_type, tmp_path):
+    """fp32 on CUDA (no TF32), flex attention and compiled layers as a run takes them (T a
+    multiple of flex's 128-row tiles), heads of 16 (flex's smallest): the same 1e-5 bound
+    against the per-document forward on the same GPU."""
+    from transformers import AutoModelForImageTextToText
+
+    entry = MULTIMODAL[model_type]
+    processor = entry.processor()
+    config = entry.config(processor)
+    config.text_config.head_dim = 16
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).cuda().eval()
+    samples = _samples(tmp_path, processor)
+    lengths = [len(s) for s in samples]
+    budget = -(-(sum(lengths) + 1) // 128) * 128
+    pack = layout_pack([(s.input_ids, s.loss_mask) for s in samples], budget)
+    layout = [t.cuda() for t in (pack.input_ids, pack.position_ids, pack.doc_ids)]
+    vision = [s.model_inputs(torch.device("cuda"), torch.float32) for s in samples]
+    out = {}
+    for packed in (True, False):
+        path = multimodal_path(model, LAYERS, token_budget=budget, packed=packed)
+        if packed:
+            assert path.name == "packed_image_text" and "flex" in path.reason
+        features = torch.full((budget, len(LAYERS) * config.text_config.hidden_size), 9.0)
+        try:
+            out[packed] = path.forward(*layout, features.cuda(), lengths, vision)
+        finally:
+            path.forward.close()
+    torch.testing.assert_close(out[True], out[False], atol=ATOL, rtol=0)
