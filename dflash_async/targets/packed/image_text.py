@@ -61,7 +61,6 @@ class PackedImageTextForward:
         self.model = model
         self.text = text
         self.image_token_id = int(model.config.image_token_id)
-        self.layer_ids = text.layer_ids
 
     @torch.no_grad()
     def __call__(
@@ -121,7 +120,7 @@ class PackedImageTextForward:
         return _rows(out.pooler_output), [_rows(f) for f in out.deepstack_features]
 
     def close(self) -> None:
-        pass
+        """Nothing to release (no hooks, unlike MultimodalForward); the same call shape."""
 
 
 def _rows(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
