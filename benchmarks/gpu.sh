@@ -47,8 +47,9 @@
 #   long-64k     the same at 65536-token documents
 #   long-128k    the same at 131072-token documents (512 anchors, one slot: one 80 GB card)
 #   images       image+text at the Qwen3-VL-8B shape (random weights): the target forward on
-#                image packs beside text-only packs of the same lengths (multimodal_target.jsonl),
-#                then `run` co-located on GPU 0 (the wrapper drawn in the run, bf16, 25 steps) on
+#                image packs beside text-only packs of the same lengths, packed and per document
+#                (multimodal_target.jsonl),
+#                then `run` co-located on GPU 0 (the wrapper drawn in the run, bf16, 20 steps) on
 #                generated 448x448 image+text records and on text records of the same token
 #                lengths: one JSON line per run in multimodal_pipeline.jsonl (tokens/s, images/s,
 #                peak memory). Needs torchvision (Qwen3-VL's processor).
@@ -303,19 +304,19 @@ PY
     done
     ;;
   images)
-    part "target forward, Qwen3-VL-8B shape: image+text packs and text-only packs of 16384 tokens"
-    limited 150 python3 benchmarks/multimodal_target.py --shape qwen3-vl-8b \
+    part "target forward, Qwen3-VL-8B shape: image+text and text-only packs of 16384 tokens"
+    limited 240 python3 benchmarks/multimodal_target.py --shape qwen3-vl-8b \
       2> "$out/multimodal_target.err" | tee "$out/multimodal_target.jsonl"
     [ -d "$work/qwen3-vl-8b-config" ] ||
       python3 benchmarks/make_random_target.py "$work" --shape qwen3-vl-8b
     python3 benchmarks/multimodal_pipeline.py data "$work" --target "$work/qwen3-vl-8b-config"
-    # the steps and limits keep the part under 9 minutes (a run's start-up is about 100 s)
+    # the steps and limits keep the part near 9 minutes (a run's start-up is about 100 s)
     for case in image_text:vl_images text_only:vl_text; do
       IFS=: read -r name data <<< "$case"
-      part "co-located on GPU 0, random Qwen3-VL-8B drawn in the run, $name data, 25 steps"
-      RUN_TIMEOUT=170 pipeline_run "images_$name" DFLASH_TARGET__PATH="$work/qwen3-vl-8b-config" \
+      part "co-located on GPU 0, random Qwen3-VL-8B drawn in the run, $name data, 20 steps"
+      RUN_TIMEOUT=150 pipeline_run "images_$name" DFLASH_TARGET__PATH="$work/qwen3-vl-8b-config" \
         DFLASH_TARGET__WEIGHTS=random DFLASH_DATA__PATH="$work/$data.jsonl" \
-        DFLASH_TRAIN__MAX_STEPS=25
+        DFLASH_TRAIN__MAX_STEPS=20
       python3 benchmarks/multimodal_pipeline.py summary "$work/images_$name" --case "$name" \
         | tee -a "$out/multimodal_pipeline.jsonl"
     done
