@@ -34,6 +34,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.families import decoder_layer_count
+from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.resolve import TargetError
 from dflash_async.targets.stream_taps import stream_tap
 
@@ -271,6 +272,6 @@ def embedding_weights(
     if embed is not None:
         lm_head = read(head_names)
         return embed, embed if lm_head is None else lm_head
-    model = auto.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    model = auto.from_pretrained(folder, dtype=dtype, **offline_torch_modules())
     weights = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
     return tuple(w.detach().to(device) for w in weights)  # type: ignore[return-value]

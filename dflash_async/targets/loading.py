@@ -39,6 +39,7 @@ from dflash_async.targets.families import family_of, quantization_problem
 from dflash_async.targets.fp8.fp8_linear import matmul_kernel, swap_fp8_matmuls
 from dflash_async.targets.generic import find_decoder_layers, layer_output
 from dflash_async.targets.generic_config import causal_lm_auto_class, text_causal_lm_class
+from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.quantized import (
     WeightFormat,
     fp8_sources,
@@ -163,7 +164,7 @@ def _load_model(
     if is_wrapper(config):
         return _load_language_model(folder, config, device=device, dtype=dtype)
     return causal_lm_auto_class(config).from_pretrained(
-        folder, local_files_only=True, dtype=dtype, **_device_map(device)
+        folder, dtype=dtype, **offline_torch_modules(), **_device_map(device)
     )
 
 
@@ -207,12 +208,14 @@ def _load_language_model(
         return causal_lm.from_pretrained(
             folder,
             config=text,
-            local_files_only=True,
             dtype=dtype,
             key_mapping=WRAPPER_KEYS,
+            **offline_torch_modules(),
             **_device_map(device),
         )
-    model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(
+        folder, dtype=dtype, **offline_torch_modules()
+    )
     inner = getattr(model, "model", model)
     for name in NON_TEXT_PARTS:
         if getattr(inner, name, None) is not None:

@@ -40,6 +40,7 @@ from torch import nn
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.generic import GenericForward, find_decoder_layers, layer_input
+from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.loading import NON_TEXT_PARTS
 from dflash_async.targets.packed.image_text import (
     PACKED_WRAPPERS,
@@ -267,7 +268,7 @@ def load_multimodal_target(path: str, *, device: torch.device, dtype: torch.dtyp
 
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            path, local_files_only=True, dtype=dtype
+            path, dtype=dtype, **offline_torch_modules()
         )
     except (OSError, ValueError, KeyError) as e:
         raise TargetError(f"cannot load target {str(path)!r} with its vision tower: {e}") from e

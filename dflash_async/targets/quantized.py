@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
 from dflash_async.kernels.fp8_format import FP8_DTYPE, FP8_MAX  # a block's amax lands on 448
 from dflash_async.targets.config_readers import quant_method_of, text_config_of
 from dflash_async.targets.generic_config import text_causal_lm_class
+from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.resolve import TargetError
 from dflash_async.targets.tensor_files import tensor_files
 
@@ -231,9 +232,9 @@ def load_dequantized(
     if quant_method_of(config) == "mxfp4":  # transformers' own dequantization works here
         return AutoModelForCausalLM.from_pretrained(
             folder,
-            local_files_only=True,
             dtype=dtype,
             quantization_config=Mxfp4Config(dequantize=True),
+            **offline_torch_modules(),
         )
     state = read_dequantized(folder, config, dtype=dtype)
     config = copy.deepcopy(config)
@@ -249,7 +250,9 @@ def load_dequantized(
     causal_lm = text_causal_lm_class(text)
     if causal_lm is None:
         raise TargetError(f"a quantized {config.model_type} target has no text CausalLM class")
-    return causal_lm.from_pretrained(None, config=text, state_dict=state, dtype=dtype)
+    return causal_lm.from_pretrained(
+        None, config=text, state_dict=state, dtype=dtype, **offline_torch_modules()
+    )
 
 
 def _quantizable(layers: nn.Module) -> Iterator[torch.Tensor]:

@@ -304,7 +304,8 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool
     forward = PackedWindowForward(
         inner, LAYER_IDS, family=family, attention="flex", compile=compile
     )
-    docs = _documents(vocab=model.config.vocab_size, seed=8, lengths=(70, 100, 3, 50))
+    # seed 10: Spark's smallest choice margin on these documents is 2.2 (seed 8's was 0.69)
+    docs = _documents(vocab=model.config.vocab_size, seed=10, lengths=(70, 100, 3, 50))
     assert _choice_margin(model, docs) > 1
     out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
     assert kit.max_deviation(out, _alone(model, docs)) < ATOL
