@@ -322,6 +322,13 @@ def tiny_multimodal(model_type: str, seed: int = 0) -> tuple[Any, Any]:
     processor = entry.processor()
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(entry.config(processor), dtype=torch.float32)
+    projector = getattr(model.model, "multi_modal_projector", None)
+    if hasattr(projector, "mm_input_projection_weight"):
+        # Gemma 3 initialises its projection to zeros: every image would reach the language
+        # model as zero features, so no test could tell an image from none. Drawn at the
+        # config's initializer_range instead (features ~0.1, as the scaled text embeddings).
+        with torch.no_grad():
+            projector.mm_input_projection_weight.normal_(std=0.02)
     return processor, model.eval()
 
 

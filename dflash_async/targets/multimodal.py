@@ -44,7 +44,7 @@ from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.loading import NON_TEXT_PARTS
 from dflash_async.targets.packed.image_text import (
     PACKED_WRAPPERS,
-    PackedImageTextForward,
+    packed_image_text_forward,
     packed_image_text_problem,
 )
 from dflash_async.targets.paths import TargetPath
@@ -133,7 +133,7 @@ def multimodal_path(
     model: nn.Module, layer_ids: Sequence[int], *, token_budget: int, packed: bool = True
 ) -> TargetPath:
     """The TargetPath of image+text packs: the whole pack in one packed pass where the wrapper
-    has one and its language model takes the packed M-RoPE forward (`packed_image_text`,
+    has one over its language model's packed forward (`packed_image_text`,
     targets/packed/image_text.py), else MultimodalForward (`hf_multimodal`), the reason saying
     why. `packed=False`: MultimodalForward always (the reference)."""
     problem = "packed=False" if not packed else None
@@ -147,9 +147,9 @@ def multimodal_path(
         problem = packed_image_text_problem(model, inner)
     if problem is None:
         return TargetPath(
-            PackedImageTextForward(model, inner),
+            packed_image_text_forward(model, inner),
             "packed_image_text",
-            f"image+text data: the vision tower once per pack, each document's 3-D positions, "
+            f"image+text data: {PACKED_WRAPPERS[model.config.model_type].summary}, "
             f"then {text.name} ({text.reason})",
         )
     return TargetPath(

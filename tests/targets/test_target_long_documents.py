@@ -96,7 +96,9 @@ def test_chunked_document_causal_features_equal_the_dense_mask_features(dense_mo
 def test_chunked_sliding_window_features_equal_the_dense_window_features(window_model) -> None:
     chunked = _run(_window(window_model))
     reference = _window(window_model)
-    reference.masks = lambda doc_ids: {"sliding_attention": window_causal_mask(doc_ids, WINDOW)}
+    reference.masks = lambda doc_ids, last_key=None: {
+        "sliding_attention": window_causal_mask(doc_ids, WINDOW)
+    }
     torch.testing.assert_close(chunked, _run(reference), atol=ATOL, rtol=0)
 
 
@@ -117,10 +119,12 @@ def test_parity_catches_a_chunk_boundary_losing_context(dense_model, monkeypatch
 
 def test_parity_catches_a_window_one_key_too_wide(window_model, monkeypatch) -> None:
     reference = _window(window_model)
-    reference.masks = lambda doc_ids: {"sliding_attention": window_causal_mask(doc_ids, WINDOW)}
+    reference.masks = lambda doc_ids, last_key=None: {
+        "sliding_attention": window_causal_mask(doc_ids, WINDOW)
+    }
     expected = _run(reference)
 
-    def wide(doc_ids, window, rows):
+    def wide(doc_ids, window, rows, last_key=None):
         return packed_dense.document_causal_spans(doc_ids, window + 1, rows)
 
     monkeypatch.setattr(packed_window, "sdpa_mask", wide)

@@ -1,20 +1,23 @@
-"""The packed image+text forward (targets/packed/image_text.py) equals the wrapper's HF forward
-run on each document alone (targets/multimodal.py's MultimodalForward, itself checked against
-HF's `output_hidden_states` in test_multimodal_target.py), row for row, for both wrappers it
-takes (Qwen3-VL over a dense and over an MoE language model); `multimodal_path` chooses it for
-them and the per-document forward for the others, saying why.
+"""The packed image+text forwards (targets/packed/image_text.py, image_text_gemma3.py) equal the
+wrapper's HF forward run on each document alone (targets/multimodal.py's MultimodalForward,
+itself checked against HF's `output_hidden_states` in test_multimodal_target.py), row for row,
+for every wrapper that has one (Qwen3-VL over a dense and over an MoE language model, Gemma 3);
+`multimodal_path` chooses them and the per-document forward for the others, saying why.
 
 The pack: four documents (one image 96 high and 32 wide; two images; no image; the first's
-tokens with an image 32 high and 96 wide, so the same ids under other 3-D positions) and
-padding rows. Taps: layers 0 and 2 of 4; the tiny tower's deepstack feature is added to layer
-0's output, so layer 0's columns show whether it is added before the capture and layer 2's
-whether it reaches the layers after.
+tokens with an image 32 high and 96 wide, so the same ids under other 3-D positions on
+Qwen3-VL) and padding rows. Taps: layers 0 and 2 of 4; Qwen3-VL's tiny tower's deepstack
+feature is added to layer 0's output, so layer 0's columns show whether it is added before the
+capture and layer 2's whether it reaches the layers after. Gemma 3's images are 4 tokens each,
+inside its window of 8, and its rows of an image see the whole image (`image_block_ends`).
 
 Tolerance 1e-5 in fp32, as for the packed text paths (test_target_packed.py): both sides run
 the same modules on the same rows and differ only in summation order (SDPA in query chunks
 against HF's attention per document, the tower over all images at once against per image):
-measured 4.8e-8 on features of magnitude ~0.1. The mutants, each a real way to get this wrong,
-move the features by far more, MUTANT_GAP = 1e-3 (each measured gap is in its test's comment).
+measured 4.8e-8 on Qwen3-VL's features of magnitude ~0.1, and 3.6e-6 on Gemma 3's of up to 8.2
+(fp32's relative rounding, ~1e-7, times that magnitude and a few layers). The mutants, each a
+real way to get this wrong, move the features by far more, MUTANT_GAP = 1e-3 (each measured gap
+is in its test's comment).
 """
 
 from __future__ import annotations
@@ -30,7 +33,18 @@ from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
 from dflash_async.data.images import read_image_samples
 from dflash_async.data.packing import layout_pack
 from dflash_async.targets.multimodal import multimodal_path
+from dflash_async.targets.packed import image_text_gemma3
+from dflash_async.targets.packed.dense import (
+    KeySpans,
+    document_causal_block_mask,
+    document_mask_up_to,
+    first_visible_key,
+)
 from dflash_async.targets.packed.image_text import PACKED_WRAPPERS, PackedImageTextForward
+from dflash_async.targets.packed.image_text_gemma3 import (
+    PackedGemma3ImageTextForward,
+    image_block_ends,
+)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -39,12 +53,23 @@ ATOL = 1e-5  # see the module docstring
 MUTANT_GAP = 1e-3
 PAD = 7
 CPU = torch.device("cpu")
-OTHERS = sorted(set(MULTIMODAL) - PACKED_WRAPPERS)
+OTHERS = sorted(set(MULTIMODAL) - set(PACKED_WRAPPERS))
+MROPE = sorted(k for k, forward in PACKED_WRAPPERS.items() if forward is PackedImageTextForward)
 
 
 @pytest.fixture(scope="module", params=sorted(PACKED_WRAPPERS))
 def target(request):
     return tiny_multimodal(request.param)
+
+
+@pytest.fixture(scope="module", params=MROPE)
+def mrope_target(request):
+    return tiny_multimodal(request.param)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return tiny_multimodal("gemma3")
 
 
 def _samples(folder: Path, processor, *, text_only: bool = False):
@@ -107,9 +132,9 @@ def test_a_pack_of_text_documents_runs_the_language_models_packed_forward(target
     assert _gap(model, samples) <= ATOL
 
 
-def test_dropped_image_features_are_caught(target, tmp_path, monkeypatch):
+def test_dropped_image_features_are_caught(mrope_target, tmp_path, monkeypatch):
     """The placeholders keep their token embeddings (measured gap 0.089-0.092)."""
-    processor, model = target
+    processor, model = mrope_target
     images = PackedImageTextForward._images
 
     def dropped(self, inputs):
@@ -121,10 +146,10 @@ def test_dropped_image_features_are_caught(target, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fault", ["dropped", "one_layer_late"])
-def test_deepstack_faults_are_caught(target, tmp_path, monkeypatch, fault):
+def test_deepstack_faults_are_caught(mrope_target, tmp_path, monkeypatch, fault):
     """The tower's deepstack features left out, or added to the layer after the one that
     takes them (measured gaps 0.093-0.095 and 0.083: layer 0's columns lack them either way)."""
-    processor, model = target
+    processor, model = mrope_target
     images = PackedImageTextForward._images
 
     def mutant(self, inputs):
@@ -138,11 +163,11 @@ def test_deepstack_faults_are_caught(target, tmp_path, monkeypatch, fault):
 
 
 @pytest.mark.parametrize("fault", ["another_documents", "text_stream"])
-def test_position_faults_are_caught(target, tmp_path, monkeypatch, fault):
+def test_position_faults_are_caught(mrope_target, tmp_path, monkeypatch, fault):
     """Documents 0 and 3 (the same tokens, their images transposed) given each other's 3-D
     positions; or every image document given 1-D positions on all three axes, the drafter's
     stream (measured gaps 4.8e-3-5.2e-3 and 1.7e-2)."""
-    processor, model = target
+    processor, model = mrope_target
     samples = _samples(tmp_path, processor)
     own = PackedImageTextForward._document_positions
     swapped = [samples[i].model_inputs(CPU, torch.float32) for i in (3, 0)]  # 0 takes 3's, ...
@@ -161,6 +186,101 @@ def test_position_faults_are_caught(target, tmp_path, monkeypatch, fault):
 
     monkeypatch.setattr(PackedImageTextForward, "_document_positions", mutant)
     assert _gap(model, samples) > MUTANT_GAP
+
+
+def _hf_visible(doc_ids, token_type_ids, window=None) -> torch.Tensor:
+    """[T, T] bool, Gemma 3's rule as HF writes it for one document, applied per document of a
+    pack: same document, and (k <= q, or q and k in one image: HF's
+    `get_block_sequence_ids_for_mask` groups), and q - k < window on sliding layers."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    groups = get_block_sequence_ids_for_mask(token_type_ids[None])[0]
+    index = torch.arange(doc_ids.shape[0])
+    same_image = (groups[:, None] == groups[None, :]) & (groups[:, None] >= 0)
+    visible = (doc_ids[:, None] == doc_ids[None, :]) & (
+        (index[None, :] <= index[:, None]) | same_image
+    )
+    if window is not None:
+        visible &= index[:, None] - index[None, :] < window
+    return visible
+
+
+def _gemma3_layout():
+    """Four documents (12, 9, 5, 14 rows) and 8 padding rows; images of 3 and 4 rows, two
+    adjacent in the last document, one at a document's end; T = 48."""
+    lengths = (12, 9, 5, 14)
+    doc_ids = torch.cat(
+        [torch.full((n,), j) for j, n in enumerate(lengths)] + [torch.full((8,), -1)]
+    )
+    token_type_ids = torch.zeros(48, dtype=torch.long)
+    for lo, hi in ((2, 5), (7, 11), (16, 21), (26, 28), (28, 31), (37, 40)):
+        token_type_ids[lo:hi] = 1
+    return doc_ids, token_type_ids
+
+
+@pytest.mark.parametrize("window", [None, 4, 6])
+def test_gemma3_image_rule_is_one_key_interval_per_row_in_all_three_masks(window):
+    """KeySpans (the CPU path, chunks of 8 query rows), the CUDA dense mask and the flex block
+    mask with `last_key` spell HF's OR(causal, same image) rule exactly; adjacent images are one
+    run, as HF's groups count them."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    doc_ids, token_type_ids = _gemma3_layout()
+    groups = get_block_sequence_ids_for_mask(token_type_ids[None])[0]
+    assert groups[26] == groups[30]  # adjacent images: one run for HF too
+    expected = _hf_visible(doc_ids, token_type_ids, window)
+    last_key = image_block_ends(token_type_ids == 1)
+    spans = KeySpans(first_visible_key(doc_ids, window), 8, last_key)
+    dense = torch.zeros(48, 48, dtype=torch.bool)
+    for s, e, first, part in spans.pieces():
+        dense[s:e, first : first + part.shape[1]] = part
+    real = doc_ids >= 0  # padding rows see padding keys in the masks: their rows are zeroed
+    assert torch.equal(dense[real][:, real], expected[real][:, real])
+    assert torch.equal(document_mask_up_to(doc_ids, last_key) & _window(window), expected)
+    tile = 8
+    block = document_causal_block_mask(doc_ids, tile, window=window, last_key=last_key)
+    rows = torch.arange(48)
+    element = block.mask_mod(0, 0, rows[:, None], rows[None, :])
+    tiles = block.to_dense()[0, 0].bool().repeat_interleave(tile, 0).repeat_interleave(tile, 1)
+    assert torch.equal((element & tiles)[real][:, real], expected[real][:, real])
+
+
+def _window(window) -> torch.Tensor:
+    index = torch.arange(48)
+    return (
+        torch.ones(48, 48, dtype=torch.bool)
+        if window is None
+        else (index[:, None] - index[None, :] < window)
+    )
+
+
+def test_dropped_gemma3_image_features_are_caught(gemma3, tmp_path, monkeypatch):
+    """The placeholders keep their token embeddings (measured gap 8.7)."""
+    processor, model = gemma3
+    images = PackedGemma3ImageTextForward._images
+    monkeypatch.setattr(
+        PackedGemma3ImageTextForward, "_images", lambda self, x: torch.zeros_like(images(self, x))
+    )
+    assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
+
+
+@pytest.mark.parametrize("fault", ["causal_inside_images", "images_see_the_rest", "one_short"])
+def test_gemma3_image_rule_faults_are_caught(gemma3, tmp_path, monkeypatch, fault):
+    """An image's rows causal as text rows are (HF's text-only mask), seeing the rest of their
+    document, or the image's last row hidden from the rows before it (measured gaps 4.0, 7.8,
+    1.9)."""
+    processor, model = gemma3
+
+    def mutant(is_image):
+        index = torch.arange(is_image.shape[0])
+        if fault == "causal_inside_images":
+            return index
+        if fault == "images_see_the_rest":
+            return torch.where(is_image, is_image.shape[0] - 1, index)
+        return torch.where(is_image, torch.maximum(image_block_ends(is_image) - 1, index), index)
+
+    monkeypatch.setattr(image_text_gemma3, "image_block_ends", mutant)
+    assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
 
 
 @pytest.mark.parametrize("model_type", OTHERS)

@@ -161,7 +161,7 @@ def test_flex_path_through_flex_attentions_cpu_reference_is_exact_too(muse) -> N
     assert kit.max_deviation(out, _alone(muse, docs)) < ATOL
 
 
-def _window_across_documents(doc_ids, window=None, rows=64):
+def _window_across_documents(doc_ids, window=None, rows=64, last_key=None):
     """The CPU path's spans with the window counted over the pack: a row near its document's
     start sees the last rows of the document before (full layers stay per document)."""
     if window is None:

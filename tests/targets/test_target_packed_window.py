@@ -92,7 +92,7 @@ def test_flex_path_with_its_window_mask_mod_and_lse_sinks_is_exact_too(model) ->
     assert kit.max_deviation(packed, _alone(model, docs)) < ATOL
 
 
-def _window_off_by_one(doc_ids, window, rows):
+def _window_off_by_one(doc_ids, window, rows, last_key=None):
     """The CPU path's spans with q - k <= window (one key too many at the window's edge)."""
     return KeySpans(first_visible_key(doc_ids, None if window is None else window + 1), rows)
 

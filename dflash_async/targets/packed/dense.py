@@ -61,23 +61,29 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KeySpans:
-    """A causal rule whose row q sees exactly the keys [lo[q], q] (lo nondecreasing: documents
-    are contiguous), attended `rows` query rows at a time (`attend_sdpa`)."""
+    """A rule whose row q sees exactly the keys [lo[q], hi[q]] (lo and hi nondecreasing:
+    documents are contiguous), attended `rows` query rows at a time (`attend_sdpa`). hi None is
+    the causal rule, hi[q] = q; a row inside a block it attends bidirectionally (Gemma 3's image
+    tokens: targets/packed/image_text_gemma3.py) sees up to the block's last row."""
 
     lo: torch.Tensor  # [T] first visible key of each row
     rows: int = SDPA_QUERY_ROWS
+    hi: torch.Tensor | None = None  # [T] last visible key of each row
 
     def pieces(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
-        """(s, e, first, mask [e - s, e - first] bool) per chunk of query rows [s, e): the chunk
-        sees keys [first, e) only, first the smallest lo of its rows. One host sync (the firsts)."""
+        """(s, e, first, mask [e - s, end - first] bool) per chunk of query rows [s, e): the
+        chunk sees keys [first, end) only, first the smallest lo of its rows and end one past
+        the largest hi (e when causal). One host sync (the bounds)."""
         T, n = self.lo.shape[0], self.rows
-        padded = F.pad(self.lo, (0, -T % n), value=T)  # [ceil(T/n) * n]
-        firsts = padded.view(-1, n).amin(1).tolist()
-        for s, first in zip(range(0, T, n), firsts, strict=True):
+        index = torch.arange(T, device=self.lo.device)
+        hi = index if self.hi is None else self.hi
+        firsts = F.pad(self.lo, (0, -T % n), value=T).view(-1, n).amin(1)
+        ends = F.pad(hi, (0, -T % n), value=-1).view(-1, n).amax(1) + 1
+        bounds = torch.stack([firsts, ends], 1).tolist()
+        for s, (first, end) in zip(range(0, T, n), bounds, strict=True):
             e = min(s + n, T)
-            rows = torch.arange(s, e, device=self.lo.device)
-            keys = torch.arange(first, e, device=self.lo.device)
-            yield s, e, first, (keys >= self.lo[s:e, None]) & (keys <= rows[:, None])
+            keys = torch.arange(first, end, device=self.lo.device)
+            yield s, e, first, (keys >= self.lo[s:e, None]) & (keys <= hi[s:e, None])
 
 
 def document_causal_spans(
@@ -88,19 +94,33 @@ def document_causal_spans(
 
 
 def sdpa_mask(
-    doc_ids: torch.Tensor, window: int | None = None, rows: int = SDPA_QUERY_ROWS
+    doc_ids: torch.Tensor,
+    window: int | None = None,
+    rows: int = SDPA_QUERY_ROWS,
+    *,
+    last_key: torch.Tensor | None = None,
 ) -> KeySpans | torch.Tensor:
-    """The document-causal rule (with a `window`) for `attend_sdpa`: KeySpans on the CPU
-    (memory linear in T, one host sync); on CUDA the dense [T, T] mask, sync-free, so that a
-    CUDA graph may capture the forward (CUDA packs of a multiple of FLEX_TILE rows, every long
-    one, take flex instead)."""
+    """The document-causal rule (with a `window`; with `last_key` [T], each row sees up to that
+    key instead of itself) for `attend_sdpa`: KeySpans on the CPU (memory linear in T, one host
+    sync); on CUDA the dense [T, T] mask, sync-free, so that a CUDA graph may capture the
+    forward (CUDA packs of a multiple of FLEX_TILE rows, every long one, take flex instead)."""
     if not doc_ids.is_cuda:
-        return document_causal_spans(doc_ids, window, rows)
-    mask = document_causal_mask(doc_ids)
+        return KeySpans(first_visible_key(doc_ids, window), rows, last_key)
+    mask = (
+        document_causal_mask(doc_ids)
+        if last_key is None
+        else document_mask_up_to(doc_ids, last_key)
+    )
     if window is not None:
         index = torch.arange(doc_ids.shape[0], device=doc_ids.device)
         mask &= index[:, None] - index[None, :] < window
     return mask
+
+
+def document_mask_up_to(doc_ids: torch.Tensor, last_key: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool: same document and k <= last_key[q]."""
+    index = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    return (doc_ids[:, None] == doc_ids[None, :]) & (index[None, :] <= last_key[:, None])
 
 
 def tiles_in_order(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,37 +140,46 @@ def first_visible_key(doc_ids: torch.Tensor, window: int | None = None) -> torch
 
 
 def document_causal_block_mask(
-    doc_ids: torch.Tensor, tile: int = FLEX_TILE, *, window: int | None = None
+    doc_ids: torch.Tensor,
+    tile: int = FLEX_TILE,
+    *,
+    window: int | None = None,
+    last_key: torch.Tensor | None = None,
 ) -> BlockMask:
     """The rule of `document_causal_mask` as a flex BlockMask, sync-free (T % tile == 0); with
-    a `window`, also q - k < window (sliding-window layers: targets/packed/window.py).
+    a `window`, also q - k < window (sliding-window layers: targets/packed/window.py); with
+    `last_key` [T], row q sees up to key last_key[q] instead of q (KeySpans' hi).
 
-    Documents are contiguous, so row q sees exactly the keys [lo(q), q], lo(q) its document's
-    start (or q - window + 1). A key tile is "full" for a query tile when every row of it sees
-    every key of the tile, "partial" when some row sees some key; only partial tiles evaluate
-    the mask_mod.
+    Documents are contiguous, so row q sees exactly the keys [lo(q), hi(q)], lo(q) its
+    document's start (or q - window + 1), hi(q) = q (or last_key[q]). A key tile is "full" for a
+    query tile when every row of it sees every key of the tile, "partial" when some row sees
+    some key; only partial tiles evaluate the mask_mod.
     """
     T = doc_ids.shape[0]
     if T % tile:
         raise ValueError(f"flex attention needs T={T} to be a multiple of {tile}")
     lo = first_visible_key(doc_ids, window)  # [T]
     rows = torch.arange(T, device=doc_ids.device)
+    hi = rows if last_key is None else last_key
     tile_lo = torch.arange(0, T, tile, device=doc_ids.device)  # [n]
     tile_hi = tile_lo + tile
-    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= rows[:, None])  # [T, n]
-    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= rows[:, None])  # [T, n]
+    sees_some = (lo[:, None] < tile_hi) & (tile_lo <= hi[:, None])  # [T, n]
+    sees_all = (lo[:, None] <= tile_lo) & (tile_hi - 1 <= hi[:, None])  # [T, n]
     n = T // tile
     some = sees_some.view(n, tile, n).any(1)
     full = sees_all.view(n, tile, n).all(1)
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
+
+    def ahead(b, h, q_idx, kv_idx):
+        return (kv_idx <= hi[q_idx]) & (kv_idx >= lo[q_idx])
 
     return BlockMask.from_kv_blocks(
         *tiles_in_order(some & ~full),
         *tiles_in_order(full),
         BLOCK_SIZE=tile,
-        mask_mod=mask_mod,
+        mask_mod=causal if last_key is None else ahead,
         seq_lengths=(T, T),
     )
 
@@ -167,15 +196,15 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def attend_sdpa(q, k, v, mask, scale):
     """SDPA under a dense [T, T] mask, or under KeySpans one chunk of query rows at a time (each
-    against the keys [first, e) it may see: the same softmax, the unseen keys left out)."""
+    against the keys [first, end) it may see: the same softmax, the unseen keys left out)."""
     if isinstance(mask, KeySpans):
-        return torch.cat(
-            [
-                attend_sdpa(q[:, :, s:e], k[:, :, first:e], v[:, :, first:e], part, scale)
-                for s, e, first, part in mask.pieces()
-            ],
-            dim=2,
-        )
+        out = []
+        for s, e, first, part in mask.pieces():
+            end = first + part.shape[1]
+            out.append(
+                attend_sdpa(q[:, :, s:e], k[:, :, first:end], v[:, :, first:end], part, scale)
+            )
+        return torch.cat(out, dim=2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 

@@ -1,6 +1,8 @@
-"""The packed forward of image+text packs for Qwen3-VL and Qwen3-VL-MoE: the whole pack in one
-pass of the language model, as its text packs run (targets/packed/dense.py), instead of the
-wrapper's HF forward once per document (targets/multimodal.py, the reference it must equal).
+"""The packed forwards of image+text packs, by wrapper (`PACKED_WRAPPERS`), and the one for
+Qwen3-VL and Qwen3-VL-MoE: the whole pack in one pass of the language model, as its text packs
+run (targets/packed/dense.py), instead of the wrapper's HF forward once per document
+(targets/multimodal.py, the reference it must equal). Gemma 3's is
+targets/packed/image_text_gemma3.py.
 
 What the wrapper's own forward does for one document, done for the pack:
 1. the vision tower once over every image of the pack (its blocks attend within each image,
@@ -29,10 +31,8 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.packed.dense import PackedDenseForward, VisualRows
+from dflash_async.targets.packed.image_text_gemma3 import PackedGemma3ImageTextForward
 
-# The wrappers this forward reads (their model_type): their vision inputs' names and the
-# methods of `model.model` it calls (`get_image_features`, `get_rope_index`) are Qwen3-VL's.
-PACKED_WRAPPERS = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 IMAGE_INPUTS = frozenset({"pixel_values", "image_grid_thw", "mm_token_type_ids"})
 
 
@@ -40,11 +40,20 @@ def packed_image_text_problem(model: nn.Module, text: Any) -> str | None:
     """None when `model` (a loaded wrapper) can run image+text packs packed with `text`, the
     packed forward its language model takes for text packs; else why not."""
     model_type = model.config.model_type
-    if model_type not in PACKED_WRAPPERS:
+    forward = PACKED_WRAPPERS.get(model_type)
+    if forward is None:
         return f"{model_type!r} has no packed image+text forward"
-    if not isinstance(text, PackedDenseForward) or not text.mrope:
-        return f"{model_type!r}: its language model's forward here is not the packed M-RoPE one"
-    return None
+    problem = forward.problem(text)
+    return f"{model_type!r}: {problem}" if problem else None
+
+
+def packed_image_text_forward(model: nn.Module, text: Any) -> Any:
+    """The packed image+text forward of `model` (a loaded wrapper) over `text`, the packed
+    forward its language model takes for text packs; ValueError where there is none."""
+    problem = packed_image_text_problem(model, text)
+    if problem:
+        raise ValueError(problem)
+    return PACKED_WRAPPERS[model.config.model_type](model, text)
 
 
 class PackedImageTextForward:
@@ -54,13 +63,20 @@ class PackedImageTextForward:
     and `vision`, one mapping of vision inputs per document in pack order (an empty mapping,
     or one without pixel values, for a text document; None: all text)."""
 
+    summary = "the vision tower once per pack, each document's 3-D positions"
+
     def __init__(self, model: nn.Module, text: PackedDenseForward) -> None:
-        problem = packed_image_text_problem(model, text)
-        if problem:
-            raise ValueError(problem)
         self.model = model
         self.text = text
         self.image_token_id = int(model.config.image_token_id)
+
+    @staticmethod
+    def problem(text: Any) -> str | None:
+        """None when `text` (the language model's forward for text packs) is the packed M-RoPE
+        forward this one extends, else why not."""
+        if not isinstance(text, PackedDenseForward) or not text.mrope:
+            return "its language model's forward here is not the packed M-RoPE one"
+        return None
 
     @torch.no_grad()
     def __call__(
@@ -127,3 +143,12 @@ def _rows(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-image features as one [n, d] tensor (transformers returns them split per image, or
     whole, by version)."""
     return value if isinstance(value, torch.Tensor) else torch.cat(list(value))
+
+
+# model_type -> the packed image+text forward of that wrapper (their vision inputs' names and
+# the methods of `model.model` they call are that wrapper's).
+PACKED_WRAPPERS = {
+    "qwen3_vl": PackedImageTextForward,
+    "qwen3_vl_moe": PackedImageTextForward,
+    "gemma3": PackedGemma3ImageTextForward,
+}

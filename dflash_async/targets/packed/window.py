@@ -77,9 +77,16 @@ def window_causal_mask(doc_ids: torch.Tensor, window: int | None) -> torch.Tenso
     return mask & (rows[:, None] - rows[None, :] < window)
 
 
-def window_block_mask(doc_ids: torch.Tensor, window: int | None, tile: int = FLEX_TILE):
-    """The rule of `window_causal_mask` as a flex BlockMask (packed/dense.py's, with the window)."""
-    return document_causal_block_mask(doc_ids, tile, window=window)
+def window_block_mask(
+    doc_ids: torch.Tensor,
+    window: int | None,
+    tile: int = FLEX_TILE,
+    *,
+    last_key: torch.Tensor | None = None,
+):
+    """The rule of `window_causal_mask` as a flex BlockMask (packed/dense.py's, with the window;
+    `last_key`: see `PackedWindowForward.masks`)."""
+    return document_causal_block_mask(doc_ids, tile, window=window, last_key=last_key)
 
 
 def layer_kinds(config, *, per_layer: bool) -> tuple[str, ...]:
@@ -172,12 +179,17 @@ class PackedWindowForward(PackedRange):
         """The window of a layer kind: the config's on sliding layers, none on full ones."""
         return self.window if kind == SLIDING else None
 
-    def masks(self, doc_ids: torch.Tensor) -> dict[str, object]:
-        """kind -> the attention mask of that layer kind for `doc_ids` [T] (on its device)."""
+    def masks(
+        self, doc_ids: torch.Tensor, last_key: torch.Tensor | None = None
+    ) -> dict[str, object]:
+        """kind -> the attention mask of that layer kind for `doc_ids` [T] (on its device).
+        `last_key` [T]: row q sees the keys of its document up to last_key[q] (within the window
+        behind q) instead of up to q: Gemma 3's image tokens see their whole image
+        (targets/packed/image_text_gemma3.py)."""
         if self.attention == "flex":
-            build = window_block_mask
+            build = functools.partial(window_block_mask, last_key=last_key)
         else:
-            build = functools.partial(sdpa_mask, rows=self.query_rows)
+            build = functools.partial(sdpa_mask, rows=self.query_rows, last_key=last_key)
         return {kind: build(doc_ids, self.kind_window(kind)) for kind in set(self._kinds.values())}
 
     def rotary_tables(self, hidden, position_ids) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -189,11 +201,14 @@ class PackedWindowForward(PackedRange):
         return dict.fromkeys(kinds, table)
 
     @torch.no_grad()
-    def stage(self, hidden, input_ids, position_ids, doc_ids, features) -> torch.Tensor:
+    def stage(
+        self, hidden, input_ids, position_ids, doc_ids, features, last_key=None
+    ) -> torch.Tensor:
         """Run the layer range on hidden [1, T, d] (None: embed `input_ids`), write its captured
-        columns (padding rows zero) and return the range's output [1, T, d] (as packed_dense)."""
+        columns (padding rows zero) and return the range's output [1, T, d] (as packed_dense);
+        `last_key`: see `masks`."""
         d = self.hidden_size
-        masks = self.masks(doc_ids)
+        masks = self.masks(doc_ids, last_key)
         if hidden is None:
             hidden = self._embed(input_ids[None])  # [1, T, d] (Gemma: scaled by sqrt(d) inside)
         tables = self.rotary_tables(hidden, position_ids)
