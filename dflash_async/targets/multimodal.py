@@ -42,11 +42,8 @@ from dflash_async.targets.forward import select_target_forward
 from dflash_async.targets.generic import GenericForward, find_decoder_layers, layer_input
 from dflash_async.targets.hf_load import offline_torch_modules
 from dflash_async.targets.loading import NON_TEXT_PARTS
-from dflash_async.targets.packed.image_text import (
-    PACKED_WRAPPERS,
-    packed_image_text_forward,
-    packed_image_text_problem,
-)
+from dflash_async.targets.packed.image_text import PackedImageTextForward
+from dflash_async.targets.packed.image_text_gemma3 import PackedGemma3ImageTextForward
 from dflash_async.targets.paths import TargetPath
 from dflash_async.targets.resolve import TargetError
 
@@ -129,6 +126,27 @@ class MultimodalForward:
         self.generic.close()
 
 
+# model_type -> the packed image+text forward of that wrapper (the vision inputs it reads and the
+# methods of `model.model` it calls are that wrapper's); every other wrapper runs
+# MultimodalForward.
+PACKED_WRAPPERS = {
+    "qwen3_vl": PackedImageTextForward,
+    "qwen3_vl_moe": PackedImageTextForward,
+    "gemma3": PackedGemma3ImageTextForward,
+}
+
+
+def packed_image_text_problem(model: nn.Module, text: Any) -> str | None:
+    """None when `model` (a loaded wrapper) can run image+text packs packed over `text`, the
+    packed forward its language model takes for text packs; else why not."""
+    model_type = model.config.model_type
+    forward = PACKED_WRAPPERS.get(model_type)
+    if forward is None:
+        return f"{model_type!r} has no packed image+text forward"
+    problem = forward.problem(text)
+    return f"{model_type!r}: {problem}" if problem else None
+
+
 def multimodal_path(
     model: nn.Module, layer_ids: Sequence[int], *, token_budget: int, packed: bool = True
 ) -> TargetPath:
@@ -136,8 +154,9 @@ def multimodal_path(
     has one over its language model's packed forward (`packed_image_text`,
     targets/packed/image_text.py), else MultimodalForward (`hf_multimodal`), the reason saying
     why. `packed=False`: MultimodalForward always (the reference)."""
+    forward = PACKED_WRAPPERS.get(model.config.model_type)
     problem = "packed=False" if not packed else None
-    if problem is None and model.config.model_type not in PACKED_WRAPPERS:
+    if problem is None and forward is None:
         problem = f"{model.config.model_type!r} has no packed image+text forward"
     if problem is None:  # the language model's packed forward, as for its text packs
         text = select_target_forward(
@@ -147,10 +166,9 @@ def multimodal_path(
         problem = packed_image_text_problem(model, inner)
     if problem is None:
         return TargetPath(
-            packed_image_text_forward(model, inner),
+            forward(model, inner),
             "packed_image_text",
-            f"image+text data: {PACKED_WRAPPERS[model.config.model_type].summary}, "
-            f"then {text.name} ({text.reason})",
+            f"image+text data: {forward.summary}, then {text.name} ({text.reason})",
         )
     return TargetPath(
         MultimodalForward(model, layer_ids),

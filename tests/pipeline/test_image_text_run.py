@@ -25,7 +25,7 @@ from dflash_async.pipeline import startup
 from dflash_async.pipeline.specs import run_spec
 from dflash_async.settings.env import load_settings
 from dflash_async.targets import multimodal
-from dflash_async.targets.packed.image_text import PACKED_WRAPPERS
+from dflash_async.targets.multimodal import PACKED_WRAPPERS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("single_thread")]
 RUN_DEADLINE_S = 90

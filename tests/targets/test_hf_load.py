@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from image_text_kit import tiny_multimodal
-from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from tiny_decoding import tiny_qwen3_target
+from transformers import PreTrainedModel
 
 from dflash_async.targets.loading import load_target
 from dflash_async.targets.multimodal import load_multimodal_target
@@ -26,22 +27,8 @@ def kernelized(monkeypatch) -> list[bool]:
     return calls
 
 
-def _tiny_qwen3(folder) -> None:
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-
-
 def test_a_causal_lm_target_loads_without_hub_kernels(tmp_path, kernelized) -> None:
-    _tiny_qwen3(tmp_path)
+    tiny_qwen3_target().save_pretrained(tmp_path)
     load_target(tmp_path, device="cpu")
     assert True not in kernelized
 

@@ -32,7 +32,7 @@ from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
 
 from dflash_async.data.images import read_image_samples
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets.multimodal import multimodal_path
+from dflash_async.targets.multimodal import PACKED_WRAPPERS, multimodal_path
 from dflash_async.targets.packed import image_text_gemma3
 from dflash_async.targets.packed.dense import (
     KeySpans,
@@ -40,7 +40,7 @@ from dflash_async.targets.packed.dense import (
     document_mask_up_to,
     first_visible_key,
 )
-from dflash_async.targets.packed.image_text import PACKED_WRAPPERS, PackedImageTextForward
+from dflash_async.targets.packed.image_text import PackedImageTextForward
 from dflash_async.targets.packed.image_text_gemma3 import (
     PackedGemma3ImageTextForward,
     image_block_ends,

@@ -1,8 +1,7 @@
-"""The packed forwards of image+text packs, by wrapper (`PACKED_WRAPPERS`), and the one for
-Qwen3-VL and Qwen3-VL-MoE: the whole pack in one pass of the language model, as its text packs
-run (targets/packed/dense.py), instead of the wrapper's HF forward once per document
-(targets/multimodal.py, the reference it must equal). Gemma 3's is
-targets/packed/image_text_gemma3.py.
+"""The packed forward of image+text packs for Qwen3-VL and Qwen3-VL-MoE: the whole pack in one
+pass of the language model, as its text packs run (targets/packed/dense.py), instead of the
+wrapper's HF forward once per document (targets/multimodal.py, the reference it must equal, and
+the table of the wrappers that have a packed one: Gemma 3's is image_text_gemma3.py).
 
 What the wrapper's own forward does for one document, done for the pack:
 1. the vision tower once over every image of the pack (its blocks attend within each image,
@@ -31,29 +30,20 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.packed.dense import PackedDenseForward, VisualRows
-from dflash_async.targets.packed.image_text_gemma3 import PackedGemma3ImageTextForward
 
 IMAGE_INPUTS = frozenset({"pixel_values", "image_grid_thw", "mm_token_type_ids"})
 
 
-def packed_image_text_problem(model: nn.Module, text: Any) -> str | None:
-    """None when `model` (a loaded wrapper) can run image+text packs packed with `text`, the
-    packed forward its language model takes for text packs; else why not."""
-    model_type = model.config.model_type
-    forward = PACKED_WRAPPERS.get(model_type)
-    if forward is None:
-        return f"{model_type!r} has no packed image+text forward"
-    problem = forward.problem(text)
-    return f"{model_type!r}: {problem}" if problem else None
-
-
-def packed_image_text_forward(model: nn.Module, text: Any) -> Any:
-    """The packed image+text forward of `model` (a loaded wrapper) over `text`, the packed
-    forward its language model takes for text packs; ValueError where there is none."""
-    problem = packed_image_text_problem(model, text)
-    if problem:
-        raise ValueError(problem)
-    return PACKED_WRAPPERS[model.config.model_type](model, text)
+def documents_with_images(
+    lengths: Any, vision: Sequence[Mapping[str, torch.Tensor]] | None
+) -> tuple[np.ndarray, Sequence[Mapping[str, torch.Tensor]], list[int]]:
+    """A pack's document lengths (host int64), its vision inputs per document (None: all text)
+    and the indices of the documents with pixel inputs; ValueError when they disagree."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    vision = [{}] * len(lengths) if vision is None else vision
+    if len(vision) != len(lengths):
+        raise ValueError(f"{len(vision)} vision inputs for {len(lengths)} documents")
+    return lengths, vision, [r for r, inputs in enumerate(vision) if "pixel_values" in inputs]
 
 
 class PackedImageTextForward:
@@ -88,11 +78,7 @@ class PackedImageTextForward:
         lengths: Any,
         vision: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        vision = [{}] * len(lengths) if vision is None else vision
-        if len(vision) != len(lengths):
-            raise ValueError(f"{len(vision)} vision inputs for {len(lengths)} documents")
-        pictured = [r for r, inputs in enumerate(vision) if "pixel_values" in inputs]
+        lengths, vision, pictured = documents_with_images(lengths, vision)
         if not pictured:  # a text pack: the language model's own packed forward
             self.text.stage(None, input_ids, position_ids, doc_ids, features)
             return features
@@ -143,12 +129,3 @@ def _rows(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-image features as one [n, d] tensor (transformers returns them split per image, or
     whole, by version)."""
     return value if isinstance(value, torch.Tensor) else torch.cat(list(value))
-
-
-# model_type -> the packed image+text forward of that wrapper (their vision inputs' names and
-# the methods of `model.model` they call are that wrapper's).
-PACKED_WRAPPERS = {
-    "qwen3_vl": PackedImageTextForward,
-    "qwen3_vl_moe": PackedImageTextForward,
-    "gemma3": PackedGemma3ImageTextForward,
-}

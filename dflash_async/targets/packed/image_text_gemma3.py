@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
+from dflash_async.targets.packed.image_text import documents_with_images
 from dflash_async.targets.packed.window import PackedWindowForward
 
 IMAGE_INPUTS = frozenset({"pixel_values", "token_type_ids"})
@@ -76,11 +76,7 @@ class PackedGemma3ImageTextForward:
         lengths: Any,
         vision: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        vision = [{}] * len(lengths) if vision is None else vision
-        if len(vision) != len(lengths):
-            raise ValueError(f"{len(vision)} vision inputs for {len(lengths)} documents")
-        pictured = [r for r, inputs in enumerate(vision) if "pixel_values" in inputs]
+        lengths, vision, pictured = documents_with_images(lengths, vision)
         embed_ids = input_ids
         if self.image_token_id >= self.vocab_size:  # as the wrapper: such a placeholder reads 0
             embed_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
