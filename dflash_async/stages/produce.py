@@ -120,7 +120,9 @@ def load_runner(
     for line in fast_kernel_preflight(model):
         log.info("fast_kernel_preflight_checked", line=line, device=str(device))
     if images:
-        chosen = multimodal_path(model, layer_ids, token_budget=spec.token_budget)
+        chosen = multimodal_path(
+            model, layer_ids, token_budget=spec.token_budget, packed_hybrid=spec.packed_hybrid
+        )
     else:
         chosen = choose_forward(model, spec=spec, layer_ids=layer_ids)
     param = next(model.parameters())

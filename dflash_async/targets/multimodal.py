@@ -132,6 +132,7 @@ class MultimodalForward:
 PACKED_WRAPPERS = {
     "qwen3_vl": PackedImageTextForward,
     "qwen3_vl_moe": PackedImageTextForward,
+    "qwen3_5": PackedImageTextForward,
     "gemma3": PackedGemma3ImageTextForward,
 }
 
@@ -148,21 +149,31 @@ def packed_image_text_problem(model: nn.Module, text: Any) -> str | None:
 
 
 def multimodal_path(
-    model: nn.Module, layer_ids: Sequence[int], *, token_budget: int, packed: bool = True
+    model: nn.Module,
+    layer_ids: Sequence[int],
+    *,
+    token_budget: int,
+    packed: bool = True,
+    packed_hybrid: bool = True,
 ) -> TargetPath:
     """The TargetPath of image+text packs: the whole pack in one packed pass where the wrapper
     has one over its language model's packed forward (`packed_image_text`,
     targets/packed/image_text.py), else MultimodalForward (`hf_multimodal`), the reason saying
-    why. `packed=False`: MultimodalForward always (the reference)."""
+    why. `packed=False`: MultimodalForward always (the reference); `packed_hybrid`: as
+    select_target_forward's (DFLASH_TARGET__PACKED_HYBRID)."""
     forward = PACKED_WRAPPERS.get(model.config.model_type)
     problem = "packed=False" if not packed else None
     if problem is None and forward is None:
         problem = f"{model.config.model_type!r} has no packed image+text forward"
     if problem is None:  # the language model's packed forward, as for its text packs
         text = select_target_forward(
-            model, layer_ids, token_budget=token_budget, max_batch_tokens=token_budget
+            model,
+            layer_ids,
+            token_budget=token_budget,
+            max_batch_tokens=token_budget,
+            packed_hybrid=packed_hybrid,
         )
-        inner = getattr(text.forward, "packed", None)
+        inner = getattr(text.forward, "packed", text.forward)  # PackedCall's, or the hybrid
         problem = packed_image_text_problem(model, inner)
     if problem is None:
         return TargetPath(

@@ -1,12 +1,14 @@
 """The packed image+text forwards (targets/packed/image_text.py, image_text_gemma3.py) equal the
 wrapper's HF forward run on each document alone (targets/multimodal.py's MultimodalForward,
 itself checked against HF's `output_hidden_states` in test_multimodal_target.py), row for row,
-for every wrapper that has one (Qwen3-VL over a dense and over an MoE language model, Gemma 3);
-`multimodal_path` chooses them and the per-document forward for the others, saying why.
+for every wrapper that has one (Qwen3-VL over a dense and over an MoE language model, Qwen3.5
+over its hybrid, Gemma 3); `multimodal_path` chooses them and the per-document forward for the
+others, saying why. Qwen3.5's hybrid forward takes fla's kernels, which need CUDA: on the CPU it
+runs with the plain torch kernels of test_target_hybrid.py (`REFERENCE`), as its text tests do.
 
 The pack: four documents (one image 96 high and 32 wide; two images; no image; the first's
 tokens with an image 32 high and 96 wide, so the same ids under other 3-D positions on
-Qwen3-VL) and padding rows. Taps: layers 0 and 2 of 4; Qwen3-VL's tiny tower's deepstack
+Qwen3-VL and Qwen3.5) and padding rows. Taps: layers 0 and 2 of 4; Qwen3-VL's tiny tower's deepstack
 feature is added to layer 0's output, so layer 0's columns show whether it is added before the
 capture and layer 2's whether it reaches the layers after. Gemma 3's images are 4 tokens each,
 inside its window of 8, and its rows of an image see the whole image (`image_block_ends`).
@@ -14,7 +16,8 @@ inside its window of 8, and its rows of an image see the whole image (`image_blo
 Tolerance 1e-5 in fp32, as for the packed text paths (test_target_packed.py): both sides run
 the same modules on the same rows and differ only in summation order (SDPA in query chunks
 against HF's attention per document, the tower over all images at once against per image):
-measured 4.8e-8 on Qwen3-VL's features of magnitude ~0.1, and 3.6e-6 on Gemma 3's of up to 8.2
+measured 4.8e-8 on Qwen3-VL's features of magnitude ~0.1, 3.7e-8 on Qwen3.5's (the reference
+kernels' recurrence against HF's chunked delta rule) and 3.6e-6 on Gemma 3's of up to 8.2
 (fp32's relative rounding, ~1e-7, times that magnitude and a few layers). The mutants, each a
 real way to get this wrong, move the features by far more, MUTANT_GAP = 1e-3 (each measured gap
 is in its test's comment).
@@ -29,9 +32,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from image_text_kit import MULTIMODAL, image, image_record, tiny_multimodal
+from test_target_hybrid import REFERENCE
 
 from dflash_async.data.images import read_image_samples
 from dflash_async.data.packing import layout_pack
+from dflash_async.targets import multimodal
+from dflash_async.targets.loading import text_model
 from dflash_async.targets.multimodal import PACKED_WRAPPERS, multimodal_path
 from dflash_async.targets.packed import image_text_gemma3
 from dflash_async.targets.packed.dense import (
@@ -40,11 +46,13 @@ from dflash_async.targets.packed.dense import (
     document_mask_up_to,
     first_visible_key,
 )
+from dflash_async.targets.packed.hybrid import PackedHybridForward
 from dflash_async.targets.packed.image_text import PackedImageTextForward
 from dflash_async.targets.packed.image_text_gemma3 import (
     PackedGemma3ImageTextForward,
     image_block_ends,
 )
+from dflash_async.targets.paths import TargetPath
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -53,8 +61,9 @@ ATOL = 1e-5  # see the module docstring
 MUTANT_GAP = 1e-3
 PAD = 7
 CPU = torch.device("cpu")
-OTHERS = sorted(set(MULTIMODAL) - set(PACKED_WRAPPERS))
 MROPE = sorted(k for k, forward in PACKED_WRAPPERS.items() if forward is PackedImageTextForward)
+DEEPSTACK = ["qwen3_vl", "qwen3_vl_moe"]  # Qwen3.5's tower has none
+HYBRID = "qwen3_5"  # its language model's packed forward needs CUDA (fla)
 
 
 @pytest.fixture(scope="module", params=sorted(PACKED_WRAPPERS))
@@ -64,6 +73,11 @@ def target(request):
 
 @pytest.fixture(scope="module", params=MROPE)
 def mrope_target(request):
+    return tiny_multimodal(request.param)
+
+
+@pytest.fixture(scope="module", params=DEEPSTACK)
+def deepstack_target(request):
     return tiny_multimodal(request.param)
 
 
@@ -99,7 +113,7 @@ def _features(model, samples, *, packed: bool) -> torch.Tensor:
     pack = layout_pack([(s.input_ids, s.loss_mask) for s in samples], budget)
     width = len(LAYERS) * model.config.get_text_config().hidden_size
     features = torch.full((budget, width), float("nan"))
-    path = multimodal_path(model, LAYERS, token_budget=budget, packed=packed)
+    path = _path(model, budget, packed=packed)
     assert path.name == ("packed_image_text" if packed else "hf_multimodal")
     vision = [s.model_inputs(CPU, torch.float32) for s in samples]
     try:
@@ -107,6 +121,21 @@ def _features(model, samples, *, packed: bool) -> torch.Tensor:
     finally:
         path.forward.close()
     return features
+
+
+def _path(model, budget: int, *, packed: bool):
+    """`multimodal_path`'s choice; Qwen3.5's packed one built with the CPU reference kernels."""
+    if packed and model.config.model_type == HYBRID:
+        text = PackedHybridForward(
+            text_model(model),
+            LAYERS,
+            kernels=REFERENCE,
+            mrope=True,
+            attention="sdpa",
+            compile=False,
+        )
+        return TargetPath(PackedImageTextForward(model, text), "packed_image_text", "reference")
+    return multimodal_path(model, LAYERS, token_budget=budget, packed=packed)
 
 
 def _gap(model, samples) -> float:
@@ -133,7 +162,7 @@ def test_a_pack_of_text_documents_runs_the_language_models_packed_forward(target
 
 
 def test_dropped_image_features_are_caught(mrope_target, tmp_path, monkeypatch):
-    """The placeholders keep their token embeddings (measured gap 0.089-0.092)."""
+    """The placeholders keep their token embeddings (measured gaps 0.089-0.097)."""
     processor, model = mrope_target
     images = PackedImageTextForward._images
 
@@ -146,10 +175,10 @@ def test_dropped_image_features_are_caught(mrope_target, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fault", ["dropped", "one_layer_late"])
-def test_deepstack_faults_are_caught(mrope_target, tmp_path, monkeypatch, fault):
+def test_deepstack_faults_are_caught(deepstack_target, tmp_path, monkeypatch, fault):
     """The tower's deepstack features left out, or added to the layer after the one that
     takes them (measured gaps 0.093-0.095 and 0.083: layer 0's columns lack them either way)."""
-    processor, model = mrope_target
+    processor, model = deepstack_target
     images = PackedImageTextForward._images
 
     def mutant(self, inputs):
@@ -166,7 +195,7 @@ def test_deepstack_faults_are_caught(mrope_target, tmp_path, monkeypatch, fault)
 def test_position_faults_are_caught(mrope_target, tmp_path, monkeypatch, fault):
     """Documents 0 and 3 (the same tokens, their images transposed) given each other's 3-D
     positions; or every image document given 1-D positions on all three axes, the drafter's
-    stream (measured gaps 4.8e-3-5.2e-3 and 1.7e-2)."""
+    stream (measured gaps 1.7e-3-5.2e-3 and 4.2e-3-1.7e-2 over the three wrappers)."""
     processor, model = mrope_target
     samples = _samples(tmp_path, processor)
     own = PackedImageTextForward._document_positions
@@ -283,29 +312,76 @@ def test_gemma3_image_rule_faults_are_caught(gemma3, tmp_path, monkeypatch, faul
     assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
 
 
-@pytest.mark.parametrize("model_type", OTHERS)
-def test_other_wrappers_run_each_document_alone_and_say_why(model_type):
-    _, model = tiny_multimodal(model_type)
+def test_a_wrapper_without_a_packed_language_model_here_runs_each_document_alone_and_says_why():
+    """Qwen3.5's language model runs HF's forward on the CPU (its packed one needs fla), so its
+    image packs do too, and the reason says so."""
+    _, model = tiny_multimodal(HYBRID)
     path = multimodal_path(model, LAYERS, token_budget=64)
     try:
         assert path.name == "hf_multimodal"
-        assert f"{model_type!r} has no packed image+text forward" in path.reason
+        assert f"{HYBRID!r}: its language model's forward here is not a packed M-RoPE one" in (
+            path.reason
+        )
+    finally:
+        path.forward.close()
+
+
+def test_qwen3_5_takes_the_packed_path_where_its_language_model_runs_packed_hybrid(monkeypatch):
+    """Where the text path is the hybrid forward (on CUDA: here given with the reference
+    kernels), the image packs take the packed path over that very forward."""
+    _, model = tiny_multimodal(HYBRID)
+    text = PackedHybridForward(
+        text_model(model), LAYERS, kernels=REFERENCE, mrope=True, attention="sdpa", compile=False
+    )
+    hybrid = TargetPath(text, "packed_hybrid", "reference kernels", text.stage)
+    monkeypatch.setattr(multimodal, "select_target_forward", lambda *args, **kwargs: hybrid)
+    path = multimodal_path(model, LAYERS, token_budget=64)
+    assert path.name == "packed_image_text" and path.forward.text is text
+    assert "then packed_hybrid (reference kernels)" in path.reason
+
+
+def test_a_wrapper_without_a_packed_image_forward_runs_each_document_alone_and_says_why():
+    _, model = tiny_multimodal("qwen3_vl")
+    model.config.model_type = "qwen3_vl_unlisted"
+    path = multimodal_path(model, LAYERS, token_budget=64)
+    try:
+        assert path.name == "hf_multimodal"
+        assert "'qwen3_vl_unlisted' has no packed image+text forward" in path.reason
     finally:
         path.forward.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", sorted(PACKED_WRAPPERS))
+@pytest.mark.parametrize("model_type", sorted(set(PACKED_WRAPPERS) - {HYBRID}))
 def test_gpu_flex_compiled_packed_image_text_equals_each_document_alone(model_type, tmp_path):
     """fp32 on CUDA (no TF32), flex attention and compiled layers as a run takes them (T a
     multiple of flex's 128-row tiles), heads of 16 (flex's smallest): the same 1e-5 bound
     against the per-document forward on the same GPU."""
+    out, _ = _gpu_features(model_type, tmp_path)
+    torch.testing.assert_close(out[True], out[False], atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_packed_qwen3_5_image_text_is_within_flas_tf32_bound(tmp_path):
+    """Qwen3.5 with fla's varlen kernels (Gated DeltaNet heads of 32, fla's tile) against the
+    wrapper per document on the same GPU, which calls fla's chunked kernel too: relative max
+    difference 5e-3, the bound test_target_hybrid.py derives for fla's TF32 dots in fp32."""
+    out, scale = _gpu_features(HYBRID, tmp_path, linear_key_head_dim=32, linear_value_head_dim=32)
+    assert float((out[True] - out[False]).abs().max()) < 5e-3 * scale
+
+
+def _gpu_features(model_type: str, tmp_path, **text_fields) -> tuple[dict, float]:
+    """{packed: features} of the four documents on CUDA in fp32 (heads of 16, `text_fields` set
+    on the text config), and the per-document features' largest magnitude."""
     from transformers import AutoModelForImageTextToText
 
+    torch.backends.cuda.matmul.allow_tf32 = False
     entry = MULTIMODAL[model_type]
     processor = entry.processor()
     config = entry.config(processor)
     config.text_config.head_dim = 16
+    for name, value in text_fields.items():
+        setattr(config.text_config, name, value)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).cuda().eval()
     samples = _samples(tmp_path, processor)
@@ -324,4 +400,4 @@ def test_gpu_flex_compiled_packed_image_text_equals_each_document_alone(model_ty
             out[packed] = path.forward(*layout, features.cuda(), lengths, vision)
         finally:
             path.forward.close()
-    torch.testing.assert_close(out[True], out[False], atol=ATOL, rtol=0)
+    return out, float(out[False].abs().max())

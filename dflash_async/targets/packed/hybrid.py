@@ -247,7 +247,7 @@ class PackedHybridForward:
         # `mrope` (the family's, targets/families.py): Qwen3.5's rotary is an mrope (one position
         # row per grid axis t, h, w) and transformers 5.17 wants those rows given, [3, 1, T] (all
         # equal for text); Qwen3-Next's is 1-D
-        self._mrope = mrope
+        self.mrope = mrope
         self._layers = dict(
             zip(self.layers, text_model.layers[self.layers.start : self.layers.stop], strict=True)
         )
@@ -288,10 +288,20 @@ class PackedHybridForward:
 
     @torch.no_grad()
     def _rope_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The rotary's position input: [3, 1, T] for an mrope, [1, T] otherwise."""
-        if self._mrope:
+        """The rotary's position input: [3, 1, T] for an mrope (from the pack's positions [T],
+        equal on every axis, or an image+text pack's own [3, T]: targets/packed/image_text.py),
+        [1, T] otherwise."""
+        if position_ids.dim() == 2:
+            if not self.mrope:
+                raise ValueError("3-D positions for a language model without an mrope")
+            return position_ids[:, None]
+        if self.mrope:
             return position_ids[None, None].expand(3, 1, -1)
         return position_ids[None]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding of a pack's `input_ids` [T]: [1, T, d]."""
+        return self._embed(input_ids[None])
 
     def __call__(self, input_ids, position_ids, doc_ids, features, lengths) -> torch.Tensor:
         """Write the captured layers' outputs into `features` [T, k*d] (padding rows zero)."""

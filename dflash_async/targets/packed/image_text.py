@@ -1,7 +1,8 @@
-"""The packed forward of image+text packs for Qwen3-VL and Qwen3-VL-MoE: the whole pack in one
-pass of the language model, as its text packs run (targets/packed/dense.py), instead of the
-wrapper's HF forward once per document (targets/multimodal.py, the reference it must equal, and
-the table of the wrappers that have a packed one: Gemma 3's is image_text_gemma3.py).
+"""The packed forward of image+text packs for Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: the whole pack
+in one pass of the language model, as its text packs run (targets/packed/dense.py; Qwen3.5's
+hybrid: targets/packed/hybrid.py), instead of the wrapper's HF forward once per document
+(targets/multimodal.py, the reference it must equal, and the table of the wrappers that have a
+packed one: Gemma 3's is image_text_gemma3.py).
 
 What the wrapper's own forward does for one document, done for the pack:
 1. the vision tower once over every image of the pack (its blocks attend within each image,
@@ -11,9 +12,11 @@ What the wrapper's own forward does for one document, done for the pack:
 3. each image document's own 3-D rope positions (`get_rope_index` on that document alone: its
    text after an image continues from the image's largest position); text documents keep
    their 1-D positions on all three axes, as the wrapper gives a document without images;
-4. the language model's layers on the pack under the document-causal mask, the tower's
-   deepstack features added to the first layers' outputs at the image rows (`VisualRows`), the
-   captured layers' outputs (after that addition) in the features, padding rows zero.
+4. the language model's layers on the pack under the document-causal mask (Qwen3.5's Gated
+   DeltaNet layers restarting their state in every document), Qwen3-VL's deepstack features
+   added to the first layers' outputs at the image rows (`VisualRows`; Qwen3.5's tower has
+   none), the captured layers' outputs (after that addition) in the features, padding rows
+   zero.
 
 Only documents with pixel inputs take image features: an image placeholder id in a text
 document stays the token it is, as it does when that document runs alone.
@@ -30,6 +33,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets
 from dflash_async.targets.packed.dense import PackedDenseForward, VisualRows
+from dflash_async.targets.packed.hybrid import PackedHybridForward
 
 IMAGE_INPUTS = frozenset({"pixel_values", "image_grid_thw", "mm_token_type_ids"})
 
@@ -55,7 +59,7 @@ class PackedImageTextForward:
 
     summary = "the vision tower once per pack, each document's 3-D positions"
 
-    def __init__(self, model: nn.Module, text: PackedDenseForward) -> None:
+    def __init__(self, model: nn.Module, text: PackedDenseForward | PackedHybridForward) -> None:
         self.model = model
         self.text = text
         self.image_token_id = int(model.config.image_token_id)
@@ -64,9 +68,19 @@ class PackedImageTextForward:
     def problem(text: Any) -> str | None:
         """None when `text` (the language model's forward for text packs) is the packed M-RoPE
         forward this one extends, else why not."""
-        if not isinstance(text, PackedDenseForward) or not text.mrope:
-            return "its language model's forward here is not the packed M-RoPE one"
+        if not isinstance(text, (PackedDenseForward, PackedHybridForward)) or not text.mrope:
+            return "its language model's forward here is not a packed M-RoPE one"
         return None
+
+    def _stage(self, hidden, input_ids, positions, doc_ids, features, lengths, visual=None):
+        """The language model's packed forward on the pack: the dense one adds the deepstack
+        rows; the hybrid one takes the documents' lengths (its recurrences restart in each) and
+        has no deepstack to add."""
+        if isinstance(self.text, PackedHybridForward):
+            if visual is not None and visual.adds:
+                raise ValueError("deepstack features for a hybrid language model")
+            return self.text.stage(hidden, input_ids, positions, doc_ids, features, lengths)
+        return self.text.stage(hidden, input_ids, positions, doc_ids, features, visual=visual)
 
     @torch.no_grad()
     def __call__(
@@ -80,7 +94,7 @@ class PackedImageTextForward:
     ) -> torch.Tensor:
         lengths, vision, pictured = documents_with_images(lengths, vision)
         if not pictured:  # a text pack: the language model's own packed forward
-            self.text.stage(None, input_ids, position_ids, doc_ids, features)
+            self._stage(None, input_ids, position_ids, doc_ids, features, lengths)
             return features
         offsets = pack_row_offsets(lengths).tolist()
         positions = position_ids[None].repeat(3, 1)  # [3, T]
@@ -99,7 +113,7 @@ class PackedImageTextForward:
         hidden = self.text.embed(input_ids)  # [1, T, d]
         hidden[0, rows] = merged.to(hidden.dtype)
         visual = VisualRows(rows, [add.to(hidden.dtype) for add in deepstack])
-        self.text.stage(hidden, input_ids, positions, doc_ids, features, visual=visual)
+        self._stage(hidden, input_ids, positions, doc_ids, features, lengths, visual)
         return features
 
     def _document_positions(self, ids: torch.Tensor, inputs: Mapping) -> torch.Tensor:
@@ -113,13 +127,15 @@ class PackedImageTextForward:
 
     def _images(self, inputs: Sequence[Mapping]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The tower once over the documents' images: merged features [n, d] and the deepstack
-        features (one [n, d] per layer that takes them), rows in placeholder order."""
+        features (one [n, d] per layer that takes them; none for Qwen3.5), rows in placeholder
+        order."""
         out = self.model.model.get_image_features(
             torch.cat([x["pixel_values"] for x in inputs]),
             torch.cat([x["image_grid_thw"] for x in inputs]),
             return_dict=True,
         )
-        return _rows(out.pooler_output), [_rows(f) for f in out.deepstack_features]
+        deepstack = getattr(out, "deepstack_features", None) or []
+        return _rows(out.pooler_output), [_rows(f) for f in deepstack]
 
     def close(self) -> None:
         """Nothing to release (no hooks, unlike MultimodalForward); the same call shape."""
