@@ -165,6 +165,24 @@ def qwen3_5_config(processor: Any) -> Any:
     multimodal rotary) over the Qwen3-VL-style tower, image tokens and processor."""
     from transformers import Qwen3_5Config
 
+    return _qwen3_5_wrapper(Qwen3_5Config, processor)
+
+
+def qwen3_5_moe_config(processor: Any) -> Any:
+    """Qwen3.5-MoE's wrapper: Qwen3.5's, its language model's MLPs mixtures of experts (4
+    experts, 2 per token, a gated shared expert)."""
+    from transformers import Qwen3_5MoeConfig
+
+    experts = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    return _qwen3_5_wrapper(Qwen3_5MoeConfig, processor, **experts)
+
+
+def _qwen3_5_wrapper(config_class: type, processor: Any, **text_extra: Any) -> Any:
     base = qwen3_vl_config(processor)
     text = base.text_config.to_dict()
     text_fields = dict(
@@ -183,9 +201,10 @@ def qwen3_5_config(processor: Any) -> Any:
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         },
+        **text_extra,
     )
     vision = base.vision_config.to_dict()
-    return Qwen3_5Config(
+    return config_class(
         text_config=text_fields,
         vision_config={
             k: vision[k]
@@ -300,6 +319,9 @@ class Multimodal:
 MULTIMODAL: dict[str, Multimodal] = {
     "qwen3_vl": Multimodal(qwen3_vl_processor, qwen3_vl_config, _qwen_image_tokens, mrope=True),
     "qwen3_5": Multimodal(qwen3_vl_processor, qwen3_5_config, _qwen_image_tokens, mrope=True),
+    "qwen3_5_moe": Multimodal(
+        qwen3_vl_processor, qwen3_5_moe_config, _qwen_image_tokens, mrope=True
+    ),
     "qwen3_vl_moe": Multimodal(
         qwen3_vl_processor, qwen3_vl_moe_config, _qwen_image_tokens, mrope=True
     ),

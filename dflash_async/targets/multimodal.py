@@ -133,6 +133,7 @@ PACKED_WRAPPERS = {
     "qwen3_vl": PackedImageTextForward,
     "qwen3_vl_moe": PackedImageTextForward,
     "qwen3_5": PackedImageTextForward,
+    "qwen3_5_moe": PackedImageTextForward,
     "gemma3": PackedGemma3ImageTextForward,
 }
 

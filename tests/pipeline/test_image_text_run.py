@@ -86,7 +86,7 @@ async def test_run_trains_ten_steps_on_image_text_records(model_type, tmp_path, 
     chosen = [e for e in events if e["event"] == "target_path_chosen"]
     # Qwen3.5's packed forward runs over its language model's packed hybrid one, which needs
     # CUDA (fla): on the CPU it runs per document
-    packed = model_type in PACKED_WRAPPERS and model_type != "qwen3_5"
+    packed = model_type in PACKED_WRAPPERS and not model_type.startswith("qwen3_5")
     path = "packed_image_text" if packed else "hf_multimodal"
     assert chosen and all(e["target_path"] == path for e in chosen)
     steps = [e for e in events if e["event"] == "step"]

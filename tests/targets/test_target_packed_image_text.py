@@ -2,7 +2,7 @@
 wrapper's HF forward run on each document alone (targets/multimodal.py's MultimodalForward,
 itself checked against HF's `output_hidden_states` in test_multimodal_target.py), row for row,
 for every wrapper that has one (Qwen3-VL over a dense and over an MoE language model, Qwen3.5
-over its hybrid, Gemma 3); `multimodal_path` chooses them and the per-document forward for the
+and Qwen3.5-MoE over their hybrids, Gemma 3); `multimodal_path` chooses them and the per-document forward for the
 others, saying why. Qwen3.5's hybrid forward takes fla's kernels, which need CUDA: on the CPU it
 runs with the plain torch kernels of test_target_hybrid.py (`REFERENCE`), as its text tests do.
 
@@ -16,11 +16,11 @@ inside its window of 8, and its rows of an image see the whole image (`image_blo
 Tolerance 1e-5 in fp32, as for the packed text paths (test_target_packed.py): both sides run
 the same modules on the same rows and differ only in summation order (SDPA in query chunks
 against HF's attention per document, the tower over all images at once against per image):
-measured 4.8e-8 on Qwen3-VL's features of magnitude ~0.1, 3.7e-8 on Qwen3.5's (the reference
-kernels' recurrence against HF's chunked delta rule) and 3.6e-6 on Gemma 3's of up to 8.2
-(fp32's relative rounding, ~1e-7, times that magnitude and a few layers). The mutants, each a
-real way to get this wrong, move the features by far more, MUTANT_GAP = 1e-3 (each measured gap
-is in its test's comment).
+measured 4.8e-8 on Qwen3-VL's features of magnitude ~0.1, 3.7e-8 on Qwen3.5's and
+Qwen3.5-MoE's (the reference kernels' recurrence against HF's chunked delta rule) and 3.6e-6 on
+Gemma 3's of up to 8.2 (fp32's relative rounding, ~1e-7, times that magnitude and a few
+layers). The mutants, each a real way to get this wrong, move the features by far more,
+MUTANT_GAP = 1e-3 (each measured gap is in its test's comment).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ PAD = 7
 CPU = torch.device("cpu")
 MROPE = sorted(k for k, forward in PACKED_WRAPPERS.items() if forward is PackedImageTextForward)
 DEEPSTACK = ["qwen3_vl", "qwen3_vl_moe"]  # Qwen3.5's tower has none
-HYBRID = "qwen3_5"  # its language model's packed forward needs CUDA (fla)
+HYBRIDS = ["qwen3_5", "qwen3_5_moe"]  # their language model's packed forward needs CUDA (fla)
 
 
 @pytest.fixture(scope="module", params=sorted(PACKED_WRAPPERS))
@@ -125,7 +125,7 @@ def _features(model, samples, *, packed: bool) -> torch.Tensor:
 
 def _path(model, budget: int, *, packed: bool):
     """`multimodal_path`'s choice; Qwen3.5's packed one built with the CPU reference kernels."""
-    if packed and model.config.model_type == HYBRID:
+    if packed and model.config.model_type in HYBRIDS:
         text = PackedHybridForward(
             text_model(model),
             LAYERS,
@@ -312,24 +312,30 @@ def test_gemma3_image_rule_faults_are_caught(gemma3, tmp_path, monkeypatch, faul
     assert _gap(model, _samples(tmp_path, processor)) > MUTANT_GAP
 
 
-def test_a_wrapper_without_a_packed_language_model_here_runs_each_document_alone_and_says_why():
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_a_wrapper_without_a_packed_language_model_here_runs_each_document_alone_and_says_why(
+    model_type,
+):
     """Qwen3.5's language model runs HF's forward on the CPU (its packed one needs fla), so its
     image packs do too, and the reason says so."""
-    _, model = tiny_multimodal(HYBRID)
+    _, model = tiny_multimodal(model_type)
     path = multimodal_path(model, LAYERS, token_budget=64)
     try:
         assert path.name == "hf_multimodal"
-        assert f"{HYBRID!r}: its language model's forward here is not a packed M-RoPE one" in (
+        assert f"{model_type!r}: its language model's forward here is not a packed M-RoPE one" in (
             path.reason
         )
     finally:
         path.forward.close()
 
 
-def test_qwen3_5_takes_the_packed_path_where_its_language_model_runs_packed_hybrid(monkeypatch):
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_qwen3_5_takes_the_packed_path_where_its_language_model_runs_packed_hybrid(
+    monkeypatch, model_type
+):
     """Where the text path is the hybrid forward (on CUDA: here given with the reference
     kernels), the image packs take the packed path over that very forward."""
-    _, model = tiny_multimodal(HYBRID)
+    _, model = tiny_multimodal(model_type)
     text = PackedHybridForward(
         text_model(model), LAYERS, kernels=REFERENCE, mrope=True, attention="sdpa", compile=False
     )
@@ -352,7 +358,7 @@ def test_a_wrapper_without_a_packed_image_forward_runs_each_document_alone_and_s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", sorted(set(PACKED_WRAPPERS) - {HYBRID}))
+@pytest.mark.parametrize("model_type", sorted(set(PACKED_WRAPPERS) - set(HYBRIDS)))
 def test_gpu_flex_compiled_packed_image_text_equals_each_document_alone(model_type, tmp_path):
     """fp32 on CUDA (no TF32), flex attention and compiled layers as a run takes them (T a
     multiple of flex's 128-row tiles), heads of 16 (flex's smallest): the same 1e-5 bound
@@ -362,11 +368,13 @@ def test_gpu_flex_compiled_packed_image_text_equals_each_document_alone(model_ty
 
 
 @pytest.mark.gpu
-def test_gpu_fla_packed_qwen3_5_image_text_is_within_flas_tf32_bound(tmp_path):
-    """Qwen3.5 with fla's varlen kernels (Gated DeltaNet heads of 32, fla's tile) against the
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_gpu_fla_packed_qwen3_5_image_text_is_within_flas_tf32_bound(model_type, tmp_path):
+    """Qwen3.5 (and -MoE) with fla's varlen kernels (Gated DeltaNet heads of 32, fla's tile) against the
     wrapper per document on the same GPU, which calls fla's chunked kernel too: relative max
     difference 5e-3, the bound test_target_hybrid.py derives for fla's TF32 dots in fp32."""
-    out, scale = _gpu_features(HYBRID, tmp_path, linear_key_head_dim=32, linear_value_head_dim=32)
+    heads = dict(linear_key_head_dim=32, linear_value_head_dim=32)
+    out, scale = _gpu_features(model_type, tmp_path, **heads)
     assert float((out[True] - out[False]).abs().max()) < 5e-3 * scale
 
 
