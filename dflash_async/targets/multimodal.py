@@ -138,17 +138,6 @@ PACKED_WRAPPERS = {
 }
 
 
-def packed_image_text_problem(model: nn.Module, text: Any) -> str | None:
-    """None when `model` (a loaded wrapper) can run image+text packs packed over `text`, the
-    packed forward its language model takes for text packs; else why not."""
-    model_type = model.config.model_type
-    forward = PACKED_WRAPPERS.get(model_type)
-    if forward is None:
-        return f"{model_type!r} has no packed image+text forward"
-    problem = forward.problem(text)
-    return f"{model_type!r}: {problem}" if problem else None
-
-
 def multimodal_path(
     model: nn.Module,
     layer_ids: Sequence[int],
@@ -162,10 +151,11 @@ def multimodal_path(
     targets/packed/image_text.py), else MultimodalForward (`hf_multimodal`), the reason saying
     why. `packed=False`: MultimodalForward always (the reference); `packed_hybrid`: as
     select_target_forward's (DFLASH_TARGET__PACKED_HYBRID)."""
-    forward = PACKED_WRAPPERS.get(model.config.model_type)
+    model_type = model.config.model_type
+    forward = PACKED_WRAPPERS.get(model_type)
     problem = "packed=False" if not packed else None
     if problem is None and forward is None:
-        problem = f"{model.config.model_type!r} has no packed image+text forward"
+        problem = f"{model_type!r} has no packed image+text forward"
     if problem is None:  # the language model's packed forward, as for its text packs
         text = select_target_forward(
             model,
@@ -175,7 +165,8 @@ def multimodal_path(
             packed_hybrid=packed_hybrid,
         )
         inner = getattr(text.forward, "packed", text.forward)  # PackedCall's, or the hybrid
-        problem = packed_image_text_problem(model, inner)
+        why = forward.problem(inner)
+        problem = f"{model_type!r}: {why}" if why else None
     if problem is None:
         return TargetPath(
             forward(model, inner),

@@ -87,10 +87,15 @@ class KeySpans:
 
 
 def document_causal_spans(
-    doc_ids: torch.Tensor, window: int | None = None, rows: int = SDPA_QUERY_ROWS
+    doc_ids: torch.Tensor,
+    window: int | None = None,
+    rows: int = SDPA_QUERY_ROWS,
+    *,
+    last_key: torch.Tensor | None = None,
 ) -> KeySpans:
-    """The rule of `document_causal_mask` (with a `window`: q - k < window too) as KeySpans."""
-    return KeySpans(first_visible_key(doc_ids, window), rows)
+    """The rule of `document_causal_mask` (with a `window`: q - k < window too; with `last_key`
+    [T]: row q sees up to that key instead of itself) as KeySpans."""
+    return KeySpans(first_visible_key(doc_ids, window), rows, last_key)
 
 
 def sdpa_mask(
@@ -105,7 +110,7 @@ def sdpa_mask(
     sync); on CUDA the dense [T, T] mask, sync-free, so that a CUDA graph may capture the
     forward (CUDA packs of a multiple of FLEX_TILE rows, every long one, take flex instead)."""
     if not doc_ids.is_cuda:
-        return KeySpans(first_visible_key(doc_ids, window), rows, last_key)
+        return document_causal_spans(doc_ids, window, rows, last_key=last_key)
     mask = (
         document_causal_mask(doc_ids)
         if last_key is None

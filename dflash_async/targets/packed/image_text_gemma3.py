@@ -80,8 +80,8 @@ class PackedGemma3ImageTextForward:
         embed_ids = input_ids
         if self.image_token_id >= self.vocab_size:  # as the wrapper: such a placeholder reads 0
             embed_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
+        hidden = self.text.embed(embed_ids)  # [1, T, d], scaled by sqrt(d) inside
         if not pictured:  # a text pack: the language model's own packed forward
-            hidden = self.text.embed(embed_ids) if embed_ids is not input_ids else None
             self.text.stage(hidden, input_ids, position_ids, doc_ids, features)
             return features
         offsets = pack_row_offsets(lengths).tolist()
@@ -98,7 +98,6 @@ class PackedGemma3ImageTextForward:
         images = self._images([vision[r] for r in pictured])
         if images.shape[0] != rows.numel():
             raise ValueError(f"{rows.numel()} image placeholders for {images.shape[0]} features")
-        hidden = self.text.embed(embed_ids)  # [1, T, d], scaled by sqrt(d) inside
         hidden[0, rows] = images.to(hidden.dtype)
         last_key = image_block_ends(is_image)
         self.text.stage(hidden, input_ids, position_ids, doc_ids, features, last_key=last_key)
