@@ -422,6 +422,12 @@ def encode_image_prompt(
         add_generation_prompt=True,
         enable_thinking=enable_thinking,
     )
+    return encode_rendered_prompt(processor, text, images)
+
+
+def encode_rendered_prompt(processor: Any, text: str, images: Sequence[Any]) -> ImageTextSample:
+    """A prompt already rendered by a chat template, with its images, as encode_image_prompt
+    gives it."""
     out = processor(text=[text], images=list(images) or None, add_special_tokens=False)
     ids = np.asarray(out["input_ids"][0], dtype=np.int32)
     vision = {

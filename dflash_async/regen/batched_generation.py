@@ -17,6 +17,10 @@ longest prompt rounded up to `_LENGTH_BUCKET` plus `max_new_tokens`, and a last,
 filled up with copies of its last prompt (their answers are dropped). A longer prompt later
 re-plans (a new shape: one more compile).
 
+An image prompt (`generate_images`: token ids with the placeholders expanded, and the processor's
+vision inputs) is a job alone, run by the wrapper's `generate` with its own dynamic cache and no
+compile: each has its own length and vision shapes, so it neither batches nor keeps one shape.
+
 The batch is as large as fits (`fit_batch`): per row (`row_bytes`) the KV cache (bytes per token
 x cache length) plus the prefill's activations, the mask and a step's float32 scores and logits,
 against the device's free memory after the weights (measured once, before any cache) times
@@ -48,6 +52,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from dflash_async.data.images import ImageTextSample
 from dflash_async.eval.regenerate import generate_ids
 from dflash_async.regen.cache_attention import gqa_decode
 
@@ -185,8 +190,46 @@ class _Replica:
             self.model, rows, copy.deepcopy(config), **{_CACHE_KWARG: self.cache}, **kwargs
         )
 
+    def run_image(self, prompt: ImageTextSample, config: GenerationConfig, **kwargs: Any):
+        """An image prompt's new ids ([1 row]): the wrapper's generate on its token ids and
+        vision inputs, with generate's own cache (each prompt has its own length and vision
+        shapes, so no static cache and no compile)."""
+        config = copy.deepcopy(config)
+        config.disable_compile = True
+        ids = torch.as_tensor(prompt.input_ids, dtype=torch.long, device=self.device)[None]
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                **prompt.model_inputs(self.device, self.model.dtype),
+                **kwargs,
+            )
+        # Sync point: the generated ids come back to the host to be decoded.
+        return out[:, ids.shape[1] :].tolist()
 
-_Job = tuple[list[list[int]], int, Plan, int, Future]  # rows, real rows, plan, seed, result
+
+@dataclass(frozen=True)
+class _Job:
+    """A batch of text prompts (`rows`, the first `real` of them wanted, in `plan`'s shape) or
+    one image prompt (`image`, rows empty), sampled with `seed`; its new ids go to `future`."""
+
+    rows: list[list[int]]
+    real: int
+    plan: Plan | None
+    seed: int
+    future: Future
+    image: ImageTextSample | None = None
+
+    def out_of_memory(self) -> str:
+        """What ran out of memory, and what to do."""
+        if self.image is not None:
+            return f"an image prompt of {len(self.image)} tokens alone (lower --max-new-tokens)"
+        assert self.plan is not None
+        return (
+            f"{self.plan.batch} rows x {self.plan.cache_len} cached tokens; pass a smaller batch "
+            "size (--batch-size)"
+        )
 
 
 class GenerationPool:
@@ -302,17 +345,37 @@ class GenerationPool:
         if not order:
             return []
         plan = self.plan_for(len(rows[order[0]]))
+        jobs = []
+        for lo in range(0, len(order), plan.batch):
+            chunk = order[lo : lo + plan.batch]
+            batch = [list(rows[j]) for j in chunk]
+            if self.compile:  # the compiled shape: fill up with copies of the last prompt
+                batch += [batch[-1]] * (plan.batch - len(batch))
+            jobs.append((chunk, dict(rows=batch, real=len(chunk), plan=plan)))
+        return (yield from self._run(jobs, len(rows)))
+
+    def generate_images(
+        self, prompts: Sequence[ImageTextSample]
+    ) -> Generator[None, None, list[list[int]]]:
+        """Each image prompt's new ids, in the order given, as `generate`: one prompt a job (its
+        vision inputs have their own shapes), the jobs taken by whichever device is free."""
+        if not self._threads:
+            raise RuntimeError("GenerationPool.generate_images outside its `with` block")
+        jobs = [([j], dict(rows=[], real=1, plan=None, image=p)) for j, p in enumerate(prompts)]
+        return (yield from self._run(jobs, len(prompts)))
+
+    def _run(
+        self, jobs: list[tuple[list[int], dict[str, Any]]], count: int
+    ) -> Generator[None, None, list[list[int]]]:
+        """Queue the jobs (the prompts each answers, its _Job fields) and gather their new ids
+        into `count` results in input order, yielding None every tick_s while waiting."""
         pending: list[tuple[list[int], Future]] = []
         try:
-            for lo in range(0, len(order), plan.batch):
-                chunk = order[lo : lo + plan.batch]
-                batch = [list(rows[j]) for j in chunk]
-                if self.compile:  # the compiled shape: fill up with copies of the last prompt
-                    batch += [batch[-1]] * (plan.batch - len(batch))
+            for chunk, fields in jobs:
                 pending.append((chunk, future := Future()))
-                self._jobs.put((batch, len(chunk), plan, self.seed + self.batches, future))
+                self._jobs.put(_Job(**fields, seed=self.seed + self.batches, future=future))
                 self.batches += 1
-            results: list[list[int]] = [[] for _ in rows]
+            results: list[list[int]] = [[] for _ in range(count)]
             for chunk, future in pending:
                 while True:
                     try:
@@ -334,20 +397,26 @@ class GenerationPool:
             torch.cuda.set_device(replica.device)
         sampled = bool(self.config.do_sample)
         while (job := jobs.get()) is not None:
-            rows, real, plan, seed, future = job
+            future = job.future
             if not future.set_running_or_notify_cancel():
                 continue
-            stopping = StoppingCriteriaList([_Stop(self._stop), _Count(self, real)])
+            stopping = StoppingCriteriaList([_Stop(self._stop), _Count(self, job.real)])
             try:
-                with _seeded(seed, replica.device) if sampled else nullcontext():
-                    new_ids = replica.run(rows, plan, self.config, stopping_criteria=stopping)
-                future.set_result(new_ids[:real])
+                with _seeded(job.seed, replica.device) if sampled else nullcontext():
+                    if job.image is not None:
+                        new_ids = replica.run_image(
+                            job.image, self.config, stopping_criteria=stopping
+                        )
+                    else:
+                        assert job.plan is not None
+                        new_ids = replica.run(
+                            job.rows, job.plan, self.config, stopping_criteria=stopping
+                        )
+                future.set_result(new_ids[: job.real])
             except torch.OutOfMemoryError as error:
                 future.set_exception(
                     torch.OutOfMemoryError(
-                        f"{replica.device}: out of memory generating {plan.batch} rows x "
-                        f"{plan.cache_len} cached tokens; pass a smaller batch size (--batch-size): "
-                        f"{error}"
+                        f"{replica.device}: out of memory generating {job.out_of_memory()}: {error}"
                     )
                 )
             except BaseException as error:  # handed to the caller's thread, which raises it

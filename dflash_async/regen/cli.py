@@ -147,13 +147,13 @@ def main(args: argparse.Namespace) -> Path:
         role_map=_role_map(args),
         split=args.shard,
         limit=args.limit,
-        images=bool(args.server),
     )
     output = Path(args.output)
     check_output_outside_input(args.input, output)
     check_writable_folder(output, argument="--output")
     devices = _devices(args)
-    total, fingerprint = corpus.scan()
+    scan = corpus.scan()
+    total, fingerprint = scan.records, scan.fingerprint
     if total == 0:
         from dflash_async.data.formats import DataError
 
@@ -168,7 +168,9 @@ def main(args: argparse.Namespace) -> Path:
     if progress.complete:
         log.info("regenerate_completed", output=str(output), records=total, already_done=True)
         return output
-    engine = _engine(args, sampling, model_name=model_name, devices=devices)
+    engine = _engine(
+        args, sampling, model_name=model_name, devices=devices, images=scan.with_images > 0
+    )
     _drive(
         engine,
         corpus,
@@ -253,8 +255,16 @@ def _identity(
 
 
 def _engine(
-    args: argparse.Namespace, sampling: Any, *, model_name: str | None, devices: list[Any]
+    args: argparse.Namespace,
+    sampling: Any,
+    *,
+    model_name: str | None,
+    devices: list[Any],
+    images: bool,
 ) -> Any:
+    """The server engine, or the target loaded here: the wrapper whole with its processor when
+    the records hold images (the processor first: a target without one is exit 2 before any
+    weights load), else the language model."""
     if args.server:
         from dflash_async.regen.engines import ServerEngine
 
@@ -267,15 +277,31 @@ def _engine(
             retries=args.retries,
         )
     from dflash_async.regen.engines import InProcessEngine
-    from dflash_async.targets.loading import load_target, load_target_tokenizer
+    from dflash_async.targets import multimodal
+    from dflash_async.targets.loading import (
+        default_target_dtype,
+        load_target,
+        load_target_tokenizer,
+    )
 
-    models = [load_target(args.target, device=device) for device in devices]  # TargetError: exit 2
+    # TargetError (a missing folder, no image processor, no vision tower): exit 2
+    processor = multimodal.load_target_processor(args.target) if images else None
+    if images:
+        models = [
+            multimodal.load_multimodal_target(
+                args.target, device=device, dtype=default_target_dtype(device)
+            )
+            for device in devices
+        ]
+    else:
+        models = [load_target(args.target, device=device) for device in devices]
     return InProcessEngine(
         models,
         load_target_tokenizer(args.target),
         sampling=sampling,
         batch_size=args.batch_size,
         compile=args.compile,
+        processor=processor,
     )
 
 

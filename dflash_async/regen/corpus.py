@@ -4,7 +4,8 @@ One reader for both commands: files come from `formats.resolve_files` (a file, a
 a `datasets` folder of .jsonl(.gz)/.json/.parquet/.arrow) and records from `iter_raw_records`,
 `parse_record` and `chat_messages` (OpenAI `messages` or ShareGPT `conversations`, through the
 role map). Records are numbered across the whole corpus in file order; `--shard i/n` keeps those
-numbered k with k % n == i (deterministic, streaming: no machine needs the total first).
+numbered k with k % n == i (deterministic, streaming: no machine needs the total first). An
+image record (data/images.py) keeps its images as OpenAI image_url parts, each path made absolute.
 """
 
 from __future__ import annotations
@@ -71,20 +72,13 @@ class Corpus:
     role_map: Mapping[str, str]
     split: Split = Split()
     limit: int | None = None  # the first N records of the whole corpus, before the split
-    images: bool = False  # image records are answered (the server engine), else refused
 
     @classmethod
     def open(
-        cls,
-        path: str,
-        *,
-        role_map: Mapping[str, str],
-        split: Split,
-        limit: int | None,
-        images: bool = False,
+        cls, path: str, *, role_map: Mapping[str, str], split: Split, limit: int | None
     ) -> Corpus:
         """DataError (exit 2) when `path` names no data files."""
-        return cls(path, tuple(resolve_files(path)), dict(role_map), split, limit, images)
+        return cls(path, tuple(resolve_files(path)), dict(role_map), split, limit)
 
     def _raw(self) -> Iterator[tuple[int, str, bytes | dict, Path]]:
         number = 0
@@ -96,7 +90,7 @@ class Corpus:
                 number += 1
 
     def _record(self, raw: bytes | dict, where: str, file: Path) -> dict[str, Any]:
-        return openai_record(raw, where, self.role_map, root=file.parent, images=self.images)
+        return openai_record(raw, where, self.role_map, root=file.parent)
 
     def conversations(self, *, skip: int = 0) -> Iterator[Conversation]:
         """This machine's records in order, after the first `skip` of them (not parsed: resume).
@@ -109,16 +103,26 @@ class Corpus:
             if mine > skip:
                 yield Conversation(number, where, self._record(raw, where, file))
 
-    def scan(self) -> tuple[int, str]:
-        """(records of this machine, fingerprint of the whole input's records) in one pass that
-        also checks every record of this machine, so bad data fails before any model loads."""
-        digest, mine = hashlib.blake2b(digest_size=16), 0
+    def scan(self) -> Scan:
+        """One pass over the input that also checks every record of this machine, so bad data
+        (an image file that does not exist included) fails before any model loads."""
+        digest, mine, with_images = hashlib.blake2b(digest_size=16), 0, 0
         for number, where, raw, file in self._raw():
             digest.update(raw if isinstance(raw, bytes) else _canonical(raw).encode())
             if number % self.split.count == self.split.index:
-                self._record(raw, where, file)
+                with_images += has_images(self._record(raw, where, file))
                 mine += 1
-        return mine, digest.hexdigest()
+        return Scan(mine, digest.hexdigest(), with_images)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What Corpus.scan found: this machine's records, the fingerprint of the whole input's
+    records, and how many of this machine's hold images."""
+
+    records: int
+    fingerprint: str
+    with_images: int
 
 
 def _canonical(row: dict) -> str:
@@ -131,19 +135,13 @@ def openai_record(
     role_map: Mapping[str, str],
     *,
     root: Path | None = None,
-    images: bool = False,
 ) -> dict[str, Any]:
     """The record with its turns as OpenAI messages, in the place of its conversation key. An
     image record (data/images.py) keeps its images as image_url parts, their paths made
-    absolute (`root`: the data file's folder), when `images` allows it; else a DataError."""
+    absolute (`root`: the data file's folder)."""
     try:
         record = parse_record(raw)
         if has_images(record):
-            if not images:
-                raise BadRecord(
-                    "image records are regenerated through --server only (the in-process "
-                    "engine generates from text)"
-                )
             messages = openai_image_messages(record, root=root, role_map=role_map)
             record = {k: v for k, v in record.items() if k not in ("image", "images")}
         else:

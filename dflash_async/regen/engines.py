@@ -8,7 +8,9 @@
   408/429 and 5xx are retried with exponential back-off; another 4xx is the server rejecting the
   record (the command skips it or fails, by --on-error).
 - `InProcessEngine`: the target loaded here, one replica per device, batched generation with a
-  static KV cache, prompts sorted by length (regen/batched_generation.py).
+  static KV cache, prompts sorted by length (regen/batched_generation.py). Image prompts go
+  through the target's processor (its chat template, its image tokens and pixel inputs) to the
+  wrapper loaded whole, one prompt a job.
 
 Both yield one `Outcome` per conversation in input order, so the output does not depend on the
 engine's concurrency; `None` now and then while waiting, so the caller can log progress.
@@ -33,7 +35,16 @@ from http.client import HTTPException
 from queue import SimpleQueue
 from typing import Any
 
-from dflash_async.data.images import inline_images
+from dflash_async.data.formats import BadRecord, DataError
+from dflash_async.data.images import (
+    ImageTextSample,
+    encode_rendered_prompt,
+    has_images,
+    image_conversation,
+    inline_images,
+    load_image,
+    processor_template,
+)
 from dflash_async.eval.regenerate import (
     answers,
     cpu_threads,
@@ -83,7 +94,8 @@ class ServerError(RuntimeError):
 
 class InProcessEngine:
     """The target in this process: a `GenerationPool` (regen/batched_generation.py) of one replica per
-    device, fed windows of conversations; `batch_size` None: as large as fits.
+    device, fed windows of conversations; `batch_size` None: as large as fits. `processor`: the
+    target's (AutoProcessor), needed for image records, whose models are the wrapper whole.
 
     A window is `window_batches` batches per device of conversations; its turns are generated
     round by round (round r: the r-th chosen turn of each conversation, given the earlier ones as
@@ -101,9 +113,10 @@ class InProcessEngine:
         compile: bool | None = None,
         window_batches: int = 4,
         tick_s: float = 1.0,
+        processor: Any = None,
     ) -> None:
         s = sampling
-        self.tokenizer, self.sampling = tokenizer, sampling
+        self.tokenizer, self.sampling, self.processor = tokenizer, sampling, processor
         config = generation_config(
             models[0],
             tokenizer,
@@ -176,21 +189,46 @@ class InProcessEngine:
         tokens = [0] * len(records)
         for round_ in range(max((len(t) for t in chosen), default=0)):
             jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
+            seen = [{"messages": records[n]["messages"][:i]} for n, i in jobs]
+            text_jobs = [job for job, r in zip(jobs, seen, strict=True) if not has_images(r)]
+            image_jobs = [job for job, r in zip(jobs, seen, strict=True) if has_images(r)]
             prompts = [
                 render_prompt(tokenizer, records[n]["messages"][:i], s.template_kwargs)
-                for n, i in jobs
+                for n, i in text_jobs
             ]
             # no special tokens added: the template has them
-            rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-            self._check_context(rows)
+            rows = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+            images = [
+                self._image_prompt(window[n], records[n]["messages"][:i]) for n, i in image_jobs
+            ]
+            self._check_context([*rows, *(p.input_ids for p in images)])
             new_ids = yield from self.pool.generate(rows)
+            new_ids += yield from self.pool.generate_images(images)
             for (n, index), (text, _, count) in zip(
-                jobs, answers(new_ids, tokenizer, self.pool.config), strict=True
+                text_jobs + image_jobs, answers(new_ids, tokenizer, self.pool.config), strict=True
             ):
                 records[n]["messages"][index] = {"role": "assistant", "content": text}
                 tokens[n] += count
         for conversation, record, count in zip(window, records, tokens, strict=True):
             yield Outcome(conversation, record, count)
+
+    def _image_prompt(self, conversation: Conversation, messages: list[dict]) -> ImageTextSample:
+        """The conversation so far with its images, as the target reads it: rendered by the
+        processor's chat template (with the run's template kwargs), then expanded and encoded
+        by the processor. DataError naming the record for an image that cannot be read."""
+        if self.processor is None:
+            raise DataError(f"{conversation.where}: image records need the target's processor")
+        try:
+            parts, sources = image_conversation({"messages": messages}, root=None)
+            pictures = [load_image(source, None) for source in sources]
+        except BadRecord as error:
+            raise DataError(f"{conversation.where}: {error}") from None
+        template = {
+            "chat_template": processor_template(self.processor),
+            **self.sampling.template_kwargs,
+        }
+        text = render_prompt(self.tokenizer, parts, template)
+        return encode_rendered_prompt(self.processor, text, pictures)
 
 
 def completions_url(server: str) -> str:

@@ -1,8 +1,11 @@
 """`regenerate` on image+text records: through an OpenAI-compatible server (a stdlib stub here
 that records what it receives and answers a fixed text), each local image goes as a base64 data
 URL of the file's bytes, the output keeps the images as image_url parts with absolute paths and
-the server's answers, and `run`'s reader reads the output back; the in-process engine refuses
-image records (exit 2, naming file and line) before any model loads."""
+the server's answers, and `run`'s reader reads the output back. In process (`--target`) the
+wrapper loads whole with its processor and every answer, image records and text ones in one input,
+equals HF's own `generate` of that prompt alone (the mutant: vision inputs dropped on the way to
+the model must change an answer); a target without an image processor, or an image file that is
+missing, is exit 2 before any weights load."""
 
 from __future__ import annotations
 
@@ -15,12 +18,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from image_text_kit import MULTIMODAL, data_url, image, write_image_data
+import torch
+from image_text_kit import MULTIMODAL, data_url, image, tiny_multimodal, write_image_data
 
 from dflash_async.__main__ import main
-from dflash_async.data.images import read_image_samples
+from dflash_async.data.images import (
+    ImageTextSample,
+    encode_rendered_prompt,
+    image_conversation,
+    load_image,
+    processor_template,
+    read_image_samples,
+)
+from dflash_async.eval.regenerate import answers, generation_config, render_prompt
+from dflash_async.targets import multimodal
+from dflash_async.targets.tiny import ensure_tiny_target
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_intra_op_thread")]
+MAX_NEW = 12
 ANSWER = "The answer is four. Let me think step by step about the question."
 
 
@@ -103,9 +118,82 @@ def test_image_records_go_to_the_server_inline_and_come_back_readable(server, tm
     assert len(samples) == 3 and counts["images"] == 3
 
 
-def test_the_in_process_engine_refuses_image_records_before_loading(tmp_path, capsys):
+def _in_process(folder: Path, source: Path, out: Path, capsys) -> list[dict]:
+    argv = ["regenerate", "--input", str(source), "--output", str(out), "--target", str(folder)]
+    argv += ["--max-new-tokens", str(MAX_NEW), "--device", "cpu"]
+    assert main(argv) == 0, capsys.readouterr()
+    return [json.loads(x) for p in sorted(out.glob("shard-*.jsonl")) for x in p.open()]
+
+
+def _reference_answer(model, processor, record: dict) -> str:
+    """HF's own greedy `generate` of the wrapper on one record's prompt alone (no batching,
+    no static cache, no pool), decoded as `regenerate` decodes. An image prompt renders with
+    the processor's chat template, a text one with the tokenizer's (as the text path does)."""
+    messages, sources = image_conversation({"messages": record["messages"][:-1]}, root=None)
+    template = {"chat_template": processor_template(processor)} if sources else {}
+    # regenerate's default: --no-enable-thinking
+    text = render_prompt(processor.tokenizer, messages, {**template, "enable_thinking": False})
+    prompt = encode_rendered_prompt(processor, text, [load_image(s, None) for s in sources])
+    config = generation_config(
+        model, processor.tokenizer, max_new_tokens=MAX_NEW, greedy=True, temperature=1.0
+    )
+    ids = torch.as_tensor(prompt.input_ids, dtype=torch.long)[None]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            **prompt.model_inputs(torch.device("cpu"), torch.float32),
+        )
+    return answers(out[:, ids.shape[1] :].tolist(), processor.tokenizer, config)[0][0]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "gemma3"])
+def test_in_process_answers_equal_hf_generate_of_each_prompt_alone(
+    model_type, tmp_path, capsys, monkeypatch
+):
+    processor, model = tiny_multimodal(model_type)
+    model.save_pretrained(tmp_path / "target")
+    processor.tokenizer.save_pretrained(tmp_path / "target")
+    # the in-memory processor (Qwen3-VL's AutoProcessor needs torchvision, absent here)
+    monkeypatch.setattr(multimodal, "load_target_processor", lambda path: processor)
     source = _input(tmp_path / "in")
+    with source.open("a") as f:  # a text record among the image ones
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Hello there!"}]}) + "\n")
+    lines = _in_process(tmp_path / "target", source, tmp_path / "out", capsys)
+    assert len(lines) == 4
+    truth = [_reference_answer(model, processor, line) for line in lines]
+    assert [line["messages"][-1]["content"] for line in lines] == truth
+    assert lines[0]["messages"][0]["content"][0]["image_url"]["url"].endswith("0.png")
+    samples, counts = read_image_samples(
+        str(tmp_path / "out"), processor, max_len=512, block_size=2
+    )
+    assert len(samples) == 4 and counts["images"] == 3
+
+    # the mutant: the pixels never reach the model; some image record's answer must change
+    original = ImageTextSample.model_inputs
+
+    def without_pixels(self, device, dtype):
+        return {k: v for k, v in original(self, device, dtype).items() if "pixel" not in k}
+
+    monkeypatch.setattr(ImageTextSample, "model_inputs", without_pixels)
+    mutant = _in_process(tmp_path / "target", source, tmp_path / "mutant", capsys)
+    assert [line["messages"][-1]["content"] for line in mutant[:3]] != truth[:3]
+
+
+def test_in_process_a_target_without_an_image_processor_is_exit_2_before_loading(tmp_path, capsys):
+    source = _input(tmp_path / "in")
+    folder = ensure_tiny_target(tmp_path / "tiny")  # a text model: its tokenizer, no processor
+    argv = ["regenerate", "--input", str(source), "--output", str(tmp_path / "out")]
+    code = main([*argv, "--target", str(folder), "--max-new-tokens", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no image processor" in err, err
+
+
+def test_a_missing_image_file_is_exit_2_naming_file_and_line_before_loading(tmp_path, capsys):
+    source = _input(tmp_path / "in")
+    (tmp_path / "in" / "images" / "1.png").unlink()
     argv = ["regenerate", "--input", str(source), "--output", str(tmp_path / "out")]
     code = main([*argv, "--target", str(tmp_path / "no-model"), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
-    assert code == 2 and "data.jsonl:1" in err and "through --server only" in err, err
+    assert code == 2 and "data.jsonl:2" in err and "1.png" in err, err
