@@ -8,14 +8,27 @@ that should matter changes, so "changed" and "unchanged" are far apart even in f
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.drafter_config import DrafterConfig, default_target_layer_ids
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """flash-linear-attention's kernels take the fixed configs in benchmarks/fla_configs (as
+    benchmarks/gpu.sh sets them) unless the environment names others: left to autotune, each new
+    shape tries 75 configs per kernel, and the hybrid tests' dozen shapes in fp32 and bf16 ran
+    past a 300 s test limit on an H100. Set before any test module imports fla."""
+    configs = Path(__file__).resolve().parent.parent / "benchmarks" / "fla_configs"
+    if configs.is_dir():
+        os.environ.setdefault("FLA_CACHE_MODE", "default")
+        os.environ.setdefault("FLA_CONFIG_DIR", str(configs))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
