@@ -148,7 +148,7 @@ def _reference_answer(model, processor, record: dict) -> str:
     return answers(out[:, ids.shape[1] :].tolist(), processor.tokenizer, config)[0][0]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
 def test_in_process_answers_equal_hf_generate_of_each_prompt_alone(
     model_type, tmp_path, capsys, monkeypatch
 ):
