@@ -197,3 +197,17 @@ def test_a_missing_image_file_is_exit_2_naming_file_and_line_before_loading(tmp_
     code = main([*argv, "--target", str(tmp_path / "no-model"), "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "data.jsonl:2" in err and "1.png" in err, err
+
+
+def test_in_process_an_unreadable_image_is_exit_2_naming_its_record(tmp_path, capsys, monkeypatch):
+    processor, model = tiny_multimodal("qwen3_vl")
+    model.save_pretrained(tmp_path / "target")
+    processor.tokenizer.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(multimodal, "load_target_processor", lambda path: processor)
+    source = _input(tmp_path / "in")
+    (tmp_path / "in" / "images" / "1.png").write_bytes(b"not a png")
+    argv = ["regenerate", "--input", str(source), "--output", str(tmp_path / "out")]
+    argv += ["--target", str(tmp_path / "target"), "--max-new-tokens", "4", "--device", "cpu"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "data.jsonl:2" in err and "not a readable image" in err, err
