@@ -12,7 +12,8 @@
 #
 # Parts:
 #   tests        the GPU tests outside tests/targets (python -m pytest -m gpu -v tests ...)
-#   target-tests the GPU tests of tests/targets (the two halves each fit a 10-minute limit)
+#   target-tests the GPU tests of tests/targets (the two halves each fit a 10-minute limit); both
+#                write each test's peak reserved GPU memory to gpu_test_memory.jsonl
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,
 #                sliding-window layers, FP8 linears, flash-attn-4 against Triton, the small shape
@@ -70,14 +71,16 @@ for which in "$@"; do
   case $which in
   tests)
     part "GPU tests outside tests/targets"
-    timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu -v -p no:cacheprovider tests \
-      --ignore=tests/targets > "$out/gpu_tests.txt" 2>&1
+    DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
+      python3 -m pytest -m gpu -v -p no:cacheprovider tests --ignore=tests/targets \
+      > "$out/gpu_tests.txt" 2>&1
     echo "rc=$?: $(tail -1 "$out/gpu_tests.txt")"
     ;;
   target-tests)
     part "GPU tests of tests/targets"
-    timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -m gpu -v -p no:cacheprovider \
-      tests/targets > "$out/gpu_target_tests.txt" 2>&1
+    DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
+      python3 -m pytest -m gpu -v -p no:cacheprovider tests/targets \
+      > "$out/gpu_target_tests.txt" 2>&1
     echo "rc=$?: $(tail -1 "$out/gpu_target_tests.txt")"
     ;;
   drafter)

@@ -8,6 +8,8 @@ that should matter changes, so "changed" and "unchanged" are far apart even in f
 from __future__ import annotations
 
 import functools
+import gc
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def gpu_memory_returned(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each `gpu` test: its garbage collected and the caching allocator's free blocks given
+    back to the driver, so that pytest workers sharing one card do not keep each other's peaks
+    (a worker was seen holding 18 GiB of cache while others ran out of memory). With
+    DFLASH_TEST_GPU_MEMORY=FILE, one JSON line per test: the most memory it reserved, what a
+    card must hold for it (module fixtures' tensors included)."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    peak = torch.cuda.max_memory_reserved()
+    gc.collect()
+    torch.cuda.empty_cache()
+    if path := os.environ.get("DFLASH_TEST_GPU_MEMORY"):
+        line = {"test": request.node.nodeid, "peak_reserved_gib": round(peak / 2**30, 2)}
+        with open(path, "a") as f:  # one short line per append: workers' lines do not mix
+            f.write(json.dumps(line) + "\n")
 
 
 @functools.cache
