@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from queue import SimpleQueue
 from typing import Any
 
@@ -351,7 +352,7 @@ class GenerationPool:
             batch = [list(rows[j]) for j in chunk]
             if self.compile:  # the compiled shape: fill up with copies of the last prompt
                 batch += [batch[-1]] * (plan.batch - len(batch))
-            jobs.append((chunk, dict(rows=batch, real=len(chunk), plan=plan)))
+            jobs.append((chunk, partial(_Job, rows=batch, real=len(chunk), plan=plan)))
         return (yield from self._run(jobs, len(rows)))
 
     def generate_images(
@@ -361,19 +362,23 @@ class GenerationPool:
         vision inputs have their own shapes), the jobs taken by whichever device is free."""
         if not self._threads:
             raise RuntimeError("GenerationPool.generate_images outside its `with` block")
-        jobs = [([j], dict(rows=[], real=1, plan=None, image=p)) for j, p in enumerate(prompts)]
+        jobs = [
+            ([j], partial(_Job, rows=[], real=1, plan=None, image=prompt))
+            for j, prompt in enumerate(prompts)
+        ]
         return (yield from self._run(jobs, len(prompts)))
 
     def _run(
-        self, jobs: list[tuple[list[int], dict[str, Any]]], count: int
+        self, jobs: list[tuple[list[int], Callable[..., _Job]]], count: int
     ) -> Generator[None, None, list[list[int]]]:
-        """Queue the jobs (the prompts each answers, its _Job fields) and gather their new ids
-        into `count` results in input order, yielding None every tick_s while waiting."""
+        """Queue the jobs (the prompts each answers, and its _Job but for seed and future) and
+        gather their new ids into `count` results in input order, yielding None every tick_s
+        while waiting."""
         pending: list[tuple[list[int], Future]] = []
         try:
-            for chunk, fields in jobs:
+            for chunk, job in jobs:
                 pending.append((chunk, future := Future()))
-                self._jobs.put(_Job(**fields, seed=self.seed + self.batches, future=future))
+                self._jobs.put(job(seed=self.seed + self.batches, future=future))
                 self.batches += 1
             results: list[list[int]] = [[] for _ in range(count)]
             for chunk, future in pending:
