@@ -48,8 +48,9 @@ def gpu_memory_returned(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each `gpu` test: its garbage collected and the caching allocator's free blocks given
     back to the driver, so that pytest workers sharing one card do not keep each other's peaks
     (a worker was seen holding 18 GiB of cache while others ran out of memory). With
-    DFLASH_TEST_GPU_MEMORY=FILE, one JSON line per test: the most memory it reserved, what a
-    card must hold for it (module fixtures' tensors included)."""
+    DFLASH_TEST_GPU_MEMORY=FILE, one JSON line per test: the most memory it reserved in this
+    process, what a card must hold for it (module fixtures' tensors included; a run it starts
+    as a subprocess not counted)."""
     if "gpu" not in request.keywords or not torch.cuda.is_available():
         yield
         return
