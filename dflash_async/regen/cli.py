@@ -45,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--output", required=True, help="a folder: shard-NNNNN.jsonl files and a manifest")
     engine = parser.add_mutually_exclusive_group(required=True)
-    engine.add_argument("--target", help="in process: local HF model folder or cached model id")
+    engine.add_argument(
+        "--target",
+        help="in process: local HF model folder or cached model id (with its vision tower and "
+        "processor when the input holds image records)",
+    )
     engine.add_argument("--server", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     add("--model", help="the server's model name (default: the first it lists)")
     add(
