@@ -289,8 +289,9 @@ def _engine(
     )
 
     # TargetError (a missing folder, no image processor, no vision tower): exit 2
-    processor = multimodal.load_target_processor(args.target) if images else None
+    processor = None
     if images:
+        processor = multimodal.load_target_processor(args.target)
         models = [
             multimodal.load_multimodal_target(
                 args.target, device=device, dtype=default_target_dtype(device)

@@ -189,9 +189,10 @@ class InProcessEngine:
         tokens = [0] * len(records)
         for round_ in range(max((len(t) for t in chosen), default=0)):
             jobs = [(n, t[round_]) for n, t in enumerate(chosen) if len(t) > round_]
-            seen = [{"messages": records[n]["messages"][:i]} for n, i in jobs]
-            text_jobs = [job for job, r in zip(jobs, seen, strict=True) if not has_images(r)]
-            image_jobs = [job for job, r in zip(jobs, seen, strict=True) if has_images(r)]
+            text_jobs, image_jobs = [], []
+            for n, i in jobs:
+                pictured = has_images({"messages": records[n]["messages"][:i]})
+                (image_jobs if pictured else text_jobs).append((n, i))
             prompts = [
                 render_prompt(tokenizer, records[n]["messages"][:i], s.template_kwargs)
                 for n, i in text_jobs

@@ -174,7 +174,7 @@ def document_causal_block_mask(
     some = sees_some.view(n, tile, n).any(1)
     full = sees_all.view(n, tile, n).all(1)
 
-    def causal(b, h, q_idx, kv_idx):
+    def causal(b, h, q_idx, kv_idx):  # `ahead` with hi = q_idx, without reading hi per element
         return (kv_idx <= q_idx) & (kv_idx >= lo[q_idx])
 
     def ahead(b, h, q_idx, kv_idx):
