@@ -11,9 +11,13 @@
 # (benchmarks/gpu_lib.sh). One GPU is enough for every part but `pipeline`'s two-GPU run.
 #
 # Parts:
-#   tests        the GPU tests outside tests/targets (python -m pytest -m gpu -v tests ...)
-#   target-tests the GPU tests of tests/targets (the two halves each fit a 10-minute limit); both
-#                write each test's peak reserved GPU memory to gpu_test_memory.jsonl
+#   tests        the GPU tests outside tests/model and tests/targets (python -m pytest -m gpu -v
+#                tests ...), one test at a time
+#   model-tests  the GPU tests of tests/model (whole compiled drafter steps: the longest part)
+#   target-tests the GPU tests of tests/targets; the three test parts are split so that each
+#                stays under TESTS_TIMEOUT (default 560 s) on one 80 GB card; each writes every
+#                test's peak reserved GPU memory to gpu_test_memory.jsonl and pytest's 15
+#                slowest tests to the end of its .txt
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,
 #                sliding-window layers, FP8 linears, flash-attn-4 against Triton, the small shape
@@ -56,7 +60,7 @@
 #                peak memory). Needs torchvision (Qwen3-VL's processor).
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests target-tests drafter dspark kernels research memory target families-a families-b pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
+parts="tests model-tests target-tests drafter dspark kernels research memory target families-a families-b pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -70,18 +74,14 @@ for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
   case $which in
   tests)
-    part "GPU tests outside tests/targets"
-    DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
-      python3 -m pytest -m gpu -v -p no:cacheprovider tests --ignore=tests/targets \
-      > "$out/gpu_tests.txt" 2>&1
-    echo "rc=$?: $(tail -1 "$out/gpu_tests.txt")"
+    gpu_tests "GPU tests outside tests/model and tests/targets" gpu_tests tests \
+      --ignore=tests/model --ignore=tests/targets
+    ;;
+  model-tests)
+    gpu_tests "GPU tests of tests/model" gpu_model_tests tests/model
     ;;
   target-tests)
-    part "GPU tests of tests/targets"
-    DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
-      python3 -m pytest -m gpu -v -p no:cacheprovider tests/targets \
-      > "$out/gpu_target_tests.txt" 2>&1
-    echo "rc=$?: $(tail -1 "$out/gpu_target_tests.txt")"
+    gpu_tests "GPU tests of tests/targets" gpu_target_tests tests/targets
     ;;
   drafter)
     drafter 300 --steps 10

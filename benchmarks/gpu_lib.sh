@@ -41,6 +41,17 @@ gpu_pytest() {
   echo "pytest $name rc=$?: $(tail -1 "$out/$name.txt")"
 }
 
+# TITLE, NAME, then pytest arguments: the GPU tests they select, one at a time, under
+# TESTS_TIMEOUT; verbose output and the slowest tests into $out/NAME.txt, each test's peak
+# reserved memory into $out/gpu_test_memory.jsonl (tests/conftest.py)
+gpu_tests() {
+  local title=$1 name=$2; shift 2
+  part "$title"
+  DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
+    python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 "$@" > "$out/$name.txt" 2>&1
+  echo "rc=$?: $(tail -1 "$out/$name.txt")"
+}
+
 # limit, then `bench drafter` arguments (the Qwen3-8B drafter shape, compiled, graph-replayed)
 drafter() {
   local limit=$1; shift
