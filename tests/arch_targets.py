@@ -201,20 +201,7 @@ def _text(model_type: str, vocab: int, eos: int) -> dict[str, Any]:
         ),
         "qwen3_vl_moe_text": dict(intermediate_size=128, head_dim=16, **moe),
         "mistral4": dict(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            kv_lora_rank=16,
-            q_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            num_key_value_heads=4,
+            **mla_moe,
             # the published rope but for the Llama 4 query scale's period (8192): 4, so that
             # prompts and documents cross its steps
             rope_parameters=dict(
