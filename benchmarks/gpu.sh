@@ -74,14 +74,16 @@ for which in "$@"; do
   exec > >(tee -a "$out/$which.log") 2>&1
   case $which in
   tests)
-    gpu_tests "GPU tests outside tests/model and tests/targets" gpu_tests tests \
-      --ignore=tests/model --ignore=tests/targets
+    part "GPU tests outside tests/model and tests/targets"
+    gpu_pytest gpu_tests -m gpu tests --ignore=tests/model --ignore=tests/targets
     ;;
   model-tests)
-    gpu_tests "GPU tests of tests/model" gpu_model_tests tests/model
+    part "GPU tests of tests/model"
+    gpu_pytest gpu_model_tests -m gpu tests/model
     ;;
   target-tests)
-    gpu_tests "GPU tests of tests/targets" gpu_target_tests tests/targets
+    part "GPU tests of tests/targets"
+    gpu_pytest gpu_target_tests -m gpu tests/targets
     ;;
   drafter)
     drafter 300 --steps 10

@@ -33,23 +33,15 @@ part() { echo; echo "== $1 ($(date +%T))"; }
 # limit, then a command: run it under its own time limit, so one slow step cannot starve the rest
 limited() { local limit=$1; shift; timeout "$limit" "$@"; echo "rc=$?"; }
 
-# NAME, then pytest arguments: verbose pytest output straight into $out/NAME.txt (a cut run still
-# names what failed), its summary line on stdout
+# NAME, then pytest arguments: verbose pytest output and the 15 slowest tests straight into
+# $out/NAME.txt (a cut run still names what failed), its summary line on stdout; under
+# TESTS_TIMEOUT (default 560 s), each GPU test's peak reserved memory into
+# $out/gpu_test_memory.jsonl (tests/conftest.py)
 gpu_pytest() {
   local name=$1; shift
-  python3 -m pytest -v -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
-  echo "pytest $name rc=$?: $(tail -1 "$out/$name.txt")"
-}
-
-# TITLE, NAME, then pytest arguments: the GPU tests they select, one at a time, under
-# TESTS_TIMEOUT; verbose output and the slowest tests into $out/NAME.txt, each test's peak
-# reserved memory into $out/gpu_test_memory.jsonl (tests/conftest.py)
-gpu_tests() {
-  local title=$1 name=$2; shift 2
-  part "$title"
   DFLASH_TEST_GPU_MEMORY="$out/gpu_test_memory.jsonl" timeout "${TESTS_TIMEOUT:-560}" \
-    python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 "$@" > "$out/$name.txt" 2>&1
-  echo "rc=$?: $(tail -1 "$out/$name.txt")"
+    python3 -m pytest -v -p no:cacheprovider --durations=15 "$@" > "$out/$name.txt" 2>&1
+  echo "pytest $name rc=$?: $(tail -1 "$out/$name.txt")"
 }
 
 # limit, then `bench drafter` arguments (the Qwen3-8B drafter shape, compiled, graph-replayed)
