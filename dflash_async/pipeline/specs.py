@@ -23,7 +23,7 @@ layer ids and mask token (from the target's config, at start-up) and the kernels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ class RunSpec:
     save: SaveSpec
     eval: EvalSettings
     tensorboard_dir: str  # "" = off
+    attention_auto: bool = False  # DFLASH_TRAIN__ATTENTION was auto (see fit_attention)
 
 
 def run_spec(settings: Settings, *, visible_gpus: int | None = None) -> RunSpec:
@@ -129,7 +130,35 @@ def run_spec(settings: Settings, *, visible_gpus: int | None = None) -> RunSpec:
         ),
         eval=settings.eval,
         tensorboard_dir=settings.log.tensorboard_dir,
+        attention_auto=train.attention == "auto",
     )
+
+
+# torch's flex_attention kernels take heads of 16 dimensions or more (Inductor refuses smaller:
+# "NYI: embedding dimension of the query, key, and value must be at least 16"); tiny targets
+# (llama2.c's stories260K: 8) have smaller ones
+FLEX_MIN_HEAD_DIM = 16
+
+
+def fit_attention(spec: RunSpec, *, head_dim: int, log) -> RunSpec:
+    """The run's spec once the drafter's head_dim is known (it is the target's): flex with
+    smaller heads than flex_attention takes is sdpa when the attention was auto (logged as
+    attention_fitted), else SettingsError (exit 2) naming the setting."""
+    if spec.step.attention != "flex" or head_dim >= FLEX_MIN_HEAD_DIM:
+        return spec
+    if not spec.attention_auto:
+        raise SettingsError(
+            f"DFLASH_TRAIN__ATTENTION=flex: the drafter's heads have {head_dim} dimensions (the "
+            f"target's) and flex_attention's kernels take {FLEX_MIN_HEAD_DIM} or more; use sdpa "
+            "or auto"
+        )
+    log.info(
+        "attention_fitted",
+        attention="sdpa",
+        head_dim=head_dim,
+        reason=f"flex_attention's kernels take heads of {FLEX_MIN_HEAD_DIM} dimensions or more",
+    )
+    return replace(spec, step=replace(spec.step, attention="sdpa"))
 
 
 def _variant_fields(settings: Settings) -> dict:

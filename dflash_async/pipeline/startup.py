@@ -48,7 +48,7 @@ from dflash_async.pipeline.distributed import (
 )
 from dflash_async.pipeline.placement import placing, split_placement
 from dflash_async.pipeline.shutdown import Shutdown
-from dflash_async.pipeline.specs import RunSpec
+from dflash_async.pipeline.specs import RunSpec, fit_attention
 from dflash_async.runtime.devices import DeviceWorker, open_device_worker
 from dflash_async.runtime.rings import RingSet
 from dflash_async.stages.chain import TargetChain, load_chain
@@ -136,6 +136,7 @@ async def _prepare_inputs(spec: RunSpec, rank: RankInfo, log) -> Prepared:
     inputs = await writer_first(  # CPU only: files
         rank, lambda: resolve_inputs(spec, log), timeout_s=spec.nodes.timeout_s
     )
+    spec = fit_attention(spec, head_dim=inputs.drafter_config.head_dim, log=log)
     samples = await anyio.to_thread.run_sync(
         read_samples, spec, inputs, log, abandon_on_cancel=True
     )

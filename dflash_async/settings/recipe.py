@@ -142,7 +142,8 @@ class _TrainCommon(Section):
     """torch.compile the drafter's layers (norms, RoPE, SwiGLU) and the CE math (GPU only)."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Drafter attention: flex on GPU, sdpa (the same rule in chunks of block rows, each against
-    only the keys it may see) on CPU when auto."""
+    only the keys it may see) on CPU when auto; auto is sdpa on GPU too for heads of under 16
+    dimensions (a tiny target's), which flex_attention's kernels do not take."""
     sdpa_query_rows: int = Field(1024, ge=1)
     """sdpa: block rows per attention call (whole blocks); each call's mask is this many rows x
     the context keys they see, so memory grows linearly with TOKEN_BUDGET (100 MB at 1024 rows

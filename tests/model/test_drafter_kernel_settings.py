@@ -214,3 +214,34 @@ def test_flash_resolved_objective_keeps_full_precision_attention_on_triton_or_re
     objective.config = dataclasses.replace(objective_config, flex_backend="flash")
     with pytest.raises(ValueError, match=r"bf16 or fp16 attention, not torch\.float64"):
         objective._flex_options_for_this_call()
+
+
+def test_flex_meets_heads_smaller_than_its_kernels_take_auto_as_sdpa_and_explicit_as_exit_2() -> (
+    None
+):
+    """A tiny target's heads (llama2.c's stories260K: 8 dimensions) are below what
+    flex_attention compiles: auto on GPU drafters becomes sdpa with a log line, an explicit flex
+    is SettingsError naming the setting, and heads of 16 keep flex."""
+    from dflash_async.pipeline.specs import FLEX_MIN_HEAD_DIM, fit_attention, run_spec
+
+    lines = []
+
+    class Log:
+        def info(self, event, **fields):
+            lines.append((event, fields))
+
+    def spec(**values):
+        settings = load_settings(NO_FILE | {"DFLASH_TRAIN__MAX_STEPS": "1"} | values)
+        return run_spec(settings, visible_gpus=1)
+
+    auto = spec()
+    assert auto.step.attention == "flex" and auto.attention_auto
+    assert fit_attention(auto, head_dim=FLEX_MIN_HEAD_DIM, log=Log()) is auto
+    assert fit_attention(auto, head_dim=8, log=Log()).step.attention == "sdpa"
+    assert lines == [("attention_fitted", lines[0][1])] and lines[0][1]["head_dim"] == 8
+    flex = spec(DFLASH_TRAIN__ATTENTION="flex")
+    assert fit_attention(flex, head_dim=16, log=Log()) is flex
+    with pytest.raises(SettingsError, match=r"ATTENTION=flex: the drafter's heads have 8 dim"):
+        fit_attention(flex, head_dim=8, log=Log())
+    sdpa = spec(DFLASH_TRAIN__ATTENTION="sdpa")
+    assert fit_attention(sdpa, head_dim=8, log=Log()) is sdpa

@@ -32,7 +32,6 @@ closer than the most the tolerance could move them (`_choice_margin`).
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 
 import packed_kit as kit
@@ -293,19 +292,26 @@ def test_the_multimodal_wrapper_runs_its_text_layers_packed_and_exact(kind: str)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_flex_packed_rows_equal_each_document_alone(kind: str, compile: bool) -> None:
+def test_gpu_flex_packed_rows_are_as_close_to_fp64_as_hf_on_the_gpu(
+    kind: str, compile: bool
+) -> None:
     """fp32 on CUDA (TF32 off), flex tiles of 128 at T = 256, documents across the tile edge and
-    longer than the window, Spark's MoE block eager between compiled parts: the CPU bound."""
+    longer than the window, Spark's MoE block eager between compiled parts: within 3x HF's own
+    fp32 error against fp64 (packed_kit derives the bound). The CPU tests' fixed 1e-4 does not
+    hold for these longer documents: HF fp32 alone is 1.5e-4 from fp64 on Spark's 70-token one
+    (CPU, seed 10), and on an H100 our rows were 1.25e-4 from HF fp32, the two errors added. The
+    mutants move features by 2.5 at the least (module docstring), over 1000x above it."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = copy.deepcopy(_model(kind)).cuda()
-    inner = text_model(model)
-    family = family_of(inner.config).forward.layers
-    forward = PackedWindowForward(
-        inner, LAYER_IDS, family=family, attention="flex", compile=compile
-    )
+    model = _model(kind)
     # seed 10: Spark's smallest choice margin on these documents is 2.2 (seed 8's was 0.69)
     docs = _documents(vocab=model.config.vocab_size, seed=10, lengths=(70, 100, 3, 50))
     assert _choice_margin(model, docs) > 1
-    out = kit.run_packed(forward, docs, budget=256, width=WIDTH, device="cuda")
-    assert kit.max_deviation(out, _alone(model, docs)) < ATOL
+
+    def build(inner):
+        family = family_of(inner.config).forward.layers
+        return PackedWindowForward(
+            inner, LAYER_IDS, family=family, attention="flex", compile=compile
+        )
+
+    kit.assert_gpu_rows_as_close_to_fp64_as_hf(model, build, docs, layer_ids=LAYER_IDS, budget=256)
