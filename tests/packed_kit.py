@@ -3,9 +3,10 @@ random documents and the slot's poisoned feature buffer, a forward or a selected
 packed layout, and the comparison of every packed row with its document run alone through HF
 (the padding rows asserted zero), exact to a tolerance or as a distance. Also the bodies every
 family repeats: the selected CPU path packed and exact, two chained stages writing the whole
-forward's features, flex on the CPU writing SDPA's; and a forward's module rebuilt from its
-source with edits (the mutants the comparison must catch). What differs per family (its
-configs, forwards, mutant edits, tolerances and their derivations) stays in its test file.
+forward's features, flex on the CPU writing SDPA's, the GPU rows within HF's own fp32 error of
+fp64; and a forward's module rebuilt from its source with edits (the mutants the comparison must
+catch). What differs per family (its configs, forwards, mutant edits, tolerances and their
+derivations) stays in its test file.
 """
 
 from __future__ import annotations
