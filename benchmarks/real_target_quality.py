@@ -12,7 +12,8 @@
    the same corpus with the same settings and steps, each in OUT/<kind>/ (a finished run is read,
    not run again). `--matmuls default,fp8` trains each kind twice, the second time with the
    drafter's linears in FP8 (DFLASH_TRAIN__FP8_MATMULS, a GPU with FP8 tensor cores), in
-   OUT/<kind>+fp8/: the same data, seed and steps, so the rows differ by the matmuls alone.
+   OUT/<kind>+fp8/: the same data, seed and steps, so the rows differ by the matmuls alone;
+   `fp8-emulate` (OUT/<kind>+fp8-emulate/) is the same quantization on any device, the CPU too.
 3. Measures, per kind, on the held-out sequences (opening + greedy continuation): decoded tau at
    T = 0 and T = 1 (the reference speculative decoder, from the opening, --length minus the
    opening new tokens), and the teacher-forced figures of
@@ -102,7 +103,13 @@ def corpus(args, target) -> tuple[Path, list[list[int]]]:
     return train, rows
 
 
-MATMULS = {"default": {}, "fp8": {"DFLASH_TRAIN__FP8_MATMULS": "true"}}  # --matmuls -> settings
+# --matmuls -> settings: fp8 needs a GPU with FP8 tensor cores; fp8-emulate runs the same
+# quantization anywhere (the CPU too), summed in the compute dtype
+MATMULS = {
+    "default": {},
+    "fp8": {"DFLASH_TRAIN__FP8_MATMULS": "true"},
+    "fp8-emulate": {"DFLASH_TRAIN__FP8_MATMULS": "emulate"},
+}
 
 
 def run_name(kind: str, matmuls: str) -> str:
@@ -229,7 +236,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/real_target_quality"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--matmuls", default="default", help="default, fp8 or both (comma)")
+    parser.add_argument(
+        "--matmuls", default="default", help="comma list of default, fp8, fp8-emulate"
+    )
     parser.add_argument("--stories", type=int, default=3000)
     parser.add_argument("--heldout", type=int, default=32)
     parser.add_argument("--train-sequences", type=int, default=16)

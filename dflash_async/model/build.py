@@ -49,7 +49,8 @@ class _StepSpec:
     flex_autotune: bool = False
     working_weights: bool = True  # bf16 working copies where the compiled update runs
     kind: str = DEFAULT_KIND  # the drafter's (DrafterConfig.kind)
-    fp8_matmuls: bool = False  # the drafter's linears as FP8 matmuls (model/fp8_training.py)
+    # the drafter's linears as FP8 matmuls (model/fp8_training.py); emulate: its reference
+    fp8_matmuls: bool | Literal["emulate"] = False
     sdpa_query_rows: int = 1024  # sdpa: block rows per attention call (model/attention_rule.py)
 
 
@@ -83,7 +84,9 @@ def build_drafter_step(
     kind = kind_of(spec.kind)
     torch.manual_seed(spec.seed)
     drafter = kind.make_drafter(config).to(device)
-    fp8 = use_fp8_matmuls(drafter) if spec.fp8_matmuls else None  # before the first forward
+    fp8 = None  # installed before the first forward
+    if spec.fp8_matmuls:
+        fp8 = use_fp8_matmuls(drafter, kernel=False if spec.fp8_matmuls == "emulate" else None)
     objective = kind.make_objective(
         ObjectiveConfig(
             block_size=config.block_size,

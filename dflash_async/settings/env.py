@@ -294,15 +294,21 @@ def _nest(merged: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _describe(error: ValidationError, merged: Mapping[str, str], origins: Mapping[str, str]) -> str:
-    """One line: `DFLASH_X__Y='value': what is wrong (in file)`, errors joined by '; '."""
+    """One line: `DFLASH_X__Y='value': what is wrong (in file)`, errors joined by '; '. A setting
+    of several types (`bool | Literal["emulate"]`) fails once per type, each error's location
+    ending in the type: its messages join under the one name, with "or"."""
     env_names = {path: name for name, path in setting_names().items()}
-    parts = []
+    found: dict[str | None, list[str]] = {}
     for item in error.errors(include_url=False):
         message = item["msg"].removeprefix("Value error, ")
-        name = env_names.get(tuple(str(part) for part in item["loc"]))
-        if name is None:  # a check across fields: its message names the variables
-            parts.append(message)
-        elif name not in merged:  # a derived default failed (e.g. gamma for an odd block size)
+        loc = tuple(str(part) for part in item["loc"])
+        names = (env_names.get(loc[:n]) for n in range(len(loc), 0, -1))
+        name = next((n for n in names if n is not None), None)
+        found.setdefault(name, []).append(message)
+    parts = list(found.pop(None, []))  # checks across fields: their messages name the variables
+    for name, messages in found.items():
+        message = " or ".join(messages)
+        if name not in merged:  # a derived default failed (e.g. gamma for an odd block size)
             parts.append(f"{name}: {message}")
         else:
             where = f" (in {origins[name]})" if origins.get(name) else ""

@@ -218,14 +218,16 @@ class TrainSettings(*(kind.train_fields for kind in reversed(KINDS.values())), _
     forward and the matmul weights' gradients are the same; the norm weights' gradients and the
     sums across drafters are rounded to bf16. Off: autocast casts the fp32 weights at every use
     and the gradients are fp32 (the same memory; slower, BENCHMARKS.md)."""
-    fp8_matmuls: bool = False
+    fp8_matmuls: bool | Literal["emulate"] = False
     """Run the drafter's linears (attention, MLP, fc; DFlash2's projections) as FP8 matmuls on
     the GPU: e4m3 with a scale per row, torch._scaled_mm for the output and the input gradient,
     the weight gradient in bf16 (after torchao float8's row-wise recipes, docs/GPU.md); the
     fp32 weights, the bf16 working copies, checkpoints and exports are unchanged. Needs GPU
     drafters with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell); refused
-    elsewhere (exit 2): there it could only emulate the rounding, slower than the plain step.
-    Off by default: it changes the training numerics (e4m3 keeps 3 mantissa bits against bf16's
+    elsewhere (exit 2). `emulate`: the same quantization on any device, each product computed
+    from the dequantized operands in the compute dtype (torchao's emulate), the kernel's numbers
+    but for how it sums: slower than the plain step, for seeing what FP8 does to a drafter's
+    quality where no such GPU is. Off by default: it changes the training numerics (e4m3 keeps 3 mantissa bits against bf16's
     7); measured on an H200, 1.16x the bf16 step at the Qwen3-8B drafter shape, and demo loss
     curves within 0.006 of bf16's on the same data (BENCHMARKS.md), a check at the demo's scale
     only. Part of the run identity: a resume must use the same value."""

@@ -427,6 +427,46 @@ def test_the_setting_parses_reaches_the_step_spec_and_is_refused_off_fp8_gpus(tm
     assert specs.run_spec(load_settings(tiny_env(inputs))).step.fp8_matmuls is False
 
 
+def test_emulate_runs_anywhere_as_the_reference_and_trains_as_the_setting_on_does_here(
+    tmp_path,
+) -> None:
+    """FP8_MATMULS=emulate parses, passes where true is refused (the CPU), reaches the step
+    spec, and installs the kernel-free reference in every aligned linear: on the CPU the step
+    is the one true would build, so the losses are equal to the bit; its run identity differs
+    from true's (another summation)."""
+    from tiny_run import tiny_env, tiny_inputs
+
+    from dflash_async.pipeline import specs
+
+    emulate = {"DFLASH_TRAIN__FP8_MATMULS": "emulate"}
+    assert load_settings(NO_FILE | emulate).train.fp8_matmuls == "emulate"
+    inputs = tiny_inputs(tmp_path, records=4)
+    assert specs.run_spec(load_settings(tiny_env(inputs) | emulate)).step.fp8_matmuls == "emulate"
+    with pytest.raises(
+        SettingsError, match=r"^DFLASH_TRAIN__FP8_MATMULS='fast': .* or .*'emulate'"
+    ):
+        load_settings(NO_FILE | {"DFLASH_TRAIN__FP8_MATMULS": "fast"})
+    assert _losses(_spec(fp8_matmuls="emulate")) == _losses(_spec(fp8_matmuls=True))
+    config = tiny_config(TinySpec())
+    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
+    step = build_drafter_step(
+        _spec(fp8_matmuls="emulate"),
+        config,
+        embed=embed,
+        lm_head=lm_head,
+        device=torch.device("cpu"),
+        rank=0,
+        total_steps=10,
+    )
+    linears = [m for m in step.objective.drafter.modules() if type(m) is Fp8TrainingLinear]
+    assert linears and not any(m.fp8_kernel for m in linears)
+    ids = [
+        run_identity(_spec(fp8_matmuls=v), config, target_path="/x", data="d")[FP8_MATMULS_KEY]
+        for v in ("emulate", True)
+    ]
+    assert ids == ["emulate", True]
+
+
 def test_the_run_identity_holds_the_setting_and_resume_must_match_it() -> None:
     """Recorded in every run's identity; a checkpoint from before the setting existed is a bf16
     run's (it resumes with the setting off, is refused with it on); a checkpoint of either value
