@@ -324,10 +324,11 @@ def _spec(**changes) -> StepSpec:
     return dataclasses.replace(spec, **changes)
 
 
-def _losses(spec: StepSpec, steps: int = 4) -> list[float]:
+def _built(spec: StepSpec):
+    """The tiny drafter's step on the CPU, as the pipeline builds it."""
     config = tiny_config(TinySpec())
     embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
-    step = build_drafter_step(
+    return build_drafter_step(
         spec,
         config,
         embed=embed,
@@ -336,7 +337,11 @@ def _losses(spec: StepSpec, steps: int = 4) -> list[float]:
         rank=0,
         total_steps=10,
     )
-    step.batch.copy_(tiny_batch(TinySpec(), config, dtype=torch.float32))
+
+
+def _losses(spec: StepSpec, steps: int = 4) -> list[float]:
+    step = _built(spec)
+    step.batch.copy_(tiny_batch(TinySpec(), tiny_config(TinySpec()), dtype=torch.float32))
     losses = []
     for _ in range(steps):
         step.phase_a()
@@ -447,19 +452,10 @@ def test_emulate_runs_anywhere_as_the_reference_and_trains_as_the_setting_on_doe
     ):
         load_settings(NO_FILE | {"DFLASH_TRAIN__FP8_MATMULS": "fast"})
     assert _losses(_spec(fp8_matmuls="emulate")) == _losses(_spec(fp8_matmuls=True))
-    config = tiny_config(TinySpec())
-    embed, lm_head = tiny_target_weights(config, seed=0, dtype=torch.float32)
-    step = build_drafter_step(
-        _spec(fp8_matmuls="emulate"),
-        config,
-        embed=embed,
-        lm_head=lm_head,
-        device=torch.device("cpu"),
-        rank=0,
-        total_steps=10,
-    )
-    linears = [m for m in step.objective.drafter.modules() if type(m) is Fp8TrainingLinear]
+    drafter = _built(_spec(fp8_matmuls="emulate")).objective.drafter
+    linears = [m for m in drafter.modules() if type(m) is Fp8TrainingLinear]
     assert linears and not any(m.fp8_kernel for m in linears)
+    config = tiny_config(TinySpec())
     ids = [
         run_identity(_spec(fp8_matmuls=v), config, target_path="/x", data="d")[FP8_MATMULS_KEY]
         for v in ("emulate", True)
