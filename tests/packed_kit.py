@@ -196,23 +196,15 @@ def assert_gpu_rows_as_close_to_fp64_as_hf(
 
     exact = copy.deepcopy(model).double()
     exact.set_experts_implementation("eager")
-    ref = []
-    for ids, _ in docs:
-        ids = torch.as_tensor(ids)[None]
-        ref.append(capture_features(exact, ids, torch.ones_like(ids), layer_ids)[0])
+    ref = alone_features(exact, docs, layer_ids=layer_ids)
     gpu = copy.deepcopy(model).float().cuda()
     width = ref[0].shape[-1]
     out = run_packed(build(text_model(gpu)), docs, budget=budget, width=width, device="cuda")
-    out = out.cpu().double()
-    offsets = assert_padding_rows_zero(out, [len(ids) for ids, _ in docs])
-    hf_errs, packed_errs = [], []
-    for j, (ids, _) in enumerate(docs):
-        ids = torch.as_tensor(ids, device="cuda")[None]
-        hf = capture_features(gpu, ids, torch.ones_like(ids), layer_ids)[0].cpu().double()
-        hf_errs.append(float((hf - ref[j]).abs().max()))
-        packed_errs.append(float((out[offsets[j] : offsets[j + 1]] - ref[j]).abs().max()))
+    packed_err = max_deviation(out.cpu().double(), ref)  # asserts the padding rows zero
+    hf = alone_features(gpu, docs, layer_ids=layer_ids)
+    hf_err = max(float((h.cpu().double() - r).abs().max()) for h, r in zip(hf, ref, strict=True))
     floor = 4 * torch.finfo(torch.float32).eps * max(float(r.abs().max()) for r in ref)
-    assert max(packed_errs) <= 3 * max(*hf_errs, floor), (packed_errs, hf_errs)
+    assert packed_err <= 3 * max(hf_err, floor), (packed_err, hf_err)
 
 
 def mutant_module(module: ModuleType, *edits: tuple[str, str], every: bool = False) -> ModuleType:

@@ -222,13 +222,11 @@ def test_flex_meets_heads_smaller_than_its_kernels_take_auto_as_sdpa_and_explici
     """A tiny target's heads (llama2.c's stories260K: 8 dimensions) are below what
     flex_attention compiles: auto on GPU drafters becomes sdpa with a log line, an explicit flex
     is SettingsError naming the setting, and heads of 16 keep flex."""
+    from data_samples import EventLog
+
     from dflash_async.pipeline.specs import FLEX_MIN_HEAD_DIM, fit_attention, run_spec
 
-    lines = []
-
-    class Log:
-        def info(self, event, **fields):
-            lines.append((event, fields))
+    log = EventLog()
 
     def spec(**values):
         settings = load_settings(NO_FILE | {"DFLASH_TRAIN__MAX_STEPS": "1"} | values)
@@ -236,12 +234,13 @@ def test_flex_meets_heads_smaller_than_its_kernels_take_auto_as_sdpa_and_explici
 
     auto = spec()
     assert auto.step.attention == "flex" and auto.attention_auto
-    assert fit_attention(auto, head_dim=FLEX_MIN_HEAD_DIM, log=Log()) is auto
-    assert fit_attention(auto, head_dim=8, log=Log()).step.attention == "sdpa"
-    assert lines == [("attention_fitted", lines[0][1])] and lines[0][1]["head_dim"] == 8
+    assert fit_attention(auto, head_dim=FLEX_MIN_HEAD_DIM, log=log) is auto
+    assert fit_attention(auto, head_dim=8, log=log).step.attention == "sdpa"
+    assert [e["event"] for e in log.events] == ["attention_fitted"]
+    assert log.of("attention_fitted")["head_dim"] == 8
     flex = spec(DFLASH_TRAIN__ATTENTION="flex")
-    assert fit_attention(flex, head_dim=16, log=Log()) is flex
+    assert fit_attention(flex, head_dim=16, log=EventLog()) is flex
     with pytest.raises(SettingsError, match=r"ATTENTION=flex: the drafter's heads have 8 dim"):
-        fit_attention(flex, head_dim=8, log=Log())
+        fit_attention(flex, head_dim=8, log=EventLog())
     sdpa = spec(DFLASH_TRAIN__ATTENTION="sdpa")
-    assert fit_attention(sdpa, head_dim=8, log=Log()) is sdpa
+    assert fit_attention(sdpa, head_dim=8, log=EventLog()) is sdpa
