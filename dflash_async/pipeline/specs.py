@@ -42,6 +42,7 @@ from dflash_async.settings.recipe import TrainSettings
 from dflash_async.stages.produce import TargetSpec
 from dflash_async.stages.read import PlanSpec
 from dflash_async.stages.save import SaveSpec
+from dflash_async.targets.packed.dense import FLEX_MIN_HEAD_DIM
 from dflash_async.targets.split import replica_devices
 
 
@@ -132,12 +133,6 @@ def run_spec(settings: Settings, *, visible_gpus: int | None = None) -> RunSpec:
         tensorboard_dir=settings.log.tensorboard_dir,
         attention_auto=train.attention == "auto",
     )
-
-
-# torch's flex_attention kernels take heads of 16 dimensions or more (Inductor refuses smaller:
-# "NYI: embedding dimension of the query, key, and value must be at least 16"); tiny targets
-# (llama2.c's stories260K: 8) have smaller ones
-FLEX_MIN_HEAD_DIM = 16
 
 
 def fit_attention(spec: RunSpec, *, head_dim: int, log) -> RunSpec:

@@ -8,7 +8,9 @@ extents on the host; the packed paths never look at it.
 
 - `packed_dense`: Qwen3, Qwen2/2.5, Llama 3.x and Qwen3-VL's language model on text data (its
   M-RoPE given three equal position rows) (`targets/packed/dense.py`); flex + compile on CUDA,
-  SDPA in chunks of query rows on the CPU (no [T, T] mask).
+  SDPA in chunks of query rows on the CPU (no [T, T] mask) and on CUDA where flex's kernels do
+  not take the pack or the heads (`packed_attention`: T not a multiple of 128, heads of fewer
+  than 16 dimensions, as tiny targets have).
 - `packed_moe`: Qwen3-MoE and Qwen3-VL-MoE's language model (its M-RoPE as Qwen3-VL's), the same
   packed forward with the HF MoE block (its grouped experts) run eagerly between compiled
   attention blocks; GLM-4.5 (`glm4_moe`) through `targets/packed/mla.py`
@@ -62,11 +64,17 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.errors import SettingsError
-from dflash_async.targets.families import FAMILIES, GENERIC, GENERIC_ROW, family_of
+from dflash_async.targets.families import (
+    FAMILIES,
+    GENERIC,
+    GENERIC_ROW,
+    attention_head_dim,
+    family_of,
+)
 from dflash_async.targets.generic import GenericForward
 from dflash_async.targets.grouped_experts import CompiledExperts, swap_compiled_experts
 from dflash_async.targets.loading import TargetFeatures, is_hybrid, text_config, text_model
-from dflash_async.targets.packed.dense import FLEX_TILE, PackedDenseForward
+from dflash_async.targets.packed.dense import FLEX_MIN_HEAD_DIM, FLEX_TILE, PackedDenseForward
 from dflash_async.targets.paths import NoPackedPath, TargetPath
 
 
@@ -211,13 +219,33 @@ def _layer_range(model: nn.Module, layers: range | None) -> nn.ModuleList:
     return every if layers is None else nn.ModuleList(every[i] for i in layers)
 
 
+def packed_attention(config, *, cuda: bool, token_budget: int) -> str:
+    """The packed forwards' attention: flex on CUDA where its kernels take the pack (T a multiple
+    of its tile) and the heads (FLEX_MIN_HEAD_DIM dimensions or more), else the SDPA path."""
+    fits = token_budget % FLEX_TILE == 0 and min(_head_dims(config)) >= FLEX_MIN_HEAD_DIM
+    return "flex" if cuda and fits else "sdpa"
+
+
+def _head_dims(config) -> tuple[int, ...]:
+    """The target's attention head dimensions: MLA's query/key and value heads where the config
+    has a latent KV (DeepSeek-V3's fields), else its one head dimension."""
+    if getattr(config, "kv_lora_rank", None):
+        qk = (getattr(config, "qk_nope_head_dim", 0) or 0) + (
+            getattr(config, "qk_rope_head_dim", 0) or 0
+        )
+        v = getattr(config, "v_head_dim", 0) or 0
+        if qk and v:
+            return (qk, v)
+    return (attention_head_dim(config),)
+
+
 def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed_hybrid, layers):
     """select_target_forward's choice (see there): the packed path of the text config's family
     (targets/families.py), or the HF fallback with the reason that path refuses."""
     device = _device(model, layers)
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
-    attention = "flex" if cuda and token_budget % FLEX_TILE == 0 else "sdpa"
+    attention = packed_attention(text_config(model), cuda=cuda, token_budget=token_budget)
     model_type = text_config(model).model_type
     family = family_of(text_config(model))
     path = family.forward

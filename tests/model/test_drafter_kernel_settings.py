@@ -224,7 +224,8 @@ def test_flex_meets_heads_smaller_than_its_kernels_take_auto_as_sdpa_and_explici
     is SettingsError naming the setting, and heads of 16 keep flex."""
     from data_samples import EventLog
 
-    from dflash_async.pipeline.specs import FLEX_MIN_HEAD_DIM, fit_attention, run_spec
+    from dflash_async.pipeline.specs import fit_attention, run_spec
+    from dflash_async.targets.packed.dense import FLEX_MIN_HEAD_DIM
 
     log = EventLog()
 

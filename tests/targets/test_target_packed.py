@@ -15,10 +15,17 @@ from functools import partial
 import packed_kit as kit
 import pytest
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    DeepseekV3Config,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from dflash_async.data.packing import layout_pack
-from dflash_async.targets.forward import select_target_forward
+from dflash_async.targets.forward import packed_attention, select_target_forward
 from dflash_async.targets.loading import random_target, text_model
 from dflash_async.targets.packed import dense as packed_dense
 from dflash_async.targets.packed.dense import (
@@ -111,6 +118,32 @@ def test_a_model_type_without_packed_forward_falls_back_to_hf_and_says_why() -> 
     model = random_target(GemmaConfig(**_SMALL), seed=0)
     path = select_target_forward(model, (0, 1), token_budget=16, max_batch_tokens=16)
     assert path.name == "hf" and "gemma" in path.reason
+
+
+# heads of 8 dimensions (llama2.c's stories260K: hidden 64, 8 heads) and of 64; MLA heads whose
+# value dimension alone is below flex_attention's 16
+_HEADS_8 = LlamaConfig(hidden_size=64, num_attention_heads=8)
+_HEADS_64 = LlamaConfig(hidden_size=512, num_attention_heads=8)
+_MLA = DeepseekV3Config(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+_MLA_SMALL_V = DeepseekV3Config(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("config", "cuda", "token_budget", "attention"),
+    [
+        (_HEADS_64, True, 2048, "flex"),
+        (_HEADS_64, False, 2048, "sdpa"),  # flex runs on CUDA only
+        (_HEADS_64, True, 2000, "sdpa"),  # T not a multiple of flex's 128-row tile
+        (_HEADS_8, True, 2048, "sdpa"),  # heads below the 16 dimensions flex compiles for
+        (_MLA, True, 2048, "flex"),
+        (_MLA_SMALL_V, True, 2048, "sdpa"),  # MLA's own value heads, not hidden / heads (112)
+    ],
+    ids=["heads64-cuda", "heads64-cpu", "untiled-budget", "heads8-cuda", "mla", "mla-small-v"],
+)
+def test_packed_attention_takes_flex_only_where_its_kernels_take_the_pack_and_the_heads(
+    config, cuda: bool, token_budget: int, attention: str
+) -> None:
+    assert packed_attention(config, cuda=cuda, token_budget=token_budget) == attention
 
 
 def test_document_causal_mask_sees_exactly_the_earlier_rows_of_the_same_document() -> None:

@@ -45,6 +45,10 @@ except ImportError:  # pragma: no cover
     flex_attention = None
 
 FLEX_TILE = 128  # flex_attention's block size: T must be a multiple of it on the flex path
+# torch's flex_attention kernels take heads of 16 dimensions or more (Inductor refuses smaller:
+# "NYI: embedding dimension of the query, key, and value must be at least 16"); tiny targets
+# (llama2.c's stories260K: 8), and the drafters that copy their heads, have smaller ones
+FLEX_MIN_HEAD_DIM = 16
 # Query rows per SDPA call on the chunked path: its mask is 1024 x (keys seen) bools, 100 MB for
 # a 98304-token document (torch's CPU flash kernel takes the mask and never forms the scores).
 SDPA_QUERY_ROWS = 1024
