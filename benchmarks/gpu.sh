@@ -18,6 +18,9 @@
 #                stays under TESTS_TIMEOUT (default 560 s) on one 80 GB card; each writes every
 #                test's peak reserved GPU memory to gpu_test_memory.jsonl and pytest's 15
 #                slowest tests to the end of its .txt
+#   suite        the three test parts above at once, three pytest processes on one card (their
+#                largest tests reserve 68, 21 and 20 GiB: a card of 141 GB; on 80 GB run
+#                model-tests beside target-tests, then tests), each under TESTS_TIMEOUT
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,
 #                sliding-window layers, FP8 linears, flash-attn-4 against Triton, the small shape
@@ -60,7 +63,7 @@
 #                peak memory). Needs torchvision (Qwen3-VL's processor).
 . "$(dirname "$0")/gpu_lib.sh"
 
-parts="tests model-tests target-tests drafter dspark kernels research memory target families-a families-b pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
+parts="tests model-tests target-tests suite drafter dspark kernels research memory target families-a families-b pipeline report placement eval regen resume distributed fp8curve long-32k long-64k long-128k images"
 [ $# -gt 0 ] || { echo "usage: $0 PART [PART...] (parts: $parts)" >&2; exit 2; }
 for which in "$@"; do
   [[ " $parts " == *" $which "* ]] || { echo "unknown part $which (parts: $parts)" >&2; exit 2; }
@@ -84,6 +87,13 @@ for which in "$@"; do
   target-tests)
     part "GPU tests of tests/targets"
     gpu_pytest gpu_target_tests -m gpu tests/targets
+    ;;
+  suite)
+    part "the GPU tests, three parts at once"
+    gpu_pytest gpu_tests -m gpu tests --ignore=tests/model --ignore=tests/targets &
+    gpu_pytest gpu_model_tests -m gpu tests/model &
+    gpu_pytest gpu_target_tests -m gpu tests/targets &
+    wait
     ;;
   drafter)
     drafter 300 --steps 10
