@@ -30,9 +30,10 @@ from dflash_async.bench.step_profile import (
 )
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.build import StepSpec, build_drafter_step
-from dflash_async.model.drafter_config import DEFAULT_GAMMA, DrafterConfig
+from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.flops import drafter_step_flops, drafter_step_flops_by_part, mfu
 from dflash_async.model.kinds import DEFAULT_KIND, KINDS, kind_of
+from dflash_async.model.objective import DEFAULT_GAMMA
 from dflash_async.model.step import STATS, DrafterStep
 from dflash_async.runtime.devices import parse_device
 from dflash_async.usage import ArgumentParser, require_cuda

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.step_ranges import step_range
+
+if TYPE_CHECKING:  # the config is built from every kind's fields (model/kinds/)
+    from dflash_async.model.drafter_config import DrafterConfig
 
 # attend(q [1, H, Q, hd], k [1, Hkv, S, hd], v [1, Hkv, S, hd]) -> [1, H, Q, hd], S = T + Q.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -30,9 +30,6 @@ from dflash_async.targets.families import (
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN35_MASK_TOKEN_ID = 248070
 
-# docs/DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
 # The drafter variants of released drafters (docs/DFLASH.md s.10), for both kinds, and their
 # defaults: today's drafter. A run's identity lists one only when it differs from its default, so
 # the checkpoints written before the variants existed still resume.

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_async.model.drafter_config import DrafterConfig
+if TYPE_CHECKING:  # the config is built from every kind's fields (model/kinds/)
+    from dflash_async.model.drafter_config import DrafterConfig
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,12 @@ from dflash_async.model.chunked_ce import (  # re-exported: the objectives' CE
     linear_weighted_cross_entropy,
 )
 from dflash_async.model.drafter import Attend, DFlashDrafter, compute_dtype
-from dflash_async.model.drafter_config import DEFAULT_GAMMA
 from dflash_async.model.layer_rules import AttentionRule
 from dflash_async.model.logit_transforms import logit_transform_of
 from dflash_async.model.step_ranges import step_range
+
+# docs/DFLASH.md s.4: the decay gamma of the loss weight along the block, per block size.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_gamma(block_size: int) -> float:

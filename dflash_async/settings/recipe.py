@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from dflash_async.model.drafter_config import DEFAULT_GAMMA
 from dflash_async.model.kinds import DEFAULT_KIND, KINDS
 from dflash_async.model.layer_rules import LAYER_TYPES, SLIDING_ATTENTION
+from dflash_async.model.objective import DEFAULT_GAMMA
 from dflash_async.settings.values import Section
 
 

@@ -23,7 +23,7 @@ from dotenv import dotenv_values
 from tiny_run import tiny_run_settings
 
 from dflash_async.__main__ import build_parser, main
-from dflash_async.model.drafter_config import DEFAULT_GAMMA
+from dflash_async.model.objective import DEFAULT_GAMMA
 from dflash_async.settings.env import repo_root
 from dflash_async.settings.recipe import TrainSettings
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,11 @@ from dflash_async.model.drafter import (
     DFlashDrafter,
     DraftLayer,
 )
-from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds.dflash2 import NAME, conv_groups
 from dflash_async.model.step_ranges import step_range
+
+if TYPE_CHECKING:  # the config is built from every kind's fields (model/kinds/)
+    from dflash_async.model.drafter_config import DrafterConfig
 
 
 def block_causal_conv(

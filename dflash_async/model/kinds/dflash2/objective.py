@@ -21,13 +21,12 @@ first step, the group maxima of the unary logits, is an output of the CE chunk's
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from dflash_async.data.packing import PackedBatch
 from dflash_async.model.chunked_ce import ce_and_grad_from_logits
-from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds.dflash2.drafter import CandidateSelector, DFlash2Drafter
 from dflash_async.model.kinds.dflash2.grouped_topk import group_maxima, group_width, grouped_topk
 from dflash_async.model.logit_transforms import transformed_ce_and_grad
@@ -38,6 +37,9 @@ from dflash_async.model.objective import (
     StepSums,
 )
 from dflash_async.model.step_ranges import step_range
+
+if TYPE_CHECKING:  # the config is built from every kind's fields (model/kinds/)
+    from dflash_async.model.drafter_config import DrafterConfig
 
 
 def selector_predecessors(labels: torch.Tensor) -> torch.Tensor:

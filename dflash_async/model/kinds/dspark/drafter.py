@@ -18,12 +18,16 @@ layer its objective reads): `fuse` reads the first k*d columns.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_async.model.drafter import DFlashDrafter
-from dflash_async.model.drafter_config import DrafterConfig
+
+if TYPE_CHECKING:  # the config is built from every kind's fields (model/kinds/)
+    from dflash_async.model.drafter_config import DrafterConfig
 
 
 class MarkovHead(nn.Module):
