@@ -212,6 +212,20 @@ def test_gpu_flex_packed_rows_equal_each_document_alone(compile: bool) -> None:
     _assert_rows_equal_each_document_alone(model, docs, out)
 
 
+@pytest.mark.gpu
+def test_gpu_selected_path_of_a_target_with_8_dimension_heads_runs_sdpa_and_is_exact() -> None:
+    """stories260K's head shape (hidden 64, 8 heads of 8): flex_attention's kernels refuse it, so
+    the selected CUDA path must take SDPA and stay exact; fp32, the 1e-5 bound of the module."""
+    config = LlamaConfig(**{**_SMALL, "num_attention_heads": 8, "num_key_value_heads": 4})
+    config.head_dim = 8
+    model = random_target(config, seed=1).cuda()
+    path = select_target_forward(model, LAYER_IDS, token_budget=256, max_batch_tokens=256)
+    assert path.name == "packed_dense" and "sdpa" in path.reason, path.reason
+    docs = kit.documents(vocab=300, lengths=(70, 100, 3, 50), seed=5)
+    out = kit.run_path(path.forward, docs, budget=256, width=len(LAYER_IDS) * 64, device="cuda")
+    _assert_rows_equal_each_document_alone(model, docs, out)
+
+
 def _moe_features(model, *, routed: bool) -> torch.Tensor:
     """Features through attention_and_route (`routed`, Qwen3-MoE's default) or, with the block
     taken out of ROUTED_BLOCKS, through the HF block's own call (as any other MoE block)."""
