@@ -63,6 +63,16 @@ def compressed_tensors_problem(quant: dict[str, Any]) -> str | None:
     )
 
 
+def latent_head_dims(cfg: Any) -> tuple[int, int] | None:
+    """MLA's own head widths (query-key: nope + rope; value) where the config names them
+    (DeepSeek-V3 and its kin), else None."""
+    qk = (getattr(cfg, "qk_nope_head_dim", None) or 0) + (
+        getattr(cfg, "qk_rope_head_dim", None) or 0
+    )
+    v = getattr(cfg, "v_head_dim", None)
+    return (qk, v) if qk and v else None
+
+
 def layer_attribute(cfg: Any, name: str, default: Any = None) -> Any:
     """`cfg.name`, or for a per-layer attribute (Gemma 4's head_dim: sliding layers 256, full
     layers 512) the value most layers have, ties to the first layer's. Most layers: the drafter

@@ -64,6 +64,7 @@ from torch import nn
 
 from dflash_async.data.packing import pack_row_offsets, target_batches
 from dflash_async.errors import SettingsError
+from dflash_async.targets.config_readers import latent_head_dims
 from dflash_async.targets.families import (
     FAMILIES,
     GENERIC,
@@ -221,22 +222,11 @@ def _layer_range(model: nn.Module, layers: range | None) -> nn.ModuleList:
 
 def packed_attention(config, *, cuda: bool, token_budget: int) -> str:
     """The packed forwards' attention: flex on CUDA where its kernels take the pack (T a multiple
-    of its tile) and the heads (FLEX_MIN_HEAD_DIM dimensions or more), else the SDPA path."""
-    fits = token_budget % FLEX_TILE == 0 and min(_head_dims(config)) >= FLEX_MIN_HEAD_DIM
+    of its tile) and the heads (FLEX_MIN_HEAD_DIM dimensions or more: MLA's own query-key and
+    value widths, else the one head dimension), else the SDPA path."""
+    heads = latent_head_dims(config) or (attention_head_dim(config),)
+    fits = token_budget % FLEX_TILE == 0 and min(heads) >= FLEX_MIN_HEAD_DIM
     return "flex" if cuda and fits else "sdpa"
-
-
-def _head_dims(config) -> tuple[int, ...]:
-    """The target's attention head dimensions: MLA's query/key and value heads where the config
-    has a latent KV (DeepSeek-V3's fields), else its one head dimension."""
-    if getattr(config, "kv_lora_rank", None):
-        qk = (getattr(config, "qk_nope_head_dim", 0) or 0) + (
-            getattr(config, "qk_rope_head_dim", 0) or 0
-        )
-        v = getattr(config, "v_head_dim", 0) or 0
-        if qk and v:
-            return (qk, v)
-    return (attention_head_dim(config),)
 
 
 def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed_hybrid, layers):
@@ -245,9 +235,10 @@ def _select(model, layer_ids, *, token_budget, max_batch_tokens, compile, packed
     device = _device(model, layers)
     cuda = device.type == "cuda"
     compile = cuda if compile is None else compile
-    attention = packed_attention(text_config(model), cuda=cuda, token_budget=token_budget)
-    model_type = text_config(model).model_type
-    family = family_of(text_config(model))
+    config = text_config(model)
+    attention = packed_attention(config, cuda=cuda, token_budget=token_budget)
+    model_type = config.model_type
+    family = family_of(config)
     path = family.forward
     if is_hybrid(model) and not family.decoding.linear_state:
         path = NoPackedPath(hybrid=True)  # linear-attention layers of a family without them
