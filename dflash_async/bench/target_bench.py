@@ -34,7 +34,7 @@ from transformers.models.auto.modeling_auto import (
 from dflash_async.bench.target_shapes import shape_configs, unavailable_shapes
 from dflash_async.data.packing import layout_pack
 from dflash_async.model.flops import H200_BF16_PEAK_FLOPS, mfu
-from dflash_async.targets.config_readers import experts_per_token
+from dflash_async.targets.config_readers import experts_per_token, latent_head_dims
 from dflash_async.targets.forward import HFPaddedForward, select_target_forward
 from dflash_async.targets.fp8.fp8_experts import WAYS, set_experts_way
 from dflash_async.targets.fp8.fp8_linear import set_fast_accum, swap_fp8_matmuls
@@ -61,8 +61,9 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
     """Forward FLOPs over the real tokens: 2 per multiply-add of every weight matrix of the layers
     that run (a routed expert at top_k / num_experts of the tokens), plus QK^T and PV over the
     visible pairs of each attention layer (document-causal, within the window of a sliding
-    layer; MLA: the query-key width nope + rope, the value width v_head_dim). Norms, rotary,
-    the routers' top-k and the linear-attention recurrence are not counted. LongCat-Flash's
+    layer; MLA: the query-key width nope + rope, the value width v_head_dim; DeepSeek-V4: the
+    window, the compressed entries attended and its indexer's scores). Norms, rotary, the
+    routers' top-k and the linear-attention recurrence are not counted. LongCat-Flash's
     zero-expert choices count as routed ones: its packed forward runs them as stand-in expert
     rows of weight 0."""
     config, tokens = text_config(model), float(lengths.sum())
@@ -95,25 +96,45 @@ def _expert_share(name: str, p: torch.Tensor, config, top_k: int) -> float:
     return top_k / experts
 
 
+# DeepSeek-V4's attention kinds: each query sees the sliding window of its own document and,
+# in the compressed kinds, one entry per `compress_rates[kind]` tokens before it; in the sparse
+# kind an indexer scores every such entry and the query attends to the `index_topk` best
+_WINDOWED_KINDS = frozenset(
+    {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+)
+_INDEXED_KINDS = frozenset({"compressed_sparse_attention"})
+
+
 def _attention_flops(config, index: int, lengths: np.ndarray, layer_head_dim=None) -> float:
-    """`layer_head_dim`: the layer's own head width where it has one (Gemma 4's full layers are
-    twice as wide as its sliding ones)."""
+    """QK^T and PV over the (query, key) pairs a layer computes. `layer_head_dim`: the layer's
+    own head width where it has one (Gemma 4's full layers are twice as wide as its sliding
+    ones; DeepSeek-V4's 512-wide heads, one K=V head read as both)."""
     layer_types = getattr(config, "layer_types", None) or ()
     kind = layer_types[index] if index < len(layer_types) else "full_attention"
     if kind == "linear_attention":
         return 0.0
     n = lengths.astype(np.float64)
-    pairs = n * (n + 1) / 2  # document-causal (query, key) pairs
+    pairs = float((n * (n + 1) / 2).sum())  # document-causal (query, key) pairs
     window = getattr(config, "sliding_window", None)
-    if kind == "sliding_attention" and window:
+    if kind in _WINDOWED_KINDS and window:
         w = float(window)  # each query sees itself and the W - 1 keys before it (HF's rule)
-        pairs = np.where(n <= w, pairs, w * (w + 1) / 2 + (n - w) * w)
+        pairs = float(np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w).sum())
     heads = config.num_attention_heads
-    qk = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
-    if qk:  # MLA
-        return float(2 * heads * (qk + config.v_head_dim) * pairs.sum())
     head_dim = layer_head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
-    return float(2 * 2 * heads * head_dim * pairs.sum())
+    per_pair = 2 * 2 * heads * head_dim
+    rate = (getattr(config, "compress_rates", None) or {}).get(kind)
+    extra = 0.0
+    if rate:
+        # query i (1-based in its document) sees floor(i / rate) compressed entries
+        entries = np.concatenate([np.arange(1, m + 1) // rate for m in lengths])
+        if kind in _INDEXED_KINDS:
+            extra = 2.0 * config.index_n_heads * config.index_head_dim * float(entries.sum())
+            entries = np.minimum(entries, config.index_topk)
+        pairs += float(entries.sum())
+    widths = latent_head_dims(config)
+    if widths:  # MLA: query-key width nope + rope, value width v_head_dim
+        per_pair = 2 * heads * sum(widths)
+    return float(per_pair * pairs + extra)
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:

@@ -129,3 +129,41 @@ def test_both_references_write_the_same_features_for_a_pack() -> None:
         make(model, (1, 3), 32)(*args, outs[name], lengths)
     assert torch.equal(outs["hf"][24:], torch.zeros(8, 64))  # 24 real rows
     torch.testing.assert_close(outs["generic"], outs["hf"], rtol=0, atol=1e-5)
+
+
+def test_deepseek_v4_attention_flops_count_its_window_its_compressed_entries_and_its_indexer():
+    """DeepSeek-V4's layers, counted query by query: a sliding layer sees min(i, W) keys; a
+    heavily compressed one adds floor(i / rate) entries; the sparse one's indexer scores all
+    floor(i / rate) entries and the query attends min(that, top-k) of them. Both sides are sums
+    of small integers times exact products, so they are equal, not close."""
+    import numpy as np
+    import transformers
+
+    from dflash_async.bench.target_bench import _attention_flops
+
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4Config")
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    config = transformers.DeepseekV4Config(
+        num_hidden_layers=3,
+        layer_types=kinds,
+        num_attention_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+        index_topk=3,
+        index_n_heads=2,
+        index_head_dim=8,
+    )
+    lengths = np.array([5, 20])
+    queries = [i for m in lengths for i in range(1, m + 1)]  # 1-based position in its document
+    per_pair, per_score = 2 * 2 * 2 * 16, 2 * 2 * 8
+    window = sum(min(i, 4) for i in queries)
+    want = {
+        "sliding_attention": per_pair * window,
+        "compressed_sparse_attention": per_pair * (window + sum(min(i // 2, 3) for i in queries))
+        + per_score * sum(i // 2 for i in queries),
+        "heavily_compressed_attention": per_pair * (window + sum(i // 8 for i in queries)),
+    }
+    got = {kind: _attention_flops(config, index, lengths, 16) for index, kind in enumerate(kinds)}
+    assert got == want
