@@ -34,8 +34,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen3Config
 
 from dflash_async.bench.target_shapes import shape_configs
-from dflash_async.eval.regenerate import cpu_threads, generate_ids
+from dflash_async.eval.regenerate import generate_ids
 from dflash_async.regen.batched_generation import GenerationPool, run_to_end
+from dflash_async.runtime.cpu_threads import cpu_threads
 from dflash_async.usage import ArgumentParser, positive_int, require_cuda
 
 _WARMUP_NEW_TOKENS = 16

@@ -26,9 +26,9 @@ from dflash_async.eval.harness import (
     read_prompts,
     stop_rules,
 )
-from dflash_async.eval.regenerate import cpu_threads
 from dflash_async.eval.speculative import greedy_generate
 from dflash_async.log import get_logger, progress
+from dflash_async.runtime.cpu_threads import cpu_threads
 from dflash_async.targets.loading import frozen_embeddings, load_target, load_target_tokenizer
 from dflash_async.targets.tiny import builtin_cache_dir, demo_prompts, ensure_tiny_target
 from dflash_async.usage import ArgumentParser, check_writable_folder

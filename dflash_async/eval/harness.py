@@ -53,7 +53,7 @@ from dflash_async.eval.evaluation import (
     speculative_decoders,
 )
 from dflash_async.eval.lossless import LosslessError, eos_set, tie_tolerance_for
-from dflash_async.eval.regenerate import cpu_threads, write_jsonl
+from dflash_async.eval.regenerate import write_jsonl
 from dflash_async.eval.sampling import (
     SamplingOptions,
     sampled_or_none,
@@ -65,6 +65,7 @@ from dflash_async.log import get_logger, progress
 from dflash_async.model.drafter import DFlashDrafter
 from dflash_async.model.drafter_config import DrafterConfig
 from dflash_async.model.kinds import kind_of
+from dflash_async.runtime.cpu_threads import cpu_threads
 from dflash_async.settings import EvalSettings
 from dflash_async.targets import multimodal
 from dflash_async.targets.families import decoder_layer_count

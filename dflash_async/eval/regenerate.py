@@ -33,6 +33,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from dflash_async.atomic import atomic_file
 from dflash_async.data.formats import ASSISTANT_TURNS as TURNS
 from dflash_async.log import progress
+from dflash_async.runtime.cpu_threads import cpu_threads
 from dflash_async.targets.loading import load_target, load_target_tokenizer
 from dflash_async.targets.tiny import TINY_SEED, demo_prompts
 
@@ -353,19 +354,3 @@ def demo_corpus(
             model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
         )
     return write_jsonl(records, path)
-
-
-@contextmanager
-def cpu_threads(n: int | None) -> Iterator[None]:
-    """Temporarily set torch's CPU intra-op threads (process-wide; restored on exit; None: as is).
-
-    Decoding a tiny model on the CPU runs [1..64, 128]-row matmuls: with 2 threads on 2 busy cores
-    each waits on the other, 10-20x slower than 1 thread (measured in regenerate and evaluate).
-    """
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -39,6 +39,7 @@ from dflash_async.pipeline.shutdown import Shutdown
 from dflash_async.pipeline.specs import RunSpec, run_spec
 from dflash_async.pipeline.startup import Node, prepare_node, start_node
 from dflash_async.runtime.channels import open_channel
+from dflash_async.runtime.cpu_threads import pin_cpu_threads
 from dflash_async.runtime.meters import LoopLag
 from dflash_async.settings import Settings
 from dflash_async.stages.chain import chain_stage
@@ -71,6 +72,7 @@ async def run(
         started = time.perf_counter()
         check_writable_folder(settings.output_dir, argument="DFLASH_OUTPUT_DIR")  # exit 2
         spec = run_spec(settings)  # exit 2 for bad devices or roles, before any loading
+        pin_cpu_threads()  # the CPU's numerics from one state, whatever start-up then runs
         nodes = spec.nodes
         async with process_group(
             rank_info_from_env(os.environ if environ is None else environ),

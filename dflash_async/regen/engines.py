@@ -47,13 +47,13 @@ from dflash_async.data.images import (
 )
 from dflash_async.eval.regenerate import (
     answers,
-    cpu_threads,
     generation_config,
     render_prompt,
     turns_to_generate,
 )
 from dflash_async.regen.batched_generation import GenerationPool
 from dflash_async.regen.corpus import Conversation
+from dflash_async.runtime.cpu_threads import cpu_threads
 from dflash_async.usage import UsageError
 
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
