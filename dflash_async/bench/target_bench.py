@@ -61,9 +61,10 @@ def forward_flops(model, layer_ids, lengths: np.ndarray) -> float:
     """Forward FLOPs over the real tokens: 2 per multiply-add of every weight matrix of the layers
     that run (a routed expert at top_k / num_experts of the tokens), plus QK^T and PV over the
     visible pairs of each attention layer (document-causal, within the window of a sliding
-    layer; MLA: the query-key width nope + rope, the value width v_head_dim; DeepSeek-V4: the
-    window, the compressed entries attended and its indexer's scores). Norms, rotary, the
-    routers' top-k and the linear-attention recurrence are not counted. LongCat-Flash's
+    layer; MLA: the query-key width nope + rope, the value width v_head_dim; sparse attention:
+    the indexer's scores and the top-k keys attended, beside DeepSeek-V4's window and compressed
+    entries). Norms, rotary, the routers' top-k and the linear-attention recurrence are not
+    counted. LongCat-Flash's
     zero-expert choices count as routed ones: its packed forward runs them as stand-in expert
     rows of weight 0."""
     config, tokens = text_config(model), float(lengths.sum())
@@ -96,13 +97,14 @@ def _expert_share(name: str, p: torch.Tensor, config, top_k: int) -> float:
     return top_k / experts
 
 
-# DeepSeek-V4's attention kinds: each query sees the sliding window of its own document and,
-# in the compressed kinds, one entry per `compress_rates[kind]` tokens before it; in the sparse
-# kind an indexer scores every such entry and the query attends to the `index_topk` best
+# Attention kinds that see a window of their own document (DeepSeek-V4's compressed kinds also
+# see one entry per `compress_rates[kind]` tokens before the query)
 _WINDOWED_KINDS = frozenset(
     {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
 )
-_INDEXED_KINDS = frozenset({"compressed_sparse_attention"})
+# Sparse kinds: a lightning indexer scores every key (DeepSeek-V3.2, GLM-5) or compressed entry
+# (DeepSeek-V4) a query sees, and the query attends to the `index_topk` best of them
+_INDEXED_KINDS = frozenset({"indexed_attention", "compressed_sparse_attention"})
 
 
 def _attention_flops(config, index: int, lengths: np.ndarray, layer_head_dim=None) -> float:
@@ -124,13 +126,15 @@ def _attention_flops(config, index: int, lengths: np.ndarray, layer_head_dim=Non
     per_pair = 2 * 2 * heads * head_dim
     rate = (getattr(config, "compress_rates", None) or {}).get(kind)
     extra = 0.0
-    if rate:
-        # query i (1-based in its document) sees floor(i / rate) compressed entries
-        entries = np.concatenate([np.arange(1, m + 1) // rate for m in lengths])
+    if rate or kind in _INDEXED_KINDS:
+        # query i (1-based in its document) sees floor(i / rate) entries; no rate: its i keys
+        entries = np.concatenate([np.arange(1, m + 1) // (rate or 1) for m in lengths])
         if kind in _INDEXED_KINDS:
-            extra = 2.0 * config.index_n_heads * config.index_head_dim * float(entries.sum())
+            shared = getattr(config, "indexer_types", None) or ()  # GLM-5: reuses the top-k
+            if index >= len(shared) or shared[index] != "shared":
+                extra = 2.0 * config.index_n_heads * config.index_head_dim * float(entries.sum())
             entries = np.minimum(entries, config.index_topk)
-        pairs += float(entries.sum())
+        pairs = (pairs if kind in _WINDOWED_KINDS else 0.0) + float(entries.sum())
     widths = latent_head_dims(config)
     if widths:  # MLA: query-key width nope + rope, value width v_head_dim
         per_pair = 2 * heads * sum(widths)

@@ -167,3 +167,34 @@ def test_deepseek_v4_attention_flops_count_its_window_its_compressed_entries_and
     }
     got = {kind: _attention_flops(config, index, lengths, 16) for index, kind in enumerate(kinds)}
     assert got == want
+
+
+def test_indexed_attention_flops_count_the_indexer_where_a_layer_has_one_and_the_top_k_keys():
+    """DeepSeek-V3.2's and GLM-5's sparse layers, counted query by query: the indexer scores the
+    i keys query i sees (2 * index heads * index width each) and the MLA attends min(i, top-k)
+    of them; GLM-5's "shared" layers reuse the previous layer's top-k and score nothing. Sums of
+    small integers times exact products: equal, not close."""
+    import numpy as np
+    import transformers
+
+    from dflash_async.bench.target_bench import _attention_flops
+
+    if not hasattr(transformers, "GlmMoeDsaConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no GlmMoeDsaConfig")
+    config = transformers.GlmMoeDsaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        index_topk=3,
+        index_n_heads=2,
+        index_head_dim=8,
+        indexer_types=["full", "shared"],
+    )
+    lengths = np.array([5, 20])
+    queries = [i for m in lengths for i in range(1, m + 1)]  # 1-based position in its document
+    attended = 2 * 2 * (8 + 4 + 8) * sum(min(i, 3) for i in queries)  # QK^T width 12, PV 8
+    scored = 2 * 2 * 8 * sum(queries)
+    assert _attention_flops(config, 0, lengths) == attended + scored
+    assert _attention_flops(config, 1, lengths) == attended
