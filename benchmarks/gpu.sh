@@ -19,7 +19,7 @@
 #                test's peak reserved GPU memory to gpu_test_memory.jsonl and pytest's 15
 #                slowest tests to the end of its .txt
 #   suite        the three test parts above at once, three pytest processes on one card (their
-#                largest tests reserve 68, 21 and 20 GiB: a card of 141 GB; on 80 GB run
+#                largest tests reserve 66, 21 and 20 GiB: a card of 141 GB; on 80 GB run
 #                model-tests beside target-tests, then tests), each under TESTS_TIMEOUT
 #   drafter      `bench drafter` at the Qwen3-8B drafter shape: DFlash at 1024 and 4096 anchors
 #                and T = 49152, by part (--profile), DFlash2, block 8 with a 248k vocabulary,

@@ -115,30 +115,32 @@ def _attention_flops(config, index: int, lengths: np.ndarray, layer_head_dim=Non
     kind = layer_types[index] if index < len(layer_types) else "full_attention"
     if kind == "linear_attention":
         return 0.0
-    n = lengths.astype(np.float64)
-    pairs = float((n * (n + 1) / 2).sum())  # document-causal (query, key) pairs
+    # query i (1-based in its document) sees its document's i keys; within a window, the W - 1
+    # before it and itself (HF's rule)
+    i = np.concatenate([np.arange(1, m + 1) for m in lengths]).astype(np.float64)
     window = getattr(config, "sliding_window", None)
-    if kind in _WINDOWED_KINDS and window:
-        w = float(window)  # each query sees itself and the W - 1 keys before it (HF's rule)
-        pairs = float(np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w).sum())
-    heads = config.num_attention_heads
-    head_dim = layer_head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_pair = 2 * 2 * heads * head_dim
+    windowed = kind in _WINDOWED_KINDS and window
+    keys = np.minimum(i, window) if windowed else i
     rate = (getattr(config, "compress_rates", None) or {}).get(kind)
-    extra = 0.0
+    scored = 0.0
     if rate or kind in _INDEXED_KINDS:
-        # query i (1-based in its document) sees floor(i / rate) entries; no rate: its i keys
-        entries = np.concatenate([np.arange(1, m + 1) // (rate or 1) for m in lengths])
+        entries = np.floor(i / (rate or 1))  # compressed entries; no rate: the keys themselves
         if kind in _INDEXED_KINDS:
             shared = getattr(config, "indexer_types", None) or ()  # GLM-5: reuses the top-k
             if index >= len(shared) or shared[index] != "shared":
-                extra = 2.0 * config.index_n_heads * config.index_head_dim * float(entries.sum())
+                scored = 2.0 * config.index_n_heads * config.index_head_dim * entries.sum()
             entries = np.minimum(entries, config.index_topk)
-        pairs = (pairs if kind in _WINDOWED_KINDS else 0.0) + float(entries.sum())
+        keys = (keys if windowed else 0.0) + entries
+    heads = config.num_attention_heads
     widths = latent_head_dims(config)
     if widths:  # MLA: query-key width nope + rope, value width v_head_dim
         per_pair = 2 * heads * sum(widths)
-    return float(per_pair * pairs + extra)
+    else:
+        head_dim = (
+            layer_head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
+        )
+        per_pair = 2 * 2 * heads * head_dim
+    return float(per_pair * keys.sum() + scored)
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:

@@ -18,12 +18,10 @@ from contextlib import contextmanager
 import torch
 
 
-def pin_cpu_threads() -> int:
+def pin_cpu_threads() -> None:
     """Set torch's CPU intra-op threads to the count it uses now (MKL's per-call choice off
-    from here on, as after any later `cpu_threads`); returns the count."""
-    count = torch.get_num_threads()
-    torch.set_num_threads(count)
-    return count
+    from here on, as after any later `cpu_threads`)."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 @contextmanager
